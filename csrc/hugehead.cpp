@@ -1,0 +1,24 @@
+// Every op schema of the hugehead namespace, and the Python module init. Kernels live in cpu/ and
+// cuda/ under the same file names and register with TORCH_LIBRARY_IMPL. Each op works on one device
+// and one vocabulary chunk; the chunk loop, the merge across shards and autograd are in Python.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(hugehead, m) {
+  // Fold a logits chunk [N, C] holding classes [class_start, class_start + C) into running per-row
+  // (max, sum of exp(logit - max), target logit, sum of logits). softcap <= 0 means no softcap.
+  m.def(
+      "chunk_stats_(Tensor logits, Tensor target, int class_start, float softcap, Tensor(a!) row_max, "
+      "Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum) -> ()");
+  // Replace a logits chunk [N, C] by dLoss/dlogits in place, given every row's final lse and
+  // dLoss/dloss_row (zero for ignored rows), with label smoothing, z-loss and softcap folded in.
+  m.def(
+      "chunk_grad_(Tensor(a!) logits, Tensor target, int class_start, int num_classes, Tensor lse, "
+      "Tensor grad_rows, float label_smoothing, float z_loss, float softcap) -> ()");
+}
+
+PYBIND11_MODULE(_C, module) {
+  module.doc() = "hugehead kernels: importing this registers torch.ops.hugehead.*";
+  module.def("cuda_built", []() { return bool(HUGEHEAD_WITH_CUDA); },
+             "True when this build includes the CUDA kernels");
+}

@@ -1,0 +1,90 @@
+// Shared by the CPU and CUDA kernels: plain params structs (what crosses from host code to a kernel),
+// argument checks with messages, and the dtype dispatch every kernel uses.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+#define HUGEHEAD_CHECK_DIM(t, d) \
+  TORCH_CHECK((t).dim() == (d), "hugehead: ", #t, " must have ", (d), " dims, got shape ", (t).sizes())
+#define HUGEHEAD_CHECK_SIZE(t, i, n)                                                       \
+  TORCH_CHECK((t).size(i) == (n), "hugehead: ", #t, ".size(", (i), ") must be ", (n), ", got ", \
+              (t).size(i))
+#define HUGEHEAD_CHECK_DTYPE(t, dt) \
+  TORCH_CHECK((t).scalar_type() == (dt), "hugehead: ", #t, " must be ", (dt), ", got ", (t).scalar_type())
+#define HUGEHEAD_CHECK_DEVICE(t, ref)                                                        \
+  TORCH_CHECK((t).device() == (ref).device(), "hugehead: ", #t, " is on ", (t).device(), \
+              " but ", #ref, " is on ", (ref).device())
+#define HUGEHEAD_CHECK_CONTIGUOUS(t) \
+  TORCH_CHECK((t).is_contiguous(), "hugehead: ", #t, " must be contiguous")
+
+// float16 / bfloat16 / float32 logits accumulate in float32; float64 (gradcheck) in float64.
+#define HUGEHEAD_DISPATCH_LOGITS(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+namespace hugehead {
+
+// Fold one logits chunk [N, C] (classes class_start .. class_start+C-1) into running per-row stats.
+struct ChunkStatsParams {
+  const void* logits;     // [N, C], row stride row_stride elements, column stride 1
+  const int64_t* target;  // [N] global class ids (anything outside the chunk is skipped)
+  void* row_max;          // [N] acc_t: running max of the (softcapped) logits
+  void* row_sumexp;       // [N] acc_t: running sum of exp(logit - row_max)
+  void* target_logit;     // [N] acc_t: set where the target falls in this chunk
+  void* logit_sum;        // [N] acc_t: running sum of logits (label smoothing)
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  int64_t class_start;
+  double softcap;  // <= 0: none
+};
+
+// Turn a logits chunk [N, C] into dLoss/dlogits in place, given the final lse of every row.
+struct ChunkGradParams {
+  void* logits;           // [N, C] in/out, row stride row_stride, column stride 1
+  const int64_t* target;  // [N]
+  const void* lse;        // [N] acc_t
+  const void* grad_rows;  // [N] acc_t: dL/dloss_row (0 for ignored rows)
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  int64_t class_start;
+  int64_t num_classes;  // V over all shards, for label smoothing's eps / V
+  double label_smoothing;
+  double z_loss;
+  double softcap;  // <= 0: none
+};
+
+// Checks shared by both backends; returns the accumulation dtype for the logits' dtype.
+inline at::ScalarType acc_type_for(at::ScalarType logits) {
+  return logits == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline void check_chunk_rows(const at::Tensor& logits, const at::Tensor& target,
+                             std::initializer_list<std::pair<const char*, const at::Tensor*>> row_vecs) {
+  HUGEHEAD_CHECK_DIM(logits, 2);
+  TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1,
+              "hugehead: logits chunk must have unit column stride, got strides ", logits.strides());
+  TORCH_CHECK(at::isFloatingType(logits.scalar_type()), "hugehead: logits must be floating point, got ",
+              logits.scalar_type());
+  HUGEHEAD_CHECK_DIM(target, 1);
+  HUGEHEAD_CHECK_SIZE(target, 0, logits.size(0));
+  HUGEHEAD_CHECK_DTYPE(target, at::kLong);
+  HUGEHEAD_CHECK_DEVICE(target, logits);
+  HUGEHEAD_CHECK_CONTIGUOUS(target);
+  const auto acc = acc_type_for(logits.scalar_type());
+  for (const auto& [name, t] : row_vecs) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "hugehead: ", name, " must have shape [",
+                logits.size(0), "], got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == acc, "hugehead: ", name, " must be ", acc, " for ",
+                logits.scalar_type(), " logits, got ", t->scalar_type());
+    TORCH_CHECK(t->device() == logits.device(), "hugehead: ", name, " is on ", t->device(),
+                " but logits are on ", logits.device());
+    TORCH_CHECK(t->is_contiguous(), "hugehead: ", name, " must be contiguous");
+  }
+}
+
+}  // namespace hugehead

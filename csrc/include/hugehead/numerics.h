@@ -1,0 +1,55 @@
+// The per-element math of the loss, shared by the CPU and CUDA kernels so both compute one formula.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <limits>
+
+namespace hugehead {
+
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t neg_inf() {
+  return -std::numeric_limits<acc_t>::infinity();
+}
+
+// softcap * tanh(z / softcap) (Gemma 2), or z when softcap <= 0.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t apply_softcap(acc_t z, acc_t softcap) {
+  return softcap > acc_t(0) ? softcap * std::tanh(z / softcap) : z;
+}
+
+// exp(v - m) for the running sum, with exp(-inf - -inf) taken as 0 rather than NaN so an all -inf row
+// keeps a zero sum; any NaN still propagates.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t exp_shifted(acc_t v, acc_t m) {
+  return v == neg_inf<acc_t>() ? acc_t(0) : std::exp(v - m);
+}
+
+// Merge two (max, sumexp) pairs of the online log-sum-exp.
+template <typename acc_t>
+C10_HOST_DEVICE inline void lse_merge(acc_t& m, acc_t& s, acc_t m2, acc_t s2) {
+  const acc_t mm = m > m2 ? m : m2;
+  s = s * exp_shifted(m, mm) + s2 * exp_shifted(m2, mm);
+  m = mm;
+}
+
+// dLoss_row/dlogit for one element given the row's final lse:
+//   (p * (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == target]) * dsoftcap/dz
+// where p = exp(c - lse) and c is the (softcapped) logit.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_t p_scale,
+                                        acc_t smooth_term, acc_t target_weight, acc_t softcap) {
+  acc_t c = z;
+  acc_t dcdz = acc_t(1);
+  if (softcap > acc_t(0)) {
+    const acc_t t = std::tanh(z / softcap);
+    c = softcap * t;
+    dcdz = acc_t(1) - t * t;
+  }
+  acc_t d = std::exp(c - lse) * p_scale - smooth_term;
+  if (is_target) d -= target_weight;
+  return d * dcdz;
+}
+
+}  // namespace hugehead

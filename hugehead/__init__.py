@@ -1,0 +1,11 @@
+"""hugehead: classification heads too big for one GPU or too wide to materialize.
+
+``linear_cross_entropy`` computes ``F.cross_entropy(F.linear(x, W, b), target)`` in streamed vocabulary
+chunks with our own kernels; ``ChunkedClassifier`` keeps the weight as shards on several devices.
+"""
+from ._extension import cuda_built, has_kernel
+from . import ops
+from .functional import linear_cross_entropy
+
+__version__ = "0.1.0"
+__all__ = ["linear_cross_entropy", "ops", "cuda_built", "has_kernel", "__version__"]

@@ -1,0 +1,87 @@
+"""The op contract: thin wrappers over ``torch.ops.hugehead.*`` (one device, one vocabulary chunk each)
+and their fake kernels, so the ops trace under torch.compile and run on meta tensors.
+
+Kernels: ``csrc/cpu/<op>.cpp`` and ``csrc/cuda/<op>.cu``; schemas: ``csrc/hugehead.cpp``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
+
+__all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the per-row statistics for logits of ``dtype``: float64 stays float64,
+    everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def chunk_stats_(
+    logits: Tensor,
+    target: Tensor,
+    class_start: int,
+    softcap: float,
+    row_max: Tensor,
+    row_sumexp: Tensor,
+    target_logit: Tensor,
+    logit_sum: Tensor,
+) -> None:
+    """Fold a logits chunk into running per-row statistics, in place.
+
+    Args:
+        logits: ``[N, C]`` float16/bfloat16/float32/float64, unit column stride; holds the logits of
+            classes ``[class_start, class_start + C)`` (bias included, softcap not yet applied).
+        target: ``[N]`` int64 global class ids; rows whose target is outside the chunk are skipped
+            when picking the target logit.
+        softcap: ``> 0`` applies ``softcap * tanh(z / softcap)`` first; ``<= 0`` means none.
+        row_max, row_sumexp, target_logit, logit_sum: ``[N]`` in :func:`acc_dtype` of the logits,
+            updated in place (start from ``-inf, 0, 0, 0``).
+
+    Raises:
+        RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
+    """
+    torch.ops.hugehead.chunk_stats_.default(
+        logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum
+    )
+
+
+def chunk_grad_(
+    logits: Tensor,
+    target: Tensor,
+    class_start: int,
+    num_classes: int,
+    lse: Tensor,
+    grad_rows: Tensor,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+) -> None:
+    """Replace a logits chunk ``[N, C]`` by ``dLoss/dlogits`` in place.
+
+    ``grad_rows[i]`` is ``dLoss/dloss_i`` (zero for ignored rows, whose gradient is written as exact
+    zeros); ``lse`` ``[N]`` is every row's final log-sum-exp over all ``num_classes`` classes.
+    Row loss: ``lse - (1 - eps) c_y - eps/V sum_j c_j + z_loss lse^2`` with ``c`` the softcapped logits.
+
+    Raises:
+        RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
+    """
+    torch.ops.hugehead.chunk_grad_.default(
+        logits, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap
+    )
+
+
+@torch.library.register_fake("hugehead::chunk_stats_")
+def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum):
+    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
+    torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
+    return None
+
+
+@torch.library.register_fake("hugehead::chunk_grad_")
+def _chunk_grad_fake(logits, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap):
+    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
+    torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
+    return None

@@ -1,0 +1,38 @@
+"""Shared test helpers: device/dtype parametrization, markers that skip without the hardware (asking the
+dispatcher whether CUDA kernels were built, not guessing from the environment), float64 references."""
+import os
+
+import pytest
+import torch
+
+import hugehead
+
+HAS_CUDA_KERNELS = torch.cuda.is_available() and hugehead.has_kernel("chunk_stats_", "CUDA")
+NUM_GPUS = torch.cuda.device_count() if HAS_CUDA_KERNELS else 0
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs a CUDA GPU and hugehead's CUDA kernels")
+requires_multigpu = pytest.mark.skipif(NUM_GPUS < 2, reason="needs two or more CUDA GPUs")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
+FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("HUGEHEAD_SLOW") == "1":
+        return
+    skip_slow = pytest.mark.skip(reason="slow: set HUGEHEAD_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖a − ref‖ / ‖ref‖ in float64 (NaN if either has NaN)."""
+    a, ref = a.detach().double().cpu(), ref.detach().double().cpu()
+    denom = ref.norm()
+    return float((a - ref).norm() / (denom if denom > 0 else 1.0))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
