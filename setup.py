@@ -14,6 +14,21 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
+def _find_cmake() -> str:
+    """cmake on PATH, else the one the pip 'cmake' package ships."""
+    import shutil
+
+    found = shutil.which("cmake")
+    if found:
+        return found
+    try:
+        import cmake
+
+        return str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
+    except ImportError as exc:
+        raise RuntimeError("hugehead's build needs CMake >= 3.18: pip install cmake") from exc
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -25,9 +40,9 @@ class CMakeBuild(build_ext):
         tag = sysconfig.get_config_var("SOABI") or f"py{sys.version_info[0]}{sys.version_info[1]}"
         build_dir = Path(os.environ.get("HUGEHEAD_BUILD_DIR", ROOT / "build" / f"cmake-{tag}"))
         build_dir.mkdir(parents=True, exist_ok=True)
-        import cmake  # noqa: F401  (the pip 'cmake' package puts its binary on PATH)
+        cmake = _find_cmake()
         configure = [
-            "cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('HUGEHEAD_BUILD_TYPE', 'Release')}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DHUGEHEAD_OUTPUT_DIR={out_dir}",
@@ -43,7 +58,7 @@ class CMakeBuild(build_ext):
             pass  # a ninja on PATH
         subprocess.check_call(configure)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-        subprocess.check_call(["cmake", "--build", str(build_dir), "--", f"-j{jobs}"])
+        subprocess.check_call([cmake, "--build", str(build_dir), "--", f"-j{jobs}"])
 
 
 setup(

@@ -1,0 +1,514 @@
+"""hugehead.linear_cross_entropy on one device against float64 plain PyTorch: loss and gradients over
+randomized shapes and every option, edge cases (empty batch, all rows ignored, non-finite inputs),
+gradcheck, torch.compile, determinism, input validation, and CUDA-only checks (64-bit indexing)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hugehead
+from hugehead import reference
+from hugehead.functional import plan_chunks
+
+from conftest import DEVICES, FLOAT_DTYPES, requires_cuda, rel_err
+
+REDUCTIONS = ["mean", "sum", "none"]
+LAYOUTS = ["contiguous", "transposed", "col_sliced", "row_sliced"]
+FP32_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+# --------------------------------------------------------------------------------------------------
+# Building inputs
+# --------------------------------------------------------------------------------------------------
+def with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as ``t`` (2-D) in a non-contiguous view when ``layout`` asks for one."""
+    if layout == "contiguous":
+        return t.contiguous()
+    if layout == "transposed":  # strides (1, rows)
+        return t.t().contiguous().t()
+    if layout == "col_sliced":  # every other column of a wider buffer: column stride 2
+        buf = torch.full((t.shape[0], 2 * t.shape[1]), float("nan"), dtype=t.dtype, device=t.device)
+        buf[:, ::2] = t
+        return buf[:, ::2]
+    if layout == "row_sliced":  # every other row of a taller buffer: row stride 2 * cols
+        buf = torch.full((2 * t.shape[0], t.shape[1]), float("nan"), dtype=t.dtype, device=t.device)
+        buf[::2] = t
+        return buf[::2]
+    raise AssertionError(layout)
+
+
+@st.composite
+def cases(draw):
+    """One randomized problem: shapes (N, D, V deliberately not multiples of the chunk sizes), options,
+    ignored rows, target dtype, memory layout, chunking (pinned small, planned, or rows split)."""
+    n = draw(st.integers(1, 40))
+    v = draw(st.integers(1, 300))
+    case = dict(
+        n=n,
+        d=draw(st.integers(1, 24)),
+        v=v,
+        chunk_size=draw(st.one_of(st.none(), st.integers(1, 64))),
+        split_rows=draw(st.integers(1, n - 1)) if n > 1 and draw(st.booleans()) else None,
+        bias=draw(st.booleans()),
+        target_dtype=draw(st.sampled_from([torch.int64, torch.int32])),
+        reduction=draw(st.sampled_from(REDUCTIONS)),
+        label_smoothing=draw(st.sampled_from([0.0, 0.1, 0.6])),
+        z_loss=draw(st.sampled_from([0.0, 1e-4, 0.05])),
+        softcap=draw(st.sampled_from([None, 2.0, 15.0])),
+        ignore=draw(st.sampled_from(["none", "some", "all"])),
+        ignore_index=draw(st.sampled_from([-100, -1, "in_range"])),
+        x_layout=draw(st.sampled_from(LAYOUTS)),
+        w_layout=draw(st.sampled_from(LAYOUTS)),
+        logit_scale=draw(st.sampled_from([0.5, 1.5, 3.0])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+    if case["ignore_index"] == "in_range":  # an ignore_index that is also a valid class id
+        case["ignore_index"] = draw(st.integers(0, v - 1))
+    return case
+
+
+def make_inputs(case, dtype, device):
+    """``(x, weight, bias, target, grad_out)`` in ``dtype`` on ``device``, laid out as the case says."""
+    g = torch.Generator().manual_seed(case["seed"])
+    n, d, v = case["n"], case["d"], case["v"]
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64) * (case["logit_scale"] / math.sqrt(d))
+    b = torch.randn(v, generator=g, dtype=torch.float64) * case["logit_scale"] if case["bias"] else None
+    target = torch.randint(0, v, (n,), generator=g)
+    if case["ignore"] == "all":
+        ignored = torch.ones(n, dtype=torch.bool)
+    elif case["ignore"] == "some":
+        ignored = torch.rand(n, generator=g) < 0.4
+        ignored[0] = True
+        if n > 1:
+            ignored[-1] = False
+    else:
+        ignored = torch.zeros(n, dtype=torch.bool)
+    target[ignored] = case["ignore_index"]
+    grad_out = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    x = with_layout(x.to(dtype).to(device), case["x_layout"])
+    w = with_layout(w.to(dtype).to(device), case["w_layout"])
+    if b is not None:
+        b = b.to(dtype).to(device)
+    return x, w, b, target.to(case["target_dtype"]).to(device), grad_out.to(dtype).to(device)
+
+
+def options(case, dtype):
+    """Keyword arguments of hugehead.linear_cross_entropy for the case (memory_budget sized so that
+    the planner splits the rows into blocks of ``split_rows``)."""
+    opts = dict(
+        ignore_index=case["ignore_index"], reduction=case["reduction"], label_smoothing=case["label_smoothing"],
+        z_loss=case["z_loss"], softcap=case["softcap"], chunk_size=case["chunk_size"],
+    )
+    if case["split_rows"] is not None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        cols = min(case["chunk_size"] or 256, case["v"])
+        opts["memory_budget"] = case["split_rows"] * (cols * itemsize + case["d"] * (itemsize + 4))
+    return opts
+
+
+def loss_options(opts):
+    return {k: opts[k] for k in ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Running hugehead and the references
+# --------------------------------------------------------------------------------------------------
+def run_with_grads(fn, x, w, b, grad_out, reduction):
+    """``(loss, dx, dw, db)`` of ``fn(x, w, b)`` on leaf copies; "none" is backpropagated with
+    ``grad_out`` so each row's gradient carries a different weight."""
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_() if b is not None else None
+    loss = fn(x, w, b)
+    loss.backward(grad_out if reduction == "none" else None)
+    return loss.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+
+
+def plain_loss(x, w, b, target, opts):
+    """The loss computed the plain way in the inputs' dtype: ``F.cross_entropy(F.linear(...))`` for the
+    options PyTorch has, :mod:`hugehead.reference` (plain PyTorch too) with z_loss or softcap."""
+    opts = loss_options(opts)
+    if opts["z_loss"] == 0.0 and opts["softcap"] is None:
+        return F.cross_entropy(
+            F.linear(x, w, b), target.long(), ignore_index=opts["ignore_index"], reduction=opts["reduction"],
+            label_smoothing=opts["label_smoothing"],
+        )
+    return reference.linear_cross_entropy(x, w, target, b, **opts)
+
+
+def float64_reference(x, w, b, target, grad_out, opts):
+    """Loss and gradients of the plain computation in float64 on the CPU; for plain options also checks
+    that hugehead.reference agrees with F.cross_entropy, so the reference itself is tested."""
+    x64, w64 = x.detach().double().cpu(), w.detach().double().cpu()
+    b64 = b.detach().double().cpu() if b is not None else None
+    t, go = target.cpu(), grad_out.double().cpu()
+    ref = run_with_grads(lambda x_, w_, b_: plain_loss(x_, w_, b_, t, opts), x64, w64, b64, go, opts["reduction"])
+    if opts["z_loss"] == 0.0 and opts["softcap"] is None:
+        ours = run_with_grads(
+            lambda x_, w_, b_: reference.linear_cross_entropy(x_, w_, t, b_, **loss_options(opts)),
+            x64, w64, b64, go, opts["reduction"],
+        )
+        for a, r in zip(ours, ref):
+            if r is not None:
+                torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, equal_nan=True)
+    return ref
+
+
+def assert_rel(actual, ref, tol, what):
+    """Norm-wise relative error ≤ tol; NaNs must sit where the reference has them."""
+    assert actual.shape == ref.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(ref.shape)}"
+    a, r = actual.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.equal(a.isnan(), r.isnan()), f"{what}: NaN pattern differs: {a} vs {r}"
+    keep = ~r.isnan()
+    err = rel_err(a[keep], r[keep])
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def assert_low_precision(actual, plain, ref, dtype, what):
+    """Error vs float64 at most 2x that of the same-dtype plain computation, plus an absolute floor of
+    one machine epsilon of ``dtype``: the answer is handed back in ``dtype``, so rounding the exact
+    value alone may cost half an epsilon, and when plain PyTorch lands closer than that by a lucky
+    cancellation, 2x its error is a bound no ``dtype``-valued answer can be held to."""
+    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype} != {dtype}"
+    a, p, r = (t.detach().double().cpu() for t in (actual, plain, ref))
+    assert torch.equal(a.isnan(), r.isnan()), f"{what}: NaN pattern differs: {a} vs {r}"
+    keep = ~r.isnan()
+    err, err_plain = rel_err(a[keep], r[keep]), rel_err(p[keep], r[keep])
+    bound = 2.0 * err_plain + torch.finfo(dtype).eps
+    assert err <= bound, f"{what}: relative error {err:.3g} > 2 x plain {err_plain:.3g} + eps"
+
+
+def hugehead_run(x, w, b, target, grad_out, opts):
+    return run_with_grads(
+        lambda x_, w_, b_: hugehead.linear_cross_entropy(x_, w_, target, b_, **opts), x, w, b, grad_out,
+        opts["reduction"],
+    )
+
+
+def check_case(case, dtype, device):
+    x, w, b, target, grad_out = make_inputs(case, dtype, device)
+    opts = options(case, dtype)
+    if case["split_rows"] is not None:
+        plan = plan_chunks(case["n"], case["d"], case["v"], dtype, torch.device(device), case["chunk_size"],
+                           opts["memory_budget"])
+        assert plan.rows < case["n"], plan
+    ours = hugehead_run(x, w, b, target, grad_out, opts)
+    ref = float64_reference(x, w, b, target, grad_out, opts)
+    assert ours[0].dtype == dtype and ours[0].device == x.device
+    names = ("loss", "grad x", "grad weight", "grad bias")
+    if dtype in FP32_TOL:
+        for a, r, name in zip(ours, ref, names):
+            if r is not None:
+                assert_rel(a, r, FP32_TOL[dtype], name)
+    else:
+        plain = run_with_grads(lambda x_, w_, b_: plain_loss(x_, w_, b_, target, opts), x, w, b, grad_out,
+                               opts["reduction"])
+        for a, p, r, name in zip(ours, plain, ref, names):
+            if r is not None:
+                assert_low_precision(a, p, r, dtype, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Randomized correctness: loss and all gradients vs float64
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_matches_float64_reference(device, dtype, case):
+    check_case(case, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_low_precision_within_2x_of_plain_pytorch(device, dtype, case):
+    check_case(case, dtype, device)
+
+
+# Every option alone and combined, every reduction, at a size where the CUDA kernels' vectorized row
+# sweep (and its misaligned head when a chunk starts mid-vector) is exercised.
+OPTION_SETS = [
+    dict(),
+    dict(label_smoothing=0.2),
+    dict(z_loss=1e-3),
+    dict(softcap=10.0),
+    dict(label_smoothing=0.1, z_loss=1e-3, softcap=20.0),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("chunk_size", [None, 1000, 333])
+@pytest.mark.parametrize("opt_index", range(len(OPTION_SETS)))
+def test_medium_shapes(device, dtype, reduction, chunk_size, opt_index):
+    case = dict(n=77, d=96, v=3001, chunk_size=chunk_size, split_rows=None, bias=True, target_dtype=torch.int64,
+                reduction=reduction, label_smoothing=0.0, z_loss=0.0, softcap=None, ignore="some",
+                ignore_index=-100, x_layout="contiguous", w_layout="contiguous", logit_scale=2.0, seed=opt_index)
+    case.update(OPTION_SETS[opt_index])
+    check_case(case, dtype, device)
+
+
+def test_row_split_plan_and_result(device):
+    """A tiny memory budget makes the planner split rows; the result still matches float64."""
+    case = dict(n=37, d=9, v=50, chunk_size=16, split_rows=5, bias=True, target_dtype=torch.int64,
+                reduction="mean", label_smoothing=0.1, z_loss=1e-3, softcap=5.0, ignore="some",
+                ignore_index=-100, x_layout="contiguous", w_layout="contiguous", logit_scale=1.5, seed=7)
+    opts = options(case, torch.float32)
+    plan = plan_chunks(37, 9, 50, torch.float32, torch.device(device), 16, opts["memory_budget"])
+    assert plan.rows == 5 and plan.cols == 16
+    assert plan_chunks(37, 9, 50, torch.float32, torch.device(device), 16, None).rows == 37
+    check_case(case, torch.float32, device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Empty batch, all rows ignored, non-finite inputs: same behaviour as F.cross_entropy
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", ["empty", "all_ignored"])
+def test_empty_and_all_ignored_like_pytorch(device, reduction, case):
+    n = 0 if case == "empty" else 6
+    torch.manual_seed(0)
+    x = torch.randn(n, 5, device=device)
+    w = torch.randn(11, 5, device=device)
+    b = torch.randn(11, device=device)
+    target = torch.full((n,), -100, dtype=torch.int64, device=device)
+    opts = dict(reduction=reduction, chunk_size=4)
+    go = torch.ones(n, device=device) if reduction == "none" else None
+    ours = run_with_grads(lambda x_, w_, b_: hugehead.linear_cross_entropy(x_, w_, target, b_, **opts),
+                          x, w, b, go, reduction)
+    theirs = run_with_grads(lambda x_, w_, b_: F.cross_entropy(F.linear(x_, w_, b_), target, reduction=reduction),
+                            x, w, b, go, reduction)
+    for a, r in zip(ours, theirs):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        torch.testing.assert_close(a, r, equal_nan=True, rtol=0, atol=0)
+    if reduction == "mean":
+        assert ours[0].isnan()
+    elif reduction == "sum":
+        assert ours[0].item() == 0.0
+    else:
+        assert ours[0].shape == (n,) and bool((ours[0] == 0).all())
+    for grad in ours[1:]:
+        assert bool((grad == 0).all())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_x_propagates_like_pytorch(device, bad):
+    torch.manual_seed(1)
+    x = torch.randn(6, 8, device=device)
+    w = torch.randn(40, 8, device=device)
+    target = torch.randint(0, 40, (6,), device=device)
+    x[2, 3] = bad
+    ours = hugehead.linear_cross_entropy(x, w, target, reduction="none", chunk_size=16)
+    theirs = F.cross_entropy(F.linear(x, w), target, reduction="none")
+    assert torch.equal(ours.isnan(), theirs.isnan()) and bool(ours[2].isnan())
+    finite = ~theirs.isnan()
+    assert rel_err(ours[finite], theirs[finite]) <= 1e-5
+    xg = x.clone().requires_grad_()
+    loss = hugehead.linear_cross_entropy(xg, w, target, chunk_size=16)
+    assert loss.isnan()
+    loss.backward()  # must not raise
+    assert xg.grad.shape == x.shape
+
+
+# --------------------------------------------------------------------------------------------------
+# gradcheck in float64 (several chunks, rows split, every option)
+# --------------------------------------------------------------------------------------------------
+GRADCHECK_OPTIONS = [
+    dict(reduction="mean"),
+    dict(reduction="sum", label_smoothing=0.3),
+    dict(reduction="none", z_loss=0.1),
+    dict(reduction="mean", softcap=1.5),
+    dict(reduction="none", label_smoothing=0.2, z_loss=0.05, softcap=3.0, ignore_index=2),
+    dict(reduction="sum", label_smoothing=0.1, softcap=2.0, memory_budget=3 * (4 * 8 + 3 * 12)),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("opts", GRADCHECK_OPTIONS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck(seed, opts, bias):
+    g = torch.Generator().manual_seed(seed)
+    n, d, v = 7, 3, 11
+    x = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    target = torch.randint(0, v, (n,), generator=g)
+    target[1] = opts.get("ignore_index", -100)
+    opts = dict(opts, chunk_size=4)
+    if "memory_budget" in opts:
+        assert plan_chunks(n, d, v, torch.float64, torch.device("cpu"), 4, opts["memory_budget"]).rows == 3
+
+    def fn(*args):
+        return hugehead.linear_cross_entropy(args[0], args[1], target, args[2] if bias else None, **opts)
+
+    assert torch.autograd.gradcheck(fn, (x, w, b) if bias else (x, w), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile, determinism
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(hugehead.linear_cross_entropy, fullgraph=True, backend=backend)
+    torch.manual_seed(3)
+    for n in (9, 14):  # a second shape: the graph is re-traced or generalized, never broken
+        x = torch.randn(n, 6)
+        w = torch.randn(29, 6)
+        b = torch.randn(29)
+        target = torch.randint(0, 29, (n,))
+        target[0] = -100
+        opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, chunk_size=8)
+        eager = run_with_grads(lambda x_, w_, b_: hugehead.linear_cross_entropy(x_, w_, target, b_, **opts),
+                               x, w, b, None, "mean")
+        comp = run_with_grads(lambda x_, w_, b_: compiled(x_, w_, target, b_, **opts), x, w, b, None, "mean")
+        for a, e in zip(comp, eager):
+            torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic(device, dtype):
+    torch.manual_seed(4)
+    x = torch.randn(300, 64, device=device, dtype=dtype)
+    w = torch.randn(2000, 64, device=device, dtype=dtype)
+    b = torch.randn(2000, device=device, dtype=dtype)
+    target = torch.randint(0, 2000, (300,), device=device)
+    opts = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, chunk_size=300)
+    fn = lambda x_, w_, b_: hugehead.linear_cross_entropy(x_, w_, target, b_, **opts)  # noqa: E731
+    first = run_with_grads(fn, x, w, b, None, "mean")
+    second = run_with_grads(fn, x, w, b, None, "mean")
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad inputs: a clear exception naming the problem
+# --------------------------------------------------------------------------------------------------
+def _valid(device, dtype=torch.float32, n=4, d=5, v=7):
+    torch.manual_seed(5)
+    return (torch.randn(n, d, device=device, dtype=dtype), torch.randn(v, d, device=device, dtype=dtype),
+            torch.randint(0, v, (n,), device=device), torch.randn(v, device=device, dtype=dtype))
+
+
+BAD_INPUTS = {
+    "target_too_large": (lambda x, w, t, b: ((x, w, t.index_fill(0, torch.tensor([2], device=t.device), 1003)), {}),
+                         ValueError, r"target 1003 at row 2 is out of range for 7 classes"),
+    "target_equals_V": (lambda x, w, t, b: ((x, w, t.index_fill(0, torch.tensor([0], device=t.device), 7)), {}),
+                        ValueError, r"target 7 at row 0"),
+    "negative_target": (lambda x, w, t, b: ((x, w, t.index_fill(0, torch.tensor([1], device=t.device), -3)), {}),
+                        ValueError, r"target -3 at row 1"),
+    "default_ignore_index_with_custom": (lambda x, w, t, b: ((x, w, torch.full_like(t, -100)), dict(ignore_index=-1)),
+                                         ValueError, r"target -100"),
+    "weight_dtype": (lambda x, w, t, b: ((x, w.double(), t), {}), TypeError, r"weight dtype torch.float64 differs"),
+    "bias_dtype": (lambda x, w, t, b: ((x, w, t, b.half()), {}), TypeError, r"bias dtype torch.float16 differs"),
+    "float_target": (lambda x, w, t, b: ((x, w, t.float()), {}), TypeError, r"target must be int64 or int32"),
+    "target_shape": (lambda x, w, t, b: ((x, w, t[:3]), {}), ValueError, r"target must be \[N\]=\[4\]"),
+    "target_2d": (lambda x, w, t, b: ((x, w, t[:, None]), {}), ValueError, r"target must be \[N\]"),
+    "d_mismatch": (lambda x, w, t, b: ((x, w[:, :4], t), {}), ValueError, r"x has D=5 features"),
+    "x_3d": (lambda x, w, t, b: ((x[None], w, t), {}), ValueError, r"x must be \[N, D\]"),
+    "x_1d": (lambda x, w, t, b: ((x[0], w, t), {}), ValueError, r"x must be \[N, D\]"),
+    "integer_x": (lambda x, w, t, b: ((x.long(), w.long(), t), {}), TypeError, r"x must be float16"),
+    "reduction": (lambda x, w, t, b: ((x, w, t), dict(reduction="avg")), ValueError, r"unknown reduction 'avg'"),
+    "softcap_nan": (lambda x, w, t, b: ((x, w, t), dict(softcap=float("nan"))), ValueError, r"softcap .*got nan"),
+    "softcap_inf": (lambda x, w, t, b: ((x, w, t), dict(softcap=float("inf"))), ValueError, r"softcap .*got inf"),
+    "softcap_zero": (lambda x, w, t, b: ((x, w, t), dict(softcap=0.0)), ValueError, r"softcap .*got 0.0"),
+    "softcap_negative": (lambda x, w, t, b: ((x, w, t), dict(softcap=-2.0)), ValueError, r"softcap .*got -2.0"),
+    "bias_length": (lambda x, w, t, b: ((x, w, t, b[:6]), {}), ValueError, r"bias must be \[V\]=\[7\]"),
+    "label_smoothing": (lambda x, w, t, b: ((x, w, t), dict(label_smoothing=1.5)), ValueError, r"label_smoothing"),
+    "z_loss": (lambda x, w, t, b: ((x, w, t), dict(z_loss=-1.0)), ValueError, r"z_loss"),
+    "chunk_size": (lambda x, w, t, b: ((x, w, t), dict(chunk_size=0)), ValueError, r"chunk_size must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_raises_naming_the_problem(device, name):
+    make, exc, match = BAD_INPUTS[name]
+    x, w, t, b = _valid(device)
+    args, kwargs = make(x, w, t, b)
+    before = [a.clone() for a in args]
+    with pytest.raises(exc, match=match):
+        hugehead.linear_cross_entropy(*args, **kwargs)
+    for a, c in zip(args, before):  # inputs untouched and still usable
+        assert torch.equal(a, c)
+    loss = hugehead.linear_cross_entropy(x, w, t, b)
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(x, w, b), t), rtol=1e-5, atol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["weight", "target", "bias"])
+def test_tensors_on_different_devices_raise(which):
+    x, w, t, b = _valid("cuda")
+    tensors = dict(weight=w, target=t, bias=b)
+    tensors[which] = tensors[which].cpu()
+    with pytest.raises(ValueError, match=rf"{which} is on cpu but x is on cuda"):
+        hugehead.linear_cross_entropy(x, tensors["weight"], tensors["target"], tensors["bias"])
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_context_usable_after_out_of_range_target():
+    x, w, t, b = _valid("cuda", n=64, d=32, v=1000)
+    bad = t.clone()
+    bad[17] = 1003
+    with pytest.raises(ValueError, match=r"target 1003 at row 17"):
+        hugehead.linear_cross_entropy(x, w, bad, b, chunk_size=256)
+    torch.cuda.synchronize()  # an asynchronous device-side failure would surface here
+    loss = hugehead.linear_cross_entropy(x, w, t, b, chunk_size=256)
+    ref = F.cross_entropy(F.linear(x.double(), w.double(), b.double()), t)
+    assert rel_err(loss, ref) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: 64-bit indexing inside one logits chunk
+# --------------------------------------------------------------------------------------------------
+def _chunked_float32_reference(x, w, target, rows_per_block=4096):
+    """Per-row losses and (dX, dW) of ``reduction="none"`` backpropagated with ones / N, in float32 from
+    the bf16 inputs, a block of rows at a time (plain PyTorch, no kernel of ours)."""
+    n = x.shape[0]
+    w32 = w.float()
+    losses = torch.empty(n, device=x.device)
+    dx = torch.empty(x.shape, device=x.device)
+    dw = torch.zeros(w.shape, device=x.device)
+    for r0 in range(0, n, rows_per_block):
+        xb = x[r0:r0 + rows_per_block].float()
+        tb = target[r0:r0 + rows_per_block]
+        logp = torch.log_softmax(xb @ w32.t(), dim=1)
+        losses[r0:r0 + rows_per_block] = -logp.gather(1, tb[:, None])[:, 0]
+        g = logp.exp_()
+        g[torch.arange(len(tb), device=x.device), tb] -= 1.0
+        g /= n
+        dx[r0:r0 + rows_per_block] = g @ w32
+        dw.addmm_(g.t(), xb)
+    return losses, dx, dw
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_chunk_over_2_31_elements():
+    n, d, v, chunk = 70000, 64, 40000, 32768
+    assert n * chunk > 2**31
+    torch.manual_seed(6)
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(v, d, device="cuda") / 4).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), device="cuda")
+    budget = 8 << 30  # room for the whole 70000 x 32768 chunk: rows must not be split
+    assert plan_chunks(n, d, v, torch.bfloat16, torch.device("cuda"), chunk, budget).rows == n
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = hugehead.linear_cross_entropy(xg, wg, target, reduction="none", chunk_size=chunk, memory_budget=budget)
+    loss.backward(torch.full((n,), 1.0 / n, device="cuda", dtype=torch.bfloat16))
+    ref_loss, ref_dx, ref_dw = _chunked_float32_reference(x, w, target)
+    tail = slice(2**31 // chunk, n)  # rows whose offset in the chunk needs more than 31 bits
+    assert rel_err(loss, ref_loss) <= 5e-3
+    assert rel_err(loss[tail], ref_loss[tail]) <= 5e-3
+    assert rel_err(xg.grad, ref_dx) <= 2e-2
+    assert rel_err(xg.grad[tail], ref_dx[tail]) <= 2e-2
+    assert rel_err(wg.grad, ref_dw) <= 2e-2
+    torch.testing.assert_close(wg.grad.float().norm(), ref_dw.norm(), rtol=1e-2, atol=0)
+    torch.testing.assert_close(xg.grad.float().norm(), ref_dx.norm(), rtol=1e-2, atol=0)
