@@ -6,6 +6,7 @@ chunks with our own kernels; ``ChunkedClassifier`` keeps the weight as shards on
 from ._extension import cuda_built, has_kernel
 from . import ops
 from .functional import linear_cross_entropy
+from .module import ChunkedClassifier
 
 __version__ = "0.1.0"
-__all__ = ["linear_cross_entropy", "ops", "cuda_built", "has_kernel", "__version__"]
+__all__ = ["linear_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__"]

@@ -177,9 +177,12 @@ def row_losses(
     z_loss: float,
 ) -> Tensor:
     """Per-row loss ``lse - (1-eps) c_y - eps/V sum_j c_j + z_loss lse^2``, 0 on ignored rows."""
-    loss = lse - (1.0 - label_smoothing) * target_logit
+    # Differences first, as F.cross_entropy does: (1-eps)(lse - c_y) + eps(lse - mean_j c_j). Scaling
+    # lse and c_y before subtracting would leave a rounding error of order |c_y| on a loss that may be
+    # far smaller (a confident row; a single class).
+    loss = lse - target_logit
     if label_smoothing:
-        loss = loss - (label_smoothing / num_classes) * logit_sum
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / num_classes)
     if z_loss:
         loss = loss + z_loss * lse.square()
     return torch.where(valid, loss, torch.zeros_like(loss))
@@ -397,22 +400,21 @@ def _lce_backward(
     grad_w, grad_b = shard_backward(
         x, weight, bias, target, 0, v, lse, grad_rows, label_smoothing, z_loss, softcap, plan, grad_x, need_weight
     )
-    empty = x.new_empty(0)
+    # A gradient not asked for is a fresh empty tensor each: custom op outputs may not alias each other.
     return (
-        grad_x.to(x.dtype) if grad_x is not None else empty,
-        grad_w if grad_w is not None else empty,
-        grad_b if grad_b is not None else empty,
+        grad_x.to(x.dtype) if grad_x is not None else x.new_empty(0),
+        grad_w if grad_w is not None else x.new_empty(0),
+        grad_b if grad_b is not None else x.new_empty(0),
     )
 
 
 @_lce_backward.register_fake
 def _(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
       memory_budget, need_x, need_weight):
-    empty = x.new_empty(0)
     return (
-        torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else empty,
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else empty,
-        torch.empty_like(bias) if (need_weight and bias is not None) else empty,
+        torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0),
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty(0),
+        torch.empty_like(bias) if (need_weight and bias is not None) else x.new_empty(0),
     )
 
 
@@ -497,3 +499,111 @@ def linear_cross_entropy(
         int(chunk_size or 0), int(memory_budget or 0),
     )
     return reduce_loss(loss_rows, target != ignore_index, reduction, x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming top-k: inference over all classes without the [N, V] logits
+# --------------------------------------------------------------------------------------------------
+__all__ += ["plan_topk_chunks", "shard_topk", "merge_topk"]
+
+# Bytes per logit that the exact selection of a chunk holds beyond the workspace: two bool masks and
+# two int32 rank tensors.
+_TOPK_TEMP_BYTES = 10
+
+
+def plan_topk_chunks(
+    n: int,
+    d: int,
+    v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+) -> Plan:
+    """:func:`plan_chunks` for :func:`shard_topk`: the same budget also covers the selection's
+    temporaries (about 10 bytes per logit), so unpinned chunks are narrower."""
+    plan = plan_chunks(n, d, v, dtype, device, chunk_size, memory_budget)
+    if chunk_size is not None:
+        return plan
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cols = plan.cols * itemsize // (itemsize + _TOPK_TEMP_BYTES)
+    if cols >= _MIN_COLS:
+        cols = cols // _MIN_COLS * _MIN_COLS
+    return Plan(rows=plan.rows, cols=max(1, min(cols, v)))
+
+
+def merge_topk(values: Tensor, indices: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The ``k`` best of candidate sets ``values, indices [N, M]`` (class ids distinct within a row),
+    sorted by value descending with ties to the lower class id (NaN counts as largest, as in
+    :func:`torch.topk`). Returns ``(values [N, k], indices [N, k])``."""
+    by_index = indices.argsort(dim=1)
+    values, indices = values.gather(1, by_index), indices.gather(1, by_index)
+    by_value = values.argsort(dim=1, descending=True, stable=True)[:, :k]
+    return values.gather(1, by_value), indices.gather(1, by_value)
+
+
+def _chunk_topk(z: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The exact top ``k`` columns of ``z [R, C]`` by (value descending, column ascending), unsorted.
+
+    :func:`torch.topk` picks among values tied with the k-th largest arbitrarily; here every column
+    above the k-th value is kept and the tied ones are taken lowest column first, through a second
+    top-k over distinct integer ranks.
+    """
+    c = z.shape[1]
+    if k >= c:
+        cols = torch.arange(c, device=z.device).expand(z.shape[0], c)
+        return z.clone(), cols
+    kth = torch.topk(z, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    col = torch.arange(c, device=z.device, dtype=torch.int32)
+    rank = torch.where(z > kth, 2 * c - col, torch.where(z == kth, c - col, -1))
+    cols = torch.topk(rank, k, dim=1, sorted=False).indices
+    return z.gather(1, cols), cols
+
+
+def shard_topk(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    class_start: int,
+    softcap: float,
+    k: int,
+    plan: Plan,
+) -> Tuple[Tensor, Tensor]:
+    """Top ``min(k, V_k)`` logits of one shard's classes, chunk by chunk (no ``[N, V_k]`` tensor).
+
+    Args:
+        x: ``[N, D]`` on the shard's device. weight: ``[V_k, D]``; bias: ``[V_k]`` or None.
+        softcap: ``<= 0`` for none; otherwise logits become ``softcap * tanh(z / softcap)`` (computed
+            in the accumulation dtype, returned in ``x``'s dtype).
+        plan: from :func:`plan_topk_chunks`.
+    Returns:
+        ``(values [N, min(k, V_k)]`` in ``x``'s dtype, ``indices`` int64 global class ids``)``, sorted by
+        value descending, ties to the lower class id.
+    """
+    n, v = x.shape[0], weight.shape[0]
+    k = min(int(k), v)
+    values = x.new_empty(n, k)
+    indices = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    if n == 0 or k == 0:
+        return values, indices
+    acc = ops.acc_dtype(x.dtype)
+    workspace = torch.empty(min(plan.rows, n) * min(plan.cols, v), dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, plan.rows):
+        r1 = min(r0 + plan.rows, n)
+        best = None
+        for c0 in range(0, v, plan.cols):
+            c1 = min(c0 + plan.cols, v)
+            z = _chunk_logits(x[r0:r1], weight, bias, c0, c1, workspace)
+            if softcap > 0:
+                if z.dtype == acc:
+                    z.div_(softcap).tanh_().mul_(softcap)
+                else:
+                    z.copy_(z.to(acc).div_(softcap).tanh_().mul_(softcap))
+            chunk_values, chunk_cols = _chunk_topk(z, k)
+            chunk_ids = chunk_cols.to(torch.int64) + (class_start + c0)
+            if best is not None:
+                chunk_values = torch.cat([best[0], chunk_values], dim=1)
+                chunk_ids = torch.cat([best[1], chunk_ids], dim=1)
+            best = merge_topk(chunk_values, chunk_ids, k)
+        values[r0:r1], indices[r0:r1] = best
+    return values, indices

@@ -24,10 +24,10 @@ void chunk_grad_rows(const ChunkGradParams& p, int64_t begin, int64_t end) {
       continue;
     }
     const acc_t l = lse[row];
-    const acc_t p_scale = acc_t(1) + acc_t(2) * static_cast<acc_t>(p.z_loss) * l;
+    const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * l;
     const int64_t t = p.target[row] - p.class_start;
     for (int64_t j = 0; j < p.cols; ++j) {
-      const acc_t d = logit_grad(static_cast<acc_t>(z[j]), j == t, l, p_scale, smooth, acc_t(1) - eps, softcap);
+      const acc_t d = logit_grad(static_cast<acc_t>(z[j]), j == t, l, z_term, smooth, acc_t(1) - eps, softcap);
       z[j] = static_cast<scalar_t>(g * d);
     }
   }

@@ -27,10 +27,10 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(ChunkGradParams p)
   const acc_t softcap = static_cast<acc_t>(p.softcap);
   const acc_t eps = static_cast<acc_t>(p.label_smoothing);
   const acc_t smooth = eps / static_cast<acc_t>(p.num_classes);
-  const acc_t p_scale = acc_t(1) + acc_t(2) * static_cast<acc_t>(p.z_loss) * lse;
+  const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * lse;
   const int64_t t = p.target[row] - p.class_start;
   cuda::for_each_in_row<scalar_t, /*Write=*/true>(logits, p.cols, [&](int64_t j, scalar_t& v) {
-    const acc_t d = logit_grad(static_cast<acc_t>(v), j == t, lse, p_scale, smooth, acc_t(1) - eps, softcap);
+    const acc_t d = logit_grad(static_cast<acc_t>(v), j == t, lse, z_term, smooth, acc_t(1) - eps, softcap);
     v = static_cast<scalar_t>(g * d);
   });
 }

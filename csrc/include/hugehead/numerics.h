@@ -35,10 +35,12 @@ C10_HOST_DEVICE inline void lse_merge(acc_t& m, acc_t& s, acc_t m2, acc_t s2) {
 }
 
 // dLoss_row/dlogit for one element given the row's final lse:
-//   (p * (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == target]) * dsoftcap/dz
-// where p = exp(c - lse) and c is the (softcapped) logit.
+//   (p - eps / V - (1 - eps) [j == target] + p * 2 z_loss lse) * dsoftcap/dz
+// where p = exp(c - lse) and c is the (softcapped) logit. The z-loss term is added after p - 1 rather
+// than folded into p * (1 + 2 z_loss lse): rounding 1 + 2 z_loss lse would otherwise swamp a small
+// z-loss gradient on a confident target (p ~ 1).
 template <typename acc_t>
-C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_t p_scale,
+C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_t z_term,
                                         acc_t smooth_term, acc_t target_weight, acc_t softcap) {
   acc_t c = z;
   acc_t dcdz = acc_t(1);
@@ -47,8 +49,10 @@ C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_
     c = softcap * t;
     dcdz = acc_t(1) - t * t;
   }
-  acc_t d = std::exp(c - lse) * p_scale - smooth_term;
+  const acc_t prob = std::exp(c - lse);
+  acc_t d = prob - smooth_term;
   if (is_target) d -= target_weight;
+  d += prob * z_term;
   return d * dcdz;
 }
 

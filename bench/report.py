@@ -1,0 +1,254 @@
+"""Turns a benchmark's lce.json into lce.md (a table a person reads) and lce.png (bars a person looks at),
+and merges several runs' JSON (e.g. one device call per group of shapes) into one.
+
+    python -m bench.report bench/results/h200/lce.json                 # rewrite lce.md / lce.png beside it
+    python -m bench.report --out bench/results/h200 run1/lce.json run2/lce.json   # merge, later runs win
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from bench.common import SHAPES, SMOKE_SHAPES, as_float, write_json
+
+SLOW_REPS = 5  # fewer timed repetitions than this are marked in the table
+SUSPECT_REL_ERR = 2e-2  # bf16 results are ~1e-3 off the float32 reference; far more is shown in bold
+
+
+def suspect(v: Optional[float]) -> bool:
+    """A relative error that is non-finite or far above what bf16 rounding explains."""
+    return v is not None and not (v <= SUSPECT_REL_ERR)
+
+
+def _num(row: dict, key: str) -> Optional[float]:
+    return as_float(row.get(key))
+
+
+def _status_word(status: Optional[str]) -> str:
+    return (status or "n/a").upper()
+
+
+def _sci(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.1e}"
+
+
+def _err(v: Optional[float]) -> str:
+    return f"**{_sci(v)}**" if suspect(v) else _sci(v)
+
+
+def _ordered(seen: List[str], preferred: List[str]) -> List[str]:
+    return [x for x in preferred if x in seen] + [x for x in seen if x not in preferred]
+
+
+def _shape_order(doc: dict) -> List[str]:
+    """Shapes in DESIGN.md order (cheapest first), then any others in the order they appear."""
+    seen = list(dict.fromkeys(r["shape"] for r in doc["rows"]))
+    return _ordered(seen, [*SHAPES, *SMOKE_SHAPES])
+
+
+def _impl_order(doc: dict) -> List[str]:
+    seen = list(dict.fromkeys(r["impl"] for r in doc["rows"]))
+    return _ordered(seen, ["hugehead", "torch", "cce", "liger"])
+
+
+def render_markdown(doc: dict) -> str:
+    """The results table with a header saying what was measured where, and a note per failed case."""
+    meta = doc.get("meta", {})
+    gpu = meta.get("gpu_name", "unknown device")
+    sha = str(meta.get("git_sha", "unknown"))[:12] + (" (dirty)" if meta.get("git_dirty") else "")
+    imports = meta.get("imports", {})
+    peers = ", ".join(
+        f"{name} {st.get('version')}" if st.get("ok") else f"{name}: not importable"
+        for name, st in imports.items() if name != "hugehead"
+    )
+    lines = [
+        f"# Linear cross-entropy benchmark: {gpu}",
+        "",
+        f"git `{sha}` · torch {meta.get('torch')} (CUDA {meta.get('torch_cuda')}) · "
+        f"hugehead {meta.get('hugehead_version')} · triton {meta.get('triton')} · {peers} · "
+        f"{meta.get('created_utc', '')}",
+        "",
+        meta.get("method", ""),
+        "",
+        "| shape | N×D×V | impl | fwd+bwd ms | fwd ms | peak extra GiB | TFLOP/s | loss rel err | dx rel err "
+        "| dW rel err | speedup vs torch |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    by_key = {(r["shape"], r["impl"]): r for r in doc["rows"]}
+    notes, slow = [], False
+    for shape in _shape_order(doc):
+        torch_row = by_key.get((shape, "torch"))
+        torch_ms = _num(torch_row, "fwd_bwd_ms") if torch_row and torch_row.get("fwd_bwd_status") == "ok" else None
+        for impl in _impl_order(doc):
+            r = by_key.get((shape, impl))
+            if r is None:
+                continue
+            dims = f"{r['n']}×{r['d']}×{r['v']}"
+            fb_ok = r.get("fwd_bwd_status") == "ok"
+            fw_ok = r.get("fwd_status") == "ok"
+            if fb_ok:
+                mark = "†" if (r.get("fwd_bwd_reps") or 0) < SLOW_REPS else ""
+                slow |= bool(mark)
+                fb = f"{_num(r, 'fwd_bwd_ms'):.2f}{mark}"
+            else:
+                fb = _status_word(r.get("fwd_bwd_status") or r.get("status"))
+            if fw_ok:
+                mark = "†" if (r.get("fwd_reps") or 0) < SLOW_REPS else ""
+                slow |= bool(mark)
+                fw = f"{_num(r, 'fwd_ms'):.2f}{mark}"
+            elif r.get("fwd_status"):
+                fw = _status_word(r.get("fwd_status"))
+            else:  # never reached: the case was skipped, or stopped earlier
+                fw = _status_word(r.get("status")) if r.get("status") in ("skipped", "import-error") else "not run"
+            mem = _num(r, "fwd_bwd_peak_extra_gib") if fb_ok else None
+            tflops = _num(r, "tflops") if fb_ok else None
+            if r.get("loss_rel_err") is not None:
+                loss_err = _err(_num(r, "loss_rel_err"))
+            elif r.get("fwd_loss_rel_err") is not None:
+                loss_err = _err(_num(r, "fwd_loss_rel_err")) + " (fwd)"
+            else:
+                loss_err = "-"
+            if impl == "torch":
+                speedup = "1.00×" if torch_ms else "-"
+            elif fb_ok and torch_ms:
+                speedup = f"{torch_ms / _num(r, 'fwd_bwd_ms'):.2f}×"
+            elif fb_ok and torch_row is not None:
+                speedup = f"torch {_status_word(torch_row.get('fwd_bwd_status') or torch_row.get('status'))}"
+            else:
+                speedup = "-"
+            lines.append(
+                f"| {shape} | {dims} | {impl} | {fb} | {fw} | {'-' if mem is None else f'{mem:.2f}'} | "
+                f"{'-' if tflops is None else f'{tflops:.3g}'} | {loss_err} | {_err(_num(r, 'grad_x_rel_err'))} | "
+                f"{_err(_num(r, 'grad_w_rel_err'))} | {speedup} |"
+            )
+            if r.get("status") != "ok" and r.get("status") != "skipped" or r.get("ref_error"):
+                err = r.get("error") or r.get("ref_error") or ""
+                notes.append(f"- **{shape} / {impl}**: {r.get('status')}: {err}")
+            elif r.get("status") == "skipped" and not meta.get("cpu_smoke"):
+                notes.append(f"- **{shape} / {impl}**: {r.get('error')}")
+    lines += ["", f"Relative errors above {SUSPECT_REL_ERR:g} (far beyond bf16 rounding) are in bold."]
+    if slow:
+        lines += ["", f"† fewer than {SLOW_REPS} timed repetitions (one step takes too long for the case budget); "
+                      "see `*_reps` and `*_ms_all` in lce.json."]
+    selfcheck = meta.get("reference_selfcheck")
+    if selfcheck:
+        state = "ok" if meta.get("reference_selfcheck_ok") else "**FAILED**"
+        lines += ["", "Reference self-check against float64 autograd (CPU): "
+                      + ", ".join(f"{k} {_sci(as_float(v))}" for k, v in selfcheck.items()) + f": {state}."]
+    if notes:
+        lines += ["", "Failures and skips:", *notes]
+    if meta.get("command"):
+        lines += ["", f"Command: `{meta['command']}` · {meta.get('elapsed_s', '?')} s"]
+    return "\n".join(lines) + "\n"
+
+
+def render_png(doc: dict, path: Path) -> None:
+    """Grouped bars per shape: fwd+bwd ms (log) and, where measured, peak extra GiB (log); a case that
+    did not run is labelled with its status instead of a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes, impls = _shape_order(doc), _impl_order(doc)
+    by_key = {(r["shape"], r["impl"]): r for r in doc["rows"]}
+    colors = {impl: plt.get_cmap("tab10")(j % 10) for j, impl in enumerate(impls)}
+    panels = [("fwd_bwd_ms", "forward + backward (ms, log)")]
+    if any(_num(r, "fwd_bwd_peak_extra_gib") is not None for r in doc["rows"]):
+        panels.append(("fwd_bwd_peak_extra_gib", "peak extra memory (GiB, log)"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 0.55 * len(shapes) * len(impls) + 2), 3.8 * len(panels)),
+                             sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    width = 0.8 / max(1, len(impls))
+    for ax, (key, label) in zip(axes, panels):
+        values = [v for r in doc["rows"] if r.get("fwd_bwd_status") == "ok" for v in [_num(r, key)] if v and v > 0]
+        floor = min(values) / 3 if values else 1e-3
+        for j, impl in enumerate(impls):
+            xs, hs = [], []
+            for i, shape in enumerate(shapes):
+                r = by_key.get((shape, impl))
+                if r is None:
+                    continue
+                x = i - 0.4 + width * (j + 0.5)
+                v = _num(r, key) if r.get("fwd_bwd_status") == "ok" else None
+                if v is not None and v > 0:
+                    xs.append(x)
+                    hs.append(v)
+                elif r.get("fwd_bwd_status") != "ok":
+                    word = _status_word(r.get("fwd_bwd_status") or r.get("status"))
+                    ax.text(x, floor * 1.15, word, rotation=90, ha="center", va="bottom", fontsize=7,
+                            color=colors[impl])
+            ax.bar(xs, hs, width=width * 0.95, label=impl, color=colors[impl])
+        ax.set_yscale("log")
+        ax.set_ylim(floor, (max(values) * 2) if values else 1.0)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", which="both", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    axes[0].legend(handles=[Patch(color=colors[i], label=i) for i in impls], ncol=min(4, len(impls)), fontsize=8,
+                   loc="lower left", bbox_to_anchor=(0.0, 1.08), frameon=False)
+    axes[-1].set_xlim(-0.5, len(shapes) - 0.5)
+    axes[-1].set_xticks(range(len(shapes)))
+    axes[-1].set_xticklabels(shapes)
+    meta = doc.get("meta", {})
+    axes[0].set_title(f"linear cross-entropy, bf16, exact gradients: {meta.get('gpu_name', '')} "
+                      f"(git {str(meta.get('git_sha', ''))[:8]})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(doc: dict, out_dir: Path) -> None:
+    """Write lce.json, lce.md and lce.png into ``out_dir``; a plotting failure is noted in the JSON."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc["meta"].pop("png_error", None)
+    if doc["rows"]:
+        try:
+            render_png(doc, out_dir / "lce.png")
+        except Exception as exc:  # noqa: BLE001  (no matplotlib on the machine: the table still stands)
+            doc["meta"]["png_error"] = f"{type(exc).__name__}: {exc}"
+    write_json(out_dir / "lce.json", doc)
+    (out_dir / "lce.md").write_text(render_markdown(doc))
+
+
+def merge(docs: List[dict]) -> dict:
+    """One document from several runs: rows keyed by (shape, impl), later runs replacing earlier ones;
+    the meta of the last run, with every run's git SHA, GPU and time listed under "merged_from"."""
+    rows: Dict[tuple, dict] = {}
+    for d in docs:
+        for r in d["rows"]:
+            rows.pop((r["shape"], r["impl"]), None)
+            rows[(r["shape"], r["impl"])] = r
+    meta = dict(docs[-1].get("meta", {}))
+    meta["merged_from"] = [
+        {k: d.get("meta", {}).get(k) for k in ("git_sha", "gpu_name", "created_utc", "command")} for d in docs
+    ]
+    shas = {d.get("meta", {}).get("git_sha") for d in docs}
+    if len(shas) > 1:
+        meta["git_sha"] = "mixed: " + ", ".join(sorted(str(s)[:12] for s in shas))
+    return {"meta": meta, "rows": list(rows.values())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", help="lce.json files (several: merged in order)")
+    p.add_argument("--out", help="folder for the merged lce.json/md/png (default: beside the single input)")
+    opts = p.parse_args(argv)
+    docs = [json.loads(Path(f).read_text()) for f in opts.json]
+    if len(docs) > 1 and not opts.out:
+        p.error("merging several files needs --out")
+    out = Path(opts.out) if opts.out else Path(opts.json[0]).parent
+    doc = merge(docs) if len(docs) > 1 else docs[0]
+    write_reports(doc, out)
+    print(render_markdown(doc))
+    if doc["meta"].get("png_error"):
+        print(f"(no plot: {doc['meta']['png_error']})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,586 @@
+"""ChunkedClassifier: a ``Linear(in_features, num_classes)`` + cross-entropy head whose weight lives as
+shards (contiguous class ranges) on several devices. It owns one pair of Parameters per shard and runs
+its loss as one custom autograd op over all shards through a placement engine (``engines/``)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._extension import has_kernel
+from .engines.local import LocalEngine, PlacedInputs, ShardTensors
+from .functional import check_targets, reduce_loss, row_losses, validate_options
+
+__all__ = ["ChunkedClassifier", "ClassShard"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Rows of the logical weight initialized (and read from a checkpoint) at a time: bounds the host memory
+# such a pass needs, independent of the head's size.
+_ROW_BLOCK_ELEMENTS = 1 << 24
+_SAFETENSORS_FORMAT = "hugehead.ChunkedClassifier/1"
+
+DeviceLike = Union[str, int, torch.device]
+
+
+class ClassShard(nn.Module):
+    """Classes ``[start, stop)`` of a :class:`ChunkedClassifier`: ``weight [stop - start, D]`` and
+    ``bias [stop - start]`` (or None) on one device."""
+
+    def __init__(self, start: int, stop: int, in_features: int, bias: bool, device: torch.device,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.start = start
+        self.stop = stop
+        self.weight = nn.Parameter(torch.empty(stop - start, in_features, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(stop - start, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def extra_repr(self) -> str:
+        return f"classes=[{self.start}, {self.stop}), device={self.device}"
+
+
+def _parse_devices(devices) -> List[torch.device]:
+    if devices is None:
+        if torch.cuda.is_available():
+            return [torch.device("cuda", torch.cuda.current_device())]
+        return [torch.device("cpu")]
+    if isinstance(devices, (str, int, torch.device)):
+        devices = [devices]
+    if not isinstance(devices, (list, tuple)) or len(devices) == 0:
+        raise ValueError(f"hugehead: devices must be a non-empty list of devices, got {devices!r}")
+    parsed = []
+    for entry in devices:
+        try:
+            device = torch.device(entry)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"hugehead: devices entry {entry!r} is not a device: {exc}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"hugehead: devices entry {entry!r} asks for CUDA, which is not available here")
+            index = torch.cuda.current_device() if device.index is None else device.index
+            if not 0 <= index < torch.cuda.device_count():
+                raise ValueError(
+                    f"hugehead: devices entry {entry!r}: there are only {torch.cuda.device_count()} CUDA devices"
+                )
+            if not has_kernel("chunk_stats_", "CUDA"):
+                raise RuntimeError(
+                    "hugehead: a shard on CUDA needs hugehead's CUDA kernels, but this build has none. Rebuild "
+                    "with: HUGEHEAD_CUDA=ON pip install --no-build-isolation ."
+                )
+            device = torch.device("cuda", index)
+        elif device.type != "cpu":
+            raise ValueError(
+                f"hugehead: devices entry {entry!r}: shards can live on 'cpu' or 'cuda', not {device.type!r}"
+            )
+        parsed.append(device)
+    return parsed
+
+
+def _parse_shard_sizes(shard_sizes, num_classes: int, num_devices: int) -> List[int]:
+    if shard_sizes is None:
+        if num_classes < num_devices:
+            raise ValueError(
+                f"hugehead: {num_classes} classes cannot fill {num_devices} shards; pass fewer devices"
+            )
+        base, extra = divmod(num_classes, num_devices)
+        return [base + (i < extra) for i in range(num_devices)]
+    sizes = list(shard_sizes)
+    if len(sizes) != num_devices:
+        raise ValueError(f"hugehead: shard_sizes has {len(sizes)} entries but devices has {num_devices}")
+    if any(isinstance(s, bool) or int(s) != s or s <= 0 for s in sizes):
+        raise ValueError(f"hugehead: shard_sizes must be positive integers, got {sizes}")
+    sizes = [int(s) for s in sizes]
+    if sum(sizes) != num_classes:
+        raise ValueError(f"hugehead: shard_sizes {sizes} sum to {sum(sizes)}, not num_classes={num_classes}")
+    return sizes
+
+
+@dataclass(frozen=True)
+class _LossSpec:
+    """What the autograd op needs besides tensors (kept on ctx for the backward)."""
+
+    engine: LocalEngine
+    starts: List[int]
+    has_bias: bool
+    num_classes: int
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float  # 0.0: none
+
+    def shards(self, params: Sequence[Tensor]) -> List[ShardTensors]:
+        k = len(self.starts)
+        biases = params[k:2 * k] if self.has_bias else [None] * k
+        return [ShardTensors(w, b, s) for w, b, s in zip(params[:k], biases, self.starts)]
+
+
+class _ShardedLinearCrossEntropy(torch.autograd.Function):
+    """Per-row losses ``[N]`` (accumulation dtype) of ``x`` against every shard; one node in the graph.
+
+    The backward streams the shards again (recomputing logits) and returns each shard's gradients on
+    that shard's device.
+    """
+
+    @staticmethod
+    def forward(ctx, spec: _LossSpec, x: Tensor, target: Tensor, *params: Tensor) -> Tensor:
+        shards = spec.shards(params)
+        lse, target_logit, logit_sum, placed = spec.engine.row_stats(x, target, shards, spec.softcap)
+        valid = target != spec.ignore_index
+        loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.label_smoothing, spec.z_loss)
+        ctx.spec = spec
+        ctx.num_params = len(params)
+        ctx.save_for_backward(x, target, lse, *params, *(p.x for p in placed), *(p.target for p in placed))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        spec: _LossSpec = ctx.spec
+        saved = ctx.saved_tensors
+        x, target, lse = saved[:3]
+        params = saved[3:3 + ctx.num_params]
+        k = len(spec.starts)
+        placed_x = saved[3 + ctx.num_params:3 + ctx.num_params + k]
+        placed_target = saved[3 + ctx.num_params + k:]
+        needs = ctx.needs_input_grad
+        need_x = needs[1]
+        need_w = [needs[3 + i] for i in range(k)]
+        need_b = [spec.has_bias and needs[3 + k + i] for i in range(k)]
+        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+        grad_rows = torch.where(target != spec.ignore_index, grad_loss.to(lse.dtype), zero)
+        grad_x, grad_w, grad_b = spec.engine.backward(
+            [PlacedInputs(px, pt) for px, pt in zip(placed_x, placed_target)],
+            spec.shards(params), spec.num_classes, lse, grad_rows, spec.label_smoothing, spec.z_loss,
+            spec.softcap, need_x, [w or b for w, b in zip(need_w, need_b)], x,
+        )
+        grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
+        grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
+        return (None, grad_x if need_x else None, None, *grads_w, *grads_b)
+
+
+class ChunkedClassifier(nn.Module):
+    """``Linear(in_features, num_classes)`` followed by cross-entropy, never building ``[N, V]`` logits,
+    with the weight split by class ranges into shards on one or several devices.
+
+    Args:
+        in_features: ``D``. num_classes: ``V``. bias: whether the logits have a bias.
+        devices: where the shards go, one shard per entry (entries may repeat; ``"cpu"`` allowed).
+            None: the current CUDA device if there is one, else the CPU.
+        dtype: of the Parameters (default: ``torch.get_default_dtype()``); ``x`` must match it.
+        chunk_size, memory_budget: classes per chunk and bytes of workspace per shard, as in
+            :func:`hugehead.linear_cross_entropy` (None: planned).
+        ignore_index, reduction, label_smoothing, z_loss, softcap: the loss, exactly as in
+            :func:`hugehead.linear_cross_entropy`.
+        shard_sizes: classes per shard, in device order (default: balanced).
+        offload, process_group: placements of engines not built yet; they raise NotImplementedError.
+
+    Parameters are initialized as ``nn.Linear`` initializes them (uniform in ``±1/sqrt(D)``), on the CPU
+    generator in class order: under the same seed, every placement gets the same logical weight as
+    ``nn.Linear(in_features, num_classes, dtype=dtype)``.
+
+    Attributes:
+        shards: ``nn.ModuleList`` of :class:`ClassShard` in class order (``.weight``, ``.bias``,
+            ``.start``, ``.stop``, ``.device``); ``parameters()`` are exactly their Parameters.
+
+    Raises:
+        ValueError: bad sizes, devices, shard_sizes or loss options.
+        NotImplementedError: ``offload=True`` or a ``process_group``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        bias: bool = True,
+        *,
+        devices: Optional[Sequence[DeviceLike]] = None,
+        dtype: Optional[torch.dtype] = None,
+        chunk_size: Optional[int] = None,
+        memory_budget: Optional[int] = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        shard_sizes: Optional[Sequence[int]] = None,
+        offload: bool = False,
+        process_group=None,
+    ):
+        super().__init__()
+        if offload:
+            raise NotImplementedError(
+                "hugehead: offload=True (shards in pinned host memory, streamed to the GPU chunk by chunk by "
+                "the planned engines/offload.py) is not implemented yet; use devices=[...] to shard over GPUs"
+            )
+        if process_group is not None:
+            raise NotImplementedError(
+                "hugehead: process_group (vocabulary-parallel shards across ranks, the planned "
+                "engines/distributed.py) is not implemented yet; use devices=[...] within one process"
+            )
+        if int(in_features) != in_features or in_features < 1:
+            raise ValueError(f"hugehead: in_features must be a positive integer, got {in_features}")
+        if int(num_classes) != num_classes or num_classes < 1:
+            raise ValueError(f"hugehead: num_classes must be a positive integer, got {num_classes}")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"hugehead: dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+        if chunk_size is not None and int(chunk_size) < 1:
+            raise ValueError(f"hugehead: chunk_size must be >= 1, got {chunk_size}")
+        if memory_budget is not None and int(memory_budget) < 1:
+            raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
+        validate_options(reduction, label_smoothing, z_loss, softcap)
+
+        self.in_features = int(in_features)
+        self.num_classes = int(num_classes)
+        self.ignore_index = int(ignore_index)
+        self.reduction = reduction
+        self.label_smoothing = float(label_smoothing)
+        self.z_loss = float(z_loss)
+        self.softcap = softcap
+        self.engine = LocalEngine(
+            None if chunk_size is None else int(chunk_size), None if memory_budget is None else int(memory_budget)
+        )
+
+        placement = _parse_devices(devices)
+        sizes = _parse_shard_sizes(shard_sizes, self.num_classes, len(placement))
+        shards, start = [], 0
+        for device, size in zip(placement, sizes):
+            shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
+            start += size
+        self.shards = nn.ModuleList(shards)
+        self.reset_parameters()
+
+        self.register_state_dict_post_hook(_logical_state_dict_hook)
+        self.register_load_state_dict_pre_hook(_load_logical_state_dict_hook)
+        self.register_load_state_dict_post_hook(_rename_missing_keys_hook)
+
+    # ---------------------------------------------------------------------------------------------
+    # Layout
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shards[0].weight.dtype
+
+    @property
+    def has_bias(self) -> bool:
+        return self.shards[0].bias is not None
+
+    @property
+    def shard_sizes(self) -> Tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.shards)
+
+    def extra_repr(self) -> str:
+        layout = ", ".join(f"{s.device} [{s.start}, {s.stop})" for s in self.shards)
+        text = (
+            f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.has_bias}, "
+            f"dtype={self.dtype}, engine={self.engine.name}, shards=[{layout}]"
+        )
+        options = []
+        if self.reduction != "mean":
+            options.append(f"reduction={self.reduction!r}")
+        if self.ignore_index != -100:
+            options.append(f"ignore_index={self.ignore_index}")
+        if self.label_smoothing:
+            options.append(f"label_smoothing={self.label_smoothing}")
+        if self.z_loss:
+            options.append(f"z_loss={self.z_loss}")
+        if self.softcap is not None:
+            options.append(f"softcap={self.softcap}")
+        return ", ".join([text, *options])
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialize as ``nn.Linear`` does: ``kaiming_uniform_(a=sqrt(5))`` on the logical ``[V, D]``
+        weight, then the bias uniform in ``±1/sqrt(D)``, drawn on the CPU generator in class order a
+        block of rows at a time (so any placement gets the same values and no device holds the weight
+        twice)."""
+        rows = max(1, _ROW_BLOCK_ELEMENTS // self.in_features)
+        for name in ("weight", "bias") if self.has_bias else ("weight",):
+            for shard in self.shards:
+                param = getattr(shard, name)
+                staging = None
+                for r0 in range(0, param.shape[0], rows):
+                    r1 = min(r0 + rows, param.shape[0])
+                    if param.device.type == "cpu":
+                        block = param[r0:r1]
+                    else:
+                        if staging is None:
+                            staging = torch.empty((rows, *param.shape[1:]), dtype=param.dtype)
+                        block = staging[: r1 - r0]
+                    if name == "weight":
+                        nn.init.kaiming_uniform_(block, a=math.sqrt(5))
+                    else:
+                        bound = 1.0 / math.sqrt(self.in_features)
+                        nn.init.uniform_(block, -bound, bound)
+                    if block.device != param.device:
+                        param[r0:r1].copy_(block)
+
+    # ---------------------------------------------------------------------------------------------
+    # Compute
+    # ---------------------------------------------------------------------------------------------
+    def _shard_params(self) -> List[Tensor]:
+        params = [s.weight for s in self.shards]
+        if self.has_bias:
+            params += [s.bias for s in self.shards]
+        return params
+
+    def _check_x(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"hugehead: x must be a tensor, got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(f"hugehead: x must be [N, D] = [N, {self.in_features}], got shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_features:
+            raise ValueError(
+                f"hugehead: x has D={x.shape[1]} features but the head has in_features={self.in_features}"
+            )
+        if x.dtype != self.dtype:
+            raise TypeError(
+                f"hugehead: x is {x.dtype} but the head's parameters are {self.dtype}; cast x, or build "
+                f"(or .to()) the head in {x.dtype}"
+            )
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"hugehead: x is on {x.device}; ChunkedClassifier takes x on 'cpu' or 'cuda' devices")
+
+    def _check_target(self, x: Tensor, target: Tensor) -> Tensor:
+        if not isinstance(target, Tensor):
+            raise TypeError(f"hugehead: target must be a tensor, got {type(target).__name__}")
+        if target.dim() != 1 or target.shape[0] != x.shape[0]:
+            raise ValueError(f"hugehead: target must be [N] = [{x.shape[0]}], got shape {tuple(target.shape)}")
+        if target.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"hugehead: target must be int64 or int32, got {target.dtype}")
+        if target.device != x.device:
+            raise ValueError(f"hugehead: target is on {target.device} but x is on {x.device}")
+        return target.long().contiguous()
+
+    def _spec(self) -> _LossSpec:
+        softcap = validate_options(self.reduction, self.label_smoothing, self.z_loss, self.softcap)
+        return _LossSpec(
+            self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes, self.ignore_index,
+            self.label_smoothing, self.z_loss, softcap,
+        )
+
+    def forward(self, x: Tensor, target: Tensor) -> Tensor:
+        """Cross-entropy of ``x Wᵀ + b`` against ``target`` over all shards.
+
+        Args:
+            x: ``[N, D]`` in the head's dtype, on any CPU or CUDA device.
+            target: ``[N]`` int64 or int32 class ids in ``[0, V)`` or ``ignore_index``, on ``x``'s device.
+        Returns:
+            The loss on ``x``'s device in ``x``'s dtype: a scalar, or ``[N]`` for ``reduction="none"``.
+        Raises:
+            ValueError: wrong shapes or D, a target out of range, x on another device type, target on
+                another device than x. TypeError: dtype mismatch.
+        """
+        self._check_x(x)
+        target = self._check_target(x, target)
+        spec = self._spec()
+        check_targets(target, self.num_classes, self.ignore_index)  # the step's only host synchronization
+        loss_rows = _ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
+        return reduce_loss(loss_rows, target != self.ignore_index, self.reduction, x.dtype)
+
+    @torch.no_grad()
+    def topk(self, x: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
+        """The ``k`` largest logits (after softcap, if set) of each row over all classes, streamed chunk
+        by chunk per shard: no ``[N, V]`` tensor.
+
+        Args:
+            x: ``[N, D]`` in the head's dtype. k: ``0 <= k <= num_classes``.
+        Returns:
+            ``(values [N, k]`` in ``x``'s dtype, ``indices [N, k]`` int64``)`` on ``x``'s device, sorted by
+            value descending, ties broken by the lower class index.
+        Raises:
+            ValueError: bad k, or the checks of :meth:`forward` on x.
+        """
+        self._check_x(x)
+        if isinstance(k, bool) or int(k) != k or not 0 <= k <= self.num_classes:
+            raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
+        spec = self._spec()
+        return self.engine.topk(x, spec.shards(self._shard_params()), spec.softcap, int(k))
+
+    @torch.no_grad()
+    def log_prob(self, x: Tensor, target: Tensor) -> Tensor:
+        """Per-row ``log p(target | x)`` under the head's softmax (softcap included; no smoothing).
+
+        Args:
+            x: ``[N, D]``; target: ``[N]`` class ids in ``[0, V)`` (``ignore_index`` is not accepted).
+        Returns:
+            ``[N]`` in ``x``'s dtype on ``x``'s device.
+        Raises:
+            ValueError: a target outside ``[0, V)``, or the checks of :meth:`forward`.
+        """
+        self._check_x(x)
+        target = self._check_target(x, target)
+        bad = (target < 0) | (target >= self.num_classes)
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"hugehead: log_prob target {int(target[first])} at row {first} is out of range for "
+                f"{self.num_classes} classes (valid: 0..{self.num_classes - 1})"
+            )
+        spec = self._spec()
+        lse, target_logit, _, _ = self.engine.row_stats(x, target, spec.shards(self._shard_params()), spec.softcap)
+        return (target_logit - lse).to(x.dtype)
+
+    # ---------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ---------------------------------------------------------------------------------------------
+    def save_safetensors(self, path: str) -> None:
+        """Write the head to a safetensors file, one tensor per shard (``weight.<k>``, ``bias.<k>``) with
+        the class ranges in the file's metadata. CPU shards are written from their own memory; a GPU
+        shard is copied to the host once; the weight is never held twice on one device.
+
+        Any placement reads the file back with :meth:`load_safetensors`.
+        """
+        from safetensors.torch import save_file
+
+        tensors: Dict[str, Tensor] = {}
+        for k, shard in enumerate(self.shards):
+            tensors[f"weight.{k}"] = shard.weight.detach().to("cpu").contiguous()
+            if shard.bias is not None:
+                tensors[f"bias.{k}"] = shard.bias.detach().to("cpu").contiguous()
+        metadata = {
+            "format": "pt",
+            "hugehead.format": _SAFETENSORS_FORMAT,
+            "hugehead.in_features": str(self.in_features),
+            "hugehead.num_classes": str(self.num_classes),
+            "hugehead.class_ranges": json.dumps([[s.start, s.stop] for s in self.shards]),
+        }
+        save_file(tensors, path, metadata=metadata)
+
+    @torch.no_grad()
+    def load_safetensors(self, path: str, strict: bool = True) -> None:
+        """Copy a checkpoint into the shards, reading only the rows each shard needs, a block of rows at
+        a time (``safe_open(...).get_slice``).
+
+        Reads files written by :meth:`save_safetensors` from any placement, and plain files holding the
+        logical ``weight [V, D]`` (and ``bias [V]``), e.g. ``save_file(head.state_dict(), path)``.
+
+        Raises:
+            ValueError: the file's classes or features differ from the head's, its pieces do not cover
+                ``[0, V)``, or (``strict``) it has a bias the head lacks or lacks one the head has.
+        """
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            if "weight" in names:
+                pieces = [(0, None, "weight", "bias")]
+            else:
+                ranges = json.loads((f.metadata() or {}).get("hugehead.class_ranges", "null"))
+                if ranges is None:
+                    raise ValueError(
+                        f"hugehead: {path} has neither a 'weight' tensor nor hugehead shard metadata "
+                        f"(tensors: {sorted(names)})"
+                    )
+                pieces = [(start, stop, f"weight.{k}", f"bias.{k}") for k, (start, stop) in enumerate(ranges)]
+            stop = 0
+            for i, (start, _, weight_name, bias_name) in enumerate(pieces):
+                if weight_name not in names:
+                    raise ValueError(f"hugehead: {path} lacks tensor {weight_name!r}")
+                shape = f.get_slice(weight_name).get_shape()
+                if len(shape) != 2 or shape[1] != self.in_features:
+                    raise ValueError(
+                        f"hugehead: {path}: {weight_name} has shape {list(shape)}, but the head has "
+                        f"in_features={self.in_features} (expected [rows, {self.in_features}])"
+                    )
+                if start != stop:
+                    raise ValueError(f"hugehead: {path}: {weight_name} starts at class {start}, expected {stop}")
+                stop = start + shape[0]
+                pieces[i] = (start, stop, weight_name, bias_name)
+                if bias_name in names:
+                    bias_shape = f.get_slice(bias_name).get_shape()
+                    if list(bias_shape) != [shape[0]]:
+                        raise ValueError(
+                            f"hugehead: {path}: {bias_name} has shape {list(bias_shape)}, expected [{shape[0]}]"
+                        )
+            if stop != self.num_classes:
+                raise ValueError(
+                    f"hugehead: {path} holds {stop} classes but the head has num_classes={self.num_classes}"
+                )
+            file_has_bias = all(p[3] in names for p in pieces)
+            if strict and file_has_bias != self.has_bias:
+                raise ValueError(
+                    f"hugehead: {path} {'has' if file_has_bias else 'has no'} bias but the head "
+                    f"{'has' if self.has_bias else 'has no'} bias (pass strict=False to ignore it)"
+                )
+            rows = max(1, _ROW_BLOCK_ELEMENTS // self.in_features)
+            for shard in self.shards:
+                for start, stop, weight_name, bias_name in pieces:
+                    lo, hi = max(start, shard.start), min(stop, shard.stop)
+                    destinations = [(weight_name, shard.weight)]
+                    if self.has_bias and file_has_bias:
+                        destinations.append((bias_name, shard.bias))
+                    for name, param in destinations:
+                        source = f.get_slice(name)
+                        for r0 in range(lo, hi, rows):
+                            r1 = min(r0 + rows, hi)
+                            param[r0 - shard.start:r1 - shard.start].copy_(source[r0 - start:r1 - start])
+
+
+# --------------------------------------------------------------------------------------------------
+# Placement-independent state dicts: logical ``weight [V, D]`` and ``bias [V]``
+# --------------------------------------------------------------------------------------------------
+def _logical_state_dict_hook(module: ChunkedClassifier, state_dict, prefix: str, local_metadata) -> None:
+    names = ("weight", "bias") if module.has_bias else ("weight",)
+    for name in names:
+        keys = [f"{prefix}shards.{k}.{name}" for k in range(len(module.shards))]
+        pieces = [state_dict.pop(key) for key in keys]
+        if len(pieces) == 1:  # the logical tensor itself: no copy
+            state_dict[prefix + name] = pieces[0]
+            continue
+        # Several shards are gathered into one host tensor, each copied straight into its rows.
+        logical = torch.empty((module.num_classes, *pieces[0].shape[1:]), dtype=pieces[0].dtype)
+        for shard, piece in zip(module.shards, pieces):
+            logical[shard.start:shard.stop].copy_(piece.detach())
+        state_dict[prefix + name] = logical
+
+
+def _load_logical_state_dict_hook(module: ChunkedClassifier, state_dict, prefix, local_metadata, strict,
+                                  missing_keys, unexpected_keys, error_msgs) -> None:
+    module._load_prefix = prefix
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    names = ("weight", "bias") if module.has_bias else ("weight",)
+    expected = {"weight": (module.num_classes, module.in_features), "bias": (module.num_classes,)}
+    for name in names:
+        if prefix + name not in state_dict:
+            continue
+        logical = state_dict.pop(prefix + name)
+        if tuple(logical.shape) != expected[name]:
+            error_msgs.append(
+                f"size mismatch for {prefix}{name}: copying a param with shape {tuple(logical.shape)} from "
+                f"checkpoint, the shape in current model is {expected[name]} (in_features={module.in_features}, "
+                f"num_classes={module.num_classes})."
+            )
+            continue
+        for k, shard in enumerate(module.shards):
+            piece = logical[shard.start:shard.stop]
+            if assign and len(module.shards) > 1:
+                # Assigned shards must not be views of one tensor (that would keep the whole logical
+                # tensor alive, possibly on another device, and make shards share storage).
+                piece = piece.to(shard.device, copy=True)
+            elif assign:
+                piece = piece.to(shard.device)
+            state_dict[f"{prefix}shards.{k}.{name}"] = piece
+
+
+def _rename_missing_keys_hook(module: ChunkedClassifier, incompatible_keys) -> None:
+    # Report a missing logical key, not the per-shard keys it would have filled.
+    prefix = getattr(module, "_load_prefix", "")
+    missing = incompatible_keys.missing_keys
+    renamed = []
+    for key in missing:
+        for name in ("weight", "bias"):
+            if key.startswith(prefix + "shards.") and key.endswith("." + name):
+                key = prefix + name
+        if key not in renamed:
+            renamed.append(key)
+    missing[:] = renamed

@@ -1,0 +1,100 @@
+"""python -m hugehead.demo: a tiny run learns far above both chance levels and writes its plot and
+summary; impossible requests exit with a message, not a traceback."""
+import json
+
+import pytest
+import torch
+
+from hugehead import demo
+
+TINY = ["--classes", "2000", "--dim", "32", "--input-dim", "32", "--hidden", "64", "--batch", "128",
+        "--steps", "120", "--epochs", "2", "--eval-size", "512", "--devices", "cpu", "--dtype", "float32",
+        "--no-progress"]
+
+
+def test_tiny_run_learns_and_writes_outputs(tmp_path, capsys):
+    assert demo.main(TINY + ["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "held-out top-1 accuracy" in out and "peak memory per device" in out
+
+    png = tmp_path / "training.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    final = summary["final"]
+    assert final["chance_uniform"] == pytest.approx(1 / 2000)
+    # Far above chance, and honestly so: well above always answering the most frequent class.
+    assert final["eval_accuracy"] > 0.45
+    assert final["eval_accuracy"] > 2.5 * final["chance_most_frequent"]
+    assert final["eval_loss"] < summary["epochs"][0]["train_loss"]
+    assert len(summary["epochs"]) == 2 and len(summary["step_loss"]) == 120
+    assert summary["shards"] == [{"device": "cpu", "start": 0, "stop": 2000}]
+    assert summary["memory"]["peak_bytes"]["cpu"] > 0
+    assert summary["memory"]["plain_logits_total_bytes"] == 2 * 128 * 2000 * 4
+
+
+def test_several_shards_on_repeated_devices(tmp_path):
+    argv = TINY[:TINY.index("--devices")] + ["--devices", "cpu,cpu,cpu", "--steps", "4", "--epochs", "1",
+                                              "--no-progress", "--out", str(tmp_path)]
+    assert demo.main(argv) == 0
+    shards = json.loads((tmp_path / "summary.json").read_text())["shards"]
+    assert [(s["start"], s["stop"]) for s in shards] == [(0, 667), (667, 1334), (1334, 2000)]
+
+
+def test_zipf_data_is_deterministic_and_long_tailed():
+    data = demo.ZipfPrototypes(100_000, 16, 1.1, 0.0, seed=3, device=torch.device("cpu"))
+    x1, y1 = data.sample(4096, torch.Generator().manual_seed(0))
+    x2, y2 = data.sample(4096, torch.Generator().manual_seed(0))
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert int(y1.min()) >= 0 and int(y1.max()) < 100_000
+    # Without noise a sample is its class's prototype, recomputed from the id alone.
+    assert torch.equal(x1, data.prototypes(y1))
+    assert abs(float(x1.mean())) < 0.05 and abs(float(x1.std()) - 1.0) < 0.05
+    top_share = float((y1 == data.most_frequent_class).double().mean())
+    assert top_share == pytest.approx(float(data.rank_probs[0]), abs=0.02)
+    assert 1000 < int(torch.unique(y1).numel()) < 4096
+
+
+def _exit_message(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        demo.main(argv)
+    err = capsys.readouterr().err
+    return info.value.code, err + (info.value.code if isinstance(info.value.code, str) else "")
+
+
+def test_missing_gpu_is_a_clear_error(capsys):
+    missing = f"cuda:{torch.cuda.device_count()}"
+    code, message = _exit_message(capsys, TINY + ["--devices", missing])
+    assert code == 2
+    assert f"{missing} requested" in message and "Traceback" not in message
+
+
+def test_too_many_gpus_is_a_clear_error(capsys):
+    count = torch.cuda.device_count() + 1
+    code, message = _exit_message(capsys, TINY + ["--devices", str(count)])
+    assert code == 2
+    assert f"{count} GPUs requested but {count - 1} visible" in message
+
+
+def test_bad_dtype_is_a_clear_error(capsys):
+    code, message = _exit_message(capsys, TINY + ["--dtype", "int8"])
+    assert code == 2
+    assert "unsupported dtype 'int8'" in message
+
+
+def test_bad_device_string_is_a_clear_error(capsys):
+    code, message = _exit_message(capsys, TINY + ["--devices", "tpu:0"])
+    assert code == 2
+    assert "'tpu:0'" in message
+
+
+def test_size_that_cannot_fit_is_refused_before_allocating(capsys):
+    code, message = _exit_message(capsys, TINY + ["--classes", "2000000000", "--dim", "4096"])
+    assert isinstance(code, str)
+    assert "2,000,000,000 classes" in message and "GiB" in message and "available RAM" in message
+
+
+def test_memory_estimate_counts_weight_grad_and_adam_per_device():
+    args = demo.parse_args(TINY + ["--devices", "cpu,cpu", "--classes", "1000", "--dim", "16"])
+    need = demo.estimate_bytes_per_device(args)
+    assert list(need) == [torch.device("cpu")]  # repeated devices add up
+    assert need[torch.device("cpu")] >= 1000 * 17 * 4 * 4
