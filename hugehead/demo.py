@@ -513,7 +513,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if total is None and step == _CALIBRATION_STEPS:
             _sync(devices)
             per_step = (time.perf_counter() - t_train) / step
-            left = deadline - time.perf_counter() - evals_left * eval_seconds - _RESERVE_SECONDS
+            left = deadline - time.perf_counter() - evals_left * 1.2 * eval_seconds - _RESERVE_SECONDS
             total = min(_MAX_AUTO_STEPS, max(step, args.epochs, step + int(left / per_step)))
             ends = _epoch_ends(total, args.epochs, step)
             if bar is not None:
