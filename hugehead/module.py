@@ -174,7 +174,10 @@ class ChunkedClassifier(nn.Module):
     Args:
         in_features: ``D``. num_classes: ``V``. bias: whether the logits have a bias.
         devices: where the shards go, one shard per entry (entries may repeat; ``"cpu"`` allowed).
-            None: the current CUDA device if there is one, else the CPU.
+            None: the current CUDA device if there is one, else the CPU. An explicit placement is
+            pinned: ``.to(device)``, ``.cuda()`` and ``.cpu()`` on the head (or a model holding it)
+            leave every shard where it is and only apply dtype casts; with ``devices=None`` the head
+            moves like ``nn.Linear``.
         dtype: of the Parameters (default: ``torch.get_default_dtype()``); ``x`` must match it.
         chunk_size, memory_budget: classes per chunk and bytes of workspace per shard, as in
             :func:`hugehead.linear_cross_entropy` (None: planned).
@@ -250,6 +253,9 @@ class ChunkedClassifier(nn.Module):
             None if chunk_size is None else int(chunk_size), None if memory_budget is None else int(memory_budget)
         )
 
+        # Explicit placements are pinned: Module.to(device)/.cuda()/.cpu() (which Lightning and most training
+        # loops call on the whole model) cast dtypes but leave each shard on its device.
+        self.placement_pinned = devices is not None
         placement = _parse_devices(devices)
         sizes = _parse_shard_sizes(shard_sizes, self.num_classes, len(placement))
         shards, start = [], 0
@@ -262,6 +268,17 @@ class ChunkedClassifier(nn.Module):
         self.register_state_dict_post_hook(_logical_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_logical_state_dict_hook)
         self.register_load_state_dict_post_hook(_rename_missing_keys_hook)
+
+    def _apply(self, fn, recurse=True):
+        if not self.placement_pinned:
+            return super()._apply(fn, recurse)
+
+        def keep_device(t: Tensor) -> Tensor:
+            # What fn would make of a tensor like t tells the dtype it asks for; the device stays.
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            return t if probe.dtype == t.dtype else t.to(dtype=probe.dtype)
+
+        return super()._apply(keep_device, recurse)
 
     # ---------------------------------------------------------------------------------------------
     # Layout

@@ -536,3 +536,23 @@ def test_multigpu_shards(x_device, tmp_path):
 @pytest.mark.multigpu
 def test_multigpu_mixed_with_cpu_shard():
     check_placement(["cuda:1", "cpu", "cuda:0"], [10, 15, 12], "cuda:0", label_smoothing=0.2)
+
+
+def test_explicit_placement_is_pinned_under_module_to():
+    # Lightning and plain training loops call model.to(device) on the whole model: an explicitly placed
+    # head must keep its shards where they are (only dtype casts apply); an unplaced head moves.
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(6, 11, devices=["cpu", "cpu"], dtype=torch.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 6), head)
+    before = [s.weight.detach().clone() for s in head.shards]
+    model.to("meta")
+    assert model[0].weight.device.type == "meta"
+    assert [s.weight.device.type for s in head.shards] == ["cpu", "cpu"]
+    model.to(torch.float64)
+    assert head.dtype == torch.float64
+    for s, w in zip(head.shards, before):
+        assert s.weight.device.type == "cpu"
+        torch.testing.assert_close(s.weight, w.double(), rtol=0, atol=0)
+    free = hugehead.ChunkedClassifier(6, 11, devices=None, dtype=torch.float32)
+    free.to("meta")
+    assert free.shards[0].weight.device.type == "meta"
