@@ -7,10 +7,13 @@ trained with ``Trainer(accelerator="gpu", devices=1)`` (no DDP, no FairScale/Dee
     python examples/lightning_6m.py --classes 1000000 --steps 100
     python examples/lightning_6m.py --cpu              # tiny smoke run, head as two CPU shards
 
-Lightning moves the LightningModule to its device with ``module.to(device)``, and ``nn.Module.to``
-would move every shard of the head onto that one GPU (``ChunkedClassifier`` does not pin its shards).
-``HugeHeadModule._apply`` therefore applies Lightning's moves and casts to everything except the head,
-whose shards stay where they were placed; see its docstring.
+Lightning moves the LightningModule to its device with ``module.to(device)`` (and back with ``.cpu()``
+after ``fit``). A ChunkedClassifier built with explicit ``devices`` is pinned: those calls cast dtypes
+but leave every shard where it was placed, so no special handling is needed here; ``main`` checks that
+the shards did not move. (Lightning's strategy teardown does move all optimizer state to the CPU after
+``fit``, the shards' Adam moments included: harmless here, where ``fit`` runs once; a ``fit`` resumed
+from a checkpoint would likewise get every shard's optimizer state moved onto the root device by
+``Strategy.load_optimizer_state_dict``.)
 
 The data: sequences of ``--seq-len`` tokens; class ``c`` has a fixed token pattern (a hash of ``c``), a
 sample is that pattern with a fraction of its tokens replaced at random, and classes follow a Zipf law,
@@ -94,7 +97,8 @@ class TokenEncoder(nn.Module):
 
 
 class HugeHeadModule(L.LightningModule):
-    """Backbone on Lightning's device; a ChunkedClassifier whose shards stay on ``head_devices``."""
+    """Backbone on Lightning's device; a ChunkedClassifier whose shards stay on ``head_devices`` (an
+    explicit placement is pinned: Lightning's ``.to(device)`` does not move them)."""
 
     def __init__(self, num_classes: int, dim: int, token_vocab: int, seq_len: int, head_devices: List[str],
                  head_dtype: torch.dtype, lr: float, layers: int = 2, heads: int = 4):
@@ -102,21 +106,6 @@ class HugeHeadModule(L.LightningModule):
         self.backbone = TokenEncoder(token_vocab, seq_len, dim, layers, heads)
         self.head = hugehead.ChunkedClassifier(dim, num_classes, devices=head_devices, dtype=head_dtype)
         self.lr = lr
-
-    def _apply(self, fn, recurse=True):
-        """Apply ``.to()/.cuda()/.half()``-style conversions to everything but the head.
-
-        Lightning calls ``self.to(root_device)`` before fit and test; ``nn.Module._apply`` would move
-        every shard of the head onto that one device (and cast it). The head's shards are placed once,
-        at construction, so the head is taken out of the module tree while ``fn`` is applied. The head
-        still takes part in ``parameters()``, ``state_dict()`` and the optimizer as usual.
-        """
-        head = self._modules.pop("head")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._modules["head"] = head
-        return self
 
     def _loss_and_features(self, batch):
         tokens, target = batch

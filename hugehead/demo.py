@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-_START = time.perf_counter()
+_START = time.perf_counter()  # `python -m hugehead.demo`: the time budget counts the imports too
 
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
@@ -47,7 +47,7 @@ _DEFAULTS = {
     "cuda": dict(classes=6_000_000, dim=768, input_dim=128, hidden=1024, batch=4096, steps=400, epochs=4,
                  eval_size=16384, dtype="bfloat16", lr=3e-3, time_budget=None),
 }
-# Steps timed before an automatic step count is chosen; a cap on that count.
+# Steps timed (after a first, warm-up step) before an automatic step count is chosen; a cap on that count.
 _CALIBRATION_STEPS = 3
 _MAX_AUTO_STEPS = 100_000
 # Seconds kept free at the end of a time budget for the report, the plot and the summary.
@@ -74,7 +74,7 @@ def _dtype_arg(text: str) -> torch.dtype:
 def _positive_int(text: str) -> int:
     try:
         value = int(float(text)) if "e" in text.lower() else int(text.replace("_", ""))
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -235,7 +235,7 @@ def balanced_shard_sizes(num_classes: int, shards: int) -> List[int]:
 def estimate_bytes_per_device(args: argparse.Namespace) -> Dict[torch.device, int]:
     """Bytes each device needs while training: per shard the weight and bias with their gradient and
     Adam's two moments, plus the chunk workspace; on the first device also the backbone (with its
-    gradient and Adam state), the class-frequency table and one batch of activations."""
+    gradient and Adam state), the class-frequency tables and one batch of activations."""
     itemsize = torch.empty((), dtype=args.dtype).element_size()
     need: Dict[torch.device, int] = {}
     for dev, v in zip(args.devices, balanced_shard_sizes(args.classes, len(args.devices))):
@@ -245,7 +245,7 @@ def estimate_bytes_per_device(args: argparse.Namespace) -> Dict[torch.device, in
     first = args.devices[0]
     backbone_params = args.input_dim * args.hidden + args.hidden * args.hidden + args.hidden * args.dim
     activations = args.batch * (args.input_dim + 2 * args.hidden + 2 * args.dim) * 4 * 3
-    need[first] = need.get(first, 0) + backbone_params * 4 * 4 + activations + args.classes * 8
+    need[first] = need.get(first, 0) + backbone_params * 4 * 4 + activations + args.classes * 8 * 3
     return need
 
 
@@ -273,11 +273,12 @@ def check_fits(args: argparse.Namespace) -> None:
         have = available_bytes(dev)
         if need > 0.92 * have:
             where = "available RAM" if dev.type == "cpu" else "free memory"
+            smaller_dtype = " or a 2-byte --dtype (bfloat16)" if args.dtype.itemsize > 2 else ""
             raise SystemExit(
                 f"hugehead.demo: error: {args.classes:,} classes × {args.dim} features in "
                 f"{_dtype_name(args.dtype)} on {len(args.devices)} device(s) need about {need / _GiB:.1f} GiB "
                 f"on {dev} (weights, gradients, Adam state and workspace) but it has {have / _GiB:.1f} GiB "
-                f"{where}. Use more --devices, fewer --classes, a smaller --dim or a 2-byte --dtype."
+                f"{where}. Use more --devices, fewer --classes, a smaller --dim{smaller_dtype}."
             )
 
 
@@ -353,13 +354,16 @@ class Backbone(nn.Sequential):
         )
 
 
-def _adam(params, lr: float) -> torch.optim.Optimizer:
-    """Adam, fused (no parameter-sized temporaries: matters for multi-GiB shards) where supported."""
-    params = list(params)
+def _adam(backbone: nn.Module, head: nn.Module, lr: float, head_dtype: torch.dtype) -> torch.optim.Optimizer:
+    """Adam over the backbone and every shard, fused (no parameter-sized temporaries: matters for
+    multi-GiB shards) where supported. A float16 head gets ``eps=1e-4``: its second moments underflow
+    float16, and ``1e-8`` is 0 there."""
+    groups = [dict(params=list(backbone.parameters())),
+              dict(params=list(head.parameters()), eps=1e-4 if head_dtype == torch.float16 else 1e-8)]
     try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
+        return torch.optim.Adam(groups, lr=lr, fused=True)
     except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(params, lr=lr, foreach=False)
+        return torch.optim.Adam(groups, lr=lr, foreach=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -448,6 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Raises:
         SystemExit: with a message for an impossible request (devices, dtype, a size that cannot fit).
     """
+    start = _START if __name__ == "__main__" else time.perf_counter()
     args = parse_args(argv)
     check_fits(args)
     torch.manual_seed(args.seed)
@@ -465,7 +470,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     backbone = Backbone(args.input_dim, args.hidden, args.dim).to(first)
     head = hugehead.ChunkedClassifier(args.dim, args.classes, devices=[str(d) for d in devices], dtype=dtype,
                                       memory_budget=_WORKSPACE_BUDGET)
-    optimizer = _adam(list(backbone.parameters()) + list(head.parameters()), args.lr)
+    optimizer = _adam(backbone, head, args.lr, dtype)
     shard_info = [dict(device=str(s.device), start=int(s.start), stop=int(s.stop)) for s in head.shards]
 
     chance = 1.0 / args.classes
@@ -489,7 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # Step 0: the untrained model (at chance); also times one evaluation for the budget.
     eval_seconds = run_eval(0)
-    deadline = None if args.time_budget is None else _START + args.time_budget
+    deadline = None if args.time_budget is None else start + args.time_budget
     total = args.steps
     ends = _epoch_ends(total, args.epochs, 0) if total else []
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, disable=args.no_progress) if tqdm else None
@@ -510,9 +515,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         evals_left = args.epochs - len(history["epoch_end_step"])
-        if total is None and step == _CALIBRATION_STEPS:
+        if total is None and step == 1:
             _sync(devices)
-            per_step = (time.perf_counter() - t_train) / step
+            t_warm = time.perf_counter()
+        if total is None and step == 1 + _CALIBRATION_STEPS:
+            _sync(devices)
+            per_step = (time.perf_counter() - t_warm) / _CALIBRATION_STEPS
             left = deadline - time.perf_counter() - evals_left * 1.2 * eval_seconds - _RESERVE_SECONDS
             total = min(_MAX_AUTO_STEPS, max(step, args.epochs, step + int(left / per_step)))
             ends = _epoch_ends(total, args.epochs, step)
@@ -555,7 +563,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"  uniform chance 1/V      {100 * chance:.5f}%")
     print(f"train: {steps_done} steps in {train_seconds:.1f} s "
           f"({steps_done * args.batch / train_seconds:,.0f} samples/s); wall time so far "
-          f"{time.perf_counter() - _START:.1f} s")
+          f"{time.perf_counter() - start:.1f} s")
     print("peak memory per device:")
     for dev, b in peaks.items():
         what = "process peak RSS" if dev == "cpu" else "torch.cuda.max_memory_allocated"
@@ -589,7 +597,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         step_loss=history["step_loss"],
         timing=dict(train_seconds=train_seconds, loop_seconds=time.perf_counter() - t_train,
                     samples_per_second=steps_done * args.batch / train_seconds,
-                    wall_seconds=time.perf_counter() - _START),
+                    wall_seconds=time.perf_counter() - start),
         memory=dict(peak_bytes=peaks,
                     peak_kind={d: ("process_peak_rss" if d == "cpu" else "cuda_max_memory_allocated") for d in peaks},
                     estimated_bytes={str(d): b for d, b in estimate_bytes_per_device(args).items()},

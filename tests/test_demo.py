@@ -40,6 +40,32 @@ def test_several_shards_on_repeated_devices(tmp_path):
     assert [(s["start"], s["stop"]) for s in shards] == [(0, 667), (667, 1334), (1334, 2000)]
 
 
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+def test_auto_steps_fit_the_time_budget(tmp_path):
+    argv = _without(TINY, "--steps") + ["--steps", "auto", "--time-budget", "7", "--out", str(tmp_path)]
+    assert demo.main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["steps_requested"] == "auto"
+    # How many steps fit depends on the machine's load (CI shares 2 cores), so only the budget is a
+    # hard bound; stopping early is the demo's own safety valve when steps slow down mid-run.
+    assert summary["config"]["steps"] >= 1
+    assert summary["timing"]["wall_seconds"] < 7
+    assert len(summary["epochs"]) == 2
+
+
+def test_time_budget_stops_a_fixed_step_count_early(tmp_path):
+    argv = _without(TINY, "--steps") + ["--steps", "1000000", "--time-budget", "7", "--out", str(tmp_path)]
+    assert demo.main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final"]["stopped_early"]
+    assert 1 <= summary["config"]["steps"] < 1_000_000
+    assert summary["timing"]["wall_seconds"] < 7
+
+
 def test_zipf_data_is_deterministic_and_long_tailed():
     data = demo.ZipfPrototypes(100_000, 16, 1.1, 0.0, seed=3, device=torch.device("cpu"))
     x1, y1 = data.sample(4096, torch.Generator().manual_seed(0))

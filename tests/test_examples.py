@@ -1,5 +1,5 @@
 """examples/lightning_6m.py in its CPU smoke mode: fit and test (with only a test dataloader) both run,
-the head keeps its two shards, and Lightning-style moves of the module leave the head in place."""
+the head keeps its two shards, and Lightning-style moves of the module leave the head's shards in place."""
 import importlib.util
 import math
 from pathlib import Path
@@ -37,15 +37,13 @@ def test_cpu_smoke_fit_then_test(example):
     assert [(s.start, s.stop) for s in model.head.shards] == [(0, 1500), (1500, 3000)]
 
 
-def test_module_moves_leave_the_head_in_place(example):
+def test_lightning_style_moves_leave_the_head_in_place(example):
+    # Lightning calls model.to(root_device) before fit/test and model.cpu() after fit.
     model = example.HugeHeadModule(500, 16, 64, 8, ["cpu", "cpu"], torch.float32, lr=1e-3, heads=2)
-    model.to(torch.float64)
-    assert model.backbone.tokens.weight.dtype == torch.float64
-    assert all(s.weight.dtype == torch.float32 for s in model.head.shards)
     model.to("meta")
     assert model.backbone.tokens.weight.device.type == "meta"
     assert all(s.weight.device.type == "cpu" and s.bias.device.type == "cpu" for s in model.head.shards)
-    # The head still belongs to the module: its Parameters are trained and checkpointed with it.
+    # The head belongs to the module: its Parameters are trained and checkpointed with it.
     names = {n for n, _ in model.named_parameters()}
     assert {"head.shards.0.weight", "head.shards.1.bias"} <= names
     assert "head.weight" in model.state_dict()
