@@ -1,7 +1,7 @@
 // Every op schema of the hugehead namespace, and the Python module init. Kernels live in cpu/ and
 // cuda/ under the same file names and register with TORCH_LIBRARY_IMPL. Each op works on one device
 // and one vocabulary chunk; the chunk loop, the merge across shards and autograd are in Python.
-#include <pybind11/pybind11.h>
+#include <pybind11/pybind11.h>  // torch's bundled copy (see CMakeLists.txt)
 #include <torch/library.h>
 
 TORCH_LIBRARY(hugehead, m) {

@@ -23,7 +23,8 @@ __global__ void __launch_bounds__(kThreads) chunk_stats_kernel(ChunkStatsParams 
   cuda::for_each_in_row<scalar_t, /*Write=*/false>(logits, p.cols, [&](int64_t j, scalar_t& raw) {
     const acc_t v = apply_softcap(static_cast<acc_t>(raw), softcap);
     if (v > m) {
-      s = (m == neg_inf<acc_t>() ? acc_t(0) : s * cuda::fast_exp(m - v)) + acc_t(1);
+      // s * 0 (not a literal 0) when m is still -inf: a NaN already in s must survive.
+      s = s * (m == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(m - v)) + acc_t(1);
       m = v;
     } else {
       s += v == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(v - m);  // NaN v makes s NaN
