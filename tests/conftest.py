@@ -4,6 +4,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI runs the same examples every time (a red CI then means a regression, not a new random draw);
+# locally every run explores new ones. HYPOTHESIS_PROFILE=explore forces the latter.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "explore"))
 
 import hugehead
 
