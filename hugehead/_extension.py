@@ -39,3 +39,22 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
     import torch
 
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"hugehead::{op}", dispatch_key)
+
+
+_KERNEL_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+# Registrations are fixed once _C is loaded: read them once, so the check is a plain dict lookup that
+# torch.compile traces through (the dispatcher query itself is opaque to Dynamo).
+_HAS_KERNELS = {key: has_kernel("chunk_stats_", key) for key in _KERNEL_KEYS.values()}
+
+
+def require_kernels(device) -> None:
+    """Raise a RuntimeError with the rebuild command when hugehead's kernels for ``device``'s type are
+    not registered (e.g. a CPU-only build used with CUDA tensors), instead of the dispatcher's error."""
+    key = _KERNEL_KEYS.get(device.type)
+    if key is None:
+        raise ValueError(f"hugehead: tensors on {device} are not supported; hugehead runs on 'cpu' and 'cuda'")
+    if not _HAS_KERNELS[key]:
+        raise RuntimeError(
+            f"hugehead: this build has no {key} kernels (hugehead.cuda_built() is {cuda_built()}). Rebuild on a "
+            "machine with nvcc and a CUDA torch with: HUGEHEAD_CUDA=ON pip install --no-build-isolation ."
+        )

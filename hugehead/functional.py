@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._extension import require_kernels
 
 __all__ = [
     "linear_cross_entropy",
@@ -340,6 +341,7 @@ def _check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     for name, t in tensors.items():
         if t.device != x.device:
             raise ValueError(f"hugehead: {name} is on {t.device} but x is on {x.device}")
+    require_kernels(x.device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._extension import has_kernel
+from ._extension import require_kernels
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
 from .functional import check_targets, reduce_loss, row_losses, validate_options
 
@@ -72,11 +72,7 @@ def _parse_devices(devices) -> List[torch.device]:
                 raise ValueError(
                     f"hugehead: devices entry {entry!r}: there are only {torch.cuda.device_count()} CUDA devices"
                 )
-            if not has_kernel("chunk_stats_", "CUDA"):
-                raise RuntimeError(
-                    "hugehead: a shard on CUDA needs hugehead's CUDA kernels, but this build has none. Rebuild "
-                    "with: HUGEHEAD_CUDA=ON pip install --no-build-isolation ."
-                )
+            require_kernels(device)
             device = torch.device("cuda", index)
         elif device.type != "cpu":
             raise ValueError(

@@ -33,3 +33,12 @@ def test_dispatcher_has_kernels(op):
     if hugehead.cuda_built():
         assert hugehead.has_kernel(op, "CUDA")
     assert str(getattr(torch.ops.hugehead, op).default._schema).startswith(f"hugehead::{op}(")
+
+
+def test_missing_backend_kernels_give_a_rebuild_message(monkeypatch):
+    monkeypatch.setitem(_extension._HAS_KERNELS, "CUDA", False)
+    with pytest.raises(RuntimeError, match=r"no CUDA kernels.*HUGEHEAD_CUDA=ON pip install --no-build-isolation"):
+        _extension.require_kernels(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="tensors on meta are not supported"):
+        _extension.require_kernels(torch.device("meta"))
+    _extension.require_kernels(torch.device("cpu"))  # CPU kernels are always built
