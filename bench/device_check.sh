@@ -6,7 +6,7 @@
 #   OUT=/path/to/empty/dir [STAGES="..."] [BENCH_ARGS="..."] bash bench/device_check.sh
 #
 # Environment (all optional):
-#   STAGES       steps to run, any of: smi peers build dispatch test sanitizer bench
+#   STAGES       steps to run, any of: smi peers build dispatch test sanitizer bench placement
 #                (default "smi peers build dispatch test"); the order of the list does not matter.
 #   BENCH_ARGS   extra arguments for python -m bench.bench_lce (e.g. "--shapes llama3_4k,xc1M").
 #   DEADLINE_S   seconds this script may take in all (default 570, under the device tool's 600 s);
@@ -178,6 +178,15 @@ bench() {
     return "$rc"
 }
 
+placement() {
+    # Multi-GPU only: the one-GPU vs all-GPU scaling figure at xc6M and the 50M-class head
+    # (PLACEMENT_ARGS, e.g. "--scaling" alone). Results in $OUT/placement/placement.{json,md,png}.
+    local left=$1
+    # shellcheck disable=SC2086
+    HUGEHEAD_BENCH_IMPORT=installed timeout -k 20 "$left" "$PY" -m bench.bench_placement --out "$OUT/placement" \
+        ${PLACEMENT_ARGS:-}
+}
+
 # ---------------------------------------------------------------------------------------------------
 say "device_check: stages [$STAGES], deadline ${DEADLINE_S} s, repo $REPO, git ${HUGEHEAD_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 has_stage smi && step smi gpu_facts
@@ -201,6 +210,10 @@ fi
 if has_stage bench; then
     left=$(( $(remaining) - 15 ))
     if [ "$left" -gt 90 ]; then TAIL_LINES=80 step bench bench "$left"; else skip bench "no time left (${left} s)"; fi
+fi
+if has_stage placement; then
+    left=$(( $(remaining) - 15 ))
+    if [ "$left" -gt 120 ]; then TAIL_LINES=60 step placement placement "$left"; else skip placement "no time left (${left} s)"; fi
 fi
 
 # ---------------------------------------------------------------------------------------------------
