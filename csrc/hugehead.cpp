@@ -12,9 +12,10 @@ TORCH_LIBRARY(hugehead, m) {
       "Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum) -> ()");
   // Replace a logits chunk [N, C] by dLoss/dlogits in place, given every row's final lse and
   // dLoss/dloss_row (zero for ignored rows), with label smoothing, z-loss and softcap folded in.
+  // grad_lse (optional, [N]): the gradient reaching a returned per-row lse, added as g_lse * softmax.
   m.def(
       "chunk_grad_(Tensor(a!) logits, Tensor target, int class_start, int num_classes, Tensor lse, "
-      "Tensor grad_rows, float label_smoothing, float z_loss, float softcap) -> ()");
+      "Tensor grad_rows, float label_smoothing, float z_loss, float softcap, Tensor? grad_lse=None) -> ()");
 }
 
 PYBIND11_MODULE(_C, module) {

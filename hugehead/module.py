@@ -3,6 +3,7 @@ shards (contiguous class ranges) on several devices. It owns one pair of Paramet
 its loss as one custom autograd op over all shards through a placement engine (``engines/``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -13,13 +14,14 @@ from torch import Tensor, nn
 
 from ._extension import require_kernels
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
-from .functional import check_targets, reduce_loss, row_losses, validate_options
+from .functional import autocast_dtype, check_targets, reduce_loss, validate_options
+from .loop import row_losses
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Rows of the logical weight initialized (and read from a checkpoint) at a time: bounds the host memory
-# such a pass needs, independent of the head's size.
+# Rows of the logical weight read from a checkpoint at a time: bounds the host memory such a pass needs,
+# independent of the head's size.
 _ROW_BLOCK_ELEMENTS = 1 << 24
 _SAFETENSORS_FORMAT = "hugehead.ChunkedClassifier/1"
 
@@ -47,6 +49,38 @@ class ClassShard(nn.Module):
 
     def extra_repr(self) -> str:
         return f"classes=[{self.start}, {self.stop}), device={self.device}"
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finalizer, in place, on int64 tensors holding 32-bit values (products wrap
+    in int64; the mask keeps the exact low 32 bits), identical on every device."""
+    h.bitwise_xor_(h >> 16).mul_(0x85EBCA6B).bitwise_and_(_MASK32)
+    h.bitwise_xor_(h >> 13).mul_(0xC2B2AE35).bitwise_and_(_MASK32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def _hashed_uniform_(param: Tensor, seed: int, first_class: int, bound: float) -> None:
+    """Fill ``param`` (``[rows, D]`` or ``[rows]``, rows = classes from ``first_class``) with values
+    uniform in ``[-bound, bound)`` that depend only on ``(seed, class, feature)``: 24 random bits per
+    value from a hash, computed on ``param``'s device a block of rows at a time."""
+    rows = param.shape[0]
+    cols = param.shape[1] if param.dim() == 2 else 1
+    budget = (1 << 26) if param.device.type == "cuda" else (1 << 20)
+    block = max(1, budget // cols)
+    device = param.device
+    col_key = _fmix32((torch.arange(cols, device=device, dtype=torch.int64) * 0x27D4EB2F + seed) & _MASK32)
+    flat = param.view(rows, cols)
+    for r0 in range(0, rows, block):
+        r1 = min(r0 + block, rows)
+        row_ids = torch.arange(first_class + r0, first_class + r1, device=device, dtype=torch.int64)
+        row_key = _fmix32((row_ids * 0x165667B1 + (row_ids >> 32) + seed) & _MASK32)
+        h = _fmix32(((row_key * 0x9E3779B1)[:, None] + col_key[None, :]).bitwise_and_(_MASK32))
+        # Exact: 24-bit integers and a power-of-two scale; then one rounding into the bound.
+        u = h.bitwise_right_shift_(8).to(torch.float32).mul_(2.0 / (1 << 24)).sub_(1.0)
+        flat[r0:r1].copy_(u.mul_(bound))
 
 
 def _parse_devices(devices) -> List[torch.device]:
@@ -121,46 +155,72 @@ class _LossSpec:
 
 
 class _ShardedLinearCrossEntropy(torch.autograd.Function):
-    """Per-row losses ``[N]`` (accumulation dtype) of ``x`` against every shard; one node in the graph.
+    """Per-row losses and lse ``[N]`` (accumulation dtype) of ``x`` against every shard; one node in
+    the graph. ``x`` is in the compute dtype; the shards' Parameters may be stored in another float
+    dtype (autocast: cast chunk by chunk in the loop).
 
-    The backward streams the shards again (recomputing logits) and returns each shard's gradients on
-    that shard's device.
+    The backward streams the shards again (recomputing logits, or from logits a shard kept) and returns
+    each shard's gradients on that shard's device in its Parameters' dtype.
     """
 
     @staticmethod
-    def forward(ctx, spec: _LossSpec, x: Tensor, target: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx, spec: _LossSpec, x: Tensor, target: Tensor, *params: Tensor) -> Tuple[Tensor, Tensor]:
         shards = spec.shards(params)
-        lse, target_logit, logit_sum, placed = spec.engine.row_stats(x, target, shards, spec.softcap)
-        valid = target != spec.ignore_index
-        loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.label_smoothing, spec.z_loss)
+        with _no_autocast(x, shards):
+            lse, target_logit, logit_sum, placed = spec.engine.row_stats(
+                x, target, shards, spec.softcap, keep=any(ctx.needs_input_grad)
+            )
+            valid = target != spec.ignore_index
+            loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.label_smoothing,
+                              spec.z_loss)
         ctx.spec = spec
         ctx.num_params = len(params)
         ctx.save_for_backward(x, target, lse, *params, *(p.x for p in placed), *(p.target for p in placed))
-        return loss
+        # Not saved for backward: the backward turns kept logits into their gradient in place and drops
+        # them, so a second backward (retain_graph=True) finds none and recomputes instead.
+        ctx.kept = [p.kept for p in placed]
+        ctx.set_materialize_grads(False)
+        return loss, lse
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor):
+    def backward(ctx, grad_loss: Optional[Tensor], grad_lse: Optional[Tensor]):
         spec: _LossSpec = ctx.spec
         saved = ctx.saved_tensors
         x, target, lse = saved[:3]
         params = saved[3:3 + ctx.num_params]
         k = len(spec.starts)
-        placed_x = saved[3 + ctx.num_params:3 + ctx.num_params + k]
-        placed_target = saved[3 + ctx.num_params + k:]
+        base = 3 + ctx.num_params
+        placed_x, placed_target = saved[base:base + k], saved[base + k:base + 2 * k]
+        placed_kept, ctx.kept = ctx.kept or [px.new_empty(0) for px in placed_x], None
         needs = ctx.needs_input_grad
         need_x = needs[1]
         need_w = [needs[3 + i] for i in range(k)]
         need_b = [spec.has_bias and needs[3 + k + i] for i in range(k)]
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+        if grad_loss is None:
+            grad_loss = zero.expand(lse.shape)
         grad_rows = torch.where(target != spec.ignore_index, grad_loss.to(lse.dtype), zero)
-        grad_x, grad_w, grad_b = spec.engine.backward(
-            [PlacedInputs(px, pt) for px, pt in zip(placed_x, placed_target)],
-            spec.shards(params), spec.num_classes, lse, grad_rows, spec.label_smoothing, spec.z_loss,
-            spec.softcap, need_x, [w or b for w, b in zip(need_w, need_b)], x,
-        )
+        shards = spec.shards(params)
+        with _no_autocast(x, shards):
+            grad_x, grad_w, grad_b = spec.engine.backward(
+                [PlacedInputs(px, pt, pk) for px, pt, pk in zip(placed_x, placed_target, placed_kept)],
+                shards, spec.num_classes, lse, grad_rows, spec.label_smoothing, spec.z_loss,
+                spec.softcap, need_x, [w or b for w, b in zip(need_w, need_b)], x,
+                grad_lse=None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(),
+            )
         grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
         grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
         return (None, grad_x if need_x else None, None, *grads_w, *grads_b)
+
+
+def _no_autocast(x: Tensor, shards: Sequence[ShardTensors]):
+    """Autocast off on every device type involved: the loop picks its own dtypes (x's compute dtype,
+    weight chunks cast to it) and issues GEMMs with out= that autocast must not recast."""
+    types = {x.device.type} | {s.weight.device.type for s in shards}
+    stack = contextlib.ExitStack()
+    for device_type in sorted(types & {"cuda", "cpu"}):
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 class ChunkedClassifier(nn.Module):
@@ -182,9 +242,9 @@ class ChunkedClassifier(nn.Module):
         shard_sizes: classes per shard, in device order (default: balanced).
         offload, process_group: placements of engines not built yet; they raise NotImplementedError.
 
-    Parameters are initialized as ``nn.Linear`` initializes them (uniform in ``±1/sqrt(D)``), on the CPU
-    generator in class order: under the same seed, every placement gets the same logical weight as
-    ``nn.Linear(in_features, num_classes, dtype=dtype)``.
+    Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
+    shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
+    every placement gets the same logical weight (see :meth:`reset_parameters`).
 
     Attributes:
         shards: ``nn.ModuleList`` of :class:`ClassShard` in class order (``.weight``, ``.bias``,
@@ -312,30 +372,20 @@ class ChunkedClassifier(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialize as ``nn.Linear`` does: ``kaiming_uniform_(a=sqrt(5))`` on the logical ``[V, D]``
-        weight, then the bias uniform in ``±1/sqrt(D)``, drawn on the CPU generator in class order a
-        block of rows at a time (so any placement gets the same values and no device holds the weight
-        twice)."""
-        rows = max(1, _ROW_BLOCK_ELEMENTS // self.in_features)
-        for name in ("weight", "bias") if self.has_bias else ("weight",):
-            for shard in self.shards:
-                param = getattr(shard, name)
-                staging = None
-                for r0 in range(0, param.shape[0], rows):
-                    r1 = min(r0 + rows, param.shape[0])
-                    if param.device.type == "cpu":
-                        block = param[r0:r1]
-                    else:
-                        if staging is None:
-                            staging = torch.empty((rows, *param.shape[1:]), dtype=param.dtype)
-                        block = staging[: r1 - r0]
-                    if name == "weight":
-                        nn.init.kaiming_uniform_(block, a=math.sqrt(5))
-                    else:
-                        bound = 1.0 / math.sqrt(self.in_features)
-                        nn.init.uniform_(block, -bound, bound)
-                    if block.device != param.device:
-                        param[r0:r1].copy_(block)
+        """Initialize as ``nn.Linear`` does in distribution — weight and bias uniform in ``±1/sqrt(D)``
+        (``kaiming_uniform_(a=sqrt(5))``) — on each shard's own device, a block of rows at a time.
+
+        Values come from a counter-based hash of ``(seed, class, feature)`` (:func:`_hashed_uniform_`)
+        in integer arithmetic, so every placement — any devices, shard count or CPU/GPU mix — draws the
+        same logical weight, with no host round trip; the seed is drawn from torch's default generator,
+        so ``torch.manual_seed`` makes it reproducible.
+        """
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        bound = 1.0 / math.sqrt(self.in_features)
+        for shard in self.shards:
+            _hashed_uniform_(shard.weight, seed, shard.start, bound)
+            if shard.bias is not None:
+                _hashed_uniform_(shard.bias, seed ^ 0x5BD1E995, shard.start, bound)
 
     # ---------------------------------------------------------------------------------------------
     # Compute
@@ -346,7 +396,9 @@ class ChunkedClassifier(nn.Module):
             params += [s.bias for s in self.shards]
         return params
 
-    def _check_x(self, x: Tensor) -> None:
+    def _check_x(self, x: Tensor) -> Tensor:
+        """Check ``x`` and return it in the compute dtype: the autocast dtype under ``torch.autocast`` on
+        ``x``'s device type (a differentiable cast), else ``x`` itself, which must match the head."""
         if not isinstance(x, Tensor):
             raise TypeError(f"hugehead: x must be a tensor, got {type(x).__name__}")
         if x.dim() != 2:
@@ -355,13 +407,20 @@ class ChunkedClassifier(nn.Module):
             raise ValueError(
                 f"hugehead: x has D={x.shape[1]} features but the head has in_features={self.in_features}"
             )
-        if x.dtype != self.dtype:
-            raise TypeError(
-                f"hugehead: x is {x.dtype} but the head's parameters are {self.dtype}; cast x, or build "
-                f"(or .to()) the head in {x.dtype}"
-            )
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"hugehead: x is on {x.device}; ChunkedClassifier takes x on 'cpu' or 'cuda' devices")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"hugehead: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
+        compute = autocast_dtype(x.device.type, x.dtype, self.dtype)
+        if compute is not None:
+            return x if x.dtype == compute else x.to(compute)
+        if x.dtype != self.dtype:
+            raise TypeError(
+                f"hugehead: x is {x.dtype} but the head's parameters are {self.dtype}; cast x, build (or "
+                f".to()) the head in {x.dtype}, or run under torch.autocast (float32 parameters, "
+                f"16-bit compute)"
+            )
+        return x
 
     def _check_target(self, x: Tensor, target: Tensor) -> Tensor:
         if not isinstance(target, Tensor):
@@ -381,24 +440,30 @@ class ChunkedClassifier(nn.Module):
             self.label_smoothing, self.z_loss, softcap,
         )
 
-    def forward(self, x: Tensor, target: Tensor) -> Tensor:
+    def forward(self, x: Tensor, target: Tensor, *, return_lse: bool = False):
         """Cross-entropy of ``x Wᵀ + b`` against ``target`` over all shards.
 
         Args:
-            x: ``[N, D]`` in the head's dtype, on any CPU or CUDA device.
+            x: ``[N, D]`` on any CPU or CUDA device, in the head's dtype — or any float16/bfloat16/float32
+                dtype under ``torch.autocast`` on ``x``'s device type, which computes in the autocast
+                dtype (``x`` cast once, each weight chunk cast in the loop; the Parameters keep their
+                dtype and get gradients in it).
             target: ``[N]`` int64 or int32 class ids in ``[0, V)`` or ``ignore_index``, on ``x``'s device.
+            return_lse: also return the per-row log-sum-exp (differentiable).
         Returns:
-            The loss on ``x``'s device in ``x``'s dtype: a scalar, or ``[N]`` for ``reduction="none"``.
+            The loss on ``x``'s device — float32 (float64 for a float64 computation) — a scalar, or ``[N]``
+            for ``reduction="none"``; with ``return_lse``, ``(loss, lse [N])``.
         Raises:
             ValueError: wrong shapes or D, a target out of range, x on another device type, target on
-                another device than x. TypeError: dtype mismatch.
+                another device than x. TypeError: dtype mismatch outside autocast.
         """
-        self._check_x(x)
+        x = self._check_x(x)
         target = self._check_target(x, target)
         spec = self._spec()
         check_targets(target, self.num_classes, self.ignore_index)  # the step's only host synchronization
-        loss_rows = _ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
-        return reduce_loss(loss_rows, target != self.ignore_index, self.reduction, x.dtype)
+        loss_rows, lse = _ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
+        loss = reduce_loss(loss_rows, target != self.ignore_index, self.reduction)
+        return (loss, lse) if return_lse else loss
 
     @torch.no_grad()
     def topk(self, x: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
@@ -413,11 +478,13 @@ class ChunkedClassifier(nn.Module):
         Raises:
             ValueError: bad k, or the checks of :meth:`forward` on x.
         """
-        self._check_x(x)
+        x = self._check_x(x)
         if isinstance(k, bool) or int(k) != k or not 0 <= k <= self.num_classes:
             raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
         spec = self._spec()
-        return self.engine.topk(x, spec.shards(self._shard_params()), spec.softcap, int(k))
+        shards = spec.shards(self._shard_params())
+        with _no_autocast(x, shards):
+            return self.engine.topk(x, shards, spec.softcap, int(k))
 
     @torch.no_grad()
     def log_prob(self, x: Tensor, target: Tensor) -> Tensor:
@@ -430,7 +497,7 @@ class ChunkedClassifier(nn.Module):
         Raises:
             ValueError: a target outside ``[0, V)``, or the checks of :meth:`forward`.
         """
-        self._check_x(x)
+        x = self._check_x(x)
         target = self._check_target(x, target)
         bad = (target < 0) | (target >= self.num_classes)
         if bool(bad.any()):
@@ -440,8 +507,10 @@ class ChunkedClassifier(nn.Module):
                 f"{self.num_classes} classes (valid: 0..{self.num_classes - 1})"
             )
         spec = self._spec()
-        lse, target_logit, _, _ = self.engine.row_stats(x, target, spec.shards(self._shard_params()), spec.softcap)
-        return (target_logit - lse).to(x.dtype)
+        shards = spec.shards(self._shard_params())
+        with _no_autocast(x, shards):
+            lse, target_logit, _, _ = self.engine.row_stats(x, target, shards, spec.softcap)
+        return target_logit - lse
 
     # ---------------------------------------------------------------------------------------------
     # Checkpoints

@@ -5,6 +5,8 @@ Kernels: ``csrc/cpu/<op>.cpp`` and ``csrc/cuda/<op>.cu``; schemas: ``csrc/hugehe
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -58,18 +60,21 @@ def chunk_grad_(
     label_smoothing: float,
     z_loss: float,
     softcap: float,
+    grad_lse: Optional[Tensor] = None,
 ) -> None:
     """Replace a logits chunk ``[N, C]`` by ``dLoss/dlogits`` in place.
 
     ``grad_rows[i]`` is ``dLoss/dloss_i`` (zero for ignored rows, whose gradient is written as exact
     zeros); ``lse`` ``[N]`` is every row's final log-sum-exp over all ``num_classes`` classes.
     Row loss: ``lse - (1 - eps) c_y - eps/V sum_j c_j + z_loss lse^2`` with ``c`` the softcapped logits.
+    ``grad_lse`` ``[N]`` (optional) is the gradient reaching a returned lse; it adds
+    ``grad_lse[i] * softmax`` (a row is written as zeros only when both it and ``grad_rows`` are 0).
 
     Raises:
         RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
     """
     torch.ops.hugehead.chunk_grad_.default(
-        logits, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap
+        logits, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse
     )
 
 
@@ -81,7 +86,8 @@ def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp,
 
 
 @torch.library.register_fake("hugehead::chunk_grad_")
-def _chunk_grad_fake(logits, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap):
+def _chunk_grad_fake(logits, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap,
+                     grad_lse=None):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
     return None

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import hugehead
 from hugehead import reference
-from hugehead.functional import plan_chunks
+from hugehead.functional import loss_dtype, plan_chunks
 
 from conftest import DEVICES, FLOAT_DTYPES, requires_cuda, rel_err
 
@@ -125,7 +125,7 @@ def run_with_grads(fn, x, w, b, grad_out, reduction):
     w = w.detach().clone().requires_grad_()
     b = b.detach().clone().requires_grad_() if b is not None else None
     loss = fn(x, w, b)
-    loss.backward(grad_out if reduction == "none" else None)
+    loss.backward(grad_out.to(loss.dtype) if reduction == "none" else None)
     return loss.detach(), x.grad, w.grad, (b.grad if b is not None else None)
 
 
@@ -169,12 +169,13 @@ def assert_rel(actual, ref, tol, what):
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 
 
-def assert_low_precision(actual, plain, ref, dtype, what):
+def assert_low_precision(actual, plain, ref, dtype, what, out_dtype=None):
     """Error vs float64 at most 2x that of the same-dtype plain computation, plus an absolute floor of
     one machine epsilon of ``dtype``: the answer is handed back in ``dtype``, so rounding the exact
     value alone may cost half an epsilon, and when plain PyTorch lands closer than that by a lucky
     cancellation, 2x its error is a bound no ``dtype``-valued answer can be held to."""
-    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype} != {dtype}"
+    out_dtype = dtype if out_dtype is None else out_dtype
+    assert actual.dtype == out_dtype, f"{what}: dtype {actual.dtype} != {out_dtype}"
     a, p, r = (t.detach().double().cpu() for t in (actual, plain, ref))
     assert torch.equal(a.isnan(), r.isnan()), f"{what}: NaN pattern differs: {a} vs {r}"
     keep = ~r.isnan()
@@ -206,7 +207,7 @@ def check_case(case, dtype, device):
         assert plan.rows < case["n"], plan
     ours = hugehead_run(x, w, b, target, grad_out, opts)
     ref = float64_reference(x, w, b, target, grad_out, opts)
-    assert ours[0].dtype == dtype and ours[0].device == x.device
+    assert ours[0].dtype == loss_dtype(dtype) and ours[0].device == x.device
     names = ("loss", "grad x", "grad weight", "grad bias")
     if dtype in FP32_TOL:
         for a, r, name in zip(ours, ref, names):
@@ -217,7 +218,7 @@ def check_case(case, dtype, device):
                                opts["reduction"])
         for a, p, r, name in zip(ours, plain, ref, names):
             if r is not None:
-                assert_low_precision(a, p, r, dtype, name)
+                assert_low_precision(a, p, r, dtype, name, out_dtype=loss_dtype(dtype) if name == "loss" else None)
 
 
 # --------------------------------------------------------------------------------------------------

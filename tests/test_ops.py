@@ -300,23 +300,37 @@ def sample_inputs_lce(device, dtype=torch.float32):
         dict(bias=False, ignore_index=3, ls=0.1, zl=1e-3, cap=5.0, chunk=0, budget=0, need=(True, False)),
         dict(bias=True, ignore_index=-1, ls=0.2, zl=0.0, cap=2.0, chunk=8, budget=3 * (8 * 4 + 6 * 8),
              need=(False, True)),
+        # Logits kept between forward and backward, a returned lse's gradient, a weight stored in float32
+        # under a bfloat16 computation (autocast).
+        dict(bias=True, ignore_index=-100, ls=0.1, zl=1e-3, cap=0.0, chunk=0, budget=0, need=(True, True),
+             keep=True, grad_lse=True),
+        dict(bias=True, ignore_index=-100, ls=0.0, zl=0.0, cap=0.0, chunk=0, budget=0, need=(True, True),
+             keep=True, x_dtype=torch.bfloat16),
     ]
     for cfg in configs:
-        x = torch.randn(n, d, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(n, d, device=device, dtype=cfg.get("x_dtype", dtype), requires_grad=True)
         w = torch.randn(v, d, device=device, dtype=dtype, requires_grad=True)
         b = torch.randn(v, device=device, dtype=dtype, requires_grad=True) if cfg["bias"] else None
         target = torch.randint(0, v, (n,), device=device)
         target[2] = cfg["ignore_index"]
         opts = [cfg["ignore_index"], cfg["ls"], cfg["zl"], cfg["cap"], cfg["chunk"], cfg["budget"]]
-        fwd = [x, w, b, target, *opts]
-        _, lse = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
-        grad_loss = torch.rand(n, device=device, dtype=ops.acc_dtype(dtype))
-        bwd = [grad_loss, x.detach(), w.detach(), None if b is None else b.detach(), target, lse.detach(), *opts,
-               *cfg["need"]]
-        yield fwd, bwd
+        keep = cfg.get("keep", False)
+        fwd = [x, w, b, target, *opts, keep]
+        _, lse, kept = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
+        assert kept.shape == ((n, v) if keep else (0,))
+        acc = ops.acc_dtype(x.dtype)
+        grad_loss = torch.rand(n, device=device, dtype=acc)
+        grad_lse = torch.rand(n, device=device, dtype=acc) if cfg.get("grad_lse") else None
+        bwd = [grad_loss, grad_lse, x.detach(), w.detach(), None if b is None else b.detach(), target, lse.detach(),
+               kept.detach(), *opts, *cfg["need"]]
+        yield fwd, bwd, keep
 
 
 def test_opcheck_linear_cross_entropy_ops(device):
-    for fwd, bwd in sample_inputs_lce(device):
-        torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_forward.default, fwd)
+    for fwd, bwd, keep in sample_inputs_lce(device):
+        # Kept logits are an eager-only path (linear_cross_entropy never keeps them under torch.compile:
+        # they ride on the autograd ctx, not through the traced graph), so AOT dispatch is not checked.
+        utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+        kwargs = {"test_utils": utils} if keep else {}
+        torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_forward.default, fwd, **kwargs)
         torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_backward.default, bwd)

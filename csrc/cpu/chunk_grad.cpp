@@ -16,10 +16,12 @@ void chunk_grad_rows(const ChunkGradParams& p, int64_t begin, int64_t end) {
   const acc_t smooth = eps / static_cast<acc_t>(p.num_classes);
   const auto* lse = static_cast<const acc_t*>(p.lse);
   const auto* grad_rows = static_cast<const acc_t*>(p.grad_rows);
+  const auto* grad_lse = static_cast<const acc_t*>(p.grad_lse);
   for (int64_t row = begin; row < end; ++row) {
     scalar_t* z = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
     const acc_t g = grad_rows[row];
-    if (g == acc_t(0)) {  // ignored rows: exact zeros, whatever the logits hold
+    const acc_t gl = grad_lse == nullptr ? acc_t(0) : grad_lse[row];
+    if (g == acc_t(0) && gl == acc_t(0)) {  // ignored rows: exact zeros, whatever the logits hold
       for (int64_t j = 0; j < p.cols; ++j) z[j] = scalar_t(0);
       continue;
     }
@@ -27,18 +29,22 @@ void chunk_grad_rows(const ChunkGradParams& p, int64_t begin, int64_t end) {
     const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * l;
     const int64_t t = p.target[row] - p.class_start;
     for (int64_t j = 0; j < p.cols; ++j) {
-      const acc_t d = logit_grad(static_cast<acc_t>(z[j]), j == t, l, z_term, smooth, acc_t(1) - eps, softcap);
-      z[j] = static_cast<scalar_t>(g * d);
+      const acc_t d = logit_grad(static_cast<acc_t>(z[j]), j == t, l, g, gl, z_term, smooth, acc_t(1) - eps,
+                                 softcap);
+      z[j] = static_cast<scalar_t>(d);
     }
   }
 }
 
 void chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
                     int64_t num_classes, const at::Tensor& lse, const at::Tensor& grad_rows,
-                    double label_smoothing, double z_loss, double softcap) {
+                    double label_smoothing, double z_loss, double softcap,
+                    const std::optional<at::Tensor>& grad_lse) {
   check_chunk_rows(logits, target, {{"lse", &lse}, {"grad_rows", &grad_rows}});
+  if (grad_lse.has_value()) check_chunk_rows(logits, target, {{"grad_lse", &*grad_lse}});
   TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
   ChunkGradParams p{logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr(), grad_rows.data_ptr(),
+                    grad_lse.has_value() ? grad_lse->data_ptr() : nullptr,
                     logits.size(0), logits.size(1), logits.stride(0),
                     class_start, num_classes, label_smoothing, z_loss, softcap};
   if (p.rows == 0 || p.cols == 0) return;

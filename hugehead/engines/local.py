@@ -1,19 +1,29 @@
 """The local placement engine: shards on devices of this process (several GPUs, CPU, or a mix).
 
-Each shard runs the one chunk loop of :mod:`hugehead.functional` on its own device, on that device's
+Each shard runs the one chunk loop of :mod:`hugehead.loop` on its compute device, on that device's
 current stream. ``x`` and the targets are copied to each device once; only per-row statistics (forward)
-and ``dX`` partials (backward) travel back to ``x``'s device. Every device's work is launched before
-anything is waited on, so GPUs overlap; a CPU shard runs on the host, so CPU shards go last.
+and ``dX`` partials (backward) travel back to ``x``'s device.
+
+Ordering (DESIGN.md, local engine): a cross-device copy is queued on the *source* device's current
+stream, so a copy issued after shard 0's chunk loop has been queued on ``x``'s device would wait for
+that whole loop and the GPUs would take turns. Every step therefore queues the inputs of every device
+first, then every shard's loop, then the small transfers back. A CPU shard computes on the host as soon
+as it is reached, so CPU shards go last, while the GPUs work.
+
+Subclasses (the offload engine) change where a shard computes and where its weight chunks come from
+(:meth:`LocalEngine.compute_device`, :meth:`LocalEngine.source`); the loop and the ordering stay here.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..functional import (
+from ..loop import (
+    Plan,
+    ResidentChunks,
     RowStats,
     merge_row_stats,
     merge_topk,
@@ -25,7 +35,7 @@ from ..functional import (
 )
 from ..ops import acc_dtype
 
-__all__ = ["ShardTensors", "PlacedInputs", "LocalEngine"]
+__all__ = ["ShardTensors", "PlacedInputs", "LocalEngine", "shard_oom_guard"]
 
 
 class ShardTensors(NamedTuple):
@@ -38,10 +48,12 @@ class ShardTensors(NamedTuple):
 
 
 class PlacedInputs(NamedTuple):
-    """``x [N, D]`` and ``target [N]`` as copied to one shard's device (shared by shards on one device)."""
+    """``x [N, D]`` and ``target [N]`` as copied to one shard's compute device (shared by the shards
+    computing there), and that shard's kept logits ``[N, V_k]`` (an empty tensor when streaming)."""
 
     x: Tensor
     target: Tensor
+    kept: Tensor
 
 
 def _device_guard(device: torch.device):
@@ -52,18 +64,37 @@ def _device_guard(device: torch.device):
 def _to(t: Tensor, device: torch.device) -> Tensor:
     """Copy ``t`` to ``device`` without a host synchronization where that is safe.
 
-    Into a CUDA device the copy is ordered on the streams (device to device) or staged before returning
-    (pageable host memory). Into host memory it must block: the host computes on it right away.
+    Into a CUDA device the copy is ordered on the streams (device to device: on the source device's
+    current stream) or staged before returning (pageable host memory). Into host memory it must block:
+    the host computes on it right away.
     """
     if t.device == device:
         return t
     return t.to(device, non_blocking=device.type == "cuda")
 
 
-def _launch_order(shards: Sequence[ShardTensors]) -> List[int]:
-    """Shard indices with the GPU shards first: their work is queued asynchronously, so it overlaps the
-    host computing the CPU shards that follow."""
-    return sorted(range(len(shards)), key=lambda i: shards[i].weight.device.type == "cpu")
+@contextlib.contextmanager
+def shard_oom_guard(index: int, start: int, stop: int, device: torch.device, plan: Optional[Plan],
+                    memory_budget: Optional[int]) -> Iterator[None]:
+    """Turn an out-of-memory error inside a shard's chunk loop into one that names the shard, its device
+    and the plan, and suggests ``memory_budget``. The original exception (and with it the frames that
+    hold the loop's workspaces) is dropped before the new one is raised, so the memory is free for the
+    next step."""
+    message = None
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+    if message is not None:
+        budget = "the default (4 GiB, at most a quarter of free memory)" if memory_budget is None else (
+            f"{memory_budget} bytes")
+        workspace = "" if plan is None else (
+            f" (workspace {plan.rows} rows x {plan.cols} classes{', logits kept' if plan.keep_logits else ''})")
+        raise torch.OutOfMemoryError(
+            f"hugehead: out of memory in shard {index} (classes [{start}, {stop})) on {device}{workspace} "
+            f"with memory_budget={budget}; pass a smaller memory_budget= (or chunk_size=) to "
+            f"ChunkedClassifier / linear_cross_entropy, or free memory on {device}. Cause: {message}"
+        )
 
 
 class LocalEngine:
@@ -80,37 +111,76 @@ class LocalEngine:
         self.chunk_size = chunk_size
         self.memory_budget = memory_budget
 
-    def _plan(self, x: Tensor, shard: ShardTensors):
+    # Where a shard computes and how its weight chunks reach the loop (the offload engine overrides) -----
+    def compute_device(self, shard: ShardTensors) -> torch.device:
+        return shard.weight.device
+
+    def source(self, shard: ShardTensors, compute_dtype: torch.dtype):
+        """The shard's weight-chunk source for :mod:`hugehead.loop`."""
+        return ResidentChunks(shard.weight, shard.bias, compute_dtype)
+
+    def allow_keep(self) -> bool:
+        """Whether a shard may keep its logits between forward and backward (False under compile)."""
+        return not torch.compiler.is_compiling()
+
+    def plan(self, x: Tensor, shard: ShardTensors, keep: bool) -> Plan:
         return plan_chunks(
-            x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, shard.weight.device,
-            self.chunk_size, self.memory_budget,
+            x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, self.compute_device(shard),
+            self.chunk_size, self.memory_budget, weight_dtype=shard.weight.dtype, allow_keep=keep,
         )
 
+    def _launch_order(self, shards: Sequence[ShardTensors]) -> List[int]:
+        """Shard indices with the GPU shards first: their work is queued asynchronously, so it overlaps
+        the host computing the CPU shards that follow."""
+        return sorted(range(len(shards)), key=lambda i: self.compute_device(shards[i]).type == "cpu")
+
+    def _oom_guard(self, i: int, shard: ShardTensors, plan: Optional[Plan]):
+        return shard_oom_guard(i, shard.start, shard.start + shard.weight.shape[0], self.compute_device(shard),
+                               plan, self.memory_budget)
+
+    def _place(self, tensors: Sequence[Tensor], shards: Sequence[ShardTensors]) -> Dict[torch.device, List[Tensor]]:
+        """``tensors`` copied to every shard's compute device, all queued before any shard's loop."""
+        placed: Dict[torch.device, List[Tensor]] = {}
+        for i in self._launch_order(shards):
+            device = self.compute_device(shards[i])
+            if device not in placed:
+                with _device_guard(device):
+                    placed[device] = [_to(t, device) for t in tensors]
+        return placed
+
+    # The engine interface ------------------------------------------------------------------------------
     def row_stats(
-        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], softcap: float
+        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], softcap: float, keep: bool = False
     ) -> Tuple[Tensor, Tensor, Tensor, List[PlacedInputs]]:
         """Merged per-row statistics over all shards.
 
         Args:
-            x: ``[N, D]``; target: ``[N]`` int64, already validated, on ``x``'s device.
-            shards: in class order. softcap: ``<= 0`` for none.
+            x: ``[N, D]`` in the compute dtype (the shards' Parameters may be stored in another float
+                dtype; each weight chunk is cast in the loop); target: ``[N]`` int64, already validated,
+                on ``x``'s device. shards: in class order. softcap: ``<= 0`` for none.
+            keep: a shard may keep its logits for the backward when they fit its budget.
         Returns:
             ``(lse, target_logit, logit_sum)``, each ``[N]`` in the accumulation dtype on ``x``'s device,
-            and the inputs as placed on each shard's device (aligned with ``shards``) for the backward.
+            and the inputs as placed on each shard's compute device (aligned with ``shards``, with any
+            kept logits) for the backward.
         """
-        by_device: Dict[torch.device, PlacedInputs] = {}
+        by_device = self._place([x, target], shards)
+        keep = keep and self.allow_keep()
         stats: List[Optional[RowStats]] = [None] * len(shards)
-        for i in _launch_order(shards):
+        kept: List[Optional[Tensor]] = [None] * len(shards)
+        for i in self._launch_order(shards):
             shard = shards[i]
-            device = shard.weight.device
-            with _device_guard(device):
-                if device not in by_device:  # x and target cross to each device once
-                    by_device[device] = PlacedInputs(_to(x, device), _to(target, device))
-                inputs = by_device[device]
-                stats[i] = shard_forward_stats(
-                    inputs.x, shard.weight, shard.bias, inputs.target, shard.start, softcap, self._plan(x, shard)
+            device = self.compute_device(shard)
+            xk, tk = by_device[device]
+            plan = self.plan(xk, shard, keep)
+            with _device_guard(device), self._oom_guard(i, shard, plan):
+                stats[i], kept[i] = shard_forward_stats(
+                    xk, self.source(shard, x.dtype), tk, shard.start, softcap, plan
                 )
-        placed = [by_device[s.weight.device] for s in shards]
+        placed = []
+        for shard, k in zip(shards, kept):
+            xk, tk = by_device[self.compute_device(shard)]
+            placed.append(PlacedInputs(xk, tk, xk.new_empty(0) if k is None else k))
         # Only now wait on anything: N-element statistics cross to x's device.
         parts = [RowStats(*(_to(s, x.device) for s in st)) for st in stats]
         lse, target_logit, logit_sum = merge_row_stats(parts)
@@ -129,41 +199,45 @@ class LocalEngine:
         need_x: bool,
         need_weight: Sequence[bool],
         x_like: Tensor,
+        grad_lse: Optional[Tensor] = None,
     ) -> Tuple[Optional[Tensor], List[Optional[Tensor]], List[Optional[Tensor]]]:
-        """Gradients of all shards, each shard recomputing its logits chunk by chunk on its device.
+        """Gradients of all shards, each shard recomputing its logits chunk by chunk (or from its kept
+        logits) on its compute device.
 
         Args:
             placed: the inputs returned by :meth:`row_stats`.
             lse, grad_rows: ``[N]`` accumulation dtype on ``x``'s device; ``grad_rows`` is zero on
-                ignored rows.
+                ignored rows. grad_lse: ``[N]`` gradient reaching a returned lse, or None.
             need_x: compute ``dX``. need_weight: per shard, compute ``dW`` (and ``db``).
-            x_like: the original ``x`` (its device and dtype are those of ``dX``).
+            x_like: the compute-dtype ``x`` (its device and dtype are those of ``dX``).
         Returns:
-            ``(dX [N, D] in x's dtype on x's device or None, [dW_k or None], [db_k or None])``, each
-            shard's gradients on that shard's device in its parameters' dtype.
+            ``(dX [N, D] in x_like's dtype on its device or None, [dW_k or None], [db_k or None])``, each
+            shard's gradients on that shard's device in its Parameters' dtype.
         """
         acc = acc_dtype(x_like.dtype)
         out_device = x_like.device
-        row_inputs: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
+        active = [i for i in self._launch_order(shards) if need_x or need_weight[i]]
+        row_vectors = [lse, grad_rows] + ([] if grad_lse is None else [grad_lse])
+        by_device = self._place(row_vectors, [shards[i] for i in active])
         # One fp32 (fp64 for fp64 inputs) dX buffer per device, shared by that device's shards.
         grad_x_parts: Dict[torch.device, Tensor] = {}
         grad_w: List[Optional[Tensor]] = [None] * len(shards)
         grad_b: List[Optional[Tensor]] = [None] * len(shards)
-        for i in _launch_order(shards):
+        for i in active:
             shard, inputs = shards[i], placed[i]
-            device = shard.weight.device
-            if not (need_x or need_weight[i]):
-                continue
-            with _device_guard(device):
-                if device not in row_inputs:
-                    row_inputs[device] = (_to(lse, device), _to(grad_rows, device))
+            device = self.compute_device(shard)
+            kept = inputs.kept if inputs.kept.numel() > 0 else None
+            plan = self.plan(inputs.x, shard, kept is not None)
+            if kept is not None and not plan.keep_logits:  # kept under another free-memory reading
+                plan = Plan(rows=inputs.x.shape[0], cols=plan.cols, keep_logits=True)
+            with _device_guard(device), self._oom_guard(i, shard, plan):
                 if need_x and device not in grad_x_parts:
                     grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=device)
-                lse_k, grad_rows_k = row_inputs[device]
+                lse_k, grad_rows_k, *grad_lse_k = by_device[device]
                 grad_w[i], grad_b[i] = shard_backward(
-                    inputs.x, shard.weight, shard.bias, inputs.target, shard.start, num_classes, lse_k,
-                    grad_rows_k, label_smoothing, z_loss, softcap, self._plan(inputs.x, shard),
-                    grad_x_parts.get(device), need_weight[i],
+                    inputs.x, self.source(shard, x_like.dtype), inputs.target, shard.start, num_classes,
+                    lse_k, grad_rows_k, label_smoothing, z_loss, softcap, plan, grad_x_parts.get(device),
+                    need_weight[i], kept=kept, grad_lse=grad_lse_k[0] if grad_lse_k else None,
                 )
         grad_x = None
         if need_x:
@@ -184,20 +258,18 @@ class LocalEngine:
             ``(values [N, k] in x's dtype, indices [N, k] int64)`` sorted by value descending, ties by the
             lower class id.
         """
-        placed: Dict[torch.device, Tensor] = {}
+        by_device = self._place([x], shards)
         parts: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(shards)
-        for i in _launch_order(shards):
+        for i in self._launch_order(shards):
             shard = shards[i]
-            device = shard.weight.device
-            with _device_guard(device):
-                if device not in placed:
-                    placed[device] = _to(x, device)
-                xk = placed[device]
+            device = self.compute_device(shard)
+            (xk,) = by_device[device]
+            with _device_guard(device), self._oom_guard(i, shard, None):
                 plan = plan_topk_chunks(
                     xk.shape[0], xk.shape[1], shard.weight.shape[0], xk.dtype, device,
                     self.chunk_size, self.memory_budget,
                 )
-                parts[i] = shard_topk(xk, shard.weight, shard.bias, shard.start, softcap, k, plan)
+                parts[i] = shard_topk(xk, self.source(shard, x.dtype), shard.start, softcap, k, plan)
         values = torch.cat([_to(v, x.device) for v, _ in parts], dim=1)
         indices = torch.cat([_to(ix, x.device) for _, ix in parts], dim=1)
         return merge_topk(values, indices, k)

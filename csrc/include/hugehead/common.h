@@ -48,6 +48,7 @@ struct ChunkGradParams {
   const int64_t* target;  // [N]
   const void* lse;        // [N] acc_t
   const void* grad_rows;  // [N] acc_t: dL/dloss_row (0 for ignored rows)
+  const void* grad_lse;   // [N] acc_t: dL/dlse of a returned lse, or nullptr for none
   int64_t rows;
   int64_t cols;
   int64_t row_stride;

@@ -34,14 +34,16 @@ C10_HOST_DEVICE inline void lse_merge(acc_t& m, acc_t& s, acc_t m2, acc_t s2) {
   m = mm;
 }
 
-// dLoss_row/dlogit for one element given the row's final lse:
-//   (p - eps / V - (1 - eps) [j == target] + p * 2 z_loss lse) * dsoftcap/dz
+// g * dLoss_row/dlogit + g_lse * dlse/dlogit for one element given the row's final lse:
+//   (g (p - eps / V - (1 - eps) [j == target] + p * 2 z_loss lse) + g_lse p) * dsoftcap/dz
 // where p = exp(c - lse) and c is the (softcapped) logit. The z-loss term is added after p - 1 rather
 // than folded into p * (1 + 2 z_loss lse): rounding 1 + 2 z_loss lse would otherwise swamp a small
-// z-loss gradient on a confident target (p ~ 1).
+// z-loss gradient on a confident target (p ~ 1). g_lse is the gradient reaching a returned lse
+// (return_lse=True); with g_lse == 0 the rounding is exactly that of g * (d * dcdz).
 template <typename acc_t>
-C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_t z_term,
-                                        acc_t smooth_term, acc_t target_weight, acc_t softcap) {
+C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_t g, acc_t g_lse,
+                                        acc_t z_term, acc_t smooth_term, acc_t target_weight,
+                                        acc_t softcap) {
   acc_t c = z;
   acc_t dcdz = acc_t(1);
   if (softcap > acc_t(0)) {
@@ -53,7 +55,8 @@ C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_
   acc_t d = prob - smooth_term;
   if (is_target) d -= target_weight;
   d += prob * z_term;
-  return d * dcdz;
+  if (g_lse == acc_t(0)) return g * (d * dcdz);
+  return (g * d + g_lse * prob) * dcdz;
 }
 
 }  // namespace hugehead

@@ -1,0 +1,511 @@
+"""The per-shard chunk loop every placement engine runs, fed by a weight-chunk source.
+
+The loop streams one shard's classes in chunks of ``C`` (and, for very large batches, the rows in blocks
+of ``R``): ``Z = X W_cᵀ + b_c`` goes into a reused workspace (GEMM through ATen), then one of our kernels
+folds it into per-row statistics (forward) or turns it into its gradient in place (backward). No
+``[N, V]`` tensor is allocated unless the planner chose to keep the logits (they fit the budget), in
+which case the backward skips the recompute.
+
+Weight chunks come from a *source*: :class:`ResidentChunks` slices a shard that lives on the compute
+device (casting each chunk to the compute dtype under autocast, never the whole weight); the offload
+engine's source hands out device buffers that a copy stream filled from pinned host memory. The loop
+does not know which.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "Plan",
+    "plan_chunks",
+    "plan_topk_chunks",
+    "RowStats",
+    "WeightChunk",
+    "ResidentChunks",
+    "shard_forward_stats",
+    "merge_row_stats",
+    "row_losses",
+    "shard_backward",
+    "shard_topk",
+    "merge_topk",
+]
+
+DEFAULT_MEMORY_BUDGET = 4 << 30
+_MAX_COLS = {"cuda": 32768, "cpu": 8192}
+_MIN_COLS = 256
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Workspace shape of one shard's chunk loop: ``rows`` × ``cols`` logits at a time.
+
+    ``keep_logits``: the forward writes every chunk into one kept ``[N, V_k]`` tensor that the backward
+    turns into the gradient in place, skipping the recompute (6·N·D·V FLOPs instead of 8).
+    """
+
+    rows: int
+    cols: int
+    keep_logits: bool = False
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_chunks(
+    n: int,
+    d: int,
+    v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    *,
+    weight_dtype: Optional[torch.dtype] = None,
+    allow_keep: bool = True,
+) -> Plan:
+    """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
+
+    The workspace is one ``rows × cols`` logits chunk in ``dtype`` (the compute dtype) plus, in the
+    backward, two ``rows × D`` buffers for ``dX``. ``chunk_size`` pins ``cols`` (and streams);
+    ``memory_budget`` (bytes, default 4 GiB, and at most a quarter of the free memory of a CUDA device)
+    bounds the rest. When all ``N × V`` logits fit the budget (and ``allow_keep``), they are kept
+    (:attr:`Plan.keep_logits`); a weight stored in another dtype than ``dtype`` (autocast) is still cast
+    a chunk at a time. Rows are split only when even a ``_MIN_COLS``-wide chunk of all rows would not fit.
+    """
+    itemsize = _itemsize(dtype)
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    if memory_budget is None:
+        memory_budget = DEFAULT_MEMORY_BUDGET
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            memory_budget = min(memory_budget, free // 4)
+    n, v = max(n, 1), max(v, 1)
+    max_cols = _MAX_COLS.get(device.type, _MAX_COLS["cpu"])
+    dx_bytes = n * d * (itemsize + 4)
+    if chunk_size is None and allow_keep and n * v * itemsize + dx_bytes <= memory_budget:
+        # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the
+        # streaming width; a weight already in the compute dtype is used whole (one GEMM each way).
+        cols = v if weight_dtype == dtype else min(v, max_cols)
+        return Plan(rows=n, cols=cols, keep_logits=True)
+    if chunk_size is not None:
+        cols = min(int(chunk_size), v)
+    else:
+        cols = (memory_budget - dx_bytes) // (n * itemsize)
+        cols = max(_MIN_COLS, min(max_cols, cols))
+        if cols < v:  # round down to a multiple of 256 columns: aligned rows, GEMM-friendly widths
+            cols = max(_MIN_COLS, cols // _MIN_COLS * _MIN_COLS)
+        cols = min(cols, v)
+    rows = n
+    if rows * cols * itemsize + rows * d * (itemsize + 4) > memory_budget:
+        rows = max(1, memory_budget // (cols * itemsize + d * (itemsize + 4)))
+    return Plan(rows=min(rows, n), cols=max(cols, 1))
+
+
+# Bytes per logit that the exact selection of a chunk holds beyond the workspace: two bool masks and
+# two int32 rank tensors.
+_TOPK_TEMP_BYTES = 10
+
+
+def plan_topk_chunks(
+    n: int,
+    d: int,
+    v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+) -> Plan:
+    """:func:`plan_chunks` for :func:`shard_topk` (always streaming): the same budget also covers the
+    selection's temporaries (about 10 bytes per logit), so unpinned chunks are narrower."""
+    plan = plan_chunks(n, d, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
+    if chunk_size is not None:
+        return plan
+    itemsize = _itemsize(dtype)
+    cols = plan.cols * itemsize // (itemsize + _TOPK_TEMP_BYTES)
+    if cols >= _MIN_COLS:
+        cols = cols // _MIN_COLS * _MIN_COLS
+    return Plan(rows=plan.rows, cols=max(1, min(cols, v)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight-chunk sources
+# --------------------------------------------------------------------------------------------------
+class WeightChunk(NamedTuple):
+    """Classes ``[c0, c1)`` of a shard (local ids): ``weight [c1 - c0, D]`` and ``bias`` in the compute
+    dtype, on the compute device."""
+
+    c0: int
+    c1: int
+    weight: Tensor
+    bias: Optional[Tensor]
+
+
+class ResidentChunks:
+    """The source of a shard that lives on the compute device: chunks are slices of the Parameters,
+    cast to ``compute_dtype`` one chunk at a time when stored in another dtype (float32 master weights
+    under autocast). Gradients are written into ``[V_k, D]`` tensors in the Parameters' dtype.
+
+    Args:
+        weight: ``[V_k, D]``; bias: ``[V_k]`` or None; compute_dtype: dtype of ``x`` and the logits.
+    """
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], compute_dtype: torch.dtype):
+        self.weight = weight
+        self.bias = bias
+        self.compute_dtype = compute_dtype
+        self.grad_weight: Optional[Tensor] = None
+        self.grad_bias: Optional[Tensor] = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def chunks(self, cols: int) -> Iterator[WeightChunk]:
+        """Chunks ``[0, cols), [cols, 2 cols), …`` of the shard in the compute dtype."""
+        for c0 in range(0, self.num_rows, cols):
+            c1 = min(c0 + cols, self.num_rows)
+            w = self.weight[c0:c1]
+            b = None if self.bias is None else self.bias[c0:c1]
+            if w.dtype != self.compute_dtype:
+                w = w.to(self.compute_dtype)
+            if b is not None and b.dtype != self.compute_dtype:
+                b = b.to(self.compute_dtype)
+            yield WeightChunk(c0, c1, w, b)
+
+    # Gradient sink -------------------------------------------------------------------------------
+    def start_grads(self, need_bias: bool) -> None:
+        self.grad_weight = torch.empty_like(self.weight, memory_format=torch.contiguous_format)
+        self.grad_bias = torch.empty_like(self.bias) if (need_bias and self.bias is not None) else None
+
+    def grad_weight_out(self, c0: int, c1: int, dtype: torch.dtype) -> Optional[Tensor]:
+        """Where a ``dW`` chunk computed in ``dtype`` can be written directly (None: hand it to
+        :meth:`put_grad`, which converts)."""
+        return self.grad_weight[c0:c1] if self.grad_weight.dtype == dtype else None
+
+    def put_grad(self, c0: int, c1: int, grad_weight: Optional[Tensor], grad_bias: Optional[Tensor]) -> None:
+        """Store chunk gradients (either may be None when already written in place)."""
+        if grad_weight is not None:
+            self.grad_weight[c0:c1].copy_(grad_weight)
+        if grad_bias is not None and self.grad_bias is not None:
+            self.grad_bias[c0:c1].copy_(grad_bias)
+
+    def finish_grads(self) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        out = self.grad_weight, self.grad_bias
+        self.grad_weight = self.grad_bias = None
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The chunk loop (one shard on one device)
+# --------------------------------------------------------------------------------------------------
+class RowStats(NamedTuple):
+    """Per-row statistics of one shard (or merged over shards), all ``[N]`` in the accumulation dtype."""
+
+    max: Tensor
+    sumexp: Tensor
+    target_logit: Tensor
+    logit_sum: Tensor
+
+
+def _logits_into(x: Tensor, chunk: WeightChunk, z: Tensor) -> Tensor:
+    """``x [R, D] @ chunk.weightᵀ (+ chunk.bias)`` into ``z [R, C]`` (a workspace view or a column block
+    of the kept logits: unit column stride, any row stride)."""
+    if chunk.bias is None:
+        torch.mm(x, chunk.weight.t(), out=z)
+    else:
+        torch.addmm(chunk.bias, x, chunk.weight.t(), out=z)
+    return z
+
+
+def _workspace_view(workspace: Tensor, rows: int, cols: int) -> Tensor:
+    return workspace[: rows * cols].view(rows, cols)
+
+
+def shard_forward_stats(
+    x: Tensor,
+    source: ResidentChunks,
+    target: Tensor,
+    class_start: int,
+    softcap: float,
+    plan: Plan,
+) -> Tuple[RowStats, Optional[Tensor]]:
+    """Row statistics of one shard's classes ``[class_start, class_start + V_k)``.
+
+    Args:
+        x: ``[N, D]`` in the compute dtype on the shard's compute device.
+        source: the shard's weight chunks (:class:`ResidentChunks` or the offload engine's source).
+        target: ``[N]`` int64 global class ids on the compute device. softcap: ``<= 0`` for none.
+    Returns:
+        ``(stats, kept)``: :class:`RowStats` on the compute device (``target_logit`` is 0 for rows whose
+        target is not in this shard, so shards merge by summing it), and the kept logits
+        ``[N, V_k]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
+    """
+    n = x.shape[0]
+    v = source.num_rows
+    acc = ops.acc_dtype(x.dtype)
+    stats = RowStats(
+        torch.full((n,), -math.inf, dtype=acc, device=x.device),
+        torch.zeros(n, dtype=acc, device=x.device),
+        torch.zeros(n, dtype=acc, device=x.device),
+        torch.zeros(n, dtype=acc, device=x.device),
+    )
+    if n == 0 or v == 0:
+        return stats, (x.new_empty(n, v) if plan.keep_logits else None)
+    kept = x.new_empty(n, v) if plan.keep_logits else None
+    workspace = None if kept is not None else x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+    # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
+    for chunk in source.chunks(plan.cols):
+        for r0 in range(0, n, plan.rows):
+            r1 = min(r0 + plan.rows, n)
+            if kept is not None:
+                z = kept[r0:r1, chunk.c0:chunk.c1]
+            else:
+                z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
+            _logits_into(x[r0:r1], chunk, z)
+            rows = RowStats(*(s[r0:r1] for s in stats))
+            ops.chunk_stats_(z, target[r0:r1], class_start + chunk.c0, softcap, *rows)
+    return stats, kept
+
+
+def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
+    """Merge per-shard statistics (all on one device) into ``(lse, target_logit, logit_sum)``."""
+    if len(parts) == 1:
+        p = parts[0]
+        return p.max + p.sumexp.log(), p.target_logit, p.logit_sum
+    m = torch.stack([p.max for p in parts])
+    s = torch.stack([p.sumexp for p in parts])
+    m_all = m.max(dim=0).values
+    # exp(-inf - -inf) must count as 0 (an all -inf shard), not NaN.
+    scale = torch.where(m == -math.inf, torch.zeros_like(m), (m - m_all).exp())
+    lse = m_all + (s * scale).sum(dim=0).log()
+    target_logit = torch.stack([p.target_logit for p in parts]).sum(dim=0)
+    logit_sum = torch.stack([p.logit_sum for p in parts]).sum(dim=0)
+    return lse, target_logit, logit_sum
+
+
+def row_losses(
+    lse: Tensor,
+    target_logit: Tensor,
+    logit_sum: Tensor,
+    valid: Tensor,
+    num_classes: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> Tensor:
+    """Per-row loss ``lse - (1-eps) c_y - eps/V sum_j c_j + z_loss lse^2``, 0 on ignored rows."""
+    # Differences first, as F.cross_entropy does: (1-eps)(lse - c_y) + eps(lse - mean_j c_j). Scaling
+    # lse and c_y before subtracting would leave a rounding error of order |c_y| on a loss that may be
+    # far smaller (a confident row; a single class).
+    loss = lse - target_logit
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / num_classes)
+    if z_loss:
+        loss = loss + z_loss * lse.square()
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def shard_backward(
+    x: Tensor,
+    source: ResidentChunks,
+    target: Tensor,
+    class_start: int,
+    num_classes: int,
+    lse: Tensor,
+    grad_rows: Tensor,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    plan: Plan,
+    grad_x: Optional[Tensor],
+    need_weight: bool,
+    kept: Optional[Tensor] = None,
+    grad_lse: Optional[Tensor] = None,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Gradients of one shard, recomputing its logits chunk by chunk (or from ``kept``).
+
+    Args:
+        x: ``[N, D]`` compute dtype on the compute device; source: the shard's weight chunks.
+        lse, grad_rows: ``[N]`` accumulation dtype, on the compute device; ``grad_rows`` is
+            ``dLoss/dloss_row`` and zero on ignored rows. grad_lse: ``[N]`` gradient reaching a returned
+            lse, or None.
+        grad_x: ``[N, D]`` accumulation-dtype buffer that ``dX`` of this shard is added into, or None.
+        need_weight: compute ``dW`` (and ``db`` when the shard has a bias).
+        kept: the kept logits from :func:`shard_forward_stats` (``plan.keep_logits``); overwritten by
+            their gradient.
+    Returns:
+        ``(grad_weight [V_k, D], grad_bias [V_k] or None)`` in the stored dtype, from the source's
+        gradient sink, each chunk written once (no atomics: deterministic), or ``(None, None)``.
+    """
+    n, d = x.shape
+    v = source.num_rows
+    acc = ops.acc_dtype(x.dtype)
+    if need_weight:
+        source.start_grads(need_bias=True)
+    if n == 0 or v == 0:
+        if need_weight:
+            grad_w, grad_b = source.finish_grads()
+            grad_w.zero_()
+            if grad_b is not None:
+                grad_b.zero_()
+            return grad_w, grad_b
+        return None, None
+    rows_split = plan.rows < n
+    workspace = None
+    if kept is None:
+        workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+    # dX partials are added in the accumulation dtype; a low-precision partial per chunk keeps the
+    # rounding of each partial independent (and matches a single GEMM's error), unlike a low-precision
+    # running sum.
+    dx_partial = None
+    if grad_x is not None and grad_x.dtype != x.dtype:
+        dx_partial = x.new_empty(min(plan.rows, n), d)
+    dw_acc = x.new_empty(min(plan.cols, v), d, dtype=acc) if (rows_split and need_weight) else None
+    dw_low = None  # dW of a chunk in the compute dtype, when the sink stores another dtype
+    for chunk in source.chunks(plan.cols):
+        c0, c1 = chunk.c0, chunk.c1
+        db_chunk = None
+        for r0 in range(0, n, plan.rows):
+            r1 = min(r0 + plan.rows, n)
+            xr = x[r0:r1]
+            if kept is not None:
+                g = kept[r0:r1, c0:c1]
+            else:
+                g = _logits_into(xr, chunk, _workspace_view(workspace, r1 - r0, c1 - c0))
+            ops.chunk_grad_(
+                g, target[r0:r1], class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
+                label_smoothing, z_loss, softcap,
+                None if grad_lse is None else grad_lse[r0:r1],
+            )
+            if grad_x is not None:
+                if dx_partial is None:
+                    grad_x[r0:r1].addmm_(g, chunk.weight)
+                else:
+                    part = dx_partial[: r1 - r0]
+                    torch.mm(g, chunk.weight, out=part)
+                    grad_x[r0:r1].add_(part)
+            if need_weight:
+                if rows_split:
+                    if r0 == 0:
+                        torch.mm(g.t().to(acc), xr.to(acc), out=dw_acc[: c1 - c0])
+                    else:
+                        dw_acc[: c1 - c0].addmm_(g.t().to(acc), xr.to(acc))
+                if source.bias is not None:
+                    part_b = g.sum(dim=0, dtype=acc)
+                    db_chunk = part_b if db_chunk is None else db_chunk + part_b
+        if need_weight:
+            if rows_split:
+                source.put_grad(c0, c1, dw_acc[: c1 - c0], db_chunk)
+            else:
+                out = source.grad_weight_out(c0, c1, x.dtype)
+                if out is not None:
+                    torch.mm(g.t(), x, out=out)
+                    source.put_grad(c0, c1, None, db_chunk)
+                else:
+                    # As autocast's F.linear: dW in the compute dtype, then cast to the stored dtype.
+                    if dw_low is None:
+                        dw_low = x.new_empty(min(plan.cols, v), d)
+                    torch.mm(g.t(), x, out=dw_low[: c1 - c0])
+                    source.put_grad(c0, c1, dw_low[: c1 - c0], db_chunk)
+    if need_weight:
+        return source.finish_grads()
+    return None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming top-k: inference over all classes without the [N, V] logits
+# --------------------------------------------------------------------------------------------------
+def merge_topk(values: Tensor, indices: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The ``k`` best of candidate sets ``values, indices [N, M]`` (class ids distinct within a row),
+    sorted by value descending with ties to the lower class id (NaN counts as largest, as in
+    :func:`torch.topk`). Returns ``(values [N, k], indices [N, k])``."""
+    by_index = indices.argsort(dim=1)
+    values, indices = values.gather(1, by_index), indices.gather(1, by_index)
+    by_value = values.argsort(dim=1, descending=True, stable=True)[:, :k]
+    return values.gather(1, by_value), indices.gather(1, by_value)
+
+
+def _chunk_topk(z: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The exact top ``k`` columns of ``z [R, C]`` by (value descending, column ascending), unsorted.
+
+    :func:`torch.topk` picks among values tied with the k-th largest arbitrarily; here every column
+    above the k-th value is kept and the tied ones are taken lowest column first, through a second
+    top-k over distinct integer ranks.
+    """
+    c = z.shape[1]
+    if k >= c:
+        cols = torch.arange(c, device=z.device).expand(z.shape[0], c)
+        return z.clone(), cols
+    kth = torch.topk(z, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    col = torch.arange(c, device=z.device, dtype=torch.int32)
+    rank = torch.where(z > kth, 2 * c - col, torch.where(z == kth, c - col, -1))
+    cols = torch.topk(rank, k, dim=1, sorted=False).indices
+    return z.gather(1, cols), cols
+
+
+def shard_topk(
+    x: Tensor,
+    source: ResidentChunks,
+    class_start: int,
+    softcap: float,
+    k: int,
+    plan: Plan,
+) -> Tuple[Tensor, Tensor]:
+    """Top ``min(k, V_k)`` logits of one shard's classes, chunk by chunk (no ``[N, V_k]`` tensor).
+
+    Args:
+        x: ``[N, D]`` compute dtype on the compute device. source: the shard's weight chunks.
+        softcap: ``<= 0`` for none; otherwise logits become ``softcap * tanh(z / softcap)`` (computed
+            in the accumulation dtype, returned in ``x``'s dtype).
+        plan: from :func:`plan_topk_chunks`.
+    Returns:
+        ``(values [N, min(k, V_k)]`` in ``x``'s dtype, ``indices`` int64 global class ids``)``, sorted by
+        value descending, ties to the lower class id.
+    """
+    n, v = x.shape[0], source.num_rows
+    k = min(int(k), v)
+    values = x.new_empty(n, k)
+    indices = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    if n == 0 or k == 0:
+        return values, indices
+    acc = ops.acc_dtype(x.dtype)
+    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+    best: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(range(0, n, plan.rows))
+    for chunk in source.chunks(plan.cols):
+        for b, r0 in enumerate(range(0, n, plan.rows)):
+            r1 = min(r0 + plan.rows, n)
+            z = _logits_into(x[r0:r1], chunk, _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0))
+            if softcap > 0:
+                if z.dtype == acc:
+                    z.div_(softcap).tanh_().mul_(softcap)
+                else:
+                    z.copy_(z.to(acc).div_(softcap).tanh_().mul_(softcap))
+            chunk_values, chunk_cols = _chunk_topk(z, k)
+            chunk_ids = chunk_cols.to(torch.int64) + (class_start + chunk.c0)
+            if best[b] is not None:
+                chunk_values = torch.cat([best[b][0], chunk_values], dim=1)
+                chunk_ids = torch.cat([best[b][1], chunk_ids], dim=1)
+            best[b] = merge_topk(chunk_values, chunk_ids, k)
+    for b, r0 in enumerate(range(0, n, plan.rows)):
+        r1 = min(r0 + plan.rows, n)
+        values[r0:r1], indices[r0:r1] = best[b]
+    return values, indices
