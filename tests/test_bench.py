@@ -11,11 +11,202 @@ from bench import bench_placement  # noqa: E402
 def test_placement_benchmark_cpu_smoke(tmp_path):
     assert bench_placement.main(["--cpu-smoke", "--repeats", "2", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "placement.json").read_text())
-    one, two = doc["scaling"]
+    assert [r["shape"] for r in doc["scaling"]] == ["tiny", "tiny", "tiny_2n", "tiny_2n"]
+    one, two = doc["scaling"][:2]
     assert one["devices"] == ["cpu"] and two["devices"] == ["cpu", "cpu"]
+    assert two["top5_same_as_first"] and doc["scaling"][3]["top5_same_as_first"]
     # Same seed, same logical weight in every placement: the sharded head computes the same loss.
     assert two["loss_rel_diff_vs_first"] < 1e-6
     assert two["grad_x_norm_rel_diff_vs_first"] < 1e-5 and two["grad_w_norm_rel_diff_vs_first"] < 1e-5
     assert len(doc["huge"]["losses"]) >= 2 and all(l == l for l in doc["huge"]["losses"])
     assert (tmp_path / "placement.md").read_text().startswith("# ChunkedClassifier placements")
     assert (tmp_path / "placement.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# bench_lce's peers and report (tiny CPU problems; the GPU run uses the same code)
+# --------------------------------------------------------------------------------------------------
+import math  # noqa: E402
+import shutil  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench import lce_case, peers, report  # noqa: E402
+from bench.common import Shape  # noqa: E402
+from bench.torch_chunked import torch_chunked_linear_cross_entropy  # noqa: E402
+
+HAS_TORCH_LCE = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+
+
+def _problem(n, d, v, dtype, seed=0, ignored_every=5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+    t = torch.randint(0, v, (n,), generator=g)
+    if ignored_every:
+        t[::ignored_every] = -100
+    return x.to(dtype), w.to(dtype), t
+
+
+def _loss_and_grads(fn, x, w, t):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = fn(x, w, t)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    return loss.detach(), gx, gw
+
+
+def _float64_reference(x, w, t, reduction="mean"):
+    return _loss_and_grads(lambda a, b, c: F.cross_entropy(a @ b.t(), c, reduction=reduction), x.double(), w.double(), t)
+
+
+def _rel(a, ref):
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_size", [1, 97, 256, 5000])
+def test_torch_chunked_float64_is_exact(reduction, chunk_size):
+    """Every chunking (one class per chunk, a partial last chunk, one chunk) gives F.cross_entropy's loss
+    and gradients, ignored rows included."""
+    x, w, t = _problem(29, 12, 1003, torch.float64)
+    got = _loss_and_grads(lambda a, b, c: torch_chunked_linear_cross_entropy(
+        a, b, c, reduction=reduction, chunk_size=chunk_size), x, w, t)
+    ref = _float64_reference(x, w, t, reduction)
+    assert abs(float(got[0]) - float(ref[0])) <= 1e-12 * abs(float(ref[0]))
+    assert _rel(got[1], ref[1]) < 1e-12 and _rel(got[2], ref[2]) < 1e-12
+
+
+def test_torch_chunked_gradcheck():
+    x, w, t = _problem(7, 5, 41, torch.float64, ignored_every=3)
+    x.requires_grad_(), w.requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: torch_chunked_linear_cross_entropy(a, b, t, chunk_size=16), (x, w))
+
+
+def test_torch_chunked_float32_within_1e5_of_float64():
+    x, w, t = _problem(64, 32, 3000, torch.float32)
+    loss, gx, gw = _loss_and_grads(torch_chunked_linear_cross_entropy, x, w, t)
+    ref = _float64_reference(x, w, t)
+    assert loss.dtype == torch.float32
+    assert abs(float(loss) - float(ref[0])) <= 1e-5 * abs(float(ref[0]))
+    assert _rel(gx, ref[1]) < 1e-5 and _rel(gw, ref[2]) < 1e-5
+
+
+def test_torch_chunked_bfloat16_at_most_twice_plain_torch_error():
+    """bf16: the float32 loss and bf16 gradients are no further from float64 than 2x plain PyTorch's."""
+    x, w, t = _problem(64, 32, 1000, torch.bfloat16, ignored_every=0)
+    ref = _float64_reference(x, w, t)
+    got = _loss_and_grads(lambda a, b, c: torch_chunked_linear_cross_entropy(a, b, c, chunk_size=256), x, w, t)
+    plain = _loss_and_grads(lambda a, b, c: F.cross_entropy(F.linear(a, b), c), x, w, t)
+    assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.bfloat16
+    loss_err, plain_loss_err = (abs(float(v) - float(ref[0])) for v in (got[0], plain[0]))
+    assert loss_err <= 2 * plain_loss_err + 1e-6
+    for mine, theirs, r in zip(got[1:], plain[1:], ref[1:]):
+        assert _rel(mine, r) <= 2 * _rel(theirs, r) + 1e-3
+
+
+def _opts(tmp_path, **kw):
+    return SimpleNamespace(**{"reps": 2, "warmup": 1, "case_budget": 20.0, "seed": 0, "ref_chunk": 300,
+                              "ref_cache": str(tmp_path / "ref-cache"), **kw})
+
+
+TINY = Shape("tiny_test", 48, 16, 700, "test")
+
+
+@pytest.mark.parametrize("impl", ["hugehead", "torch", "torch_chunked",
+                                  pytest.param("torch_lce", marks=pytest.mark.skipif(
+                                      not HAS_TORCH_LCE, reason="this torch has no F.linear_cross_entropy"))])
+def test_case_float32_cpu(impl, tmp_path):
+    """One benchmark case in this process: timings, fp32 errors against the reference, the plan."""
+    row = lce_case.run_case(impl, TINY, torch.device("cpu"), torch.float32, _opts(tmp_path), tmp_path / "c.json")
+    assert row["status"] == "ok", row.get("error")
+    assert row["dtype"] == "float32" and row["fwd_bwd_reps"] == 2 and row["fwd_ms"] > 0
+    for key in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err", "fwd_loss_rel_err"):
+        assert row[key] < 1e-5, (key, row[key])
+    if impl == "hugehead":  # the planner's fields, whatever they are, for forward+backward and forward
+        assert {"rows", "cols", "fwd_rows", "fwd_cols"} <= set(row["plan"]) and row["plan"]["rows"] == TINY.n
+    if impl == "torch_lce":
+        assert row["plan"]["batch_chunk_size"] >= 1 and row["warnings"] == []  # no fallback to the reference path
+    assert json.loads((tmp_path / "c.json").read_text())["done"]
+
+
+def test_case_reference_cache(tmp_path):
+    """The second implementation of a shape compares against the cached reference: same numbers."""
+    opts, cpu = _opts(tmp_path), torch.device("cpu")
+    first = lce_case.run_case("torch", TINY, cpu, torch.float32, opts, tmp_path / "a.json")
+    second = lce_case.run_case("torch", TINY, cpu, torch.float32, opts, tmp_path / "b.json")
+    assert (first["ref_cached"], second["ref_cached"]) == (False, True)
+    for key in ("loss_ref", "grad_x_norm_ref", "grad_w_norm_ref", "grad_w_rel_err"):
+        assert second[key] == pytest.approx(first[key], rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_case_torch_compile_reports_compile_time_apart(tmp_path):
+    row = lce_case.run_case("torch_compile", TINY, torch.device("cpu"), torch.float32, _opts(tmp_path, reps=1),
+                            tmp_path / "c.json")
+    assert row["status"] == "ok", row.get("error")
+    assert row["fwd_bwd_compile_ms"] > row["fwd_bwd_ms"] and row["fwd_compile_ms"] > row["fwd_ms"]
+    assert row["loss_rel_err"] < 1e-5 and row["grad_w_rel_err"] < 1e-5
+
+
+def test_missing_torch_lce_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    """A torch without F.linear_cross_entropy (2.11 on the GPU machine) gives a skipped row, not a crash."""
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
+    row = lce_case.run_case("torch_lce", TINY, torch.device("cpu"), torch.float32, _opts(tmp_path), tmp_path / "c.json")
+    assert row["status"] == "skipped" and "has no F.linear_cross_entropy" in row["error"]
+
+
+def test_parent_skips_and_writes_the_report(tmp_path):
+    """The parent process: --skip and an unavailable peer become skipped rows; lce.md has the headline."""
+    from bench import bench_lce
+
+    rc = bench_lce.main(["--cpu-smoke", "--shapes", "tiny", "--peers", "torch,selftest_unavailable",
+                         "--skip", "tiny:torch", "--out", str(tmp_path), "--work", str(tmp_path / "work")])
+    assert rc == 0
+    doc = json.loads((tmp_path / "lce.json").read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert rows["torch"]["status"] == "skipped" and "--skip" in rows["torch"]["error"]
+    assert rows["selftest_unavailable"]["status"] == "skipped" and "does not exist" in rows["selftest_unavailable"]["error"]
+    assert "| shape | N×D×V | hugehead ms | best exact peer |" in (tmp_path / "lce.md").read_text()
+
+
+def _row(shape, impl, ms, status="ok", **kw):
+    r = {"shape": shape, "n": 8, "d": 4, "v": 100, "impl": impl, "status": status,
+         "fwd_bwd_status": status, "fwd_status": status, "fwd_bwd_ms": ms, "fwd_ms": ms, "fwd_bwd_reps": 10,
+         "fwd_reps": 10, "loss_rel_err": 1e-3, "grad_x_rel_err": 1e-3, "grad_w_rel_err": 1e-3}
+    r.update(kw)
+    return r
+
+
+def test_headline_picks_the_fastest_exact_accurate_peer(tmp_path):
+    doc = {"meta": {"dtype": "bfloat16", "machine": "GPU X", "git_sha": "abc"}, "rows": [
+        _row("a", "hugehead", 10.0, plan={"rows": 8, "cols": 100, "keep_logits": True}),
+        _row("a", "torch", 20.0),
+        _row("a", "torch_chunked", 15.0, grad_w_rel_err=0.5),  # wrong gradients: not a contender
+        _row("a", "cce_filter", 5.0, impl_exact=False),  # inexact: not a contender
+        _row("a", "torch_compile", 12.0, fwd_bwd_compile_ms=30000.0, fwd_compile_ms=9000.0),
+        _row("a", "torch_lce", None, status="oom", error="OutOfMemoryError"),
+        _row("b", "hugehead", 40.0),
+        _row("b", "torch", None, status="oom"),
+        _row("b", "torch_lce", None, status="skipped", error="skipped: torch 2.11 has no F.linear_cross_entropy"),
+    ]}
+    a, b = report.headline_rows(doc)
+    assert (a["best_peer"], a["best_peer_ms"], a["speedup"]) == ("torch_compile", 12.0, pytest.approx(1.2))
+    assert a["not_run"] == ["torch_lce OOM"]
+    assert b["best_peer"] is None and b["not_run"] == ["torch OOM"]
+    text = report.render_headline(doc)
+    assert "| a | 8×4×100 | 10.00 | torch_compile | 12.00 | 1.20× | torch_lce OOM |" in text
+    assert "| b | 8×4×100 | 40.00 | none ran | - | only hugehead runs | torch OOM |" in text
+    md = report.render_markdown(doc)
+    assert "a / hugehead: rows=8, cols=100, keep_logits=True" in md
+    assert "a / torch_compile: fwd+bwd 30.0 s, fwd 9.0 s" in md
+    assert "**5.0e-01**" in md  # the wrong gradient is bold
+    assert report.main(["--headline", str(_write(tmp_path, doc))]) == 0
+
+
+def _write(tmp_path, doc):
+    path = tmp_path / "lce.json"
+    path.write_text(json.dumps(doc))
+    return path
