@@ -15,6 +15,8 @@
 #   MAX_JOBS     parallel compile jobs (default 16). HUGEHEAD_CUDA defaults to ON here.
 #   SANITIZER_TOOLS  compute-sanitizer tools to run in turn (default "memcheck"); SANITIZER_TIMEOUT
 #                caps each (default 240 s).
+#   EXTRA        extra steps after the others, "name=command|name=command" (each logged as a step and
+#                given what is left of the deadline), e.g. "amp=python3 -m bench.bench_amp --out $OUT/amp".
 #   HUGEHEAD_GIT_SHA recorded in the benchmark JSON when the copy has no .git.
 # What comes back under $OUT (at most 8 files): check.log (every step's command, time, status and
 # output tail), logs.tar.gz (full logs), junit.xml, results/lce.{json,md,png}.
@@ -214,6 +216,19 @@ fi
 if has_stage placement; then
     left=$(( $(remaining) - 15 ))
     if [ "$left" -gt 120 ]; then TAIL_LINES=60 step placement placement "$left"; else skip placement "no time left (${left} s)"; fi
+
+fi
+run_extra() {  # run_extra COMMAND: one EXTRA step, bounded by what is left of the deadline
+    local left
+    left=$(remaining)
+    HUGEHEAD_BENCH_IMPORT=installed timeout -k 20 "$left" bash -c "$1"
+}
+if [ -n "${EXTRA:-}" ]; then
+    IFS='|' read -r -a EXTRA_STEPS <<<"$EXTRA"
+    for item in "${EXTRA_STEPS[@]}"; do
+        name=${item%%=*}
+        if [ "$(remaining)" -gt 20 ]; then TAIL_LINES=60 step "$name" run_extra "${item#*=}"; else skip "$name" "no time left"; fi
+    done
 fi
 
 # ---------------------------------------------------------------------------------------------------
