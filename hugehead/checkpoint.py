@@ -1,0 +1,712 @@
+"""Checkpoints of models that hold sharded heads: optimizer state kept on each shard's device, sharded
+``torch.distributed.checkpoint`` (DCP) state dicts that never gather a head, a streamed safetensors
+writer, and atomic writes (temporary sibling, fsync, rename) for every file and directory written here.
+
+Nothing here imports Lightning; ``hugehead.lightning`` builds its callback and strategy on top of this.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import json
+import os
+import re
+import shutil
+import struct
+import uuid
+import warnings
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "place_optimizer_state", "keep_optimizer_state_on_shards", "ShardedRows", "sharded_state_dict",
+    "save_checkpoint", "load_checkpoint", "is_checkpoint_dir", "write_safetensors", "atomic_path",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Bytes of a tensor handled at a time: the host staging of a streamed safetensors write, and the largest
+# item a DCP checkpoint stores (DCP reads a stored item whole, so this also bounds host memory on load).
+BLOCK_BYTES = 1 << 26
+DCP_BLOCK_BYTES = 1 << 28
+_FORMAT = "hugehead.checkpoint/1"
+_META_FILE = "hugehead_checkpoint.pt"
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic writes: a temporary sibling, fsync, then one rename over the target
+# --------------------------------------------------------------------------------------------------
+_TMP_TAG = ".hugehead-tmp."
+_RENAME_EXCHANGE = 2  # renameat2 flag (Linux >= 3.15): swap two paths atomically
+_AT_FDCWD = -100
+
+
+def _temp_sibling(path: str) -> str:
+    parent, base = os.path.split(path)
+    return os.path.join(parent, f".{base}{_TMP_TAG}{os.getpid()}.{uuid.uuid4().hex[:8]}")
+
+
+def _remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file, or a directory tree (its files, then each directory after its entries)."""
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path, topdown=False):
+            for name in files:
+                _fsync_path(os.path.join(root, name))
+            _fsync_dir(root)
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale_temps(path: str) -> None:
+    """Remove temporaries a killed writer left next to ``path`` (their pid is gone)."""
+    parent, base = os.path.split(path)
+    pattern = re.compile(re.escape(f".{base}{_TMP_TAG}") + r"(\d+)\.[0-9a-f]+$")
+    try:
+        names = os.listdir(parent or ".")
+    except OSError:
+        return
+    for name in names:
+        match = pattern.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            _remove_path(os.path.join(parent, name))
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where the OS cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (38, 22, 95):  # ENOSYS, EINVAL, EOPNOTSUPP: no exchange here; fall back
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def _commit(tmp: str, path: str) -> None:
+    if not os.path.isdir(tmp) and not os.path.isdir(path):
+        os.replace(tmp, path)  # a file over a file: atomic by POSIX
+    elif not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        _remove_path(tmp)  # tmp now names the previous checkpoint
+    else:
+        # No atomic swap of a directory on this OS: two renames. Between them `path` is absent and the
+        # previous checkpoint is the temporary; a killed writer leaves it there (load it by that name).
+        old = _temp_sibling(path)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        _remove_path(old)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike) -> Iterator[str]:
+    """Write ``path`` (a file or a directory) all or nothing.
+
+    Yields a temporary name in the same directory; the caller writes the file or directory there. When
+    the block ends normally, the temporary is fsynced and renamed over ``path`` (a directory is swapped
+    in with ``renameat2(RENAME_EXCHANGE)`` where Linux has it), then the parent directory is fsynced. A
+    writer killed at any moment leaves ``path`` as it was (the previous checkpoint, or nothing); an
+    exception removes the temporary and propagates. Temporaries of writers that were killed are removed by
+    the next write to the same path.
+    """
+    path = os.path.abspath(os.fspath(path))
+    _clean_stale_temps(path)
+    tmp = _temp_sibling(path)
+    try:
+        yield tmp
+        if not os.path.lexists(tmp):
+            raise FileNotFoundError(f"hugehead: nothing was written to the temporary {tmp} for {path}")
+        _fsync_path(tmp)
+        _commit(tmp, path)
+    except BaseException:
+        _remove_path(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer state on each parameter's device
+# --------------------------------------------------------------------------------------------------
+def place_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Move every state tensor of ``optimizer`` to its parameter's device, in place.
+
+    Lightning restores optimizer state onto its root device and moves it to the CPU after ``fit``; a
+    shard on ``cuda:1`` then has its Adam moments on ``cuda:0`` and a fused or foreach step fails. This
+    undoes that. The scalar ``step`` follows PyTorch's own rule (``Optimizer.load_state_dict``): moved to
+    the parameter's device in groups with ``fused`` or ``capturable``, else left where it is (the CPU,
+    where Lightning leaves it too). Dtypes are never changed.
+
+    Returns:
+        The number of tensors moved (0 when everything already was in place).
+    """
+    moved = 0
+    for group in optimizer.param_groups:
+        step_on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not isinstance(state, dict):
+                continue
+            for key, value in state.items():
+                if not isinstance(value, Tensor):
+                    continue
+                if key == "step" and not step_on_device:
+                    continue
+                if value.device != param.device:
+                    state[key] = value.to(param.device)
+                    moved += 1
+    return moved
+
+
+def _place_before_step(optimizer, args, kwargs):
+    place_optimizer_state(optimizer)
+
+
+def keep_optimizer_state_on_shards(optimizer: torch.optim.Optimizer):
+    """Place ``optimizer``'s state now (:func:`place_optimizer_state`) and again before every ``step()``
+    (a step pre-hook), so whatever moved it in between — a Lightning restore or teardown, a user's
+    ``optimizer_to(device)`` — the step finds each shard's state on that shard's device. The check
+    costs a loop over the state's tensors per step; nothing moves when all is in place.
+
+    Idempotent per optimizer. Returns the hook's handle (``.remove()`` stops it).
+    """
+    place_optimizer_state(optimizer)
+    handle = getattr(optimizer, "_hugehead_placement_hook", None)
+    if handle is None or handle.id not in optimizer._optimizer_step_pre_hooks:
+        handle = optimizer.register_step_pre_hook(_place_before_step)
+        optimizer._hugehead_placement_hook = handle
+    return handle
+
+
+# --------------------------------------------------------------------------------------------------
+# ShardedRows: a logical tensor whose row ranges live apart, as DCP sees it
+# --------------------------------------------------------------------------------------------------
+class ShardedRows(Tensor):
+    """The logical ``[R, ...]`` tensor whose row ranges are separate tensors ("pieces"), possibly on
+    different devices — e.g. a head's ``weight [V, D]`` as its shards' weights. It holds no data of its
+    own and supports no tensor operations; it exists for ``torch.distributed.checkpoint``, which saves
+    each piece as a chunk of the logical tensor (with its row offset) and loads into the pieces in place,
+    resharding from whatever layout was saved (the ``__create_write_items__`` / ``__create_chunk_list__``
+    / ``__get_tensor_shard__`` protocol that DCP's planner asks of DTensor).
+
+    Args:
+        pieces: ``(first_row, tensor)`` pairs; tensors share trailing shape and dtype; the row ranges must
+            tile ``[0, rows)`` without overlap.
+        rows: ``R``.
+    """
+
+    _pieces: List[Tuple[int, Tensor]]
+
+    @staticmethod
+    def __new__(cls, pieces: Sequence[Tuple[int, Tensor]], rows: int):
+        pieces = sorted(((int(s), t) for s, t in pieces), key=lambda p: p[0])
+        if not pieces:
+            raise ValueError("hugehead: ShardedRows needs at least one piece")
+        first = pieces[0][1]
+        expected = 0
+        for start, piece in pieces:
+            if piece.dim() < 1 or piece.shape[1:] != first.shape[1:] or piece.dtype != first.dtype:
+                raise ValueError(
+                    f"hugehead: ShardedRows pieces must share trailing shape and dtype; got {tuple(piece.shape)} "
+                    f"{piece.dtype} next to {tuple(first.shape)} {first.dtype}"
+                )
+            if start != expected:
+                raise ValueError(f"hugehead: ShardedRows piece starts at row {start}, expected {expected}")
+            expected = start + piece.shape[0]
+        if expected != rows:
+            raise ValueError(f"hugehead: ShardedRows pieces cover {expected} rows, not {rows}")
+        out = Tensor._make_wrapper_subclass(cls, (rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+        out._pieces = pieces
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise TypeError(
+            f"hugehead: ShardedRows is a checkpoint view of tensors on several devices and supports no "
+            f"operations ({func}); use .rows(start, stop) to materialize rows, or the module's state_dict()"
+        )
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        layout = ", ".join(f"[{s}, {s + t.shape[0]}) on {t.device}" for s, t in self._pieces)
+        return f"ShardedRows(shape={tuple(self.shape)}, dtype={self.dtype}, pieces=[{layout}])"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "hugehead: ShardedRows cannot be pickled (torch.save); save it with torch.distributed.checkpoint "
+            "or hugehead.checkpoint.save_checkpoint, or torch.save the module's state_dict() instead"
+        )
+
+    @property
+    def pieces(self) -> List[Tuple[int, Tensor]]:
+        """``(first_row, tensor)`` in row order."""
+        return list(self._pieces)
+
+    def blocks(self, max_bytes: int) -> "ShardedRows":
+        """The same rows as pieces of at most ``max_bytes`` (views of the pieces; at least one row each)."""
+        out = []
+        for start, piece in self._pieces:
+            row_bytes = max(1, piece[:1].numel() * piece.element_size())
+            step = max(1, int(max_bytes) // row_bytes)
+            out.extend((start + r, piece[r:r + step]) for r in range(0, piece.shape[0], step))
+        return ShardedRows(out, self.shape[0])
+
+    def rows(self, start: int, stop: int, device=None) -> Tensor:
+        """Rows ``[start, stop)`` as one tensor on ``device`` (default: the first piece's device). Returns
+        the piece itself when one piece is exactly those rows there; else a new tensor."""
+        device = torch.device(device) if device is not None else self.device
+        for piece_start, piece in self._pieces:
+            if piece_start == start and piece.shape[0] == stop - start and piece.device == device:
+                return piece
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype, device=device)
+        for piece_start, piece in self._pieces:
+            lo, hi = max(start, piece_start), min(stop, piece_start + piece.shape[0])
+            if lo < hi:
+                out[lo - start:hi - start].copy_(piece[lo - piece_start:hi - piece_start])
+        return out
+
+    # The protocol torch.distributed.checkpoint's default planners call (DTensor implements the same).
+    def _chunks(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        tail = [0] * (self.dim() - 1)
+        return [ChunkStorageMetadata(offsets=torch.Size([s, *tail]), sizes=t.shape) for s, t in self._pieces]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        properties = TensorProperties(dtype=self.dtype)
+        return [
+            WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape))
+            for chunk in self._chunks()
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index) -> Tensor:
+        for (start, piece), chunk in zip(self._pieces, self._chunks()):
+            if chunk.offsets == index.offset:
+                return piece
+        raise ValueError(f"hugehead: ShardedRows {index.fqn!r} has no piece at offset {tuple(index.offset)}")
+
+
+_SHARDED_STATE_DICT = contextvars.ContextVar("hugehead_sharded_state_dict", default=False)
+
+
+def sharded_state_dict_requested() -> bool:
+    """True inside :func:`sharded_state_dict` (the heads' state-dict hooks ask)."""
+    return _SHARDED_STATE_DICT.get()
+
+
+def sharded_state_dict(module: nn.Module) -> Dict[str, Any]:
+    """``module.state_dict()`` where every :class:`~hugehead.ChunkedClassifier` inside gives its logical
+    ``weight [V, D]`` and ``bias [V]`` as :class:`ShardedRows` over its shards' tensors instead of a
+    gathered copy: no memory is allocated, and ``torch.distributed.checkpoint`` saves each shard where
+    it lives and loads into any placement and shard count.
+
+    The usual DCP pattern then works as for FSDP2/DTensor models::
+
+        dcp.save(hugehead.checkpoint.sharded_state_dict(model), checkpoint_id=path)
+        state = hugehead.checkpoint.sharded_state_dict(model)   # the same keys, this placement
+        dcp.load(state, checkpoint_id=path)                    # in place, into the shards
+        model.load_state_dict(state)                           # the rest (no copy for the head)
+
+    Other entries are those of ``state_dict()`` (tensors sharing the module's storage).
+    """
+    token = _SHARDED_STATE_DICT.set(True)
+    try:
+        return module.state_dict()
+    finally:
+        _SHARDED_STATE_DICT.reset(token)
+
+
+# --------------------------------------------------------------------------------------------------
+# A checkpoint directory: DCP for the tensors, a small torch.save file for everything else
+# --------------------------------------------------------------------------------------------------
+class _TensorRef:
+    """Where a tensor of an optimizer state went in the DCP part (shape and dtype to allocate it)."""
+
+    __slots__ = ("key", "shape", "dtype")
+
+    def __init__(self, key: str, shape, dtype: torch.dtype):
+        self.key, self.shape, self.dtype = key, tuple(shape), dtype
+
+    def __reduce__(self):
+        return (_TensorRef, (self.key, self.shape, self.dtype))
+
+
+torch.serialization.add_safe_globals([_TensorRef])
+
+
+def _for_dcp(value: Any, block_bytes: int) -> Any:
+    """Values as DCP stores them: big tensors split into row blocks (DCP reads each stored item whole)."""
+    if isinstance(value, ShardedRows):
+        return value.blocks(block_bytes)
+    if type(value) in (Tensor, nn.Parameter) and value.dim() >= 1 and value.shape[0] > 1 \
+            and value.numel() * value.element_size() > block_bytes:
+        return ShardedRows([(0, value)], value.shape[0]).blocks(block_bytes)
+    return value
+
+
+@contextlib.contextmanager
+def _single_process_dcp():
+    """DCP in this process only: its warning that it assumes one process is the intent here, and the
+    error of a failed read or write (which DCP wraps per rank in a CheckpointException) is re-raised
+    as itself, so a full disk reads as ``OSError: No space left on device``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled, unavailable or uninitialized.*")
+        try:
+            yield
+        except CheckpointException as exc:
+            failures = list(getattr(exc, "failures", {}).values())
+            original = failures[0][0] if len(failures) == 1 and isinstance(failures[0], tuple) else None
+            if isinstance(original, BaseException):
+                raise original from exc
+            raise
+
+
+def is_checkpoint_dir(path: PathLike) -> bool:
+    """Whether ``path`` is a checkpoint directory written by :func:`save_checkpoint`."""
+    return os.path.isfile(os.path.join(os.fspath(path), _META_FILE))
+
+
+def _optimizer_state_dicts(optimizers) -> Optional[List[dict]]:
+    if optimizers is None:
+        return None
+    if isinstance(optimizers, (torch.optim.Optimizer, Mapping)):
+        optimizers = [optimizers]
+    return [opt.state_dict() if isinstance(opt, torch.optim.Optimizer) else opt for opt in optimizers]
+
+
+def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], optimizers=None,
+                    extra: Any = None, *, block_bytes: int = DCP_BLOCK_BYTES) -> None:
+    """Write a checkpoint directory, atomically: the model's tensors and the optimizers' state tensors
+    with ``torch.distributed.checkpoint`` (single process, no process group), everything else (param
+    groups, ``extra``) in one small ``torch.save`` file inside it.
+
+    Heads are never gathered: each shard is written from where it lives, in row blocks of at most
+    ``block_bytes`` (a GPU block is staged through host memory one at a time). The model's weights load
+    back into any placement and shard count (:func:`load_checkpoint`); optimizer state into the same
+    placement.
+
+    Args:
+        path: the directory to create or replace (written as a temporary sibling, then swapped in).
+        model: an ``nn.Module`` (its :func:`sharded_state_dict` is saved) or a state dict built by it.
+        optimizers: an optimizer, a list of them, or their ``state_dict()``s (Lightning's
+            ``checkpoint["optimizer_states"]``); None: no optimizer state.
+        extra: anything else ``torch.save`` can write (Lightning's loops, callbacks, hyper-parameters).
+    Raises:
+        Whatever writing raises; ``path`` is then left as it was and no temporary remains.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state = sharded_state_dict(model) if isinstance(model, nn.Module) else dict(model)
+    tensors: Dict[str, Any] = {}
+    model_other: Dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, Tensor):
+            tensors[f"model.{key}"] = _for_dcp(value, block_bytes)
+        else:
+            model_other[key] = value
+    opt_states = _optimizer_state_dicts(optimizers)
+    optimizer_meta = None if opt_states is None else []
+    for i, opt_state in enumerate(opt_states or []):
+        per_param = {}
+        for pid, param_state in opt_state.get("state", {}).items():
+            entry = {}
+            for key, value in param_state.items():
+                if isinstance(value, Tensor):
+                    name = f"optimizer.{i}.{pid}.{key}"
+                    tensors[name] = _for_dcp(value, block_bytes)
+                    entry[key] = _TensorRef(name, value.shape, value.dtype)
+                else:
+                    entry[key] = value
+            per_param[pid] = entry
+        optimizer_meta.append({**{k: v for k, v in opt_state.items() if k != "state"}, "state": per_param})
+    meta = {
+        "format": _FORMAT,
+        "model_keys": list(state),
+        "model_other": model_other,
+        "model_shapes": {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)},
+        "optimizers": optimizer_meta,
+        "extra": extra,
+    }
+    with atomic_path(path) as tmp:
+        os.makedirs(tmp)
+        if tensors:
+            with _single_process_dcp():
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+        # The metadata file goes last: a directory with it is complete (is_checkpoint_dir).
+        with open(os.path.join(tmp, _META_FILE), "wb") as f:
+            torch.save(meta, f)
+
+
+def _read_meta(path: str, weights_only: Optional[bool]) -> dict:
+    meta_path = os.path.join(path, _META_FILE)
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"hugehead: {path} is not a checkpoint directory written by save_checkpoint "
+                                f"(no {_META_FILE})")
+    meta = torch.load(meta_path, map_location="cpu", weights_only=weights_only)
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"hugehead: {path} has checkpoint format {meta.get('format')!r}, expected {_FORMAT!r}")
+    return meta
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
+                    optimizers: Optional[Sequence[torch.optim.Optimizer]] = None, *, strict: bool = True, weights_only: Optional[bool] = None,
+                    block_bytes: int = DCP_BLOCK_BYTES) -> Tuple[Dict[str, Any], List[dict], Any]:
+    """The loading half of :func:`load_checkpoint`, for callers that apply the states themselves
+    (``hugehead.lightning``): loads in place into ``model_state`` (a :func:`sharded_state_dict`) and into
+    optimizer state tensors allocated on each parameter's device.
+
+    Returns:
+        ``(model_state, optimizer_state_dicts, extra)``; ``optimizer_state_dicts`` is None when
+        ``optimizers`` is None or the checkpoint holds no optimizer state (nothing of it is read then).
+    Raises:
+        FileNotFoundError, ValueError: not a checkpoint; different shapes; optimizer state saved for other
+            parameters (another placement, another optimizer). RuntimeError: (``strict``) other keys.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    meta = _read_meta(path, weights_only)
+    model_state = dict(model_state)
+    saved_shapes = meta["model_shapes"]
+    if strict:
+        missing = [k for k in model_state if k not in meta["model_keys"]]
+        unexpected = [k for k in meta["model_keys"] if k not in model_state]
+        if missing or unexpected:
+            raise RuntimeError(f"hugehead: {path} does not match the model: missing keys {missing}, "
+                               f"unexpected keys {unexpected} (pass strict=False to load the common keys)")
+    targets: Dict[str, Any] = {}
+    for key, value in model_state.items():
+        if not isinstance(value, Tensor) or key not in saved_shapes:
+            continue
+        if tuple(value.shape) != tuple(saved_shapes[key]):
+            raise ValueError(
+                f"hugehead: {path}: {key} was saved with shape {tuple(saved_shapes[key])}, the model has "
+                f"{tuple(value.shape)}"
+            )
+        targets[f"model.{key}"] = _for_dcp(value, block_bytes)
+    for key, value in meta["model_other"].items():
+        if key in model_state:
+            model_state[key] = value
+
+    optimizer_states: Optional[List[dict]] = None
+    saved_optimizers = meta["optimizers"]
+    if optimizers is not None and saved_optimizers is not None:
+        optimizer_states = []
+        if len(optimizers) != len(saved_optimizers):
+            raise ValueError(f"hugehead: {path} holds state of {len(saved_optimizers)} optimizer(s), "
+                             f"got {len(optimizers)}")
+        for i, (optimizer, saved) in enumerate(zip(optimizers, saved_optimizers)):
+            params = _optimizer_params(optimizer)
+            groups = optimizer.param_groups
+            saved_counts = [len(g["params"]) for g in saved["param_groups"]]
+            if saved_counts != [len(g["params"]) for g in groups]:
+                raise ValueError(
+                    f"hugehead: {path}: optimizer {i} was saved with parameter groups of sizes {saved_counts}, this "
+                    f"optimizer has {[len(g['params']) for g in groups]} (another model or head placement?). "
+                    "Optimizer state resumes into the same placement only; load the weights alone with optimizers=None"
+                )
+            group_of = {id(p): group for group in groups for p in group["params"]}
+            state = {}
+            for pid, entry in saved["state"].items():
+                param = params[int(pid)]
+                group = group_of[id(param)]
+                param_state = {}
+                for key, value in entry.items():
+                    if not isinstance(value, _TensorRef):
+                        param_state[key] = value
+                        continue
+                    # A moment of another shard size: same trailing shape, other row count.
+                    if len(value.shape) == param.dim() >= 1 and value.shape[1:] == tuple(param.shape[1:]) \
+                            and value.shape[0] != param.shape[0]:
+                        raise ValueError(
+                            f"hugehead: {path}: optimizer {i} state {key!r} of parameter {pid} has shape "
+                            f"{value.shape}, the parameter has {tuple(param.shape)} (another head placement?). "
+                            "Optimizer state resumes into the same placement only; load the weights alone "
+                            "with optimizers=()"
+                        )
+                    on_param_device = key != "step" or group.get("fused") or group.get("capturable")
+                    tensor = torch.empty(value.shape, dtype=value.dtype,
+                                         device=param.device if on_param_device else "cpu")
+                    targets[value.key] = _for_dcp(tensor, block_bytes)
+                    param_state[key] = tensor
+                state[pid] = param_state
+            optimizer_states.append({**{k: v for k, v in saved.items() if k != "state"}, "state": state})
+
+    if targets:
+        with _single_process_dcp():
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return model_state, optimizer_states, meta["extra"]
+
+
+def load_checkpoint(path: PathLike, model: nn.Module, optimizers=None, *, strict: bool = True,
+                    weights_only: Optional[bool] = None) -> Any:
+    """Load a directory written by :func:`save_checkpoint` into ``model`` (any placement and shard count
+    of its heads: each shard reads only its rows, block by block, straight into its Parameters) and into
+    ``optimizers`` (same placement; each state tensor is read onto its parameter's device).
+
+    Args:
+        strict: passed to ``model.load_state_dict``. weights_only: for the small ``torch.save`` part
+            (None: torch's default).
+    Returns:
+        The ``extra`` object that was saved.
+    Raises:
+        FileNotFoundError, ValueError: see :func:`read_checkpoint`; RuntimeError from ``load_state_dict``.
+    """
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    optimizers = None if optimizers is None else list(optimizers)
+    state, optimizer_states, extra = read_checkpoint(path, sharded_state_dict(model), optimizers,
+                                                     strict=strict, weights_only=weights_only)
+    if optimizers and optimizer_states is None:
+        raise ValueError(f"hugehead: {os.fspath(path)} holds no optimizer state (it was saved without optimizers)")
+    model.load_state_dict(state, strict=strict)
+    for optimizer, opt_state in zip(optimizers or [], optimizer_states or []):
+        optimizer.load_state_dict(opt_state)
+        place_optimizer_state(optimizer)
+    return extra
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors, streamed
+# --------------------------------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+
+
+def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int) -> None:
+    """Write ``tensor``'s bytes (row-major) a block of rows at a time. A contiguous CPU tensor is written
+    from its own memory; a GPU tensor through two pinned host buffers, the copy of block b+1 (queued on
+    the current stream of the tensor's device, after whatever wrote the tensor) overlapping the file
+    write of block b."""
+    tensor = tensor.detach()
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    if tensor.numel() == 0:
+        return
+    rows = tensor.shape[0]
+    row_bytes = tensor[:1].numel() * tensor.element_size()
+    step = max(1, block_bytes // row_bytes)
+
+    def as_bytes(block: Tensor) -> memoryview:
+        return memoryview(block.reshape(-1).view(torch.uint8).numpy())
+
+    if tensor.device.type != "cuda":
+        for r in range(0, rows, step):
+            f.write(as_bytes(tensor[r:r + step].to("cpu").contiguous()))
+        return
+    buffers = [torch.empty((min(step, rows), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=True) for _ in range(2)]
+    pending: List[Tuple[Tensor, Any]] = []  # copies queued, not yet written
+    with torch.cuda.device(tensor.device):
+        for i, r in enumerate(range(0, rows, step)):
+            block = buffers[i % 2][:min(step, rows - r)]
+            block.copy_(tensor[r:r + step], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            pending.append((block, event))
+            if len(pending) == 2:  # the other buffer's copy was queued before this one: write it
+                block, event = pending.pop(0)
+                event.synchronize()
+                f.write(as_bytes(block))
+        for block, event in pending:
+            event.synchronize()
+            f.write(as_bytes(block))
+
+
+def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], metadata: Optional[Mapping[str, str]] = None,
+                      *, block_bytes: int = BLOCK_BYTES) -> None:
+    """Write a safetensors file (readable by ``safetensors.safe_open`` / ``load_file``) without holding
+    the tensors in host memory: the header first, then each tensor's bytes in blocks of at most
+    ``block_bytes`` — host memory stays within two blocks whatever the size. Written atomically
+    (:func:`atomic_path`).
+
+    Args:
+        tensors: ``(name, tensor)`` in file order, on any devices; any strides.
+        metadata: string to string, stored as the file's ``__metadata__``.
+    Raises:
+        TypeError: a dtype safetensors has no code for, or non-string metadata.
+    """
+    header: Dict[str, Any] = {}
+    offset = 0
+    for name, tensor in tensors:
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"hugehead: safetensors cannot store {name!r} of dtype {tensor.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("hugehead: safetensors metadata must map strings to strings")
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, tensor in tensors:
+                _write_tensor_bytes(f, tensor, block_bytes)
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,118 @@
+"""PyTorch Lightning integration for models that hold hugehead heads.
+
+- :class:`ShardPlacementCallback`: keeps every parameter's optimizer state on that parameter's device.
+  Lightning restores optimizer state onto its root device (``Strategy.load_optimizer_state_dict``) and
+  moves it to the CPU when ``fit`` ends (``Strategy.teardown``), so a shard on ``cuda:1`` would step with
+  its Adam moments on ``cuda:0``. Works with any strategy and Lightning's own ``.ckpt`` files.
+- :class:`ShardedHeadStrategy`: the single-device strategy plus sharded checkpoints — each checkpoint is
+  a directory written by :func:`hugehead.checkpoint.save_checkpoint` (``torch.distributed.checkpoint``
+  for the tensors), so no head is ever gathered, and it loads into any head placement. It keeps
+  optimizer state on the shards itself (no callback needed).
+
+This module imports Lightning (``lightning.pytorch``); ``import hugehead`` does not import it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+try:
+    from lightning.pytorch.accelerators import CUDAAccelerator
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+except ImportError as exc:  # pragma: no cover - exercised only without lightning
+    raise ImportError(f"hugehead.lightning needs PyTorch Lightning: pip install lightning ({exc})") from None
+
+from .checkpoint import (is_checkpoint_dir, keep_optimizer_state_on_shards, place_optimizer_state, read_checkpoint,
+                         save_checkpoint, sharded_state_dict)
+
+__all__ = ["ShardPlacementCallback", "ShardedHeadStrategy"]
+
+
+class ShardPlacementCallback(Callback):
+    """Keeps each parameter's optimizer state on that parameter's device, for every optimizer of the
+    trainer: on ``on_train_start`` (which runs after Lightning restored optimizer state from
+    ``fit(ckpt_path=...)`` and before the first step) it moves misplaced state back and installs
+    :func:`hugehead.keep_optimizer_state_on_shards`'s step pre-hook, which re-checks before every step.
+
+    ``Trainer(callbacks=[hugehead.lightning.ShardPlacementCallback()])``.
+    """
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for optimizer in trainer.optimizers:
+            keep_optimizer_state_on_shards(optimizer)
+
+
+class ShardedHeadStrategy(SingleDeviceStrategy):
+    """One process, one root device for the LightningModule (heads keep their own placement), and
+    sharded checkpoints.
+
+    ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write a *directory* (atomically; see
+    :func:`hugehead.checkpoint.save_checkpoint`): ``torch.distributed.checkpoint`` files holding every
+    head shard as rows of the logical ``weight``/``bias`` (written from the shard's device, in blocks),
+    the other tensors and the optimizer state tensors, plus one small ``torch.save`` file with the rest
+    of Lightning's checkpoint. ``fit(ckpt_path=dir)`` / ``test(ckpt_path=dir)`` load it in place:
+    weights into any head placement and shard count, optimizer state (same placement) straight onto
+    each parameter's device. Checkpoint files from other strategies (``.ckpt``) still load.
+
+    Args:
+        device: the root device; None: the accelerator's (``cuda:<current>`` for GPUs, else CPU).
+        accelerator, checkpoint_io, precision_plugin: as for ``SingleDeviceStrategy``.
+
+    ``Trainer(accelerator="gpu", devices=1, strategy=hugehead.lightning.ShardedHeadStrategy())``.
+    """
+
+    strategy_name = "hugehead_sharded_head"
+
+    def __init__(self, device=None, accelerator=None, checkpoint_io=None, precision_plugin=None):
+        super().__init__(device="cpu" if device is None else device, accelerator=accelerator,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self._device_given = device is not None
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device_given:
+            return self._root_device
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load after setup: the optimizers exist then, so their state is read straight onto the shards.
+        return True
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        return sharded_state_dict(self.lightning_module)
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes checkpoint directories and takes no storage_options")
+        checkpoint = dict(checkpoint)
+        state = checkpoint.pop("state_dict")
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        save_checkpoint(filepath, state, optimizer_states, extra=checkpoint)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        if not is_checkpoint_dir(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        torch.cuda.empty_cache()
+        state, optimizer_states, extra = read_checkpoint(
+            checkpoint_path, self.lightning_module_state_dict(), self.optimizers or None, weights_only=weights_only
+        )
+        checkpoint = dict(extra or {})
+        checkpoint["state_dict"] = state
+        if optimizer_states is not None:
+            checkpoint["optimizer_states"] = optimizer_states
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(opt_state)
+            place_optimizer_state(optimizer)  # not Lightning's move of everything to the root device
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        for optimizer in self.optimizers:
+            keep_optimizer_state_on_shards(optimizer)

@@ -1,0 +1,605 @@
+"""Checkpoint and resume (hugehead.checkpoint, hugehead.lightning): optimizer state kept on each shard's
+device (the misplaced-state failure simulated on CPU with the meta device), resume bitwise equal to an
+uninterrupted run (plain PyTorch and Lightning, Adam and SGD with momentum, several shards), sharded
+torch.distributed.checkpoint round trips across placements, the streamed safetensors writer (readable by
+safetensors; host memory measured), and atomic writes (exceptions, and writers killed with SIGKILL)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hugehead
+from hugehead import checkpoint as ck
+
+D, V = 8, 37
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_head(sizes, *, dtype=torch.float64, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return hugehead.ChunkedClassifier(D, sum(sizes), bias, devices=["cpu"] * len(sizes), shard_sizes=sizes,
+                                      dtype=dtype, chunk_size=4)
+
+
+def logical(head):
+    return {k: v.clone() for k, v in head.state_dict().items()}
+
+
+def no_temporaries(directory):
+    return [n for n in os.listdir(directory) if ".hugehead-tmp." in n] == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer state on each parameter's device. On CPU the "other device" is meta: a parameter there with
+# its state left on the CPU is what Lightning's restore does to a shard on cuda:1 (state on cuda:0).
+# --------------------------------------------------------------------------------------------------
+def misplace_state(optimizer, device):
+    """What Lightning's ``_optimizer_to_device(optimizer, root)`` does (values are irrelevant on meta)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step":
+                state[key] = torch.empty_like(value, device=device)
+
+
+def cpu_and_meta_params():
+    on_cpu = nn.Parameter(torch.randn(4, 3))
+    on_meta = nn.Parameter(torch.empty(5, 3, device="meta"))
+    on_cpu.grad, on_meta.grad = torch.ones_like(on_cpu), torch.ones_like(on_meta)
+    return on_cpu, on_meta
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for_loop"])
+def test_misplaced_adam_state_fails_and_placement_fixes_it(foreach):
+    on_cpu, on_meta = cpu_and_meta_params()
+    opt = torch.optim.Adam([on_cpu, on_meta], lr=0.1, foreach=foreach)
+    opt.step()
+    misplace_state(opt, "cpu")
+    with pytest.raises(RuntimeError, match="device"):
+        opt.step()  # the failure of issue 14, in miniature
+    assert hugehead.place_optimizer_state(opt) == 2  # exp_avg, exp_avg_sq of the meta parameter
+    assert {k: v.device.type for k, v in opt.state[on_meta].items()} == {"step": "cpu", "exp_avg": "meta",
+                                                                         "exp_avg_sq": "meta"}
+    assert all(v.device.type == "cpu" for v in opt.state[on_cpu].values())
+    opt.step()
+    assert hugehead.place_optimizer_state(opt) == 0
+
+
+def test_sgd_momentum_state_is_placed():
+    on_cpu, on_meta = cpu_and_meta_params()
+    opt = torch.optim.SGD([on_cpu, on_meta], lr=0.1, momentum=0.9)
+    opt.step()
+    misplace_state(opt, "cpu")
+    assert hugehead.place_optimizer_state(opt) == 1
+    assert opt.state[on_meta]["momentum_buffer"].device.type == "meta"
+    assert opt.state[on_cpu]["momentum_buffer"].device.type == "cpu"
+
+
+def test_step_follows_torch_rule_for_fused_and_plain_groups():
+    # fused/capturable: step on the parameter's device (torch's load_state_dict rule); else left on the CPU.
+    fused = nn.Parameter(torch.empty(5, 3, device="meta"))
+    plain = nn.Parameter(torch.empty(5, 3, device="meta"))
+    opt = torch.optim.Adam([{"params": [fused], "fused": True}, {"params": [plain]}], lr=0.1)
+    for p in (fused, plain):
+        opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(5, 3), "exp_avg_sq": torch.zeros(5, 3)}
+    assert hugehead.place_optimizer_state(opt) == 5
+    assert opt.state[fused]["step"].device.type == "meta"
+    assert opt.state[plain]["step"].device.type == "cpu"
+    assert opt.state[plain]["exp_avg"].device.type == "meta"
+
+
+def test_keep_on_shards_places_before_every_step_and_is_idempotent():
+    on_cpu, on_meta = cpu_and_meta_params()
+    opt = torch.optim.Adam([on_cpu, on_meta], lr=0.1)
+    opt.step()
+    handle = hugehead.keep_optimizer_state_on_shards(opt)
+    assert hugehead.keep_optimizer_state_on_shards(opt) is handle and len(opt._optimizer_step_pre_hooks) == 1
+    for _ in range(2):
+        misplace_state(opt, "cpu")  # e.g. Lightning's teardown, then another fit
+        opt.step()
+        assert opt.state[on_meta]["exp_avg"].device.type == "meta"
+    handle.remove()
+    misplace_state(opt, "cpu")
+    with pytest.raises(RuntimeError, match="device"):
+        opt.step()
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain PyTorch: resume equals an uninterrupted run, bitwise
+# --------------------------------------------------------------------------------------------------
+class Model(nn.Module):
+    def __init__(self, sizes, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.backbone = nn.Linear(6, D, dtype=torch.float64)
+        self.head = make_head(sizes, seed=seed)
+
+    def forward(self, x, target):
+        return self.head(torch.tanh(self.backbone(x)), target)
+
+
+OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.05),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(16, 6, generator=g, dtype=torch.float64), torch.randint(0, V, (16,), generator=g))
+            for _ in range(n)]
+
+
+def train(model, optimizer, data):
+    for x, target in data:
+        optimizer.zero_grad()
+        model(x, target).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("fmt", ["torch_save", "dcp"])
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+def test_plain_pytorch_resume_is_bitwise(tmp_path, opt_name, fmt):
+    sizes, data = [5, 20, 12], batches(6)
+    full = Model(sizes, seed=1)
+    full_opt = OPTIMIZERS[opt_name](full.parameters())
+    train(full, full_opt, data)
+
+    first = Model(sizes, seed=1)
+    first_opt = OPTIMIZERS[opt_name](first.parameters())
+    train(first, first_opt, data[:3])
+    path = tmp_path / "ckpt"
+    if fmt == "torch_save":
+        torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, path)
+    else:
+        ck.save_checkpoint(path, first, first_opt, extra={"step": 3}, block_bytes=256)  # many blocks per shard
+
+    resumed = Model(sizes, seed=2)  # other initial values: everything must come from the checkpoint
+    resumed_opt = OPTIMIZERS[opt_name](resumed.parameters())
+    hugehead.keep_optimizer_state_on_shards(resumed_opt)
+    if fmt == "torch_save":
+        state = torch.load(path)
+        resumed.load_state_dict(state["model"])
+        resumed_opt.load_state_dict(state["optimizer"])
+    else:
+        assert ck.load_checkpoint(path, resumed, resumed_opt) == {"step": 3}
+    train(resumed, resumed_opt, data[3:])
+
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    for a, b in zip(full_opt.state_dict()["state"].values(), resumed_opt.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint, one process, no process group
+# --------------------------------------------------------------------------------------------------
+def test_sharded_state_dict_is_the_shards_without_copies():
+    head = make_head([5, 20, 12])
+    state = head.sharded_state_dict()
+    assert list(state) == ["weight", "bias"]
+    weight = state["weight"]
+    assert isinstance(weight, ck.ShardedRows) and weight.shape == (V, D) and weight.dtype == torch.float64
+    assert [(s, t.data_ptr()) for s, t in weight.pieces] == [(sh.start, sh.weight.data_ptr()) for sh in head.shards]
+    model = nn.ModuleDict({"enc": nn.Linear(2, 2), "head": head})
+    assert set(ck.sharded_state_dict(model)) == {"enc.weight", "enc.bias", "head.weight", "head.bias"}
+    assert isinstance(model.state_dict()["head.weight"], torch.Tensor)  # outside: the gathered tensor
+    assert not isinstance(model.state_dict()["head.weight"], ck.ShardedRows)
+
+
+@pytest.mark.parametrize("src,dst", [([37], [5, 20, 12]), ([5, 20, 12], [37]), ([5, 20, 12], [30, 7])],
+                         ids=["1to3", "3to1", "3to2"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_dcp_round_trip_across_placements(tmp_path, src, dst, bias):
+    import torch.distributed.checkpoint as dcp
+
+    a = make_head(src, bias=bias, seed=3)
+    b = make_head(dst, bias=bias, seed=4)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(a.sharded_state_dict(), checkpoint_id=str(tmp_path / "raw"))
+    state = b.sharded_state_dict()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, checkpoint_id=str(tmp_path / "raw"))  # in place, into b's shards
+    b.load_state_dict(state)
+    expected = logical(a)
+    assert all(torch.equal(b.state_dict()[k], expected[k]) for k in expected)
+
+    # The same through save_checkpoint / load_checkpoint, with blocks far smaller than a shard.
+    c = make_head(dst, bias=bias, seed=5)
+    model_a, model_c = nn.ModuleDict({"head": a}), nn.ModuleDict({"head": c})
+    ck.save_checkpoint(tmp_path / "dir", model_a, block_bytes=3 * D * 8)
+    assert ck.is_checkpoint_dir(tmp_path / "dir")
+    ck.load_checkpoint(tmp_path / "dir", model_c)
+    assert all(torch.equal(c.state_dict()[k], expected[k]) for k in expected)
+
+
+def test_load_state_dict_takes_sharded_rows_of_another_placement():
+    a, b = make_head([5, 20, 12], seed=3), make_head([30, 7], seed=4)
+    b.load_state_dict(a.sharded_state_dict())
+    assert all(torch.equal(b.state_dict()[k], v) for k, v in logical(a).items())
+
+
+def test_checkpoint_errors(tmp_path):
+    model = Model([5, 20, 12], seed=1)
+    opt = torch.optim.Adam(model.parameters())
+    train(model, opt, batches(1))
+    ck.save_checkpoint(tmp_path / "c", model, opt)
+    other = Model([30, 7], seed=1)  # weights load into any placement ...
+    ck.load_checkpoint(tmp_path / "c", other)
+    with pytest.raises(ValueError, match="same placement only"):  # ... optimizer state does not
+        ck.load_checkpoint(tmp_path / "c", other, torch.optim.Adam(other.parameters()))
+    same_count = Model([10, 15, 12], seed=1)
+    with pytest.raises(ValueError, match=r"has shape \(5, 8\), the parameter has \(10, 8\)"):
+        ck.load_checkpoint(tmp_path / "c", same_count, torch.optim.Adam(same_count.parameters()))
+    with pytest.raises(RuntimeError, match="unexpected keys"):
+        ck.load_checkpoint(tmp_path / "c", nn.ModuleDict({"head": make_head([37])}))
+    ck.save_checkpoint(tmp_path / "weights", model)
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        ck.load_checkpoint(tmp_path / "weights", model, opt)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+        ck.load_checkpoint(tmp_path, model)
+    rows = model.head.sharded_state_dict()["weight"]
+    with pytest.raises(TypeError, match="supports no operations"):
+        rows.sum()
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        torch.save(rows, tmp_path / "x.pt")
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors, streamed
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_safetensors_is_a_safetensors_file(tmp_path, dtype):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    head = make_head([5, 20, 12], dtype=dtype)
+    path = tmp_path / "head.safetensors"
+    head.save_safetensors(str(path))
+    loaded = load_file(str(path))
+    assert list(loaded) == ["weight.0", "bias.0", "weight.1", "bias.1", "weight.2", "bias.2"]
+    for k, shard in enumerate(head.shards):
+        assert torch.equal(loaded[f"weight.{k}"], shard.weight.detach())
+        assert torch.equal(loaded[f"bias.{k}"], shard.bias.detach())
+    with safe_open(str(path), framework="pt") as f:
+        assert json.loads(f.metadata()["hugehead.class_ranges"]) == [[0, 5], [5, 25], [25, 37]]
+    back = make_head([37], dtype=dtype, seed=9)
+    back.load_safetensors(str(path))
+    assert torch.equal(back.state_dict()["weight"], head.state_dict()["weight"])
+
+    # Any tensors, any strides, blocks smaller than a row, 0-d and empty tensors.
+    odd = {"t": torch.randn(7, 5).t(), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+           "flags": torch.tensor([True, False, True]), "i64": torch.arange(10)}
+    ck.write_safetensors(tmp_path / "odd.safetensors", list(odd.items()), {"a": "b"}, block_bytes=8)
+    back = load_file(str(tmp_path / "odd.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in odd.items())
+    assert no_temporaries(tmp_path)
+
+
+HOST_PEAK_SCRIPT = r"""
+import json, re, sys, torch
+import hugehead
+hugehead.ChunkedClassifier.reset_parameters = lambda self: None  # values do not matter; fill below
+head = hugehead.ChunkedClassifier(256, 200_000, devices=["cpu"] * 3, dtype=torch.float32)
+with torch.no_grad():
+    for p in head.parameters():
+        p.fill_(0.5)  # resident before the measurement starts
+
+def peak_kib_during(fn):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    rss = int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1))
+    fn()
+    hwm = int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
+    return hwm - rss
+
+out = sys.argv[1]
+streamed = peak_kib_during(lambda: head.save_safetensors(out + "/streamed.safetensors"))
+gathered = peak_kib_during(lambda: torch.save(head.state_dict(), out + "/gathered.pt"))
+print(json.dumps({"streamed_kib": streamed, "gathered_kib": gathered,
+                  "head_bytes": sum(p.numel() * 4 for p in head.parameters())}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc/self/clear_refs")
+def test_safetensors_save_host_memory_stays_within_blocks(tmp_path):
+    script = tmp_path / "peak.py"
+    script.write_text(HOST_PEAK_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    peak = json.loads(result.stdout.strip().splitlines()[-1])
+    head_mib = peak["head_bytes"] / 2**20
+    streamed_mib, gathered_mib = peak["streamed_kib"] / 1024, peak["gathered_kib"] / 1024
+    # Streamed: two 64 MiB blocks at most (a CPU shard is written from its own memory: ~nothing).
+    assert streamed_mib <= 2 * ck.BLOCK_BYTES / 2**20 + 16, (streamed_mib, head_mib)
+    # The measurement does see a whole-head copy: torch.save(state_dict()) gathers the logical weight.
+    assert gathered_mib >= 0.9 * head_mib, (gathered_mib, head_mib)
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic writes
+# --------------------------------------------------------------------------------------------------
+def test_failed_saves_leave_previous_checkpoint_and_no_temporaries(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    old, new = make_head([5, 20, 12], seed=1), make_head([5, 20, 12], seed=2)
+    old.save_safetensors(str(tmp_path / "h.safetensors"))
+    ck.save_checkpoint(tmp_path / "h.dcp", old)
+    before = sorted(os.listdir(tmp_path))
+
+    calls = {"n": 0}
+    real = ck._write_tensor_bytes
+
+    def fail_on_third(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "_write_tensor_bytes", fail_on_third)
+    with pytest.raises(OSError, match="simulated"):
+        new.save_safetensors(str(tmp_path / "h.safetensors"))
+    real_write_item = dcp_fs._write_item
+
+    def fail_write_item(*args, **kwargs):
+        real_write_item(*args, **kwargs)
+        raise OSError(5, "I/O error (simulated)")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", fail_write_item)
+    with pytest.raises(OSError, match="simulated"):  # DCP's CheckpointException unwrapped
+        ck.save_checkpoint(tmp_path / "h.dcp", new)
+    assert sorted(os.listdir(tmp_path)) == before  # no temporaries
+    check = make_head([37], seed=9)
+    check.load_safetensors(str(tmp_path / "h.safetensors"))
+    assert torch.equal(check.state_dict()["weight"], logical(old)["weight"])
+    ck.load_checkpoint(tmp_path / "h.dcp", check)
+    assert torch.equal(check.state_dict()["bias"], logical(old)["bias"])
+
+
+def test_directory_swap_without_renameat2(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    for seed in (1, 2):
+        ck.save_checkpoint(tmp_path / "c", make_head([5, 32], seed=seed))
+    back = make_head([37], seed=9)
+    ck.load_checkpoint(tmp_path / "c", back)
+    assert torch.equal(back.state_dict()["weight"], logical(make_head([5, 32], seed=2))["weight"])
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+KILL_DRIVER = r"""
+import os, random, signal, sys, time
+import torch
+torch.set_num_threads(1)  # no thread pools: this process forks its writers
+import hugehead
+from hugehead import checkpoint as ck
+import torch.distributed.checkpoint.filesystem as dcp_fs
+
+fmt, root, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = random.Random(seed)
+path = os.path.join(root, "ckpt")
+
+def head_of(version):  # every value of version v is v: a torn checkpoint mixes versions
+    head = hugehead.ChunkedClassifier(16, 3000, devices=["cpu"] * 3, dtype=torch.float32)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.fill_(float(version))
+    return head
+
+def save(head):
+    if fmt == "safetensors":
+        head.save_safetensors(path)
+    else:
+        ck.save_checkpoint(path, head, block_bytes=1 << 13)
+
+def version_on_disk():
+    head = head_of(-1)
+    if fmt == "safetensors":
+        head.load_safetensors(path)
+    else:
+        ck.load_checkpoint(path, head)
+    values = torch.cat([p.detach().reshape(-1) for p in head.parameters()]).unique()
+    assert values.numel() == 1, f"torn checkpoint: {values.tolist()}"
+    return int(values.item())
+
+def run_child(body):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            body()
+        finally:
+            os._exit(0)
+    return pid
+
+def kill_on_call(module, name, n):
+    real, count = getattr(module, name), [0]
+    def wrapper(*args, **kwargs):
+        count[0] += 1
+        if count[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    setattr(module, name, wrapper)
+
+heads = [head_of(v) for v in range(40)]
+start = time.perf_counter()
+save(heads[0])
+save(heads[0])
+seconds_per_save = (time.perf_counter() - start) / 2
+current = 0
+# 1. Deterministic kill points: mid-data, before the fsync, before the rename, after the rename (and, for
+#    a directory, after the swap but before the previous checkpoint is deleted).
+if fmt == "safetensors":
+    points = [(ck, "_write_tensor_bytes", 3), (ck, "_fsync_path", 1), (ck, "_commit", 1), (ck, "_fsync_dir", 1)]
+else:  # _fsync_path fsyncs the directory itself first: the parent's fsync is the second _fsync_dir
+    points = [(ck, "_remove_path", 1), (dcp_fs, "_write_item", 5), (ck, "_fsync_path", 1), (ck, "_commit", 1),
+              (ck, "_fsync_dir", 2)]
+for i, (module, name, n) in enumerate(points):
+    version = 1 + i
+    pid = run_child(lambda: (kill_on_call(module, name, n), save(heads[version]), sys.stdout.flush()))
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (name, status)
+    found = version_on_disk()
+    assert found in (current, version), (name, found)
+    current = found
+    print(f"kill at {name}#{n}: checkpoint holds version {found}")
+# 2. Random moments while saving versions back to back.
+for round_ in range(8):
+    first = 10 + 3 * round_
+    def loop(first=first):
+        for v in range(first, first + 3):
+            save(heads[v])
+    pid = run_child(loop)
+    time.sleep(rng.uniform(0.0, 3 * seconds_per_save))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    found = version_on_disk()
+    assert found == current or first <= found < first + 3, found
+    current = found
+    print(f"random kill {round_}: checkpoint holds version {found}")
+save(heads[39])  # a later save removes what killed writers left behind
+assert version_on_disk() == 39
+leftovers = [n for n in os.listdir(root) if n != "ckpt"]
+assert leftovers == [], leftovers
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill test forks its writers")
+def test_killed_saves_leave_a_complete_checkpoint(tmp_path):
+    driver = tmp_path / "driver.py"
+    driver.write_text(KILL_DRIVER)
+    procs = {}
+    for fmt in ("safetensors", "dcp"):
+        (tmp_path / fmt).mkdir()
+        procs[fmt] = subprocess.Popen([sys.executable, str(driver), fmt, str(tmp_path / fmt), "0"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for fmt, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.strip().endswith("ok"), f"{fmt}:\n{out}\n{err}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Lightning
+# --------------------------------------------------------------------------------------------------
+# Resuming without the ModelCheckpoint that wrote the checkpoint is what these tests mean to do.
+def lightning_quiet(test):
+    test = pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")(test)
+    return pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")(test)
+
+
+def _lightning_module_class():
+    L = pytest.importorskip("lightning")
+
+    class TinyModule(L.LightningModule):
+        def __init__(self, sizes, seed):
+            super().__init__()
+            self.model = Model(sizes, seed)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(*batch)
+
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.model(*batch))
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    return L, TinyModule
+
+
+def _trainer(L, epochs, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+def _loader():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = batches(3)
+    return DataLoader(TensorDataset(torch.cat([x for x, _ in data]), torch.cat([t for _, t in data])), batch_size=16)
+
+
+@lightning_quiet
+@pytest.mark.parametrize("how", ["ckpt_file_and_callback", "sharded_strategy"])
+def test_lightning_resume_is_bitwise(tmp_path, how):
+    L, TinyModule = _lightning_module_class()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from hugehead.lightning import ShardedHeadStrategy, ShardPlacementCallback
+
+    def extra():
+        if how == "sharded_strategy":
+            return dict(strategy=ShardedHeadStrategy())
+        return dict(callbacks=[ShardPlacementCallback()])
+
+    full = TinyModule([5, 20, 12], seed=1)
+    _trainer(L, 2, enable_checkpointing=False).fit(full, _loader())
+
+    first = TinyModule([5, 20, 12], seed=1)
+    kwargs = extra()
+    kwargs["callbacks"] = kwargs.get("callbacks", []) + [ModelCheckpoint(dirpath=tmp_path, save_last=True)]
+    _trainer(L, 1, **kwargs).fit(first, _loader())
+    last = tmp_path / "last.ckpt"
+    assert last.is_dir() == (how == "sharded_strategy")
+
+    resumed = TinyModule([5, 20, 12], seed=2)
+    trainer = _trainer(L, 2, enable_checkpointing=False, **extra())
+    trainer.fit(resumed, _loader(), ckpt_path=str(last))
+    assert trainer.global_step == 6
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    full_state, resumed_state = (m.trainer.optimizers[0].state_dict()["state"] for m in (full, resumed))
+    assert all(torch.equal(full_state[i][k], resumed_state[i][k]) for i in full_state for k in full_state[i])
+
+
+@lightning_quiet
+def test_lightning_callback_places_state_after_restore_and_before_first_step(tmp_path, monkeypatch):
+    L, TinyModule = _lightning_module_class()
+    import lightning.pytorch.strategies.strategy as pl_strategy
+    import hugehead.lightning as hl
+
+    _trainer(L, 1, callbacks=[hl.ShardPlacementCallback()], default_root_dir=tmp_path).fit(
+        TinyModule([5, 20, 12], seed=1), _loader())
+    ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"))
+
+    events = []
+    real_move, real_keep = pl_strategy._optimizer_to_device, hl.keep_optimizer_state_on_shards
+    monkeypatch.setattr(pl_strategy, "_optimizer_to_device",
+                        lambda opt, device: (events.append(f"lightning moved state to {device}"), real_move(opt, device)))
+    monkeypatch.setattr(hl, "keep_optimizer_state_on_shards", lambda opt: (events.append("hugehead placed"), real_keep(opt)))
+    module = TinyModule([5, 20, 12], seed=2)
+    module.on_train_batch_start = lambda batch, i: events.append("step")
+    _trainer(L, 2, callbacks=[hl.ShardPlacementCallback()], enable_checkpointing=False).fit(
+        module, _loader(), ckpt_path=str(ckpt))
+    assert events[:3] == ["lightning moved state to cpu", "hugehead placed", "step"]
+
+
+@lightning_quiet
+def test_sharded_strategy_tests_from_a_checkpoint_into_another_placement(tmp_path):
+    L, TinyModule = _lightning_module_class()
+    from hugehead.lightning import ShardedHeadStrategy
+
+    trained = TinyModule([5, 20, 12], seed=1)
+    trainer = _trainer(L, 1, strategy=ShardedHeadStrategy(), enable_checkpointing=False)
+    trainer.fit(trained, _loader())
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    assert ck.is_checkpoint_dir(tmp_path / "ckpt")
+
+    other = TinyModule([37], seed=2)  # one shard: weights reshard on load; no optimizer state is read
+    metrics = _trainer(L, 1, strategy=ShardedHeadStrategy()).test(other, _loader(), ckpt_path=str(tmp_path / "ckpt"),
+                                                                  verbose=False)
+    assert torch.equal(other.model.head.state_dict()["weight"], trained.model.head.state_dict()["weight"])
+    assert torch.equal(other.model.backbone.weight, trained.model.backbone.weight)
+    with torch.no_grad():
+        expected = float(torch.stack([trained.model(x, t) for x, t in batches(3)]).mean())
+    assert metrics[0]["test_loss"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_hugehead_imports_without_lightning():
+    code = ("import sys; sys.modules['lightning'] = None; import hugehead, hugehead.checkpoint; "
+            "assert 'lightning.pytorch' not in sys.modules; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr
