@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -31,23 +30,16 @@ DeviceLike = Union[str, int, torch.device]
 
 class ClassShard(nn.Module):
     """Classes ``[start, stop)`` of a :class:`ChunkedClassifier`: ``weight [stop - start, D]`` and
-    ``bias [stop - start]`` (or None) on one device.
-
-    An offloaded shard lives in pinned host memory (``device`` is the CPU; ``empty`` allocates it) and
-    computes on ``compute_device``; otherwise ``compute_device`` is ``device``."""
+    ``bias [stop - start]`` (or None) on one device."""
 
     def __init__(self, start: int, stop: int, in_features: int, bias: bool, device: torch.device,
-                 dtype: torch.dtype, *, compute_device: Optional[torch.device] = None, empty=None):
+                 dtype: torch.dtype):
         super().__init__()
         self.start = start
         self.stop = stop
-        self.compute_device = device if compute_device is None else compute_device
-        if empty is None:
-            def empty(shape, dtype, what):
-                return torch.empty(shape, device=device, dtype=dtype)
-        self.weight = nn.Parameter(empty((stop - start, in_features), dtype, what=f"shard [{start}, {stop}) weight"))
+        self.weight = nn.Parameter(torch.empty(stop - start, in_features, device=device, dtype=dtype))
         if bias:
-            self.bias = nn.Parameter(empty((stop - start,), dtype, what=f"shard [{start}, {stop}) bias"))
+            self.bias = nn.Parameter(torch.empty(stop - start, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
 
@@ -70,17 +62,15 @@ def _fmix32(h: Tensor) -> Tensor:
     return h.bitwise_xor_(h >> 16)
 
 
-def _hashed_uniform_(param: Tensor, seed: int, first_class: int, bound: float,
-                     compute_device: Optional[torch.device] = None) -> None:
+def _hashed_uniform_(param: Tensor, seed: int, first_class: int, bound: float) -> None:
     """Fill ``param`` (``[rows, D]`` or ``[rows]``, rows = classes from ``first_class``) with values
     uniform in ``[-bound, bound)`` that depend only on ``(seed, class, feature)``: 24 random bits per
-    value from a hash, computed on ``param``'s device (or ``compute_device``: an offloaded shard's GPU,
-    each block copied to the host) a block of rows at a time."""
+    value from a hash, computed on ``param``'s device a block of rows at a time."""
     rows = param.shape[0]
     cols = param.shape[1] if param.dim() == 2 else 1
-    device = param.device if compute_device is None else compute_device
-    budget = (1 << 26) if device.type == "cuda" else (1 << 20)
+    budget = (1 << 26) if param.device.type == "cuda" else (1 << 20)
     block = max(1, budget // cols)
+    device = param.device
     col_key = _fmix32((torch.arange(cols, device=device, dtype=torch.int64) * 0x27D4EB2F + seed) & _MASK32)
     flat = param.view(rows, cols)
     for r0 in range(0, rows, block):
@@ -250,11 +240,7 @@ class ChunkedClassifier(nn.Module):
         ignore_index, reduction, label_smoothing, z_loss, softcap: the loss, exactly as in
             :func:`hugehead.linear_cross_entropy`.
         shard_sizes: classes per shard, in device order (default: balanced).
-        offload: keep every shard in pinned host memory (exact size; the host's available memory is
-            checked first) and stream it through the shard's entry of ``devices`` (CUDA devices; None:
-            the current one) chunk by chunk, gradients copied back into pinned host ``.grad`` tensors, so
-            optimizers step the head on the CPU (``hugehead/engines/offload.py``). Needs CUDA.
-        process_group: vocabulary-parallel placement across ranks; not built yet (NotImplementedError).
+        offload, process_group: placements of engines not built yet; they raise NotImplementedError.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
     shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
@@ -265,11 +251,8 @@ class ChunkedClassifier(nn.Module):
             ``.start``, ``.stop``, ``.device``); ``parameters()`` are exactly their Parameters.
 
     Raises:
-        ValueError: bad sizes, devices, shard_sizes or loss options; ``offload=True`` without CUDA or with
-            a non-CUDA device.
-        hugehead.pinned.HostMemoryError: ``offload=True`` and the host has less available memory than the
-            parameters need (the message names both).
-        NotImplementedError: a ``process_group``.
+        ValueError: bad sizes, devices, shard_sizes or loss options.
+        NotImplementedError: ``offload=True`` or a ``process_group``.
     """
 
     def __init__(
@@ -292,6 +275,11 @@ class ChunkedClassifier(nn.Module):
         process_group=None,
     ):
         super().__init__()
+        if offload:
+            raise NotImplementedError(
+                "hugehead: offload=True (shards in pinned host memory, streamed to the GPU chunk by chunk by "
+                "the planned engines/offload.py) is not implemented yet; use devices=[...] to shard over GPUs"
+            )
         if process_group is not None:
             raise NotImplementedError(
                 "hugehead: process_group (vocabulary-parallel shards across ranks, the planned "
@@ -317,41 +305,20 @@ class ChunkedClassifier(nn.Module):
         self.label_smoothing = float(label_smoothing)
         self.z_loss = float(z_loss)
         self.softcap = softcap
-        chunk_size = None if chunk_size is None else int(chunk_size)
-        memory_budget = None if memory_budget is None else int(memory_budget)
+        self.engine = LocalEngine(
+            None if chunk_size is None else int(chunk_size), None if memory_budget is None else int(memory_budget)
+        )
 
         # Explicit placements are pinned: Module.to(device)/.cuda()/.cpu() (which Lightning and most training
-        # loops call on the whole model) cast dtypes but leave each shard on its device. Offloaded shards
-        # always stay in host memory.
-        self.offload = bool(offload)
-        self.placement_pinned = devices is not None or self.offload
+        # loops call on the whole model) cast dtypes but leave each shard on its device.
+        self.placement_pinned = devices is not None
         placement = _parse_devices(devices)
         sizes = _parse_shard_sizes(shard_sizes, self.num_classes, len(placement))
-        empty, t0 = None, time.perf_counter()
-        if self.offload:
-            from .engines.offload import OffloadEngine, check_offload_devices
-            from .pinned import check_host_memory
-
-            placement = check_offload_devices(placement)
-            starts = [sum(sizes[:k]) for k in range(len(sizes))]
-            self.engine = OffloadEngine(dict(zip(starts, placement)), chunk_size, memory_budget)
-            empty = self.engine.allocate_host
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            host_bytes = self.num_classes * (self.in_features + int(bool(bias))) * itemsize
-            check_host_memory(host_bytes, f"the offloaded head's parameters ({self.num_classes:,} x "
-                                          f"{self.in_features} {str(dtype).replace('torch.', '')})")
-        else:
-            self.engine = LocalEngine(chunk_size, memory_budget)
         shards, start = [], 0
         for device, size in zip(placement, sizes):
-            if self.offload:
-                shards.append(ClassShard(start, start + size, self.in_features, bias, torch.device("cpu"), dtype,
-                                         compute_device=device, empty=empty))
-            else:
-                shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
+            shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
             start += size
         self.shards = nn.ModuleList(shards)
-        self._pin_seconds = time.perf_counter() - t0
         self.reset_parameters()
 
         self.register_state_dict_post_hook(_logical_state_dict_hook)
@@ -365,11 +332,7 @@ class ChunkedClassifier(nn.Module):
         def keep_device(t: Tensor) -> Tensor:
             # What fn would make of a tensor like t tells the dtype it asks for; the device stays.
             probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-            if probe.dtype == t.dtype:
-                return t
-            if self.offload:  # cast into pinned memory again (t.to would land in pageable memory)
-                return self.engine.allocate_host(t.shape, probe.dtype, what="a cast offloaded shard").copy_(t)
-            return t.to(dtype=probe.dtype)
+            return t if probe.dtype == t.dtype else t.to(dtype=probe.dtype)
 
         return super()._apply(keep_device, recurse)
 
@@ -387,16 +350,6 @@ class ChunkedClassifier(nn.Module):
     @property
     def shard_sizes(self) -> Tuple[int, ...]:
         return tuple(s.stop - s.start for s in self.shards)
-
-    @property
-    def offload_stats(self) -> Dict[str, float]:
-        """An offloaded head's host memory: ``weight_bytes`` (parameters, pinned at construction) and the
-        ``pin_seconds`` that took, ``grad_bytes`` of pinned gradient buffers allocated so far and their
-        ``grad_alloc_seconds``. Empty for other placements."""
-        if not self.offload:
-            return {}
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
-        return {"weight_bytes": weight_bytes, "pin_seconds": self._pin_seconds, **self.engine.stats()}
 
     def extra_repr(self) -> str:
         layout = ", ".join(f"{s.device} [{s.start}, {s.stop})" for s in self.shards)
@@ -430,10 +383,9 @@ class ChunkedClassifier(nn.Module):
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
         bound = 1.0 / math.sqrt(self.in_features)
         for shard in self.shards:
-            # An offloaded shard's values are computed on its GPU (the same integer hash) and copied in.
-            _hashed_uniform_(shard.weight, seed, shard.start, bound, shard.compute_device)
+            _hashed_uniform_(shard.weight, seed, shard.start, bound)
             if shard.bias is not None:
-                _hashed_uniform_(shard.bias, seed ^ 0x5BD1E995, shard.start, bound, shard.compute_device)
+                _hashed_uniform_(shard.bias, seed ^ 0x5BD1E995, shard.start, bound)
 
     # ---------------------------------------------------------------------------------------------
     # Compute
