@@ -101,12 +101,23 @@ SMOKE_SHAPES: Dict[str, Shape] = {
 }
 
 
+# --device cpu: float32 problems a 2-core machine runs in seconds per step (issue 12's CPU table).
+CPU_SHAPES: Dict[str, Shape] = {
+    s.name: s
+    for s in [
+        Shape("cpu_100k", 1024, 256, 100_000, "CPU"),
+        Shape("cpu_200k", 4096, 128, 200_000, "CPU"),
+        Shape("cpu_1M", 256, 64, 1_000_000, "CPU"),
+    ]
+}
+
+ALL_SHAPES: Dict[str, Shape] = {**SHAPES, **CPU_SHAPES, **SMOKE_SHAPES}
+
+
 def find_shape(name: str) -> Shape:
-    if name in SHAPES:
-        return SHAPES[name]
-    if name in SMOKE_SHAPES:
-        return SMOKE_SHAPES[name]
-    raise KeyError(f"unknown shape {name!r}; known: {', '.join([*SHAPES, *SMOKE_SHAPES])}")
+    if name in ALL_SHAPES:
+        return ALL_SHAPES[name]
+    raise KeyError(f"unknown shape {name!r}; known: {', '.join(ALL_SHAPES)}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,7 +387,9 @@ def git_sha() -> Dict[str, object]:
             ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
             capture_output=True, text=True, timeout=20,
         ).stdout.strip()
-        return {"git_sha": sha, "git_dirty": bool(dirty), "git_sha_source": "git"}
+        # which tracked files differ from the commit (others' work in progress is measured too)
+        files = [line[3:] for line in dirty.splitlines()][:40]
+        return {"git_sha": sha, "git_dirty": bool(dirty), "git_dirty_files": files, "git_sha_source": "git"}
     except (OSError, subprocess.SubprocessError):
         env = os.environ.get("HUGEHEAD_GIT_SHA")
         if env:
@@ -398,6 +411,17 @@ def package_version(dist: str) -> Optional[str]:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment(device: torch.device) -> Dict[str, object]:
@@ -433,6 +457,11 @@ def environment(device: torch.device) -> Dict[str, object]:
             info["nvidia_smi"] = error_text(exc)
     else:
         info.update(gpu_name="cpu", gpu_capability=None, gpu_memory_gib=None, gpu_count=0)
+    info["cpu_model"] = cpu_model()
+    info["torch_threads"] = torch.get_num_threads()
+    info["machine"] = (
+        info["gpu_name"] if device.type == "cuda" else f"{info['cpu_model']}, {os.cpu_count()} cores"
+    )
     try:
         import hugehead
 

@@ -1,8 +1,10 @@
-"""Turns a benchmark's lce.json into lce.md (a table a person reads) and lce.png (bars a person looks at),
-and merges several runs' JSON (e.g. one device call per group of shapes) into one.
+"""Turns a benchmark's lce.json into lce.md (a headline table, then the full table a person reads) and
+lce.png (bars a person looks at), and merges several runs' JSON (e.g. one device call per group of
+shapes) into one.
 
     python -m bench.report bench/results/h200/lce.json                 # rewrite lce.md / lce.png beside it
     python -m bench.report --out bench/results/h200 run1/lce.json run2/lce.json   # merge, later runs win
+    python -m bench.report --headline bench/results/h200/lce.json      # print the headline table only
 """
 from __future__ import annotations
 
@@ -16,11 +18,19 @@ from bench.common import SHAPES, SMOKE_SHAPES, as_float, write_json
 
 SLOW_REPS = 5  # fewer timed repetitions than this are marked in the table
 SUSPECT_REL_ERR = 2e-2  # bf16 results are ~1e-3 off the float32 reference; far more is shown in bold
+SUSPECT_REL_ERR_FP32 = 1e-4  # float32 inputs: ~1e-6 off the float32 reference
+IMPL_ORDER = ["hugehead", "torch", "torch_compile", "torch_chunked", "torch_lce", "cce", "liger", "cce_filter",
+              "liger_fp32acc"]
+INEXACT = {"cce_filter"}  # rows written before "impl_exact" existed
 
 
-def suspect(v: Optional[float]) -> bool:
-    """A relative error that is non-finite or far above what bf16 rounding explains."""
-    return v is not None and not (v <= SUSPECT_REL_ERR)
+def suspect_limit(dtype: Optional[str] = None) -> float:
+    return SUSPECT_REL_ERR_FP32 if dtype in ("float32", "float64") else SUSPECT_REL_ERR
+
+
+def suspect(v: Optional[float], dtype: Optional[str] = None) -> bool:
+    """A relative error that is non-finite or far above what rounding in ``dtype`` explains."""
+    return v is not None and not (v <= suspect_limit(dtype))
 
 
 def _num(row: dict, key: str) -> Optional[float]:
@@ -35,8 +45,8 @@ def _sci(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:.1e}"
 
 
-def _err(v: Optional[float]) -> str:
-    return f"**{_sci(v)}**" if suspect(v) else _sci(v)
+def _err(v: Optional[float], dtype: Optional[str] = None) -> str:
+    return f"**{_sci(v)}**" if suspect(v, dtype) else _sci(v)
 
 
 def _ordered(seen: List[str], preferred: List[str]) -> List[str]:
@@ -51,13 +61,87 @@ def _shape_order(doc: dict) -> List[str]:
 
 def _impl_order(doc: dict) -> List[str]:
     seen = list(dict.fromkeys(r["impl"] for r in doc["rows"]))
-    return _ordered(seen, ["hugehead", "torch", "cce", "liger"])
+    return _ordered(seen, IMPL_ORDER)
+
+
+def _dtype(doc: dict, row: Optional[dict] = None) -> str:
+    return (row or {}).get("dtype") or doc.get("meta", {}).get("dtype") or "bfloat16"
+
+
+def _machine(meta: dict) -> str:
+    return str(meta.get("machine") or meta.get("gpu_name") or "unknown device")
+
+
+def _fb_ms(row: Optional[dict]) -> Optional[float]:
+    return _num(row, "fwd_bwd_ms") if row and row.get("fwd_bwd_status") == "ok" else None
+
+
+def _exact(row: dict) -> bool:
+    return bool(row.get("impl_exact", row["impl"] not in INEXACT)) and not row["impl"].startswith("selftest")
+
+
+def _accurate(doc: dict, row: dict) -> bool:
+    return not any(suspect(_num(row, k), _dtype(doc, row)) for k in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err"))
+
+
+def headline_rows(doc: dict) -> List[dict]:
+    """Per shape: hugehead's fwd+bwd ms, the fastest exact peer that ran with plausible errors, the
+    speed-up (peer ms / hugehead ms), and what happened to the peers that did not run."""
+    by_shape: Dict[str, List[dict]] = {}
+    for r in doc["rows"]:
+        by_shape.setdefault(r["shape"], []).append(r)
+    out = []
+    for shape in _shape_order(doc):
+        rows = by_shape[shape]
+        mine = next((r for r in rows if r["impl"] == "hugehead"), None)
+        peers = [r for r in rows if r["impl"] != "hugehead" and _exact(r)]
+        timed = sorted((r for r in peers if _fb_ms(r) is not None and _accurate(doc, r)), key=_fb_ms)
+        best = timed[0] if timed else None
+        failed = [f"{r['impl']} {_status_word(r.get('fwd_bwd_status') or r.get('status'))}"
+                  for r in peers if _fb_ms(r) is None and r.get("status") != "skipped"]
+        ref = mine or rows[0]
+        out.append({
+            "shape": shape, "dims": f"{ref['n']}×{ref['d']}×{ref['v']}",
+            "hugehead_ms": _fb_ms(mine), "hugehead_status": (mine or {}).get("fwd_bwd_status") or (mine or {}).get("status"),
+            "best_peer": best["impl"] if best else None, "best_peer_ms": _fb_ms(best),
+            "speedup": (_fb_ms(best) / _fb_ms(mine)) if best and _fb_ms(mine) else None,
+            "not_run": failed,
+        })
+    return out
+
+
+def render_headline(doc: dict) -> str:
+    """The short table for the README: shape, hugehead, the best exact peer, the speed-up."""
+    meta = doc.get("meta", {})
+    lines = [
+        f"{_machine(meta)}, {meta.get('dtype', 'bfloat16')}, forward + backward with exact gradients, median ms "
+        f"(git `{str(meta.get('git_sha', 'unknown'))[:12]}`, torch {meta.get('torch')}):",
+        "",
+        "| shape | N×D×V | hugehead ms | best exact peer | peer ms | speed-up | peers that did not run |",
+        "|---|---|--:|---|--:|--:|---|",
+    ]
+    for h in headline_rows(doc):
+        mine = f"{h['hugehead_ms']:.2f}" if h["hugehead_ms"] is not None else _status_word(h["hugehead_status"])
+        if h["best_peer"]:
+            peer, peer_ms, speed = h["best_peer"], f"{h['best_peer_ms']:.2f}", (
+                f"{h['speedup']:.2f}×" if h["speedup"] is not None else "-")
+        else:
+            peer, peer_ms, speed = "none ran", "-", ("only hugehead runs" if h["hugehead_ms"] is not None else "-")
+        lines.append(f"| {h['shape']} | {h['dims']} | {mine} | {peer} | {peer_ms} | {speed} | "
+                     f"{', '.join(h['not_run']) or '-'} |")
+    lines += ["", "speed-up = best peer's time / hugehead's time (above 1: hugehead is faster)."]
+    return "\n".join(lines) + "\n"
+
+
+def _mark(row: dict, stage: str) -> str:
+    if row.get(f"{stage}_first_call_only"):
+        return "‡"
+    return "†" if (row.get(f"{stage}_reps") or 0) < SLOW_REPS else ""
 
 
 def render_markdown(doc: dict) -> str:
     """The results table with a header saying what was measured where, and a note per failed case."""
     meta = doc.get("meta", {})
-    gpu = meta.get("gpu_name", "unknown device")
     sha = str(meta.get("git_sha", "unknown"))[:12] + (" (dirty)" if meta.get("git_dirty") else "")
     imports = meta.get("imports", {})
     peers = ", ".join(
@@ -65,11 +149,14 @@ def render_markdown(doc: dict) -> str:
         for name, st in imports.items() if name != "hugehead"
     )
     lines = [
-        f"# Linear cross-entropy benchmark: {gpu}",
+        f"# Linear cross-entropy benchmark: {_machine(meta)} ({meta.get('dtype', 'bfloat16')})",
         "",
         f"git `{sha}` · torch {meta.get('torch')} (CUDA {meta.get('torch_cuda')}) · "
         f"hugehead {meta.get('hugehead_version')} · triton {meta.get('triton')} · {peers} · "
         f"{meta.get('created_utc', '')}",
+        "",
+        render_headline(doc),
+        "## All implementations",
         "",
         meta.get("method", ""),
         "",
@@ -78,7 +165,7 @@ def render_markdown(doc: dict) -> str:
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     by_key = {(r["shape"], r["impl"]): r for r in doc["rows"]}
-    notes, slow = [], False
+    notes, slow, plans, compiles, warned = [], set(), [], [], []
     for shape in _shape_order(doc):
         torch_row = by_key.get((shape, "torch"))
         torch_ms = _num(torch_row, "fwd_bwd_ms") if torch_row and torch_row.get("fwd_bwd_status") == "ok" else None
@@ -87,17 +174,18 @@ def render_markdown(doc: dict) -> str:
             if r is None:
                 continue
             dims = f"{r['n']}×{r['d']}×{r['v']}"
+            dtype = _dtype(doc, r)
             fb_ok = r.get("fwd_bwd_status") == "ok"
             fw_ok = r.get("fwd_status") == "ok"
             if fb_ok:
-                mark = "†" if (r.get("fwd_bwd_reps") or 0) < SLOW_REPS else ""
-                slow |= bool(mark)
+                mark = _mark(r, "fwd_bwd")
+                slow.add(mark)
                 fb = f"{_num(r, 'fwd_bwd_ms'):.2f}{mark}"
             else:
                 fb = _status_word(r.get("fwd_bwd_status") or r.get("status"))
             if fw_ok:
-                mark = "†" if (r.get("fwd_reps") or 0) < SLOW_REPS else ""
-                slow |= bool(mark)
+                mark = _mark(r, "fwd")
+                slow.add(mark)
                 fw = f"{_num(r, 'fwd_ms'):.2f}{mark}"
             elif r.get("fwd_status"):
                 fw = _status_word(r.get("fwd_status"))
@@ -106,9 +194,9 @@ def render_markdown(doc: dict) -> str:
             mem = _num(r, "fwd_bwd_peak_extra_gib") if fb_ok else None
             tflops = _num(r, "tflops") if fb_ok else None
             if r.get("loss_rel_err") is not None:
-                loss_err = _err(_num(r, "loss_rel_err"))
+                loss_err = _err(_num(r, "loss_rel_err"), dtype)
             elif r.get("fwd_loss_rel_err") is not None:
-                loss_err = _err(_num(r, "fwd_loss_rel_err")) + " (fwd)"
+                loss_err = _err(_num(r, "fwd_loss_rel_err"), dtype) + " (fwd)"
             else:
                 loss_err = "-"
             if impl == "torch":
@@ -121,16 +209,37 @@ def render_markdown(doc: dict) -> str:
                 speedup = "-"
             lines.append(
                 f"| {shape} | {dims} | {impl} | {fb} | {fw} | {'-' if mem is None else f'{mem:.2f}'} | "
-                f"{'-' if tflops is None else f'{tflops:.3g}'} | {loss_err} | {_err(_num(r, 'grad_x_rel_err'))} | "
-                f"{_err(_num(r, 'grad_w_rel_err'))} | {speedup} |"
+                f"{'-' if tflops is None else f'{tflops:.3g}'} | {loss_err} | {_err(_num(r, 'grad_x_rel_err'), dtype)} | "
+                f"{_err(_num(r, 'grad_w_rel_err'), dtype)} | {speedup} |"
             )
+            if r.get("plan") or r.get("plan_error"):
+                what = ", ".join(f"{k}={v}" for k, v in r["plan"].items()) if r.get("plan") else r["plan_error"]
+                plans.append(f"- {shape} / {impl}: {what}")
+            if r.get("fwd_bwd_compile_ms") is not None or r.get("fwd_compile_ms") is not None:
+                cb, cf = _num(r, "fwd_bwd_compile_ms"), _num(r, "fwd_compile_ms")
+                compiles.append(f"- {shape} / {impl}: fwd+bwd {'-' if cb is None else f'{cb / 1e3:.1f} s'}, "
+                                f"fwd {'-' if cf is None else f'{cf / 1e3:.1f} s'}")
+            for w in r.get("warnings") or []:
+                warned.append(f"- {shape} / {impl}: {w}")
             if r.get("status") != "ok" and r.get("status") != "skipped" or r.get("ref_error"):
                 err = r.get("error") or r.get("ref_error") or ""
                 notes.append(f"- **{shape} / {impl}**: {r.get('status')}: {err}")
             elif r.get("status") == "skipped" and not meta.get("cpu_smoke"):
                 notes.append(f"- **{shape} / {impl}**: {r.get('error')}")
-    lines += ["", f"Relative errors above {SUSPECT_REL_ERR:g} (far beyond bf16 rounding) are in bold."]
-    if slow:
+    lines += ["", f"Relative errors above {suspect_limit(meta.get('dtype')):g} (far beyond {meta.get('dtype', 'bfloat16')} "
+                  "rounding) are in bold."]
+    if plans:
+        lines += ["", "Chunking each planner chose (hugehead: `hugehead.functional.plan_chunks` with the defaults; "
+                      "torch_lce: the options `LinearCrossEntropyOptions()` resolves to; torch_chunked: its chunk width):",
+                  *plans]
+    if compiles:
+        lines += ["", "torch.compile: compilation + first call, excluded from the times above:", *compiles]
+    if warned:
+        lines += ["", "Warnings raised during the timed steps:", *warned]
+    if "‡" in slow:
+        lines += ["", "‡ one call only: the first call alone took longer than the case budget, so it is the "
+                      "measurement (not repeated, no separate warm-up)."]
+    if "†" in slow:
         lines += ["", f"† fewer than {SLOW_REPS} timed repetitions (one step takes too long for the case budget); "
                       "see `*_reps` and `*_ms_all` in lce.json."]
     selfcheck = meta.get("reference_selfcheck")
@@ -194,7 +303,7 @@ def render_png(doc: dict, path: Path) -> None:
     axes[-1].set_xticks(range(len(shapes)))
     axes[-1].set_xticklabels(shapes)
     meta = doc.get("meta", {})
-    axes[0].set_title(f"linear cross-entropy, bf16, exact gradients: {meta.get('gpu_name', '')} "
+    axes[0].set_title(f"linear cross-entropy, {meta.get('dtype', 'bf16')}, exact gradients: {_machine(meta)} "
                       f"(git {str(meta.get('git_sha', ''))[:8]})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -237,8 +346,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="lce.json files (several: merged in order)")
     p.add_argument("--out", help="folder for the merged lce.json/md/png (default: beside the single input)")
+    p.add_argument("--headline", action="store_true", help="print the headline table only (nothing written)")
     opts = p.parse_args(argv)
     docs = [json.loads(Path(f).read_text()) for f in opts.json]
+    if opts.headline:
+        print(render_headline(merge(docs) if len(docs) > 1 else docs[0]), end="")
+        return 0
     if len(docs) > 1 and not opts.out:
         p.error("merging several files needs --out")
     out = Path(opts.out) if opts.out else Path(opts.json[0]).parent
