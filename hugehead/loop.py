@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -36,8 +36,13 @@ __all__ = [
     "shard_backward",
     "shard_topk",
     "merge_topk",
+    "forward_stats_steps",
+    "backward_steps",
+    "topk_steps",
+    "run_steps",
 ]
 
+T = TypeVar("T")
 DEFAULT_MEMORY_BUDGET = 4 << 30
 _MAX_COLS = {"cuda": 32768, "cpu": 8192}
 _MIN_COLS = 256
@@ -127,16 +132,21 @@ def plan_topk_chunks(
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
 ) -> Plan:
-    """:func:`plan_chunks` for :func:`shard_topk` (always streaming): the same budget also covers the
-    selection's temporaries (about 10 bytes per logit), so unpinned chunks are narrower."""
-    plan = plan_chunks(n, d, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
+    """:func:`plan_chunks` for :func:`topk_steps` (always streaming): the same budget also covers the
+    selection's temporaries (about 10 bytes per logit besides the logit itself)."""
     if chunk_size is not None:
-        return plan
+        return plan_chunks(n, d, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
     itemsize = _itemsize(dtype)
-    cols = plan.cols * itemsize // (itemsize + _TOPK_TEMP_BYTES)
-    if cols >= _MIN_COLS:
-        cols = cols // _MIN_COLS * _MIN_COLS
-    return Plan(rows=plan.rows, cols=max(1, min(cols, v)))
+    # As plan_chunks, with (itemsize + temporaries) bytes per logit and no dX buffers.
+    return plan_chunks(n, 0, v, dtype, device, None, _topk_budget(memory_budget, device, itemsize), allow_keep=False)
+
+
+def _topk_budget(memory_budget: Optional[int], device: torch.device, itemsize: int) -> int:
+    if memory_budget is None:
+        memory_budget = DEFAULT_MEMORY_BUDGET
+        if device.type == "cuda":
+            memory_budget = min(memory_budget, torch.cuda.mem_get_info(device)[0] // 4)
+    return max(1, memory_budget * itemsize // (itemsize + _TOPK_TEMP_BYTES))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,20 +251,47 @@ def _workspace_view(workspace: Tensor, rows: int, cols: int) -> Tensor:
     return workspace[: rows * cols].view(rows, cols)
 
 
-def shard_forward_stats(
+def run_steps(steps: Generator[None, None, T]) -> T:
+    """Run a chunk-loop generator to its end and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def shard_forward_stats(*args, **kwargs) -> Tuple[RowStats, Optional[Tensor]]:
+    """:func:`forward_stats_steps` run to its end."""
+    return run_steps(forward_stats_steps(*args, **kwargs))
+
+
+def shard_backward(*args, **kwargs) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """:func:`backward_steps` run to its end."""
+    return run_steps(backward_steps(*args, **kwargs))
+
+
+def shard_topk(*args, **kwargs) -> Tuple[Tensor, Tensor]:
+    """:func:`topk_steps` run to its end."""
+    return run_steps(topk_steps(*args, **kwargs))
+
+
+def forward_stats_steps(
     x: Tensor,
     source: ResidentChunks,
     target: Tensor,
     class_start: int,
     softcap: float,
     plan: Plan,
-) -> Tuple[RowStats, Optional[Tensor]]:
+) -> Generator[None, None, Tuple[RowStats, Optional[Tensor]]]:
     """Row statistics of one shard's classes ``[class_start, class_start + V_k)``.
 
     Args:
         x: ``[N, D]`` in the compute dtype on the shard's compute device.
         source: the shard's weight chunks (:class:`ResidentChunks` or the offload engine's source).
         target: ``[N]`` int64 global class ids on the compute device. softcap: ``<= 0`` for none.
+    A generator that yields after queueing each weight chunk's work, so an engine can interleave the
+    loops of several devices (:func:`run_steps` runs one alone).
+
     Returns:
         ``(stats, kept)``: :class:`RowStats` on the compute device (``target_logit`` is 0 for rows whose
         target is not in this shard, so shards merge by summing it), and the kept logits
@@ -284,6 +321,7 @@ def shard_forward_stats(
             _logits_into(x[r0:r1], chunk, z)
             rows = RowStats(*(s[r0:r1] for s in stats))
             ops.chunk_stats_(z, target[r0:r1], class_start + chunk.c0, softcap, *rows)
+        yield
     return stats, kept
 
 
@@ -324,7 +362,7 @@ def row_losses(
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
-def shard_backward(
+def backward_steps(
     x: Tensor,
     source: ResidentChunks,
     target: Tensor,
@@ -340,8 +378,9 @@ def shard_backward(
     need_weight: bool,
     kept: Optional[Tensor] = None,
     grad_lse: Optional[Tensor] = None,
-) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Gradients of one shard, recomputing its logits chunk by chunk (or from ``kept``).
+) -> Generator[None, None, Tuple[Optional[Tensor], Optional[Tensor]]]:
+    """Gradients of one shard, recomputing its logits chunk by chunk (or from ``kept``); a generator
+    that yields after each weight chunk (see :func:`forward_stats_steps`).
 
     Args:
         x: ``[N, D]`` compute dtype on the compute device; source: the shard's weight chunks.
@@ -426,6 +465,7 @@ def shard_backward(
                         dw_low = x.new_empty(min(plan.cols, v), d)
                     torch.mm(g.t(), x, out=dw_low[: c1 - c0])
                     source.put_grad(c0, c1, dw_low[: c1 - c0], db_chunk)
+        yield
     if need_weight:
         return source.finish_grads()
     return None, None
@@ -462,15 +502,16 @@ def _chunk_topk(z: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     return z.gather(1, cols), cols
 
 
-def shard_topk(
+def topk_steps(
     x: Tensor,
     source: ResidentChunks,
     class_start: int,
     softcap: float,
     k: int,
     plan: Plan,
-) -> Tuple[Tensor, Tensor]:
-    """Top ``min(k, V_k)`` logits of one shard's classes, chunk by chunk (no ``[N, V_k]`` tensor).
+) -> Generator[None, None, Tuple[Tensor, Tensor]]:
+    """Top ``min(k, V_k)`` logits of one shard's classes, chunk by chunk (no ``[N, V_k]`` tensor); a
+    generator that yields after each weight chunk (see :func:`forward_stats_steps`).
 
     Args:
         x: ``[N, D]`` compute dtype on the compute device. source: the shard's weight chunks.
@@ -505,6 +546,7 @@ def shard_topk(
                 chunk_values = torch.cat([best[b][0], chunk_values], dim=1)
                 chunk_ids = torch.cat([best[b][1], chunk_ids], dim=1)
             best[b] = merge_topk(chunk_values, chunk_ids, k)
+        yield
     for b, r0 in enumerate(range(0, n, plan.rows)):
         r1 = min(r0 + plan.rows, n)
         values[r0:r1], indices[r0:r1] = best[b]

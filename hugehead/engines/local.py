@@ -7,8 +7,12 @@ and ``dX`` partials (backward) travel back to ``x``'s device.
 Ordering (DESIGN.md, local engine): a cross-device copy is queued on the *source* device's current
 stream, so a copy issued after shard 0's chunk loop has been queued on ``x``'s device would wait for
 that whole loop and the GPUs would take turns. Every step therefore queues the inputs of every device
-first, then every shard's loop, then the small transfers back. A CPU shard computes on the host as soon
-as it is reached, so CPU shards go last, while the GPUs work.
+first, then the shards' loops, then the small transfers back. The loops are generators that yield after
+each chunk, and the GPU shards' loops are advanced in turn (round robin): queueing a chunk costs the
+host tens of microseconds, so queueing shard 0's whole loop before shard 1's first chunk would leave
+GPU 1 idle for milliseconds, and any host synchronization hidden in an ATen op (top-k) would make the
+GPUs take turns. A CPU shard computes on the host as it is advanced, so CPU shards go last, once every
+GPU's work is queued.
 
 Subclasses (the offload engine) change where a shard computes and where its weight chunks come from
 (:meth:`LocalEngine.compute_device`, :meth:`LocalEngine.source`); the loop and the ordering stay here.
@@ -25,13 +29,13 @@ from ..loop import (
     Plan,
     ResidentChunks,
     RowStats,
+    backward_steps,
+    forward_stats_steps,
     merge_row_stats,
     merge_topk,
     plan_chunks,
     plan_topk_chunks,
-    shard_backward,
-    shard_forward_stats,
-    shard_topk,
+    topk_steps,
 )
 from ..ops import acc_dtype
 
@@ -106,6 +110,9 @@ class LocalEngine:
     """
 
     name = "local"
+    # dX comes back in the accumulation dtype instead of x's: the distributed engine sums the partials of
+    # all ranks before the one rounding to x's dtype (as this engine does with its devices' partials).
+    grad_x_in_acc_dtype = False
 
     def __init__(self, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None):
         self.chunk_size = chunk_size
@@ -138,6 +145,33 @@ class LocalEngine:
         return shard_oom_guard(i, shard.start, shard.start + shard.weight.shape[0], self.compute_device(shard),
                                plan, self.memory_budget)
 
+    def _interleave(self, tasks: Sequence[Tuple[int, ShardTensors, Optional[Plan], "object"]]) -> Dict[int, object]:
+        """Run chunk-loop generators ``(shard index, shard, plan, generator)`` to their ends: the GPU
+        shards' loops one chunk each in turn, then the CPU shards' loops. Returns each result by index."""
+        results: Dict[int, object] = {}
+        pending = [t for t in tasks if self.compute_device(t[1]).type != "cpu"]
+        host = [t for t in tasks if self.compute_device(t[1]).type == "cpu"]
+        while pending:
+            still = []
+            for task in pending:
+                i, shard, plan, steps = task
+                with _device_guard(self.compute_device(shard)), self._oom_guard(i, shard, plan):
+                    try:
+                        next(steps)
+                        still.append(task)
+                    except StopIteration as done:
+                        results[i] = done.value
+            pending = still
+        for i, shard, plan, steps in host:
+            with self._oom_guard(i, shard, plan):
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        results[i] = done.value
+                        break
+        return results
+
     def _place(self, tensors: Sequence[Tensor], shards: Sequence[ShardTensors]) -> Dict[torch.device, List[Tensor]]:
         """``tensors`` copied to every shard's compute device, all queued before any shard's loop."""
         placed: Dict[torch.device, List[Tensor]] = {}
@@ -166,17 +200,16 @@ class LocalEngine:
         """
         by_device = self._place([x, target], shards)
         keep = keep and self.allow_keep()
-        stats: List[Optional[RowStats]] = [None] * len(shards)
-        kept: List[Optional[Tensor]] = [None] * len(shards)
+        tasks = []
         for i in self._launch_order(shards):
             shard = shards[i]
-            device = self.compute_device(shard)
-            xk, tk = by_device[device]
+            xk, tk = by_device[self.compute_device(shard)]
             plan = self.plan(xk, shard, keep)
-            with _device_guard(device), self._oom_guard(i, shard, plan):
-                stats[i], kept[i] = shard_forward_stats(
-                    xk, self.source(shard, x.dtype), tk, shard.start, softcap, plan
-                )
+            tasks.append((i, shard, plan, forward_stats_steps(xk, self.source(shard, x.dtype), tk, shard.start,
+                                                              softcap, plan)))
+        results = self._interleave(tasks)
+        stats: List[RowStats] = [results[i][0] for i in range(len(shards))]
+        kept: List[Optional[Tensor]] = [results[i][1] for i in range(len(shards))]
         placed = []
         for shard, k in zip(shards, kept):
             xk, tk = by_device[self.compute_device(shard)]
@@ -211,7 +244,8 @@ class LocalEngine:
             need_x: compute ``dX``. need_weight: per shard, compute ``dW`` (and ``db``).
             x_like: the compute-dtype ``x`` (its device and dtype are those of ``dX``).
         Returns:
-            ``(dX [N, D] in x_like's dtype on its device or None, [dW_k or None], [db_k or None])``, each
+            ``(dX [N, D] in x_like's dtype (the accumulation dtype with :attr:`grad_x_in_acc_dtype`) on its
+            device or None, [dW_k or None], [db_k or None])``, each
             shard's gradients on that shard's device in its Parameters' dtype.
         """
         acc = acc_dtype(x_like.dtype)
@@ -223,6 +257,7 @@ class LocalEngine:
         grad_x_parts: Dict[torch.device, Tensor] = {}
         grad_w: List[Optional[Tensor]] = [None] * len(shards)
         grad_b: List[Optional[Tensor]] = [None] * len(shards)
+        tasks = []
         for i in active:
             shard, inputs = shards[i], placed[i]
             device = self.compute_device(shard)
@@ -233,12 +268,14 @@ class LocalEngine:
             with _device_guard(device), self._oom_guard(i, shard, plan):
                 if need_x and device not in grad_x_parts:
                     grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=device)
-                lse_k, grad_rows_k, *grad_lse_k = by_device[device]
-                grad_w[i], grad_b[i] = shard_backward(
-                    inputs.x, self.source(shard, x_like.dtype), inputs.target, shard.start, num_classes,
-                    lse_k, grad_rows_k, label_smoothing, z_loss, softcap, plan, grad_x_parts.get(device),
-                    need_weight[i], kept=kept, grad_lse=grad_lse_k[0] if grad_lse_k else None,
-                )
+            lse_k, grad_rows_k, *grad_lse_k = by_device[device]
+            tasks.append((i, shard, plan, backward_steps(
+                inputs.x, self.source(shard, x_like.dtype), inputs.target, shard.start, num_classes,
+                lse_k, grad_rows_k, label_smoothing, z_loss, softcap, plan, grad_x_parts.get(device),
+                need_weight[i], kept=kept, grad_lse=grad_lse_k[0] if grad_lse_k else None,
+            )))
+        for i, (gw, gb) in self._interleave(tasks).items():
+            grad_w[i], grad_b[i] = gw, gb
         grad_x = None
         if need_x:
             for device, part in grad_x_parts.items():
@@ -248,7 +285,8 @@ class LocalEngine:
                 if device != out_device:
                     part = _to(part, out_device)
                     grad_x = part if grad_x is None else grad_x.add_(part)
-            grad_x = grad_x.to(x_like.dtype)
+            if not self.grad_x_in_acc_dtype:
+                grad_x = grad_x.to(x_like.dtype)
         return grad_x, grad_w, grad_b
 
     def topk(self, x: Tensor, shards: Sequence[ShardTensors], softcap: float, k: int) -> Tuple[Tensor, Tensor]:
@@ -259,17 +297,18 @@ class LocalEngine:
             lower class id.
         """
         by_device = self._place([x], shards)
-        parts: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(shards)
+        tasks = []
         for i in self._launch_order(shards):
             shard = shards[i]
             device = self.compute_device(shard)
             (xk,) = by_device[device]
-            with _device_guard(device), self._oom_guard(i, shard, None):
-                plan = plan_topk_chunks(
-                    xk.shape[0], xk.shape[1], shard.weight.shape[0], xk.dtype, device,
-                    self.chunk_size, self.memory_budget,
-                )
-                parts[i] = shard_topk(xk, self.source(shard, x.dtype), shard.start, softcap, k, plan)
+            plan = plan_topk_chunks(
+                xk.shape[0], xk.shape[1], shard.weight.shape[0], xk.dtype, device, self.chunk_size,
+                self.memory_budget,
+            )
+            tasks.append((i, shard, plan, topk_steps(xk, self.source(shard, x.dtype), shard.start, softcap, k, plan)))
+        results = self._interleave(tasks)
+        parts = [results[i] for i in range(len(shards))]
         values = torch.cat([_to(v, x.device) for v, _ in parts], dim=1)
         indices = torch.cat([_to(ix, x.device) for _, ix in parts], dim=1)
         return merge_topk(values, indices, k)
