@@ -20,6 +20,7 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     Plan,
     ResidentChunks,
     RowStats,
+    kept_shape,
     merge_row_stats,
     merge_topk,
     plan_chunks,
@@ -144,13 +145,10 @@ def _no_autocast(device: torch.device):
 
 
 def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: bool) -> Plan:
-    plan = plan_chunks(
+    return plan_chunks(
         x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size or None, memory_budget or None,
         weight_dtype=weight.dtype, allow_keep=keep,
     )
-    if keep and not plan.keep_logits:  # the caller decided from an earlier free-memory reading
-        plan = Plan(rows=x.shape[0], cols=plan.cols, keep_logits=True)
-    return plan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,9 +168,10 @@ def _lce_forward(
     memory_budget: int,
     keep_logits: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-row losses ``[N]``, lse ``[N]`` (accumulation dtype) and the kept logits ``[N, V]`` (empty
-    unless ``keep_logits``). ``x`` is in the compute dtype; weight and bias may be stored in another
-    float dtype (autocast), cast chunk by chunk. chunk_size/memory_budget 0: planned."""
+    """Per-row losses ``[N]``, lse ``[N]`` (accumulation dtype) and the kept logits
+    ``[kept_chunks, N, cols]`` (empty unless ``keep_logits`` and the plan keeps some). ``x`` is in the
+    compute dtype; weight and bias may be stored in another float dtype (autocast), cast chunk by chunk.
+    chunk_size/memory_budget 0: planned."""
     v = weight.shape[0]
     check_targets(target, v, ignore_index)
     with _no_autocast(x.device):
@@ -187,7 +186,8 @@ def _lce_forward(
 def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget,
       keep_logits):
     acc = ops.acc_dtype(x.dtype)
-    kept = x.new_empty(x.shape[0], weight.shape[0]) if keep_logits else x.new_empty(0)
+    plan = _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    kept = x.new_empty(kept_shape(plan, x.shape[0])) if plan.keep_logits else x.new_empty(0)
     return x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc), kept
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "Plan",
     "plan_chunks",
     "plan_topk_chunks",
+    "kept_plan",
+    "kept_shape",
     "RowStats",
     "WeightChunk",
     "ResidentChunks",
@@ -55,13 +57,22 @@ _MIN_COLS = 256
 class Plan:
     """Workspace shape of one shard's chunk loop: ``rows`` × ``cols`` logits at a time.
 
-    ``keep_logits``: the forward writes every chunk into one kept ``[N, V_k]`` tensor that the backward
-    turns into the gradient in place, skipping the recompute (6·N·D·V FLOPs instead of 8).
+    ``keep_logits``: the forward writes its first ``kept_chunks`` chunks into a kept
+    ``[kept_chunks, N, cols]`` tensor (:func:`kept_shape`) that the backward turns into their gradient in
+    place, skipping their recompute (6·N·D·V FLOPs instead of 8 for the kept classes); the other chunks
+    stream through the workspace as usual.
     """
 
     rows: int
     cols: int
     keep_logits: bool = False
+    kept_chunks: int = 0
+
+
+def kept_plan(kept: Tensor) -> Plan:
+    """The plan of a backward over kept logits ``[kept_chunks, N, cols]`` (chunk widths must match the
+    forward's, whatever the planner would choose now)."""
+    return Plan(rows=kept.shape[1], cols=kept.shape[2], keep_logits=True, kept_chunks=kept.shape[0])
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -99,11 +110,12 @@ def plan_chunks(
     n, v = max(n, 1), max(v, 1)
     max_cols = _MAX_COLS.get(device.type, _MAX_COLS["cpu"])
     dx_bytes = n * d * (itemsize + 4)
-    if chunk_size is None and allow_keep and n * v * itemsize + dx_bytes <= memory_budget:
+    keep = chunk_size is None and allow_keep
+    if keep and n * v * itemsize + dx_bytes <= memory_budget:
         # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the
         # streaming width; a weight already in the compute dtype is used whole (one GEMM each way).
         cols = v if weight_dtype == dtype else min(v, max_cols)
-        return Plan(rows=n, cols=cols, keep_logits=True)
+        return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=-(-v // cols))
     if chunk_size is not None:
         cols = min(int(chunk_size), v)
     else:
@@ -115,7 +127,18 @@ def plan_chunks(
     rows = n
     if rows * cols * itemsize + rows * d * (itemsize + 4) > memory_budget:
         rows = max(1, memory_budget // (cols * itemsize + d * (itemsize + 4)))
+    if keep and rows >= n:
+        # Keep as many leading chunks as the budget holds beyond the streaming workspace.
+        kept_chunks = (memory_budget - dx_bytes - n * cols * itemsize) // (n * cols * itemsize)
+        kept_chunks = min(kept_chunks, -(-v // cols) - 1)
+        if kept_chunks >= 1:
+            return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks))
     return Plan(rows=min(rows, n), cols=max(cols, 1))
+
+
+def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
+    """Shape of the kept logits of a plan that keeps them: ``[kept_chunks, N, cols]``."""
+    return (plan.kept_chunks, n, plan.cols)
 
 
 # Bytes per logit that the exact selection of a chunk holds beyond the workspace: two bool masks and
@@ -295,7 +318,7 @@ def forward_stats_steps(
     Returns:
         ``(stats, kept)``: :class:`RowStats` on the compute device (``target_logit`` is 0 for rows whose
         target is not in this shard, so shards merge by summing it), and the kept logits
-        ``[N, V_k]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
+        ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
     n = x.shape[0]
     v = source.num_rows
@@ -307,15 +330,16 @@ def forward_stats_steps(
         torch.zeros(n, dtype=acc, device=x.device),
     )
     if n == 0 or v == 0:
-        return stats, (x.new_empty(n, v) if plan.keep_logits else None)
-    kept = x.new_empty(n, v) if plan.keep_logits else None
-    workspace = None if kept is not None else x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+        return stats, (x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None)
+    kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
+    kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     for chunk in source.chunks(plan.cols):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
-            if kept is not None:
-                z = kept[r0:r1, chunk.c0:chunk.c1]
+            if chunk.c0 < kept_classes:
+                z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
             else:
                 z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
@@ -389,8 +413,8 @@ def backward_steps(
             lse, or None.
         grad_x: ``[N, D]`` accumulation-dtype buffer that ``dX`` of this shard is added into, or None.
         need_weight: compute ``dW`` (and ``db`` when the shard has a bias).
-        kept: the kept logits from :func:`shard_forward_stats` (``plan.keep_logits``); overwritten by
-            their gradient.
+        kept: the kept logits ``[kept_chunks, N, cols]`` from :func:`forward_stats_steps`; they fix the
+            chunk width, and are overwritten by their gradient.
     Returns:
         ``(grad_weight [V_k, D], grad_bias [V_k] or None)`` in the stored dtype, from the source's
         gradient sink, each chunk written once (no atomics: deterministic), or ``(None, None)``.
@@ -409,9 +433,10 @@ def backward_steps(
             return grad_w, grad_b
         return None, None
     rows_split = plan.rows < n
-    workspace = None
-    if kept is None:
-        workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+    if kept is not None:
+        plan = kept_plan(kept)
+    kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     # dX partials are added in the accumulation dtype; a low-precision partial per chunk keeps the
     # rounding of each partial independent (and matches a single GEMM's error), unlike a low-precision
     # running sum.
@@ -426,8 +451,8 @@ def backward_steps(
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             xr = x[r0:r1]
-            if kept is not None:
-                g = kept[r0:r1, c0:c1]
+            if c0 < kept_classes:
+                g = kept[c0 // plan.cols, :, : c1 - c0]
             else:
                 g = _logits_into(xr, chunk, _workspace_view(workspace, r1 - r0, c1 - c0))
             ops.chunk_grad_(

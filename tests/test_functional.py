@@ -582,3 +582,38 @@ def test_cuda_chunk_over_2_31_elements():
     assert rel_err(wg.grad, ref_dw) <= 2e-2
     torch.testing.assert_close(wg.grad.float().norm(), ref_dw.norm(), rtol=1e-2, atol=0)
     torch.testing.assert_close(xg.grad.float().norm(), ref_dx.norm(), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_partly_kept_logits_match_float64(device, bias):
+    """A budget that holds some but not all of the logits: the first chunks are kept (no recompute in the
+    backward), the rest stream; loss and every gradient still match float64, and a second backward
+    (retain_graph) recomputes what the first consumed."""
+    from hugehead.loop import _MAX_COLS
+
+    cols = _MAX_COLS[device.type]
+    n, d, v = 6, 5, 3 * cols - 100
+    itemsize = 8
+    budget = n * d * (itemsize + 4) + int(2.5 * n * cols * itemsize)  # workspace + 1 kept chunk (+ slack)
+    plan = plan_chunks(n, d, v, torch.float64, device, None, budget)
+    assert plan.keep_logits and plan.kept_chunks == 1 and plan.cols == cols, plan
+    torch.manual_seed(11)
+    x = torch.randn(n, d, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(v, d, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(v, dtype=torch.float64, device=device, requires_grad=True) if bias else None
+    target = torch.randint(0, v, (n,), device=device)
+    target[3] = -100
+    opts = dict(label_smoothing=0.1, z_loss=1e-3)
+    loss = hugehead.linear_cross_entropy(x, w, target, b, memory_budget=budget, **opts)
+    loss.backward(retain_graph=True)
+    ours = [loss.detach(), x.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if bias else [])
+    leaves = [t.detach().clone().requires_grad_() for t in ([x, w] + ([b] if bias else []))]
+    ref = reference.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2] if bias else None, **opts)
+    ref.backward()
+    for a, r in zip(ours, [ref.detach()] + [t.grad for t in leaves]):
+        assert_rel(a, r, 1e-12, "partly kept")
+    for t in [x, w] + ([b] if bias else []):
+        t.grad = None
+    loss.backward()  # the kept logits were consumed: this one recomputes
+    for a, t in zip(ours[1:], [x, w] + ([b] if bias else [])):
+        assert_rel(t.grad, a, 1e-12, "second backward")

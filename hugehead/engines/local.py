@@ -30,6 +30,7 @@ from ..loop import (
     ResidentChunks,
     RowStats,
     backward_steps,
+    kept_plan,
     forward_stats_steps,
     merge_row_stats,
     merge_topk,
@@ -262,9 +263,8 @@ class LocalEngine:
             shard, inputs = shards[i], placed[i]
             device = self.compute_device(shard)
             kept = inputs.kept if inputs.kept.numel() > 0 else None
-            plan = self.plan(inputs.x, shard, kept is not None)
-            if kept is not None and not plan.keep_logits:  # kept under another free-memory reading
-                plan = Plan(rows=inputs.x.shape[0], cols=plan.cols, keep_logits=True)
+            # Kept logits fix the chunk width (whatever the planner would choose with today's free memory).
+            plan = kept_plan(kept) if kept is not None else self.plan(inputs.x, shard, False)
             with _device_guard(device), self._oom_guard(i, shard, plan):
                 if need_x and device not in grad_x_parts:
                     grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=device)
