@@ -1,19 +1,39 @@
 """A 6,000,000-class classifier in PyTorch Lightning, in ONE process: a small transformer backbone on the
-first GPU and a :class:`hugehead.ChunkedClassifier` whose weight is split over ALL visible GPUs,
-trained with ``Trainer(accelerator="gpu", devices=1)`` (no DDP, no FairScale/DeepSpeed), then
-``trainer.test(model, dataloaders=test_loader)`` with only a test dataloader.
+first GPU and a :class:`hugehead.ChunkedClassifier` whose weight is split over the GPUs of ``--head-devices``
+(default: all visible), trained with one Lightning device (no DDP, no FairScale/DeepSpeed), then
+``trainer.test`` with only a test dataloader.
 
-    python examples/lightning_6m.py                    # GPUs: 6M classes, D=768, bf16 head
-    python examples/lightning_6m.py --classes 1000000 --steps 100
-    python examples/lightning_6m.py --cpu              # tiny smoke run, head as two CPU shards
+    python examples/lightning_6m.py                    # GPUs: 6M classes, D=768, bf16-mixed, head over all GPUs
+    python examples/lightning_6m.py --classes 1000000 --steps 100 --head-devices cuda:0,cuda:1
+    python examples/lightning_6m.py --precision bf16-true          # bf16 parameters, no float32 masters
+    python examples/lightning_6m.py --offload                      # head in pinned host memory, streamed
+    python examples/lightning_6m.py --cpu                          # tiny smoke run, head as two CPU shards
 
-Lightning moves the LightningModule to its device with ``module.to(device)`` (and back with ``.cpu()``
-after ``fit``). A ChunkedClassifier built with explicit ``devices`` is pinned: those calls cast dtypes
-but leave every shard where it was placed, so no special handling is needed here; ``main`` checks that
-the shards did not move. (Lightning's strategy teardown does move all optimizer state to the CPU after
-``fit``, the shards' Adam moments included: harmless here, where ``fit`` runs once; a ``fit`` resumed
-from a checkpoint would likewise get every shard's optimizer state moved onto the root device by
-``Strategy.load_optimizer_state_dict``.)
+Precision (``--precision``, Lightning's names): ``bf16-mixed`` (GPU default) and ``16-mixed`` keep float32
+parameters — the head's weight included, as master weights — and run the steps under autocast, where the
+head casts ``x`` and each weight chunk to the low precision inside its loop (no low-precision copy of the
+weight); ``bf16-true`` and ``32-true`` (CPU default) build every parameter in that dtype. The model is
+built under ``trainer.init_module()``, so the head's dtype follows the precision.
+
+Checkpoints and resume (README, "Checkpoints and resume"):
+
+    python examples/lightning_6m.py --steps 200 --ckpt-dir ckpts --ckpt-every 100   # fit; saves ckpts/last.ckpt
+    python examples/lightning_6m.py --steps 300 --ckpt-dir ckpts --ckpt-path ckpts/last.ckpt   # resume to 300
+
+With ``--ckpt-dir``, ``ModelCheckpoint(save_last=True)`` saves every ``--ckpt-every`` steps and at the end,
+and the test runs as ``trainer.test(ckpt_path=<last checkpoint>)`` (weights reloaded from disk);
+``--ckpt-path`` resumes ``fit`` from a checkpoint (optimizer state, step counter and all).
+``--ckpt-format dcp`` (default) trains with :class:`hugehead.lightning.ShardedHeadStrategy`: each
+checkpoint is a directory of ``torch.distributed.checkpoint`` files in which every head shard is written
+from its own GPU, never gathered, and loads into any head placement; ``--ckpt-format lightning`` keeps
+Lightning's single ``.ckpt`` file (the head's logical weight gathered on the host). Either way
+:class:`hugehead.lightning.ShardPlacementCallback` keeps each shard's optimizer state on that shard's
+GPU: Lightning restores optimizer state onto its root device and moves it to the CPU when ``fit`` ends,
+which would leave the Adam moments of a shard on ``cuda:1`` on ``cuda:0``.
+
+Lightning moves the LightningModule with ``module.to(device)`` (and back with ``.cpu()`` after ``fit``). A
+ChunkedClassifier built with explicit ``devices`` (or ``offload=True``) is pinned: those calls cast dtypes
+but leave every shard where it was placed; ``main`` checks that the shards did not move.
 
 The data: sequences of ``--seq-len`` tokens; class ``c`` has a fixed token pattern (a hash of ``c``), a
 sample is that pattern with a fraction of its tokens replaced at random, and classes follow a Zipf law,
@@ -35,11 +55,16 @@ import hugehead
 
 try:
     import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hugehead.lightning import ShardedHeadStrategy, ShardPlacementCallback
 except ImportError as exc:  # pragma: no cover - exercised only without lightning
     raise SystemExit(
         "examples/lightning_6m.py needs PyTorch Lightning: pip install lightning "
         f"(import failed: {exc})"
     ) from None
+
+PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "32-true")
 
 _MASK32 = 0xFFFFFFFF
 
@@ -98,18 +123,23 @@ class TokenEncoder(nn.Module):
 
 class HugeHeadModule(L.LightningModule):
     """Backbone on Lightning's device; a ChunkedClassifier whose shards stay on ``head_devices`` (an
-    explicit placement is pinned: Lightning's ``.to(device)`` does not move them)."""
+    explicit placement is pinned: Lightning's ``.to(device)`` does not move them). ``head_dtype=None``:
+    the default dtype, which ``trainer.init_module()`` sets from the precision."""
 
     def __init__(self, num_classes: int, dim: int, token_vocab: int, seq_len: int, head_devices: List[str],
-                 head_dtype: torch.dtype, lr: float, layers: int = 2, heads: int = 4):
+                 head_dtype: Optional[torch.dtype], lr: float, layers: int = 2, heads: int = 4,
+                 offload: bool = False):
         super().__init__()
         self.backbone = TokenEncoder(token_vocab, seq_len, dim, layers, heads)
-        self.head = hugehead.ChunkedClassifier(dim, num_classes, devices=head_devices, dtype=head_dtype)
+        self.head = hugehead.ChunkedClassifier(dim, num_classes, devices=head_devices, dtype=head_dtype,
+                                               offload=offload)
         self.lr = lr
 
     def _loss_and_features(self, batch):
         tokens, target = batch
-        features = self.backbone(tokens).to(self.head.dtype)
+        # No cast: under autocast ("-mixed") the head computes in the autocast dtype from its float32
+        # weight; with "-true" precisions the features already have the head's dtype.
+        features = self.backbone(tokens)
         return self.head(features, target), features, target
 
     def training_step(self, batch, batch_idx):
@@ -125,7 +155,8 @@ class HugeHeadModule(L.LightningModule):
         self.log("test_acc", accuracy, batch_size=target.shape[0])
 
     def configure_optimizers(self):
-        # The shard Parameters live on their own devices; Adam steps each where it is.
+        # The shard Parameters live on their own devices; Adam steps each where it is (ShardPlacementCallback
+        # keeps each one's state there across checkpoint restores).
         params = list(self.parameters())
         try:
             return torch.optim.Adam(params, lr=self.lr, fused=True)
@@ -141,15 +172,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--classes", type=int, help="number of classes (GPU 6000000, --cpu 5000)")
     p.add_argument("--dim", type=int, help="backbone width = head in_features (GPU 768, --cpu 64)")
-    p.add_argument("--steps", type=int, help="training steps (GPU 300, --cpu 60)")
+    p.add_argument("--steps", type=int, help="training steps in all, a resumed run included (GPU 300, --cpu 60)")
     p.add_argument("--batch", type=int, help="sequences per step (GPU 1024, --cpu 64)")
     p.add_argument("--test-size", type=int, help="test sequences (GPU 16384, --cpu 512)")
+    p.add_argument("--train-size", type=int, help="training sequences, one epoch (default: steps x batch); keep "
+                   "it when resuming with more --steps to continue the same data order")
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--token-vocab", type=int, default=4096)
     p.add_argument("--corrupt", type=float, default=0.25, help="fraction of tokens replaced at random")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the class frequencies")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="Lightning precision (GPU default bf16-mixed, --cpu default 32-true)")
+    p.add_argument("--head-devices", help="comma list of the head's shard devices (GPU default: every visible "
+                   "GPU, e.g. cuda:0,cuda:1; --cpu: cpu,cpu)")
+    p.add_argument("--offload", action="store_true",
+                   help="head shards in pinned host memory, streamed to --head-devices (ChunkedClassifier(offload=True))")
+    p.add_argument("--ckpt-dir", help="ModelCheckpoint directory (save_last=True); the test then reloads the last checkpoint")
+    p.add_argument("--ckpt-every", type=int, help="checkpoint every N training steps (default: only at the end)")
+    p.add_argument("--ckpt-path", help="resume fit from this checkpoint (a .ckpt file or a sharded checkpoint directory)")
+    p.add_argument("--ckpt-format", choices=("dcp", "lightning"), default="dcp",
+                   help="dcp: sharded checkpoint directories (ShardedHeadStrategy, default); lightning: one .ckpt file")
     p.add_argument("--no-progress", action="store_true", help="no Lightning progress bar")
     p.add_argument("--cpu", action="store_true",
                    help="smoke mode: tiny sizes, accelerator='cpu', head on ['cpu', 'cpu'] (two shards)")
@@ -157,58 +201,77 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     gpu = not args.cpu
     if gpu and not (torch.cuda.is_available() and hugehead.has_kernel("chunk_stats_", "CUDA")):
         p.error("no CUDA GPU (or hugehead was built without CUDA kernels); pass --cpu for the CPU smoke run")
-    defaults = (dict(classes=6_000_000, dim=768, steps=300, batch=1024, test_size=16384) if gpu
-                else dict(classes=5000, dim=64, steps=60, batch=64, test_size=512))
+    if args.offload and not gpu:
+        p.error("--offload streams the head from pinned host memory to a GPU; it needs CUDA (not --cpu)")
+    defaults = (dict(classes=6_000_000, dim=768, steps=300, batch=1024, test_size=16384, precision="bf16-mixed")
+                if gpu else dict(classes=5000, dim=64, steps=60, batch=64, test_size=512, precision="32-true"))
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     for key in ("classes", "dim", "steps", "batch", "test_size"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1")
+    if args.ckpt_every is not None and args.ckpt_every < 1:
+        p.error("--ckpt-every must be >= 1")
+    if args.head_devices is None:
+        args.head_devices = ["cpu", "cpu"] if args.cpu else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    else:
+        args.head_devices = [d.strip() for d in args.head_devices.split(",") if d.strip()]
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
-    """Fit, then test with only a test dataloader. Returns ``{"trainer", "model", "test_metrics",
-    "chance_most_frequent", "fit_seconds", "test_seconds"}``."""
+    """Fit (or resume fitting), then test with only a test dataloader. Returns ``{"trainer", "model",
+    "test_metrics", "chance_most_frequent", "fit_seconds", "test_seconds", "last_checkpoint"}``."""
     args = parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
     L.seed_everything(args.seed, verbose=False)
-    if args.cpu:
-        accelerator, head_devices, head_dtype = "cpu", ["cpu", "cpu"], torch.float32
-    else:
-        accelerator, head_dtype = "gpu", torch.bfloat16
-        head_devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
 
-    train_set = synthetic_sequences(args.steps * args.batch, args.classes, args.seq_len, args.token_vocab,
+    train_set = synthetic_sequences(args.train_size or args.steps * args.batch, args.classes, args.seq_len, args.token_vocab,
                                     args.zipf, args.corrupt, seed=args.seed + 1)
     test_set = synthetic_sequences(args.test_size, args.classes, args.seq_len, args.token_vocab,
                                    args.zipf, args.corrupt, seed=args.seed + 2)
     train_loader = DataLoader(train_set, batch_size=args.batch, shuffle=False, num_workers=0)
     test_loader = DataLoader(test_set, batch_size=args.batch, num_workers=0)
 
-    model = HugeHeadModule(args.classes, args.dim, args.token_vocab, args.seq_len, head_devices, head_dtype,
-                           args.lr, heads=4 if args.dim % 4 == 0 else 1)
+    callbacks: list = [ShardPlacementCallback()]
+    checkpoint = None
+    if args.ckpt_dir:
+        # Only last.ckpt (save_top_k=0): one checkpoint on disk, rewritten atomically each time.
+        checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0, enable_version_counter=False,
+                                     every_n_train_steps=args.ckpt_every or args.steps)
+        callbacks.append(checkpoint)
+    strategy = ShardedHeadStrategy() if args.ckpt_format == "dcp" else "auto"
+    trainer = L.Trainer(accelerator="cpu" if args.cpu else "gpu", devices=1, strategy=strategy,
+                        precision=args.precision, max_steps=args.steps, max_epochs=-1, logger=False,
+                        callbacks=callbacks, enable_checkpointing=checkpoint is not None,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        enable_progress_bar=not args.no_progress)
+    with trainer.init_module():  # "-true" precisions: parameters built in that dtype
+        model = HugeHeadModule(args.classes, args.dim, args.token_vocab, args.seq_len, args.head_devices, None,
+                               args.lr, heads=4 if args.dim % 4 == 0 else 1, offload=args.offload)
     placement = [str(s.device) for s in model.head.shards]
-    print(f"{args.classes:,} classes over {len(placement)} shard(s): "
+    print(f"{args.classes:,} classes over {len(placement)} shard(s) ({model.head.dtype}, precision "
+          f"{args.precision}{', offloaded' if args.offload else ''}): "
           + ", ".join(f"{s.device}[{s.start:,}:{s.stop:,})" for s in model.head.shards))
 
-    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=args.steps, max_epochs=1,
-                        logger=False, enable_checkpointing=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0,
-                        enable_progress_bar=not args.no_progress)
     t0 = time.perf_counter()
-    trainer.fit(model, train_dataloaders=train_loader)
+    trainer.fit(model, train_dataloaders=train_loader, ckpt_path=args.ckpt_path)
     fit_seconds = time.perf_counter() - t0
+    if args.ckpt_path:
+        print(f"resumed from {args.ckpt_path}")
+    last = checkpoint.last_model_path if checkpoint is not None else None
     t0 = time.perf_counter()
-    test_metrics = trainer.test(model, dataloaders=test_loader, verbose=False)[0]
+    # With checkpoints, test what was saved: the weights are read back from the last checkpoint.
+    test_metrics = trainer.test(model, dataloaders=test_loader, ckpt_path=last or None, verbose=False)[0]
     test_seconds = time.perf_counter() - t0
 
     moved = [str(s.device) for s in model.head.shards]
     if moved != placement:
         raise RuntimeError(f"the head's shards moved from {placement} to {moved}")
-    print(f"fit: {trainer.global_step} steps in {fit_seconds:.1f} s; test: {test_seconds:.1f} s")
+    print(f"fit: {trainer.global_step} steps in {fit_seconds:.1f} s; test: {test_seconds:.1f} s"
+          + (f" (from {last})" if last else ""))
     print("test metrics: " + ", ".join(f"{k}={float(v):.4f}" for k, v in test_metrics.items()))
     # An honest baseline under Zipf-distributed classes: always answer the most frequent training class.
     most_frequent = int(torch.bincount(train_set.tensors[1], minlength=args.classes).argmax())
@@ -219,7 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         for i in range(torch.cuda.device_count()):
             print(f"  cuda:{i} peak {torch.cuda.max_memory_allocated(i) / 2**30:.2f} GiB")
     return dict(trainer=trainer, model=model, test_metrics={k: float(v) for k, v in test_metrics.items()},
-                chance_most_frequent=majority, fit_seconds=fit_seconds, test_seconds=test_seconds)
+                chance_most_frequent=majority, fit_seconds=fit_seconds, test_seconds=test_seconds,
+                last_checkpoint=last)
 
 
 if __name__ == "__main__":

@@ -427,7 +427,7 @@ def _optimizer_state_dicts(optimizers) -> Optional[List[dict]]:
 
 
 def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], optimizers=None,
-                    extra: Any = None, *, block_bytes: int = DCP_BLOCK_BYTES) -> None:
+                    extra: Any = None, *, block_bytes: int = DCP_BLOCK_BYTES, io_threads: int = 1) -> None:
     """Write a checkpoint directory, atomically: the model's tensors and the optimizers' state tensors
     with ``torch.distributed.checkpoint`` (single process, no process group), everything else (param
     groups, ``extra``) in one small ``torch.save`` file inside it.
@@ -443,6 +443,8 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
         optimizers: an optimizer, a list of them, or their ``state_dict()``s (Lightning's
             ``checkpoint["optimizer_states"]``); None: no optimizer state.
         extra: anything else ``torch.save`` can write (Lightning's loops, callbacks, hyper-parameters).
+        block_bytes: the largest piece stored (and read back) at once. io_threads: DCP writer threads
+            (one file each; host memory grows by a block per thread).
     Raises:
         Whatever writing raises; ``path`` is then left as it was and no temporary remains.
     """
@@ -483,7 +485,8 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
         os.makedirs(tmp)
         if tensors:
             with _single_process_dcp():
-                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+                writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=io_threads)
+                dcp.save(tensors, storage_writer=writer, no_dist=True)
         # The metadata file goes last: a directory with it is complete (is_checkpoint_dir).
         with open(os.path.join(tmp, _META_FILE), "wb") as f:
             torch.save(meta, f)

@@ -13,6 +13,8 @@ This module imports Lightning (``lightning.pytorch``); ``import hugehead`` does 
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Dict, Optional
 
 import torch
@@ -21,6 +23,7 @@ try:
     from lightning.pytorch.accelerators import CUDAAccelerator
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 except ImportError as exc:  # pragma: no cover - exercised only without lightning
     raise ImportError(f"hugehead.lightning needs PyTorch Lightning: pip install lightning ({exc})") from None
 
@@ -92,15 +95,21 @@ class ShardedHeadStrategy(SingleDeviceStrategy):
         checkpoint = dict(checkpoint)
         state = checkpoint.pop("state_dict")
         optimizer_states = checkpoint.pop("optimizer_states", None)
+        t0 = time.perf_counter()
         save_checkpoint(filepath, state, optimizer_states, extra=checkpoint)
+        rank_zero_info(f"hugehead: saved sharded checkpoint {filepath} ({_size_gb(filepath):.2f} GB) in "
+                       f"{time.perf_counter() - t0:.1f} s")
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         if not is_checkpoint_dir(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         torch.cuda.empty_cache()
+        t0 = time.perf_counter()
         state, optimizer_states, extra = read_checkpoint(
             checkpoint_path, self.lightning_module_state_dict(), self.optimizers or None, weights_only=weights_only
         )
+        rank_zero_info(f"hugehead: loaded sharded checkpoint {checkpoint_path} (weights"
+                       f"{'' if optimizer_states is None else ' and optimizer state'}) in {time.perf_counter() - t0:.1f} s")
         checkpoint = dict(extra or {})
         checkpoint["state_dict"] = state
         if optimizer_states is not None:
@@ -116,3 +125,10 @@ class ShardedHeadStrategy(SingleDeviceStrategy):
         super().on_train_start()
         for optimizer in self.optimizers:
             keep_optimizer_state_on_shards(optimizer)
+
+
+def _size_gb(path) -> float:
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, name)) for name in files)
+    return total / 1e9

@@ -603,3 +603,19 @@ def test_hugehead_imports_without_lightning():
             "assert 'lightning.pytorch' not in sys.modules; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_bench_resume_cpu_smoke(tmp_path):
+    from bench import bench_resume
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert bench_resume.main(["--cpu-smoke", "--skip-lightning-baseline", "--out", str(out), "--dir", str(work)]) == 0
+    doc = json.loads((out / "resume.json").read_text())
+    assert [(r["name"], r["op"]) for r in doc["runs"]] == [
+        ("safetensors", "save"), ("safetensors", "load"), ("dcp (io_threads=1)", "save"),
+        ("dcp (io_threads=1)", "load"), ("dcp -> one device", "load"), ("torch.save(state_dict)", "save"),
+        ("torch.save(state_dict)", "load")]
+    assert doc["all_loads_match"] and doc["target_host_peak"]["met"]
+    assert doc["disk"]["write_gbps"] > 0 and doc["git"]["git_sha"]
+    assert (out / "resume.md").read_text().startswith("# Checkpoint save / load")
+    assert not work.exists()

@@ -1,7 +1,10 @@
 """examples/lightning_6m.py in its CPU smoke mode: fit and test (with only a test dataloader) both run,
-the head keeps its two shards, and Lightning-style moves of the module leave the head's shards in place."""
+the head keeps its two shards, Lightning-style moves of the module leave the head's shards in place, the
+precisions build the head in the right dtype, and a fit resumed from a checkpoint (sharded directory or
+Lightning file) ends bitwise where an uninterrupted fit does."""
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -47,3 +50,42 @@ def test_lightning_style_moves_leave_the_head_in_place(example):
     names = {n for n, _ in model.named_parameters()}
     assert {"head.shards.0.weight", "head.shards.1.bias"} <= names
     assert "head.weight" in model.state_dict()
+
+
+TINY = ["--cpu", "--classes", "500", "--dim", "16", "--batch", "16", "--test-size", "64", "--no-progress"]
+
+
+@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
+@pytest.mark.parametrize("precision,param_dtype", [("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16)])
+def test_cpu_precisions(example, precision, param_dtype):
+    result = example.main(TINY + ["--steps", "8", "--precision", precision])
+    model, metrics = result["model"], result["test_metrics"]
+    assert result["trainer"].precision == precision
+    # bf16-mixed: float32 master weights (the head computes in bf16 under autocast); bf16-true: bf16 weights.
+    assert {p.dtype for p in model.head.parameters()} == {param_dtype}
+    assert model.backbone.tokens.weight.dtype == param_dtype
+    assert math.isfinite(metrics["test_loss"]) and metrics["test_loss"] < math.log(500)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(example):
+    """10 steps over two epochs of 5 batches, no checkpoints."""
+    return example.main(TINY + ["--train-size", "80", "--steps", "10"])
+
+
+@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+@pytest.mark.parametrize("fmt", ["dcp", "lightning"])
+def test_cpu_resume_matches_uninterrupted_fit(example, uninterrupted, tmp_path, fmt):
+    args = TINY + ["--train-size", "80", "--ckpt-format", fmt, "--ckpt-dir", str(tmp_path)]
+    first = example.main(args + ["--steps", "5"])  # stops at an epoch boundary, saves last.ckpt
+    last = tmp_path / "last.ckpt"
+    assert first["last_checkpoint"] == str(last) and last.is_dir() == (fmt == "dcp")
+    resumed = example.main(args + ["--steps", "10", "--ckpt-path", str(last)])
+    assert resumed["trainer"].global_step == 10
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # rewritten in place, no temporaries
+    expected = dict(uninterrupted["model"].named_parameters())
+    for name, param in resumed["model"].named_parameters():
+        assert torch.equal(param, expected[name]), name
+    # The test ran on the weights read back from last.ckpt, which the resumed fit rewrote at step 10.
+    assert resumed["test_metrics"] == uninterrupted["test_metrics"]
