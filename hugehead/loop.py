@@ -14,6 +14,7 @@ does not know which.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
@@ -61,18 +62,28 @@ class Plan:
     ``[kept_chunks, N, cols]`` tensor (:func:`kept_shape`) that the backward turns into their gradient in
     place, skipping their recompute (6·N·D·V FLOPs instead of 8 for the kept classes); the other chunks
     stream through the workspace as usual.
+
+    ``overlap`` (CUDA): two workspaces, and each chunk's memory-bound kernel (statistics, gradient) runs
+    on a side stream while the main stream's GEMMs go on with the next chunk.
     """
 
     rows: int
     cols: int
     keep_logits: bool = False
     kept_chunks: int = 0
+    overlap: bool = False
 
 
 def kept_plan(kept: Tensor) -> Plan:
     """The plan of a backward over kept logits ``[kept_chunks, N, cols]`` (chunk widths must match the
     forward's, whatever the planner would choose now)."""
-    return Plan(rows=kept.shape[1], cols=kept.shape[2], keep_logits=True, kept_chunks=kept.shape[0])
+    return Plan(rows=kept.shape[1], cols=kept.shape[2], keep_logits=True, kept_chunks=kept.shape[0],
+                overlap=kept.device.type == "cuda" and _overlap_enabled())
+
+
+def _overlap_enabled() -> bool:
+    # HUGEHEAD_OVERLAP=0 turns the side-stream overlap off (A/B measurements, debugging).
+    return os.environ.get("HUGEHEAD_OVERLAP", "1") != "0"
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -127,13 +138,17 @@ def plan_chunks(
     rows = n
     if rows * cols * itemsize + rows * d * (itemsize + 4) > memory_budget:
         rows = max(1, memory_budget // (cols * itemsize + d * (itemsize + 4)))
+    chunk_bytes = n * cols * itemsize
+    # A second workspace lets the memory-bound kernels overlap the next chunk's GEMMs (CUDA, rows whole).
+    overlap = (device.type == "cuda" and rows >= n and cols < v and _overlap_enabled()
+               and dx_bytes + 2 * chunk_bytes <= memory_budget)
     if keep and rows >= n:
-        # Keep as many leading chunks as the budget holds beyond the streaming workspace.
-        kept_chunks = (memory_budget - dx_bytes - n * cols * itemsize) // (n * cols * itemsize)
+        # Keep as many leading chunks as the budget holds beyond the streaming workspace(s).
+        kept_chunks = (memory_budget - dx_bytes - (2 if overlap else 1) * chunk_bytes) // chunk_bytes
         kept_chunks = min(kept_chunks, -(-v // cols) - 1)
         if kept_chunks >= 1:
-            return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks))
-    return Plan(rows=min(rows, n), cols=max(cols, 1))
+            return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks), overlap=overlap)
+    return Plan(rows=min(rows, n), cols=max(cols, 1), overlap=overlap)
 
 
 def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
@@ -193,6 +208,9 @@ class ResidentChunks:
     Args:
         weight: ``[V_k, D]``; bias: ``[V_k]`` or None; compute_dtype: dtype of ``x`` and the logits.
     """
+
+    # Chunk j - 1 stays valid while chunk j is fetched (slices, or casts the caller holds).
+    lookahead = True
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], compute_dtype: torch.dtype):
         self.weight = weight
@@ -274,6 +292,52 @@ def _workspace_view(workspace: Tensor, rows: int, cols: int) -> Tensor:
     return workspace[: rows * cols].view(rows, cols)
 
 
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for the memory-bound kernels of the overlapped loop."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+class _Overlap:
+    """Two workspaces on one CUDA device: the main (current) stream writes logits chunk ``j`` into
+    workspace ``j % 2``; the side stream runs the memory-bound kernel on it; events order the two, so
+    workspace ``j % 2`` is not overwritten (chunk ``j + 2``) before the side stream is done with it and
+    the main stream reads a gradient only once the side stream wrote it. Deterministic: every kernel
+    reads and writes what it would in the one-stream loop."""
+
+    def __init__(self, x: Tensor, rows: int, cols: int):
+        self.main = torch.cuda.current_stream(x.device)
+        self.side = _side_stream(x.device)
+        self.buffers = [x.new_empty(rows * cols), x.new_empty(rows * cols)]
+        self.side_done: List[Optional[torch.cuda.Event]] = [None, None]
+
+    def workspace(self, j: int, rows: int, cols: int) -> Tensor:
+        """Workspace of chunk ``j``, once the side stream finished with chunk ``j - 2`` (main stream)."""
+        if self.side_done[j % 2] is not None:
+            self.main.wait_event(self.side_done[j % 2])
+        return _workspace_view(self.buffers[j % 2], rows, cols)
+
+    def on_side(self, j: int):
+        """Context for chunk ``j``'s side-stream work, after what the main stream queued so far."""
+        self.side.wait_stream(self.main)
+        return torch.cuda.stream(self.side)
+
+    def side_finished(self, j: int) -> None:
+        event = torch.cuda.Event()
+        event.record(self.side)
+        self.side_done[j % 2] = event
+
+    def join(self) -> None:
+        """The main stream waits for everything queued on the side stream (before results are used or
+        the workspaces freed)."""
+        self.main.wait_stream(self.side)
+
+
 def run_steps(steps: Generator[None, None, T]) -> T:
     """Run a chunk-loop generator to its end and return its result."""
     while True:
@@ -333,6 +397,8 @@ def forward_stats_steps(
         return stats, (x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None)
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    if plan.overlap and x.is_cuda and plan.rows >= n:
+        return (yield from _forward_overlapped(x, source, target, class_start, softcap, plan, stats, kept))
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     for chunk in source.chunks(plan.cols):
@@ -346,6 +412,27 @@ def forward_stats_steps(
             rows = RowStats(*(s[r0:r1] for s in stats))
             ops.chunk_stats_(z, target[r0:r1], class_start + chunk.c0, softcap, *rows)
         yield
+    return stats, kept
+
+
+def _forward_overlapped(x, source, target, class_start, softcap, plan, stats, kept):
+    """:func:`forward_stats_steps` with the statistics kernel of chunk ``j`` on the side stream while the
+    main stream computes chunk ``j + 1``'s logits (rows whole)."""
+    n = x.shape[0]
+    kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    lanes = _Overlap(x, n, min(plan.cols, source.num_rows))
+    for j, chunk in enumerate(source.chunks(plan.cols)):
+        width = chunk.c1 - chunk.c0
+        if chunk.c0 < kept_classes:
+            z = kept[chunk.c0 // plan.cols, :, :width]
+        else:
+            z = lanes.workspace(j, n, width)
+        _logits_into(x, chunk, z)
+        with lanes.on_side(j):
+            ops.chunk_stats_(z, target, class_start + chunk.c0, softcap, *stats)
+        lanes.side_finished(j)
+        yield
+    lanes.join()
     return stats, kept
 
 
@@ -436,6 +523,11 @@ def backward_steps(
     if kept is not None:
         plan = kept_plan(kept)
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    if plan.overlap and x.is_cuda and plan.rows >= n and getattr(source, "lookahead", False):
+        return (yield from _backward_overlapped(
+            x, source, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, plan,
+            grad_x, need_weight, kept, grad_lse,
+        ))
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     # dX partials are added in the accumulation dtype; a low-precision partial per chunk keeps the
     # rounding of each partial independent (and matches a single GEMM's error), unlike a low-precision
@@ -491,6 +583,74 @@ def backward_steps(
                     torch.mm(g.t(), x, out=dw_low[: c1 - c0])
                     source.put_grad(c0, c1, dw_low[: c1 - c0], db_chunk)
         yield
+    if need_weight:
+        return source.finish_grads()
+    return None, None
+
+
+def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss,
+                         softcap, plan, grad_x, need_weight, kept, grad_lse):
+    """:func:`backward_steps` (rows whole) as a two-stage pipeline: chunk ``j``'s logits (main stream)
+    and gradient kernel (side stream) are queued before chunk ``j - 1``'s dX and dW GEMMs (main stream),
+    so the gradient kernel runs beside those GEMMs. Needs a source whose chunk ``j - 1`` stays valid
+    while chunk ``j`` is fetched (``source.lookahead``)."""
+    n, d = x.shape
+    acc = ops.acc_dtype(x.dtype)
+    kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    lanes = _Overlap(x, n, min(plan.cols, source.num_rows)) if kept_classes < source.num_rows else None
+    dx_partial = x.new_empty(n, d) if (grad_x is not None and grad_x.dtype != x.dtype) else None
+    dw_low = None
+    ready: List[Tuple[WeightChunk, Tensor, torch.cuda.Event]] = []
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+
+    def produce(j: int, chunk: WeightChunk) -> None:
+        width = chunk.c1 - chunk.c0
+        if chunk.c0 < kept_classes:
+            g = kept[chunk.c0 // plan.cols, :, :width]
+        else:
+            g = _logits_into(x, chunk, lanes.workspace(j, n, width))
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ops.chunk_grad_(g, target, class_start + chunk.c0, num_classes, lse, grad_rows, label_smoothing, z_loss,
+                            softcap, grad_lse)
+        done = torch.cuda.Event()
+        done.record(side)
+        if lanes is not None and chunk.c0 >= kept_classes:
+            lanes.side_done[j % 2] = done
+        ready.append((chunk, g, done))
+
+    def consume() -> None:
+        nonlocal dw_low
+        chunk, g, done = ready.pop(0)
+        main.wait_event(done)
+        c0, c1 = chunk.c0, chunk.c1
+        if grad_x is not None:
+            if dx_partial is None:
+                grad_x.addmm_(g, chunk.weight)
+            else:
+                torch.mm(g, chunk.weight, out=dx_partial)
+                grad_x.add_(dx_partial)
+        if need_weight:
+            db_chunk = g.sum(dim=0, dtype=acc) if source.bias is not None else None
+            out = source.grad_weight_out(c0, c1, x.dtype)
+            if out is not None:
+                torch.mm(g.t(), x, out=out)
+                source.put_grad(c0, c1, None, db_chunk)
+            else:
+                if dw_low is None:
+                    dw_low = x.new_empty(min(plan.cols, source.num_rows), d)
+                torch.mm(g.t(), x, out=dw_low[: c1 - c0])
+                source.put_grad(c0, c1, dw_low[: c1 - c0], db_chunk)
+
+    for j, chunk in enumerate(source.chunks(plan.cols)):
+        produce(j, chunk)
+        if len(ready) > 1:
+            consume()
+        yield
+    while ready:
+        consume()
+    main.wait_stream(side)
     if need_weight:
         return source.finish_grads()
     return None, None

@@ -617,3 +617,36 @@ def test_partly_kept_logits_match_float64(device, bias):
     loss.backward()  # the kept logits were consumed: this one recomputes
     for a, t in zip(ours[1:], [x, w] + ([b] if bias else [])):
         assert_rel(t.grad, a, 1e-12, "second backward")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("keep", [False, True])
+def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, keep):
+    """The overlapped loop (statistics and gradient kernels on a side stream) runs the same kernels on the
+    same data as the one-stream loop: loss and every gradient are bitwise equal, and the plan used it."""
+    from hugehead.loop import _MAX_COLS
+
+    torch.manual_seed(12)
+    cols = _MAX_COLS["cuda"]
+    n, d, v = 64, 32, 3 * cols + 123
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16) / 4
+    b = torch.randn(v, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, v, (n,), device="cuda")
+    itemsize = 2
+    # Room for the dX buffers and two workspaces (and, with keep, one kept chunk).
+    budget = n * d * (itemsize + 4) + (3 if keep else 2) * n * cols * itemsize + 1024
+    results = {}
+    for overlap in ("0", "1"):
+        monkeypatch.setenv("HUGEHEAD_OVERLAP", overlap)
+        plan = plan_chunks(n, d, v, torch.bfloat16, torch.device("cuda"), None, budget)
+        assert plan.overlap == (overlap == "1") and plan.cols == cols and plan.keep_logits == (keep and overlap == "1") \
+            or overlap == "0", plan
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        loss = hugehead.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], memory_budget=budget,
+                                             label_smoothing=0.1, z_loss=1e-3)
+        loss.backward()
+        results[overlap] = [loss.detach()] + [t.grad for t in leaves]
+    for a, b_ in zip(results["0"], results["1"]):
+        assert torch.equal(a, b_)
