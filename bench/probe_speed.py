@@ -38,7 +38,7 @@ def main(argv=None):
     from hugehead.loop import plan_chunks
 
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default="llama3_4k,gemma2,xc1M")
+    p.add_argument("--shapes", default="llama3_4k,gemma2,xc1M,xc6M")
     p.add_argument("--out")
     args = p.parse_args(argv)
     rows = []
@@ -67,7 +67,12 @@ def main(argv=None):
         }
         if n * v * 2 < 40 << 30:
             variants["plain"] = lambda: F.cross_entropy(F.linear(x, w).float(), t)
+        import os
+
+        variants["hugehead_no_overlap"] = variants["hugehead"]
         for impl, fn in variants.items():
+            os.environ["HUGEHEAD_OVERLAP"] = "0" if impl == "hugehead_no_overlap" else "1"
+            plan = plan_chunks(n, d, v, torch.bfloat16, torch.device("cuda"))
             try:
                 ms, peak = run(fn)
                 with torch.no_grad():
