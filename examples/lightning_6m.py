@@ -12,8 +12,8 @@ first GPU and a :class:`hugehead.ChunkedClassifier` whose weight is split over t
 Precision (``--precision``, Lightning's names): ``bf16-mixed`` (GPU default) and ``16-mixed`` keep float32
 parameters — the head's weight included, as master weights — and run the steps under autocast, where the
 head casts ``x`` and each weight chunk to the low precision inside its loop (no low-precision copy of the
-weight); ``bf16-true`` and ``32-true`` (CPU default) build every parameter in that dtype. The model is
-built under ``trainer.init_module()``, so the head's dtype follows the precision.
+weight); ``bf16-true`` and ``32-true`` (CPU default) hold every parameter in that dtype (the head is built
+in it; Lightning converts the backbone).
 
 Checkpoints and resume (README, "Checkpoints and resume"):
 
@@ -123,8 +123,7 @@ class TokenEncoder(nn.Module):
 
 class HugeHeadModule(L.LightningModule):
     """Backbone on Lightning's device; a ChunkedClassifier whose shards stay on ``head_devices`` (an
-    explicit placement is pinned: Lightning's ``.to(device)`` does not move them). ``head_dtype=None``:
-    the default dtype, which ``trainer.init_module()`` sets from the precision."""
+    explicit placement is pinned: Lightning's ``.to(device)`` does not move them)."""
 
     def __init__(self, num_classes: int, dim: int, token_vocab: int, seq_len: int, head_devices: List[str],
                  head_dtype: Optional[torch.dtype], lr: float, layers: int = 2, heads: int = 4,
@@ -248,9 +247,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                         callbacks=callbacks, enable_checkpointing=checkpoint is not None,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         enable_progress_bar=not args.no_progress)
-    with trainer.init_module():  # "-true" precisions: parameters built in that dtype
-        model = HugeHeadModule(args.classes, args.dim, args.token_vocab, args.seq_len, args.head_devices, None,
-                               args.lr, heads=4 if args.dim % 4 == 0 else 1, offload=args.offload)
+    # "-true" precisions: the head is built in that dtype (Lightning converts the backbone); "-mixed": float32.
+    # (Not under trainer.init_module(): its default-device context would also catch the head's host buffers.)
+    head_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(args.precision, torch.float32)
+    model = HugeHeadModule(args.classes, args.dim, args.token_vocab, args.seq_len, args.head_devices, head_dtype,
+                           args.lr, heads=4 if args.dim % 4 == 0 else 1, offload=args.offload)
     placement = [str(s.device) for s in model.head.shards]
     print(f"{args.classes:,} classes over {len(placement)} shard(s) ({model.head.dtype}, precision "
           f"{args.precision}{', offloaded' if args.offload else ''}): "

@@ -259,6 +259,7 @@ class ShardedRows(Tensor):
             raise ValueError(f"hugehead: ShardedRows pieces cover {expected} rows, not {rows}")
         out = Tensor._make_wrapper_subclass(cls, (rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
         out._pieces = pieces
+        out._stage_to_host = False
         return out
 
     @classmethod
@@ -293,6 +294,15 @@ class ShardedRows(Tensor):
             step = max(1, int(max_bytes) // row_bytes)
             out.extend((start + r, piece[r:r + step]) for r in range(0, piece.shape[0], step))
         return ShardedRows(out, self.shape[0])
+
+    def staged_to_host(self) -> "ShardedRows":
+        """The same pieces, handed to DCP's writer as host copies made one at a time when it asks for
+        each (a blocking copy on the current stream of the piece's device). DCP's own copy-ahead of GPU
+        tensors waits on the current device's stream only, so a piece on another GPU of this process
+        could be written before its copy finished; a piece already on the CPU is handed over as is."""
+        out = ShardedRows(self._pieces, self.shape[0])
+        out._stage_to_host = True
+        return out
 
     def rows(self, start: int, stop: int, device=None) -> Tensor:
         """Rows ``[start, stop)`` as one tensor on ``device`` (default: the first piece's device). Returns
@@ -332,6 +342,8 @@ class ShardedRows(Tensor):
     def __get_tensor_shard__(self, index) -> Tensor:
         for (start, piece), chunk in zip(self._pieces, self._chunks()):
             if chunk.offsets == index.offset:
+                if self._stage_to_host and piece.device.type != "cpu":
+                    return piece.to("cpu")
                 return piece
         raise ValueError(f"hugehead: ShardedRows {index.fqn!r} has no piece at offset {tuple(index.offset)}")
 
@@ -344,26 +356,34 @@ def sharded_state_dict_requested() -> bool:
     return _SHARDED_STATE_DICT.get()
 
 
-def sharded_state_dict(module: nn.Module) -> Dict[str, Any]:
+def sharded_state_dict(module: nn.Module, *, for_save: bool = False) -> Dict[str, Any]:
     """``module.state_dict()`` where every :class:`~hugehead.ChunkedClassifier` inside gives its logical
     ``weight [V, D]`` and ``bias [V]`` as :class:`ShardedRows` over its shards' tensors instead of a
     gathered copy: no memory is allocated, and ``torch.distributed.checkpoint`` saves each shard where
     it lives and loads into any placement and shard count.
 
-    The usual DCP pattern then works as for FSDP2/DTensor models::
+    ``for_save=True`` prepares the dict for ``dcp.save`` in this process: tensors in row blocks of at most
+    256 MiB, each GPU block copied to the host by this process when DCP asks for it
+    (:meth:`ShardedRows.staged_to_host`; DCP's own copy-ahead only waits on the current GPU, so a shard
+    on another GPU could be written before its copy finished). The usual DCP pattern then works as for
+    FSDP2/DTensor models::
 
-        dcp.save(hugehead.checkpoint.sharded_state_dict(model), checkpoint_id=path)
-        state = hugehead.checkpoint.sharded_state_dict(model)   # the same keys, this placement
-        dcp.load(state, checkpoint_id=path)                    # in place, into the shards
-        model.load_state_dict(state)                           # the rest (no copy for the head)
+        dcp.save(hugehead.checkpoint.sharded_state_dict(model, for_save=True), checkpoint_id=path)
+        state = hugehead.checkpoint.sharded_state_dict(model)  # the same keys, this placement
+        dcp.load(state, checkpoint_id=path)                   # in place, into the shards
+        model.load_state_dict(state)                          # the rest (no copy for the head)
 
     Other entries are those of ``state_dict()`` (tensors sharing the module's storage).
     """
     token = _SHARDED_STATE_DICT.set(True)
     try:
-        return module.state_dict()
+        state = module.state_dict()
     finally:
         _SHARDED_STATE_DICT.reset(token)
+    if for_save:
+        for key, value in state.items():
+            state[key] = _for_dcp(value, DCP_BLOCK_BYTES, saving=True)
+    return state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,14 +404,20 @@ class _TensorRef:
 torch.serialization.add_safe_globals([_TensorRef])
 
 
-def _for_dcp(value: Any, block_bytes: int) -> Any:
-    """Values as DCP stores them: big tensors split into row blocks (DCP reads each stored item whole)."""
+def _for_dcp(value: Any, block_bytes: int, saving: bool = False) -> Any:
+    """Values as DCP stores them: tensors larger than a block split into row blocks (DCP reads each stored
+    item whole). For a save (``saving``), every tensor not on the CPU is also wrapped, staged to the host
+    a block at a time by this process (:meth:`ShardedRows.staged_to_host`), and 0-d ones copied now."""
     if isinstance(value, ShardedRows):
-        return value.blocks(block_bytes)
-    if type(value) in (Tensor, nn.Parameter) and value.dim() >= 1 and value.shape[0] > 1 \
-            and value.numel() * value.element_size() > block_bytes:
-        return ShardedRows([(0, value)], value.shape[0]).blocks(block_bytes)
-    return value
+        rows = value.blocks(block_bytes)
+    elif type(value) in (Tensor, nn.Parameter) and value.dim() >= 1 and value.numel() > 0 and (
+            value.numel() * value.element_size() > block_bytes or (saving and value.device.type != "cpu")):
+        rows = ShardedRows([(0, value)], value.shape[0]).blocks(block_bytes)
+    elif saving and isinstance(value, Tensor) and value.device.type != "cpu":
+        return value.to("cpu")
+    else:
+        return value
+    return rows.staged_to_host() if saving else rows
 
 
 @contextlib.contextmanager
@@ -455,7 +481,7 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
     model_other: Dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, Tensor):
-            tensors[f"model.{key}"] = _for_dcp(value, block_bytes)
+            tensors[f"model.{key}"] = _for_dcp(value, block_bytes, saving=True)
         else:
             model_other[key] = value
     opt_states = _optimizer_state_dicts(optimizers)
@@ -467,7 +493,7 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
             for key, value in param_state.items():
                 if isinstance(value, Tensor):
                     name = f"optimizer.{i}.{pid}.{key}"
-                    tensors[name] = _for_dcp(value, block_bytes)
+                    tensors[name] = _for_dcp(value, block_bytes, saving=True)
                     entry[key] = _TensorRef(name, value.shape, value.dtype)
                 else:
                     entry[key] = value
@@ -638,11 +664,11 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
-def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int) -> None:
-    """Write ``tensor``'s bytes (row-major) a block of rows at a time. A contiguous CPU tensor is written
-    from its own memory; a GPU tensor through two pinned host buffers, the copy of block b+1 (queued on
-    the current stream of the tensor's device, after whatever wrote the tensor) overlapping the file
-    write of block b."""
+def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int, staged: Optional[bool] = None) -> None:
+    """Write ``tensor``'s bytes (row-major) a block of rows at a time. A CPU tensor is written from its
+    own memory (a non-contiguous block is copied first); a GPU tensor is staged through two pinned host
+    buffers, the copy of block b+1 (queued on the current stream of the tensor's device, after whatever
+    wrote the tensor) overlapping the file write of block b. ``staged`` forces staging (tests)."""
     tensor = tensor.detach()
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
@@ -651,30 +677,38 @@ def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int) -> None:
     rows = tensor.shape[0]
     row_bytes = tensor[:1].numel() * tensor.element_size()
     step = max(1, block_bytes // row_bytes)
+    cuda = tensor.device.type == "cuda"
 
     def as_bytes(block: Tensor) -> memoryview:
         return memoryview(block.reshape(-1).view(torch.uint8).numpy())
 
-    if tensor.device.type != "cuda":
+    if not (cuda if staged is None else staged):
         for r in range(0, rows, step):
-            f.write(as_bytes(tensor[r:r + step].to("cpu").contiguous()))
+            f.write(as_bytes(tensor[r:r + step].contiguous()))
         return
-    buffers = [torch.empty((min(step, rows), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=True) for _ in range(2)]
-    pending: List[Tuple[Tensor, Any]] = []  # copies queued, not yet written
-    with torch.cuda.device(tensor.device):
-        for i, r in enumerate(range(0, rows, step)):
-            block = buffers[i % 2][:min(step, rows - r)]
-            block.copy_(tensor[r:r + step], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            pending.append((block, event))
-            if len(pending) == 2:  # the other buffer's copy was queued before this one: write it
-                block, event = pending.pop(0)
-                event.synchronize()
-                f.write(as_bytes(block))
-        for block, event in pending:
+    buffers = [torch.empty((min(step, rows), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=cuda)
+               for _ in range(2)]
+    pending: List[Tuple[Tensor, Any]] = []  # (block, event) copies queued, not yet written
+
+    def write_oldest() -> None:
+        block, event = pending.pop(0)
+        if event is not None:
             event.synchronize()
-            f.write(as_bytes(block))
+        f.write(as_bytes(block))
+
+    with torch.cuda.device(tensor.device) if cuda else contextlib.nullcontext():
+        for i, r in enumerate(range(0, rows, step)):
+            block = buffers[i % 2][:min(step, rows - r)]  # the other buffer's block was queued just before
+            block.copy_(tensor[r:r + step], non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            pending.append((block, event))
+            if len(pending) == 2:  # write the previous block while this one copies
+                write_oldest()
+        while pending:
+            write_oldest()
 
 
 def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], metadata: Optional[Mapping[str, str]] = None,

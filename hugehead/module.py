@@ -538,15 +538,16 @@ class ChunkedClassifier(nn.Module):
         }
         write_safetensors(path, tensors, metadata)
 
-    def sharded_state_dict(self) -> Dict[str, Tensor]:
+    def sharded_state_dict(self, *, for_save: bool = False) -> Dict[str, Tensor]:
         """Like :meth:`state_dict` (logical keys ``weight``, ``bias``), but each value is a
         :class:`hugehead.checkpoint.ShardedRows` over the shards' own tensors instead of a gathered copy:
-        ``torch.distributed.checkpoint`` saves every shard where it lives, with its row offset, and loads
-        into any placement in place (``dcp.load(head.sharded_state_dict(), checkpoint_id=...)``). For a
-        whole model use :func:`hugehead.checkpoint.sharded_state_dict`."""
+        ``torch.distributed.checkpoint`` saves every shard where it lives, with its row offset
+        (``dcp.save(head.sharded_state_dict(for_save=True), ...)``), and loads into any placement in place
+        (``dcp.load(head.sharded_state_dict(), ...)``). For a whole model, and what ``for_save`` does, see
+        :func:`hugehead.checkpoint.sharded_state_dict`."""
         from .checkpoint import sharded_state_dict
 
-        return sharded_state_dict(self)
+        return sharded_state_dict(self, for_save=for_save)
 
     @torch.no_grad()
     def load_safetensors(self, path: str, strict: bool = True) -> None:
