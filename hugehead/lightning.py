@@ -23,6 +23,7 @@ try:
     from lightning.pytorch.accelerators import CUDAAccelerator
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 except ImportError as exc:  # pragma: no cover - exercised only without lightning
     raise ImportError(f"hugehead.lightning needs PyTorch Lightning: pip install lightning ({exc})") from None
@@ -104,9 +105,13 @@ class ShardedHeadStrategy(SingleDeviceStrategy):
         if not is_checkpoint_dir(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         torch.cuda.empty_cache()
+        # Optimizer state only for fit: after a fit, self.optimizers still holds its optimizers during test.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         t0 = time.perf_counter()
         state, optimizer_states, extra = read_checkpoint(
-            checkpoint_path, self.lightning_module_state_dict(), self.optimizers or None, weights_only=weights_only
+            checkpoint_path, self.lightning_module_state_dict(), (self.optimizers or None) if fitting else None,
+            weights_only=weights_only,
         )
         rank_zero_info(f"hugehead: loaded sharded checkpoint {checkpoint_path} (weights"
                        f"{'' if optimizer_states is None else ' and optimizer state'}) in {time.perf_counter() - t0:.1f} s")

@@ -606,19 +606,25 @@ def test_lightning_callback_places_state_after_restore_and_before_first_step(tmp
 
 
 @lightning_quiet
-def test_sharded_strategy_tests_from_a_checkpoint_into_another_placement(tmp_path):
+def test_sharded_strategy_tests_from_a_checkpoint_into_another_placement(tmp_path, monkeypatch):
     L, TinyModule = _lightning_module_class()
-    from hugehead.lightning import ShardedHeadStrategy
+    import hugehead.lightning as hl
 
+    reads = []
+    real_read = hl.read_checkpoint
+    monkeypatch.setattr(hl, "read_checkpoint", lambda path, state, optimizers, **kw: (
+        reads.append(optimizers), real_read(path, state, optimizers, **kw))[1])
     trained = TinyModule([5, 20, 12], seed=1)
-    trainer = _trainer(L, 1, strategy=ShardedHeadStrategy(), enable_checkpointing=False)
+    trainer = _trainer(L, 1, strategy=hl.ShardedHeadStrategy(), enable_checkpointing=False)
     trainer.fit(trained, _loader())
     trainer.save_checkpoint(tmp_path / "ckpt")
     assert ck.is_checkpoint_dir(tmp_path / "ckpt")
+    trainer.test(trained, _loader(), ckpt_path=str(tmp_path / "ckpt"), verbose=False)
+    assert reads == [None]  # a test reads no optimizer state, though the strategy still holds the optimizer
 
-    other = TinyModule([37], seed=2)  # one shard: weights reshard on load; no optimizer state is read
-    metrics = _trainer(L, 1, strategy=ShardedHeadStrategy()).test(other, _loader(), ckpt_path=str(tmp_path / "ckpt"),
-                                                                  verbose=False)
+    other = TinyModule([37], seed=2)  # one shard: the weights reshard on load
+    metrics = _trainer(L, 1, strategy=hl.ShardedHeadStrategy()).test(other, _loader(), ckpt_path=str(tmp_path / "ckpt"),
+                                                                     verbose=False)
     assert torch.equal(other.model.head.state_dict()["weight"], trained.model.head.state_dict()["weight"])
     assert torch.equal(other.model.backbone.weight, trained.model.backbone.weight)
     with torch.no_grad():
