@@ -29,13 +29,16 @@ from typing import Dict, List, Optional, Tuple
 
 from bench import common  # first: decides which hugehead is imported
 from bench.common import ALL_SHAPES, CPU_SHAPES, REPO_ROOT, SHAPES, SMOKE_SHAPES, Shape, find_shape
+from bench.lce_case import case_json as lce_case_json, group_json as lce_group_json
 from bench.peers import CPU_PEERS, DEFAULT_PEERS, IMPLS
 
 import torch  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Per mode: (reps, warmup, case budget s). The CPU shapes take seconds per step on 2 cores.
-MODE_DEFAULTS = {"cuda": (10, 2, 120.0), "cpu": (3, 1, 60.0), "smoke": (10, 2, 120.0)}
+# Per mode: (reps, warmup, case budget s, case timeout s, wait-idle s). The CPU shapes take seconds per
+# step on 2 cores; a CPU peer slower than the timeout there is recorded as such.
+MODE_DEFAULTS = {"cuda": (10, 2, 120.0, 300.0, 0.0), "cpu": (3, 1, 40.0, 100.0, 30.0),
+                 "smoke": (10, 2, 120.0, 300.0, 0.0)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,13 +55,24 @@ def _child(args: List[str], log: Path, timeout: float) -> Tuple[Optional[int], b
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
-            return proc.wait(timeout=max(1.0, timeout)), False, time.perf_counter() - t0
+            rc = proc.wait(timeout=max(1.0, timeout))
+            _reap_group(proc)
+            return rc, False, time.perf_counter() - t0
         except subprocess.TimeoutExpired:
             _stop(proc)
             return None, True, time.perf_counter() - t0
         finally:  # also when this parent is being stopped (SIGTERM -> SystemExit): no orphan on the GPU
             if proc.poll() is None:
                 _stop(proc)
+
+
+def _reap_group(proc: subprocess.Popen) -> None:
+    """After a case exits: stop what it left in its own process group (e.g. torch.compile's worker pool,
+    which the case's os._exit does not shut down)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -97,40 +111,75 @@ def _skeleton(shape: Shape, impl: str, opts, status: str, error: Optional[str]) 
             "stage": "startup", "done": status != "crash"}
 
 
-def _case_row(impl: str, shape: Shape, work: Path, opts, timeout: float) -> dict:
-    stem = f"{shape.name}__{impl}"
-    json_out, log = work / f"{stem}.json", work / f"{stem}.log"
-    args = ["--one", impl, shape.name, "--json-out", str(json_out), "--reps", str(opts.reps),
-            "--warmup", str(opts.warmup), "--case-budget", str(opts.case_budget), "--seed", str(opts.seed),
-            *_args_for_child(opts)]
-    if opts.ref_chunk:
-        args += ["--ref-chunk", str(opts.ref_chunk)]
-    if opts.device == "cpu":
-        args += ["--ref-cache", str(work / "ref-cache")]
-    json_out.unlink(missing_ok=True)  # a reused --work folder must not pass an old result off as new
-    rc, timed_out, wall = _child(args, log, timeout)
-    try:
-        row = json.loads(json_out.read_text())
-    except (OSError, ValueError):
-        row = _skeleton(shape, impl, opts, "crash", None)
-    row["rc"] = rc
-    row["wall_s"] = round(wall, 1)
+def _dead_row(row: dict, rc: Optional[int], timed_out: bool, timeout: float, log: Path) -> dict:
+    """The row of the case that was running when its process timed out or died."""
     stage = row.get("stage")
     if timed_out:
         row["status"] = "timeout"
         row["error"] = f"timed out after {timeout:.0f} s in stage {stage}"
-        if stage in ("fwd_bwd", "fwd") and not row.get(f"{stage}_status"):
-            row[f"{stage}_status"] = "timeout"
-    elif not row.get("done"):
+    else:
         how = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit code {rc}"
         row["status"] = "crash"
         last = [ln for ln in _tail(log, 4000).splitlines() if ln.strip() and not ln.startswith("$ ")][-1:]
         row["error"] = f"process died ({how}) in stage {stage}" + (f": {last[0][:300]}" if last else "")
-        if stage in ("fwd_bwd", "fwd") and not row.get(f"{stage}_status"):
-            row[f"{stage}_status"] = "crash"
-    if row.get("status") not in ("ok", "skipped"):
-        row["log_tail"] = _tail(log)
+    if stage in ("fwd_bwd", "fwd") and not row.get(f"{stage}_status"):
+        row[f"{stage}_status"] = row["status"]
     return row
+
+
+def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optional[float]) -> List[dict]:
+    """Run ``impls`` on ``shape`` in one child process (see lce_case.py) and return their rows. When the
+    process dies or times out, the case it was in is recorded as such and the cases it had not finished
+    run again in a fresh process; a death in the shared reference marks every case it held."""
+    rows: List[dict] = []
+    pending = list(impls)
+    attempt = 0
+    while pending:
+        attempt += 1
+        left = None if deadline is None else deadline - time.perf_counter()
+        timeout = opts.case_timeout * len(pending) if left is None else min(opts.case_timeout * len(pending), left)
+        log = work / f"{shape.name}__{'+'.join(pending)}{'' if attempt == 1 else f'.{attempt}'}.log"
+        paths = {i: lce_case_json(work, shape.name, i) for i in pending}
+        for path in [*paths.values(), lce_group_json(work, shape.name)]:
+            path.unlink(missing_ok=True)  # a reused --work folder must not pass an old result off as new
+        args = ["--case", ",".join(pending), shape.name, "--json-dir", str(work), "--reps", str(opts.reps),
+                "--warmup", str(opts.warmup), "--case-budget", str(opts.case_budget), "--seed", str(opts.seed),
+                *_args_for_child(opts)]
+        if opts.ref_chunk:
+            args += ["--ref-chunk", str(opts.ref_chunk)]
+        rc, timed_out, wall = _child(args, log, max(1.0, timeout))
+        try:
+            running = json.loads(lce_group_json(work, shape.name).read_text()).get("running")
+        except (OSError, ValueError):
+            running = None
+        rerun = []
+        for impl in pending:
+            try:
+                row = json.loads(paths[impl].read_text())
+            except (OSError, ValueError):
+                row = None
+            if row is not None and row.get("done"):
+                row.update(rc=rc, process_wall_s=round(wall, 1))
+            elif row is not None and (running in (impl, "reference", "inputs") or len(pending) == 1):
+                row = _dead_row(row, rc, timed_out, timeout, log)
+                row["wall_s"] = round(wall, 1)
+            elif row is None and len(pending) == 1:
+                row = _dead_row(_skeleton(shape, impl, opts, "crash", None), rc, timed_out, timeout, log)
+                row["wall_s"] = round(wall, 1)
+            else:  # measured or not started when another case broke the process: again, in a fresh one
+                rerun.append(impl)
+                continue
+            if row.get("status") not in ("ok", "skipped"):
+                row["log_tail"] = _tail(log)
+            row["log"] = log.name
+            rows.append(row)
+        if len(rerun) == len(pending):  # no progress (e.g. the process died at startup): stop here
+            for impl in rerun:
+                rows.append(_dead_row(_skeleton(shape, impl, opts, "crash", None), rc, timed_out, timeout, log))
+            break
+        pending = rerun
+    order = {impl: k for k, impl in enumerate(impls)}
+    return sorted(rows, key=lambda r: order[r["impl"]])
 
 
 def _fmt_case(row: dict) -> str:
@@ -247,6 +296,7 @@ def run_all(opts) -> int:
             "reference_selfcheck_ok": selfcheck_ok,
             "cpu_smoke": bool(opts.cpu_smoke),
             "reps": opts.reps, "warmup": opts.warmup, "case_budget_s": opts.case_budget, "seed": opts.seed,
+            "case_timeout_s": opts.case_timeout, "wait_idle_s": opts.wait_idle,
             "skip": opts.skip,
             "shapes": {s.name: {"n": s.n, "d": s.d, "v": s.v, "note": s.note} for s in shapes},
             "implementations": {i: IMPLS[i].about for i in impls},
@@ -260,23 +310,45 @@ def run_all(opts) -> int:
         report.write_reports(doc, out_dir)
 
     publish()
-    cases = [(s, i) for s in shapes for i in impls]
-    for k, (shape, impl) in enumerate(cases, 1):
-        remaining = None if opts.budget is None else opts.budget - (time.perf_counter() - t_start)
-        print(f"[{k:2d}/{len(cases)}] {shape.name:<9} {impl:<14} ", end="", flush=True)
-        probed = imports.get(impl, {})
-        if any(fnmatch.fnmatchcase(shape.name, sp) and fnmatch.fnmatchcase(impl, ip) for sp, ip in skips):
-            row = _skeleton(shape, impl, opts, "skipped", f"skipped: --skip {opts.skip}")
-        elif probed.get("unavailable"):  # known not to exist here: no process to start
-            row = _skeleton(shape, impl, opts, "skipped", f"skipped: {probed.get('error')}")
-        elif remaining is not None and remaining < opts.min_case_s:
-            row = _skeleton(shape, impl, opts, "skipped", f"skipped: bench budget of {opts.budget:.0f} s used up")
-        else:
-            timeout = opts.case_timeout if remaining is None else min(opts.case_timeout, remaining)
-            row = _case_row(impl, shape, work, opts, timeout)
-        doc["rows"].append(row)
-        print(_fmt_case(row), flush=True)
-        publish()
+    deadline = None if opts.budget is None else t_start + opts.budget
+    done = 0
+    for shape in shapes:
+        runnable = []
+        for impl in impls:
+            probed = imports.get(impl, {})
+            if any(fnmatch.fnmatchcase(shape.name, sp) and fnmatch.fnmatchcase(impl, ip) for sp, ip in skips):
+                row = _skeleton(shape, impl, opts, "skipped", f"skipped: --skip {opts.skip}")
+            elif probed.get("unavailable"):  # known not to exist here: no process to start
+                row = _skeleton(shape, impl, opts, "skipped", f"skipped: {probed.get('error')}")
+            else:
+                runnable.append(impl)
+                continue
+            doc["rows"].append(row)
+            done += 1
+            print(f"[{done:2d}/{len(shapes) * len(impls)}] {shape.name:<9} {impl:<14} {_fmt_case(row)}", flush=True)
+        # the implementations that cannot break a process share one (inputs, reference); the others run alone
+        shared = [i for i in runnable if not IMPLS[i].isolate]
+        groups = ([shared] if shared and opts.share else [[i] for i in shared]) + [[i] for i in runnable if IMPLS[i].isolate]
+        for group in groups:
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining < opts.min_case_s:
+                rows = [_skeleton(shape, i, opts, "skipped", f"skipped: bench budget of {opts.budget:.0f} s used up")
+                        for i in group]
+            else:
+                waited, busy = common.wait_until_idle(opts.wait_idle) if opts.wait_idle > 0 else (0.0, None)
+                rows = _run_group(group, shape, work, opts, deadline)
+                if opts.wait_idle > 0:
+                    for row in rows:
+                        row.update(idle_wait_s=round(waited, 1), foreign_cpu_before=busy)
+            for row in rows:
+                doc["rows"].append(row)
+                done += 1
+                print(f"[{done:2d}/{len(shapes) * len(impls)}] {shape.name:<9} {row['impl']:<14} {_fmt_case(row)}",
+                      flush=True)
+            publish()
+    order = {(s.name, i): k for k, (s, i) in enumerate((s, i) for s in shapes for i in impls)}
+    doc["rows"].sort(key=lambda r: order.get((r["shape"], r["impl"]), len(order)))
+    publish()
 
     print(f"\nwrote {out_dir}/lce.json, lce.md" + ("" if doc["meta"].get("png_error") else ", lce.png")
           + f" in {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -312,18 +384,27 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2, 1 on cpu; 1 for slow steps)")
     p.add_argument("--case-budget", type=float, default=None,
                    help="seconds the timed loops of one case may take: half for fwd+bwd, a quarter for fwd; "
-                        "repetitions are cut to fit, never below one (default 120; 60 on cpu)")
-    p.add_argument("--case-timeout", type=float, default=300.0, help="kill a case after this many seconds")
+                        "repetitions are cut to fit, never below one (default 120; 40 on cpu)")
+    p.add_argument("--case-timeout", type=float, default=None, help="kill a case after this many seconds (default 300; 100 on cpu)")
+    p.add_argument("--wait-idle", type=float, default=None,
+                   help="before each case, wait up to this many seconds for other processes to leave the CPUs "
+                        "idle (default 0; 30 on cpu, where others' work skews the timings)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run; cases that would start later are skipped")
     p.add_argument("--min-case-s", type=float, default=45.0,
                    help="with --budget: do not start a case with less than this left (default 45)")
+    p.add_argument("--no-share", dest="share", action="store_false",
+                   help="every case in a process of its own (default: a shape's implementations that cannot break "
+                        "their process share one: one start, one set of inputs, one reference)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ref-chunk", type=int, default=0, help="reference chunk width (default: ~2 GiB of logits)")
     p.add_argument("--ref-cache", help=argparse.SUPPRESS)  # with --one on cpu: the parent's reference cache folder
     p.add_argument("--work", help="folder for per-case JSON and logs (default: a new temp folder)")
     p.add_argument("--list", action="store_true", help="print shapes and implementations, then exit")
-    p.add_argument("--one", nargs=2, metavar=("IMPL", "SHAPE"), help="run one case in this process")
+    p.add_argument("--one", nargs=2, metavar=("IMPL", "SHAPE"), help="run one case in this process (--json-out F)")
+    p.add_argument("--case", nargs=2, metavar=("IMPLS", "SHAPE"),
+                   help="run the cases of a comma list of implementations in this process (--json-dir D)")
+    p.add_argument("--json-dir", help="with --case: where each case's JSON goes")
     p.add_argument("--probe", action="store_true", help="write environment and import facts to --json-out")
     p.add_argument("--json-out", help="with --one / --probe: where the JSON goes")
     opts = p.parse_args(argv)
@@ -340,27 +421,31 @@ def main(argv=None) -> int:
         opts.device = "cpu"
     opts.device = opts.device or "cuda"
     opts.dtype = opts.dtype or ("float32" if opts.device == "cpu" and not opts.cpu_smoke else "bfloat16")
-    reps, warmup, budget = MODE_DEFAULTS["smoke" if opts.cpu_smoke else opts.device]
-    opts.reps = reps if opts.reps is None else opts.reps
-    opts.warmup = warmup if opts.warmup is None else opts.warmup
-    opts.case_budget = budget if opts.case_budget is None else opts.case_budget
+    defaults = MODE_DEFAULTS["smoke" if opts.cpu_smoke else opts.device]
+    for key, value in zip(("reps", "warmup", "case_budget", "case_timeout", "wait_idle"), defaults):
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
     device, dtype = torch.device(opts.device), DTYPES[opts.dtype]
-    if opts.probe or opts.one:
-        from bench.lce_case import run_case, run_probe
+    if opts.probe or opts.one or opts.case:
+        from bench.lce_case import run_cases, run_probe
 
-        if not opts.json_out:
-            p.error("--one and --probe need --json-out")
         if device.type == "cuda" and not torch.cuda.is_available():
             print("bench_lce: CUDA is not available (use --device cpu on a machine without a GPU)", file=sys.stderr)
         if opts.probe:
+            if not opts.json_out:
+                p.error("--probe needs --json-out")
             run_probe(device if torch.cuda.is_available() or device.type == "cpu" else torch.device("cpu"),
                       Path(opts.json_out))
             return 0
-        impl, shape = opts.one
-        if impl not in IMPLS:
-            p.error(f"unknown implementation {impl}")
-        row = run_case(impl, find_shape(shape), device, dtype, opts, Path(opts.json_out))
-        print(_fmt_case(row), flush=True)
+        if opts.one and not opts.json_out or opts.case and not opts.json_dir:
+            p.error("--one needs --json-out, --case needs --json-dir")
+        names, shape = (opts.one[0], opts.one[1]) if opts.one else opts.case
+        names = _parse_list(names, IMPLS, [], "implementations")
+        json_dir = Path(opts.json_dir) if opts.json_dir else Path(opts.json_out).parent
+        rows = run_cases(names, find_shape(shape), device, dtype, opts, json_dir,
+                         json_out=Path(opts.json_out) if opts.one else None)
+        for row in rows:
+            print(f"{row['impl']:<14} {_fmt_case(row)}", flush=True)
         # os._exit: a CUDA context a peer has broken can hang in interpreter teardown.
         sys.stdout.flush()
         sys.stderr.flush()

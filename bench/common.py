@@ -183,6 +183,43 @@ def memory_peak(device: torch.device) -> Optional[int]:
     return torch.cuda.max_memory_allocated(device)
 
 
+def cpu_busy_seconds() -> Tuple[Optional[float], float]:
+    """(CPU seconds all processes of this machine have been busy, from /proc/stat; CPU seconds of this
+    process). Their deltas around a timed CPU step tell how much of the machine others used meanwhile."""
+    own = sum(os.times()[:2])
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None, own
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields) - idle) / hz, own
+
+
+def foreign_cpu_fraction(before: Tuple[Optional[float], float], after: Tuple[Optional[float], float],
+                         wall_s: float) -> Optional[float]:
+    """The share of this machine's CPUs that other processes kept busy between two
+    :func:`cpu_busy_seconds` readings (0: the measurement had the machine to itself)."""
+    if before[0] is None or after[0] is None or wall_s <= 0:
+        return None
+    foreign = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, foreign / (wall_s * (os.cpu_count() or 1)))
+
+
+def wait_until_idle(max_wait_s: float, busy_limit: float = 0.1, window_s: float = 2.0) -> Tuple[float, Optional[float]]:
+    """Wait (up to ``max_wait_s``) until other processes use less than ``busy_limit`` of the CPUs over a
+    ``window_s`` window (this process sleeping meanwhile). Returns (seconds waited, last busy share)."""
+    t0 = time.perf_counter()
+    share = None
+    while True:
+        before = cpu_busy_seconds()
+        time.sleep(window_s)
+        share = foreign_cpu_fraction(before, cpu_busy_seconds(), window_s)
+        waited = time.perf_counter() - t0
+        if share is None or share < busy_limit or waited >= max_wait_s:
+            return waited, share
+
+
 def median(values: List[float]) -> float:
     s = sorted(values)
     k = len(s) // 2
@@ -297,7 +334,7 @@ class ChunkedRelErr:
         self.actual_sq = 0.0
 
     def __call__(self, c0: int, c1: int, ref_chunk: torch.Tensor) -> None:
-        a = self.actual[c0:c1].to(torch.float32)
+        a = self.actual[c0:c1].to(device=ref_chunk.device, dtype=torch.float32)  # actual may sit in host memory
         self.diff_sq += float(torch.linalg.vector_norm(a - ref_chunk)) ** 2
         self.ref_sq += float(torch.linalg.vector_norm(ref_chunk)) ** 2
         self.actual_sq += float(torch.linalg.vector_norm(a)) ** 2

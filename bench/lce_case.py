@@ -1,6 +1,12 @@
-"""One case of the linear cross-entropy benchmark (one implementation on one shape), run in its own
-process by ``bench_lce``: timed forward+backward and forward, the plan the implementation chose, and
-the errors against the float32 chunked reference. Also the probe (environment, which peers import).
+"""The cases of the linear cross-entropy benchmark that ``bench_lce`` runs in one child process: one shape,
+one or several implementations measured one after the other on the same inputs (timed forward+backward
+and forward, the plan each chose), then one float32 reference for all of them. Also the probe
+(environment, which peers import).
+
+Several implementations share a process only when none is expected to break it (``Impl.isolate``):
+they then share the process start, the inputs and the reference, which dominate short cases. Between
+implementations the gradients go to host memory and the allocator cache is emptied, so each one's peak
+memory is measured from the same baseline as in a process of its own.
 """
 from __future__ import annotations
 
@@ -10,15 +16,17 @@ import traceback
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from bench import common  # first: decides which hugehead is imported
 from bench.common import (
     ChunkedRelErr,
     Shape,
     classify_error,
+    cpu_busy_seconds,
     cuda_context_ok,
     error_text,
+    foreign_cpu_fraction,
     make_inputs,
     median,
     memory_baseline,
@@ -36,7 +44,15 @@ from bench.peers import IMPLS, PROBED, PeerUnavailable
 import torch  # noqa: E402
 
 SLOW_STEP_MS = 5000.0  # a step this slow is warmed up once only
-REF_CACHE_MAX_BYTES = 1 << 30  # CPU runs keep the reference (dW included) on disk below this size
+
+
+def case_json(json_dir: Path, shape_name: str, impl: str) -> Path:
+    return Path(json_dir) / f"{shape_name}__{impl}.json"
+
+
+def group_json(json_dir: Path, shape_name: str) -> Path:
+    """Which implementation (or "reference") the group process is in: where to look if it dies."""
+    return Path(json_dir) / f"{shape_name}__group.json"
 
 
 def _measure(step: Callable[[], object], device: torch.device, reps: int, warmup: int, budget_s: float):
@@ -45,6 +61,7 @@ def _measure(step: Callable[[], object], device: torch.device, reps: int, warmup
     is the measurement (``first_call_only``; not repeated). Returns (stats, result of the last call)."""
     warm_ms, out = [], None
     base = memory_baseline(device)
+    busy0, t0 = cpu_busy_seconds(), time.perf_counter()
     for _ in range(max(1, warmup)):
         out = None
         ms, out = time_call_ms(step, device)
@@ -52,27 +69,27 @@ def _measure(step: Callable[[], object], device: torch.device, reps: int, warmup
         if ms > SLOW_STEP_MS:
             break
     if warm_ms[-1] > budget_s * 1e3:
+        foreign = foreign_cpu_fraction(busy0, cpu_busy_seconds(), time.perf_counter() - t0)
         stats = {"ms": warm_ms[-1], "ms_min": warm_ms[-1], "ms_all": [warm_ms[-1]], "reps": 0,
                  "first_call_only": True, "warmup_ms": warm_ms, "peak_bytes": memory_peak(device),
-                 "baseline_bytes": base}
+                 "baseline_bytes": base, "foreign_cpu": foreign if device.type == "cpu" else None}
         return stats, out
     out = None
     n = max(1, min(reps, int(budget_s * 1e3 // max(warm_ms[-1], 1e-3))))
     base = memory_baseline(device)
     times = []
+    busy0, t0 = cpu_busy_seconds(), time.perf_counter()
     for _ in range(n):
         out = None  # the previous result is freed before the next call, as in a training loop
         ms, out = time_call_ms(step, device)
         times.append(ms)
-    peak = memory_peak(device)
+    foreign = foreign_cpu_fraction(busy0, cpu_busy_seconds(), time.perf_counter() - t0)
     stats = {
-        "ms": median(times),
-        "ms_min": min(times),
-        "ms_all": times,
-        "reps": n,
-        "warmup_ms": warm_ms,
-        "peak_bytes": peak,
-        "baseline_bytes": base,
+        "ms": median(times), "ms_min": min(times), "ms_all": times, "reps": n, "warmup_ms": warm_ms,
+        "peak_bytes": memory_peak(device), "baseline_bytes": base,
+        # on the CPU, what other processes took of the machine during the timed calls (timings are
+        # only as good as this is small)
+        "foreign_cpu": foreign if device.type == "cpu" else None,
     }
     return stats, out
 
@@ -102,52 +119,53 @@ def _max_rss_bytes() -> Optional[int]:
         return None
 
 
-def _reference(x, weight, target, gx, gw, cols: int, cache: Optional[Path]):
-    """The reference loss and ``grad_x`` and the relative error of ``gw`` (chunk by chunk). With
-    ``cache`` (a file path; CPU only), the full reference is loaded from there if present, else saved
-    there: every implementation of a shape compares against the same tensors, computed once."""
-    gw_err = ChunkedRelErr(gw)
-    v = weight.shape[0]
-    if cache is not None and cache.exists():
-        saved = torch.load(cache)
-        for c0 in range(0, v, cols):
-            gw_err(c0, min(c0 + cols, v), saved["grad_w"][c0:c0 + cols])
-        return saved["loss"], saved["grad_x"], gw_err, True
-    full_gw = torch.empty(weight.shape, dtype=torch.float32) if cache is not None else None
-
-    def sink(c0, c1, chunk):
-        gw_err(c0, c1, chunk)
-        if full_gw is not None:
-            full_gw[c0:c1].copy_(chunk)
-
-    ref = reference_lce(x, weight, target, chunk_cols=cols, grad_weight_sink=sink)
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(cache.name + ".tmp")
-        torch.save({"loss": ref.loss, "grad_x": ref.grad_x, "grad_w": full_gw}, tmp)
-        tmp.replace(cache)
-    return ref.loss, ref.grad_x, gw_err, False
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def run_case(impl_name: str, shape: Shape, device: torch.device, dtype: torch.dtype, opts, json_out: Path) -> dict:
-    """Measure one implementation on one shape and write the row to ``json_out`` after every stage.
+class _Case:
+    """One implementation's row: written to its JSON after every stage, so a dead process leaves it."""
 
-    ``opts`` carries ``reps``, ``warmup``, ``case_budget``, ``seed``, ``ref_chunk`` and ``ref_cache``
-    (a folder for the CPU reference cache, or None)."""
-    t_start = time.perf_counter()
-    impl = IMPLS[impl_name]
-    row: dict = {
-        "shape": shape.name, "n": shape.n, "d": shape.d, "v": shape.v, "dtype": str(dtype).replace("torch.", ""),
-        "impl": impl_name, "impl_about": impl.about, "impl_exact": impl.exact, "impl_version": None,
-        "device": str(device), "seed": opts.seed, "status": "running", "error": None, "stage": "setup",
-        "done": False, "fwd_bwd_status": None, "fwd_status": None, "warnings": [],
-    }
+    def __init__(self, impl_name: str, shape: Shape, device: torch.device, dtype: torch.dtype, opts, path: Path,
+                 group: List[str]):
+        self.t_start = time.perf_counter()
+        self.impl = IMPLS[impl_name]
+        self.device = device
+        self.path = path
+        self.grads = None  # (gx, gw) in host memory until the reference has seen them
+        self.row: dict = {
+            "shape": shape.name, "n": shape.n, "d": shape.d, "v": shape.v, "dtype": str(dtype).replace("torch.", ""),
+            "impl": impl_name, "impl_about": self.impl.about, "impl_exact": self.impl.exact, "impl_version": None,
+            "device": str(device), "seed": opts.seed, "status": "running", "error": None, "stage": "setup",
+            "done": False, "fwd_bwd_status": None, "fwd_status": None, "warnings": [], "process_group": group,
+        }
 
-    def save():
-        row["wall_s"] = round(time.perf_counter() - t_start, 2)
-        write_json(json_out, row)
+    def start(self) -> None:
+        self.t_start = time.perf_counter()
 
-    def finish(status=None):
+    def save(self, stage: Optional[str] = None) -> None:
+        if stage is not None:
+            self.row["stage"] = stage
+        if self.row["stage"] not in ("measured", "reference", "done"):  # its own time, not the group's after it
+            self.row["wall_s"] = round(time.perf_counter() - self.t_start, 2)
+        write_json(self.path, self.row)
+
+    def fail(self, stage: str, exc: BaseException) -> bool:
+        """Record a stage's exception; False when the CUDA context is gone (nothing more can run)."""
+        traceback.print_exc()
+        self.row[f"{stage}_status"] = classify_error(exc)
+        self.row[f"{stage}_error"] = error_text(exc)
+        exc.__traceback__ = None  # its frames hold the failed step's tensors (e.g. the N x V logits)
+        _release(self.device)
+        if not cuda_context_ok(self.device):
+            self.row["context_lost"] = True
+            return False
+        return True
+
+    def finish(self, status: Optional[str] = None) -> dict:
+        row = self.row
         fb, fw = row.get("fwd_bwd_status"), row.get("fwd_status")
         if status is None and row.get("context_lost"):
             status = "cuda-error"
@@ -158,63 +176,20 @@ def run_case(impl_name: str, shape: Shape, device: torch.device, dtype: torch.dt
         if row["error"] is None:
             row["error"] = row.get("fwd_bwd_error") or row.get("ref_error") or row.get("fwd_error")
         row["done"] = True
-        save()
+        self.save("done")
         return row
 
-    def fail_stage(stage: str, exc: BaseException) -> bool:
-        """Record a stage's exception; False when the CUDA context is gone (stop the case)."""
-        traceback.print_exc()
-        row[f"{stage}_status"] = classify_error(exc)
-        row[f"{stage}_error"] = error_text(exc)
-        exc.__traceback__ = None  # its frames hold the failed step's tensors (e.g. the N x V logits)
-        release()
-        if not cuda_context_ok(device):
-            row["context_lost"] = True
-            return False
-        return True
 
-    def release():
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    save()
-    if impl.needs_cuda and device.type != "cuda":
-        row["error"] = "skipped: needs CUDA"
-        return finish("skipped")
-    try:
-        loss_fn, row["impl_version"] = impl.load()
-    except PeerUnavailable as exc:
-        row["error"] = f"skipped: {exc}"
-        return finish("skipped")
-    except Exception as exc:  # noqa: BLE001  (a peer that does not import is a result)
-        traceback.print_exc()
-        row["error"] = error_text(exc)
-        return finish("import-error")
-
-    row["stage"] = "inputs"
-    save()
-    try:
-        x, weight, target = make_inputs(shape, device, dtype=dtype, seed=opts.seed)
-        synchronize(device)
-    except Exception as exc:  # noqa: BLE001
-        fail_stage("inputs", exc)
-        row["error"] = row["inputs_error"]
-        return finish(row["inputs_status"])
-    row["input_bytes"] = tensor_bytes(x, weight, target)
-    row["grad_bytes"] = tensor_bytes(x, weight)
+def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, opts) -> bool:
+    """fwd+bwd then fwd of one implementation on the shared inputs; its gradients end in host memory.
+    Returns False when the CUDA context is lost."""
+    row, device, impl = case.row, case.device, case.impl
     if impl.plan is not None:
-        try:  # what the implementation's planner picks for this shape, now that the inputs are allocated
+        try:  # what the implementation's planner picks for this shape, with the inputs allocated
             row["plan"] = impl.plan(shape.n, shape.d, shape.v, dtype, device)
         except Exception as exc:  # noqa: BLE001  (a planner API change must not lose the measurement)
             row["plan_error"] = error_text(exc)
-    x.requires_grad_(True)
-    weight.requires_grad_(True)
-
-    # ---- forward + backward: loss and exact dL/dx, dL/dW ----
-    row["stage"] = "fwd_bwd"
-    save()
-    grads = None
+    case.save("fwd_bwd")
 
     def fwd_bwd():
         loss = loss_fn(x, weight, target)
@@ -226,62 +201,34 @@ def run_case(impl_name: str, shape: Shape, device: torch.device, dtype: torch.dt
             if impl.compiles:  # compile + first call, excluded from the warm-up and the medians
                 row["fwd_bwd_compile_ms"], _ = time_call_ms(fwd_bwd, device)
                 _ = None
-            stats, grads = _measure(fwd_bwd, device, opts.reps, opts.warmup, 0.5 * opts.case_budget)
+            stats, out = _measure(fwd_bwd, device, opts.reps, opts.warmup, 0.5 * opts.case_budget)
         row["fwd_bwd_status"] = "ok"
         row.update({f"fwd_bwd_{k}": v for k, v in stats.items()})
+        loss, gx, gw = out
+        out = None
         if stats["peak_bytes"] is not None:
             # everything but the inputs and the gradients handed back, including what the implementation
             # kept allocated between calls (it was already there when the peak counter was reset)
-            extra = stats["peak_bytes"] - row["input_bytes"] - tensor_bytes(grads[1], grads[2])
+            extra = stats["peak_bytes"] - row["input_bytes"] - tensor_bytes(gx, gw)
             row["fwd_bwd_peak_extra_bytes"] = extra
             row["fwd_bwd_peak_extra_gib"] = extra / 2**30
         if device.type == "cpu":
             row["fwd_bwd_max_rss_bytes"] = _max_rss_bytes()  # the whole process so far, inputs included
         row["tflops"] = shape.fwd_bwd_flops / (stats["ms"] * 1e-3) / 1e12
-        row["loss"] = float(grads[0].float())
+        row["loss"] = float(loss.float())
+        if gx is None or gw is None or gx.shape != x.shape or gw.shape != weight.shape:
+            row["ref_status"], row["ref_error"] = "error", (
+                f"gradients missing or misshaped: dx {getattr(gx, 'shape', None)}, dW {getattr(gw, 'shape', None)}")
+        else:
+            case.save("to_host")
+            case.grads = (gx.cpu(), gw.cpu())
+        del loss, gx, gw
     except Exception as exc:  # noqa: BLE001
-        grads = None
-        if not fail_stage("fwd_bwd", exc):
-            return finish()
-    if grads is None:
-        release()
-    save()
+        if not case.fail("fwd_bwd", exc):
+            return False
+    _release(device)
 
-    # ---- accuracy against the float32 chunked reference ----
-    if grads is not None:
-        row["stage"] = "reference"
-        save()
-        try:
-            _, gx, gw = grads
-            if gx is None or gw is None or gx.shape != x.shape or gw.shape != weight.shape:
-                raise RuntimeError(f"gradients missing or misshaped: dx {getattr(gx, 'shape', None)}, "
-                                   f"dW {getattr(gw, 'shape', None)}")
-            cols = opts.ref_chunk or reference_chunk_cols(shape.n, shape.v)
-            cache = None
-            if getattr(opts, "ref_cache", None) and device.type == "cpu" and 4 * shape.v * shape.d <= REF_CACHE_MAX_BYTES:
-                cache = Path(opts.ref_cache) / f"ref_{shape.name}_{row['dtype']}_seed{opts.seed}_cols{cols}.pt"
-            t0 = time.perf_counter()
-            ref_loss, ref_gx, gw_err, cached = _reference(x.detach(), weight.detach(), target, gx, gw, cols, cache)
-            synchronize(device)
-            row.update(
-                ref_s=round(time.perf_counter() - t0, 2), ref_chunk_cols=cols, ref_cached=cached, loss_ref=ref_loss,
-                loss_rel_err=abs(row["loss"] - ref_loss) / abs(ref_loss),
-                grad_x_rel_err=rel_err(gx, ref_gx), grad_w_rel_err=gw_err.rel_err,
-                grad_x_norm=float(torch.linalg.vector_norm(gx.float())),
-                grad_x_norm_ref=float(torch.linalg.vector_norm(ref_gx)),
-                grad_w_norm=gw_err.actual_sq ** 0.5, grad_w_norm_ref=gw_err.ref_sq ** 0.5,
-            )
-            del ref_gx, gw_err
-        except Exception as exc:  # noqa: BLE001
-            if not fail_stage("ref", exc):
-                return finish()
-        grads = gx = gw = None
-        gc.collect()
-        save()
-
-    # ---- forward only (inference: inputs without grad) ----
-    row["stage"] = "fwd"
-    save()
+    case.save("fwd")
     xd, wd = x.detach(), weight.detach()
 
     def fwd():
@@ -304,22 +251,125 @@ def run_case(impl_name: str, shape: Shape, device: torch.device, dtype: torch.dt
         row["fwd_loss"] = float(loss.float())
         del loss
     except Exception as exc:  # noqa: BLE001
-        if not fail_stage("fwd", exc):
-            return finish()
-        release()
-    if row.get("fwd_status") == "ok" and row.get("loss_ref") is None:
-        # forward worked but forward+backward did not (e.g. plain PyTorch OOM): still check the loss
-        row["stage"] = "reference"
-        save()
+        if not case.fail("fwd", exc):
+            return False
+    _release(device)
+    case.save("measured")
+    return True
+
+
+def _reference_for(cases: List[_Case], shape: Shape, x, weight, target, device, opts) -> None:
+    """One float32 reference for every case of the group: loss, dx and (chunk by chunk) dW errors."""
+    with_grads = [c for c in cases if c.grads is not None]
+    need_loss = [c for c in cases if c.row.get("fwd_status") == "ok" or c.row.get("loss") is not None]
+    if not need_loss and not with_grads:
+        return
+    for c in cases:
+        c.save("reference")
+    cols = opts.ref_chunk or reference_chunk_cols(shape.n, shape.v)
+    errs = [ChunkedRelErr(c.grads[1]) for c in with_grads]
+
+    def sink(c0, c1, chunk):
+        for e in errs:
+            e(c0, c1, chunk)
+
+    try:
+        t0 = time.perf_counter()
+        ref = reference_lce(x.detach(), weight.detach(), target, chunk_cols=cols,
+                            grad_weight_sink=sink if errs else None, with_grads=bool(errs))
+        synchronize(device)
+        ref_s = round(time.perf_counter() - t0, 2)
+    except Exception as exc:  # noqa: BLE001
+        for c in cases:
+            c.fail("ref", exc)
+        return
+    for c in need_loss:
+        row = c.row
+        row.update(loss_ref=ref.loss, ref_s=ref_s, ref_chunk_cols=cols, ref_shared_by=len(cases))
+        if row.get("loss") is not None:
+            row["loss_rel_err"] = abs(row["loss"] - ref.loss) / abs(ref.loss)
+        if row.get("fwd_status") == "ok":
+            row["fwd_loss_rel_err"] = abs(row["fwd_loss"] - ref.loss) / abs(ref.loss)
+    for c, e in zip(with_grads, errs):
+        gx = c.grads[0]
+        c.row.update(
+            grad_x_rel_err=rel_err(gx.to(ref.grad_x.device), ref.grad_x), grad_w_rel_err=e.rel_err,
+            grad_x_norm=float(torch.linalg.vector_norm(gx.float())),
+            grad_x_norm_ref=float(torch.linalg.vector_norm(ref.grad_x)),
+            grad_w_norm=e.actual_sq ** 0.5, grad_w_norm_ref=e.ref_sq ** 0.5, ref_status="ok",
+        )
+        c.grads = None
+
+
+def run_cases(impl_names: List[str], shape: Shape, device: torch.device, dtype: torch.dtype, opts,
+              json_dir: Path, json_out: Optional[Path] = None) -> List[dict]:
+    """Measure ``impl_names`` one after the other on one shape in this process, then compare all with one
+    reference. Each row goes to ``case_json(json_dir, shape, impl)`` (or ``json_out`` for a single
+    implementation) after every stage. ``opts`` carries ``reps``, ``warmup``, ``case_budget``, ``seed``
+    and ``ref_chunk``."""
+    group_file = group_json(json_dir, shape.name)
+
+    def running(what: str) -> None:
+        write_json(group_file, {"running": what, "impls": impl_names})
+
+    cases: List[_Case] = []
+    settled: List[dict] = []  # rows finished before measuring (skipped, import errors)
+    loss_fns: Dict[str, object] = {}
+    for name in impl_names:
+        path = json_out if (json_out is not None and len(impl_names) == 1) else case_json(json_dir, shape.name, name)
+        case = _Case(name, shape, device, dtype, opts, path, impl_names)
+        case.save()
+        if case.impl.needs_cuda and device.type != "cuda":
+            case.row["error"] = "skipped: needs CUDA"
+            settled.append(case.finish("skipped"))
+            continue
         try:
-            ref = reference_lce(xd, wd, target, chunk_cols=opts.ref_chunk or None, with_grads=False)
-            row.update(loss_ref=ref.loss, fwd_loss_rel_err=abs(row["fwd_loss"] - ref.loss) / abs(ref.loss))
-        except Exception as exc:  # noqa: BLE001
-            fail_stage("ref", exc)
-    elif row.get("fwd_status") == "ok":
-        row["fwd_loss_rel_err"] = abs(row["fwd_loss"] - row["loss_ref"]) / abs(row["loss_ref"])
-    row["stage"] = "done"
-    return finish()
+            loss_fns[name], case.row["impl_version"] = case.impl.load()
+        except PeerUnavailable as exc:
+            case.row["error"] = f"skipped: {exc}"
+            settled.append(case.finish("skipped"))
+            continue
+        except Exception as exc:  # noqa: BLE001  (a peer that does not import is a result)
+            traceback.print_exc()
+            case.row["error"] = error_text(exc)
+            settled.append(case.finish("import-error"))
+            continue
+        cases.append(case)
+
+    def in_order(rows: List[dict]) -> List[dict]:
+        return sorted(settled + rows, key=lambda r: impl_names.index(r["impl"]))
+
+    if not cases:
+        return in_order([])
+
+    running("inputs")
+    try:
+        x, weight, target = make_inputs(shape, device, dtype=dtype, seed=opts.seed)
+        synchronize(device)
+    except Exception as exc:  # noqa: BLE001
+        for c in cases:
+            c.fail("inputs", exc)
+            c.row["error"] = c.row["inputs_error"]
+            c.finish(c.row["inputs_status"])
+        return in_order([c.row for c in cases])
+    x.requires_grad_(True)
+    weight.requires_grad_(True)
+
+    measured: List[_Case] = []
+    for case in cases:
+        running(case.impl.name)
+        case.start()
+        case.row["input_bytes"] = tensor_bytes(x, weight, target)
+        case.row["grad_bytes"] = tensor_bytes(x, weight)
+        measured.append(case)
+        if not _measure_impl(case, loss_fns[case.impl.name], shape, x, weight, target, dtype, opts):
+            case.finish()
+            # the CUDA context is gone: the others get a fresh process from the parent
+            return in_order([c.row for c in measured])
+    running("reference")
+    _reference_for(measured, shape, x, weight, target, device, opts)
+    running("done")
+    return in_order([c.finish() for c in measured])
 
 
 def run_probe(device: torch.device, json_out: Path) -> None:

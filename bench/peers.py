@@ -35,6 +35,7 @@ class Impl:
     exact: bool = True  # computes the exact gradients (False: skips terms, e.g. CCE's gradient filter)
     compiles: bool = False  # its first call compiles: timed separately, excluded from the medians
     plan: Optional[PlanFn] = None  # (n, d, v, dtype, device) -> the chunking it will use, for the record
+    isolate: bool = False  # may break its process (illegal memory access, hang): runs in a process of its own
 
 
 def _plain(obj) -> dict:
@@ -194,13 +195,20 @@ IMPLS: Dict[str, Impl] = {
         Impl("torch_lce", False, _load_torch_lce,
              "F.linear_cross_entropy(x, W, t, options=torch.nn.LinearCrossEntropyOptions()) (batch-chunked)",
              plan=_torch_lce_plan),
-        Impl("cce", True, _load_cce(None), "cut_cross_entropy.linear_cross_entropy, filter_eps=None (exact)"),
-        Impl("liger", True, _load_liger(None), "LigerFusedLinearCrossEntropyLoss, defaults (bf16 dW accumulation)"),
+        # CCE faults (illegal memory access) when V·D >= 2^31; Liger runs its own Triton kernels: both isolated.
+        Impl("cce", True, _load_cce(None), "cut_cross_entropy.linear_cross_entropy, filter_eps=None (exact)",
+             isolate=True),
+        Impl("liger", True, _load_liger(None), "LigerFusedLinearCrossEntropyLoss, defaults (bf16 dW accumulation)",
+             isolate=True),
         Impl("cce_filter", True, _load_cce("high"), "cut_cross_entropy with its default gradient filter (inexact)",
-             exact=False),
-        Impl("liger_fp32acc", True, _load_liger(torch.float32), "Liger with accum_dtype=torch.float32"),
-        Impl("selftest_crash", False, _selftest("crash"), "harness check: the case process aborts", exact=False),
-        Impl("selftest_hang", False, _selftest("hang"), "harness check: the case process hangs", exact=False),
+             exact=False, isolate=True),
+        Impl("liger_fp32acc", True, _load_liger(torch.float32), "Liger with accum_dtype=torch.float32", isolate=True),
+        Impl("selftest_crash", False, _selftest("crash"), "harness check: the case process aborts", exact=False,
+             isolate=True),
+        Impl("selftest_hang", False, _selftest("hang"), "harness check: the case process hangs", exact=False,
+             isolate=True),
+        Impl("selftest_crash_shared", False, _selftest("crash"),
+             "harness check: aborts a process it shares with others (they are rerun)", exact=False),
         Impl("selftest_oom", False, _selftest("oom"), "harness check: OutOfMemoryError", exact=False),
         Impl("selftest_error", False, _selftest("error"), "harness check: an exception", exact=False),
         Impl("selftest_unavailable", False, _selftest("unavailable"), "harness check: a peer that does not exist",

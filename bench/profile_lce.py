@@ -37,10 +37,30 @@ def _group(name: str) -> str:
     return "other"
 
 
+def _load(spec: str):
+    """``IMPL`` from bench/peers.py, or ``hugehead@key=value[@key=value]`` with linear_cross_entropy
+    keyword arguments (e.g. ``hugehead@chunk_size=8192`` streams 8192-class chunks instead of keeping the
+    logits). Returns (loss_fn, plan_fn or None, kwargs)."""
+    name, *pairs = spec.split("@")
+    kwargs = {k: int(v) for k, v in (p.split("=", 1) for p in pairs)}
+    if not kwargs:
+        return IMPLS[name].load()[0], IMPLS[name].plan, kwargs
+    if name != "hugehead":
+        raise SystemExit(f"options with @ are for hugehead only, got {spec!r}")
+    import hugehead
+    from hugehead import functional
+
+    def plan(n, d, v, dtype, device):
+        return dict(vars(functional.plan_chunks(n, d, v, dtype, device, kwargs.get("chunk_size"),
+                                                kwargs.get("memory_budget"))))
+
+    return (lambda x, w, t: hugehead.linear_cross_entropy(x, w, t, **kwargs)), plan, kwargs
+
+
 def profile_step(impl: str, shape, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
     """Median wall time of ``reps`` forward+backward steps (after one warm-up), then one profiled step:
     self time per operator (device time on CUDA, CPU time on the CPU) and per group."""
-    loss_fn, _ = IMPLS[impl].load()
+    loss_fn, plan_fn, _ = _load(impl)
     x, w, t = make_inputs(shape, device, dtype=dtype, seed=0)
     x.requires_grad_(True)
     w.requires_grad_(True)
@@ -50,7 +70,11 @@ def profile_step(impl: str, shape, device: torch.device, dtype: torch.dtype, rep
         return torch.autograd.grad(loss, (x, w))
 
     time_call_ms(step, device)
-    times = [time_call_ms(step, device)[0] for _ in range(reps)]
+    times, windows = [], []
+    for _ in range(reps):
+        before, t0 = common.cpu_busy_seconds(), time.perf_counter()
+        times.append(time_call_ms(step, device)[0])
+        windows.append((before, common.cpu_busy_seconds(), time.perf_counter() - t0))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         step()
@@ -68,8 +92,10 @@ def profile_step(impl: str, shape, device: torch.device, dtype: torch.dtype, rep
            "step_ms": median(times), "step_ms_all": times, "profiled_total_ms": sum(groups.values()),
            "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
            "top_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]["self_ms"])[:12])}
-    if IMPLS[impl].plan is not None:
-        out["plan"] = IMPLS[impl].plan(shape.n, shape.d, shape.v, dtype, device)
+    if plan_fn is not None:
+        out["plan"] = plan_fn(shape.n, shape.d, shape.v, dtype, device)
+    busy = [v for v in (common.foreign_cpu_fraction(*w) for w in windows) if v is not None]
+    out["foreign_cpu"] = max(busy) if busy else None
     return out
 
 
@@ -79,12 +105,13 @@ def render(results: List[dict], meta: dict) -> str:
              f"{meta['threads']} threads · self time per operator group from torch.profiler (one profiled step; "
              "the step time is the median of unprofiled steps)", ""]
     groups = [g for g, _ in GROUPS] + ["other"]
-    lines += ["| shape | impl | step ms | " + " | ".join(groups) + " | plan |",
-              "|---|---|--:|" + "--:|" * len(groups) + "---|"]
+    lines += ["| shape | impl | step ms | others' CPU | " + " | ".join(groups) + " | plan |",
+              "|---|---|--:|--:|" + "--:|" * len(groups) + "---|"]
     for r in results:
         cells = [f"{r['groups_ms'].get(g, 0.0):.0f}" for g in groups]
         plan = ", ".join(f"{k}={v}" for k, v in r.get("plan", {}).items()) or "-"
-        lines.append(f"| {r['shape']} | {r['impl']} | {r['step_ms']:.0f} | " + " | ".join(cells) + f" | {plan} |")
+        busy = "-" if r.get("foreign_cpu") is None else f"{100 * r['foreign_cpu']:.0f}%"
+        lines.append(f"| {r['shape']} | {r['impl']} | {r['step_ms']:.0f} | {busy} | " + " | ".join(cells) + f" | {plan} |")
     lines += ["", "Top operators (self ms, calls):", ""]
     for r in results:
         top = ", ".join(f"{k} {v['self_ms']:.0f} ({v['calls']})" for k, v in list(r["top_ops"].items())[:8])
@@ -97,7 +124,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default float32 on cpu, bfloat16 on cuda")
     p.add_argument("--shapes", default=None, help=f"comma list (default on cpu: {','.join(CPU_SHAPES)})")
-    p.add_argument("--impls", default="hugehead,torch", help="comma list of bench_lce implementations")
+    p.add_argument("--impls", default="hugehead,torch",
+                   help="comma list of bench_lce implementations, or hugehead@chunk_size=8192 (keyword arguments)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None, help="folder for profile.json / profile.md (default: print only)")
     opts = p.parse_args(argv)

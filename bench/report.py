@@ -21,7 +21,8 @@ SUSPECT_REL_ERR = 2e-2  # bf16 results are ~1e-3 off the float32 reference; far 
 SUSPECT_REL_ERR_FP32 = 1e-4  # float32 inputs: ~1e-6 off the float32 reference
 IMPL_ORDER = ["hugehead", "torch", "torch_compile", "torch_chunked", "torch_lce", "cce", "liger", "cce_filter",
               "liger_fp32acc"]
-INEXACT = {"cce_filter"}  # rows written before "impl_exact" existed
+INEXACT = {"cce_filter"}
+CROWDED = 0.10  # CPU runs: others' share of the machine during a timing above which the table says so  # rows written before "impl_exact" existed
 
 
 def suspect_limit(dtype: Optional[str] = None) -> float:
@@ -165,7 +166,7 @@ def render_markdown(doc: dict) -> str:
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     by_key = {(r["shape"], r["impl"]): r for r in doc["rows"]}
-    notes, slow, plans, compiles, warned = [], set(), [], [], []
+    notes, slow, plans, compiles, warned, crowded = [], set(), [], [], [], []
     for shape in _shape_order(doc):
         torch_row = by_key.get((shape, "torch"))
         torch_ms = _num(torch_row, "fwd_bwd_ms") if torch_row and torch_row.get("fwd_bwd_status") == "ok" else None
@@ -221,6 +222,9 @@ def render_markdown(doc: dict) -> str:
                                 f"fwd {'-' if cf is None else f'{cf / 1e3:.1f} s'}")
             for w in r.get("warnings") or []:
                 warned.append(f"- {shape} / {impl}: {w}")
+            others = [_num(r, "fwd_bwd_foreign_cpu"), _num(r, "fwd_foreign_cpu")]
+            if any(o is not None and o > CROWDED for o in others):
+                crowded.append(f"- {shape} / {impl}: " + " / ".join("-" if o is None else f"{100 * o:.0f}%" for o in others))
             if r.get("status") != "ok" and r.get("status") != "skipped" or r.get("ref_error"):
                 err = r.get("error") or r.get("ref_error") or ""
                 notes.append(f"- **{shape} / {impl}**: {r.get('status')}: {err}")
@@ -236,6 +240,9 @@ def render_markdown(doc: dict) -> str:
         lines += ["", "torch.compile: compilation + first call, excluded from the times above:", *compiles]
     if warned:
         lines += ["", "Warnings raised during the timed steps:", *warned]
+    if crowded:
+        lines += ["", f"Other processes used more than {100 * CROWDED:.0f}% of the CPUs during these timed steps "
+                      "(fwd+bwd / fwd; those times are pessimistic):", *crowded]
     if "‡" in slow:
         lines += ["", "‡ one call only: the first call alone took longer than the case budget, so it is the "
                       "measurement (not repeated, no separate warm-up)."]

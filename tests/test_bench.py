@@ -67,9 +67,9 @@ def _rel(a, ref):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("chunk_size", [1, 97, 256, 5000])
+@pytest.mark.parametrize("chunk_size", [7, 97, 256, 5000])
 def test_torch_chunked_float64_is_exact(reduction, chunk_size):
-    """Every chunking (one class per chunk, a partial last chunk, one chunk) gives F.cross_entropy's loss
+    """Every chunking (many narrow chunks, a partial last chunk, one chunk) gives F.cross_entropy's loss
     and gradients, ignored rows included."""
     x, w, t = _problem(29, 12, 1003, torch.float64)
     got = _loss_and_grads(lambda a, b, c: torch_chunked_linear_cross_entropy(
@@ -107,45 +107,37 @@ def test_torch_chunked_bfloat16_at_most_twice_plain_torch_error():
         assert _rel(mine, r) <= 2 * _rel(theirs, r) + 1e-3
 
 
-def _opts(tmp_path, **kw):
-    return SimpleNamespace(**{"reps": 2, "warmup": 1, "case_budget": 20.0, "seed": 0, "ref_chunk": 300,
-                              "ref_cache": str(tmp_path / "ref-cache"), **kw})
+def _opts(**kw):
+    return SimpleNamespace(**{"reps": 2, "warmup": 1, "case_budget": 20.0, "seed": 0, "ref_chunk": 300, **kw})
 
 
 TINY = Shape("tiny_test", 48, 16, 700, "test")
+CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("impl", ["hugehead", "torch", "torch_chunked",
-                                  pytest.param("torch_lce", marks=pytest.mark.skipif(
-                                      not HAS_TORCH_LCE, reason="this torch has no F.linear_cross_entropy"))])
-def test_case_float32_cpu(impl, tmp_path):
-    """One benchmark case in this process: timings, fp32 errors against the reference, the plan."""
-    row = lce_case.run_case(impl, TINY, torch.device("cpu"), torch.float32, _opts(tmp_path), tmp_path / "c.json")
-    assert row["status"] == "ok", row.get("error")
-    assert row["dtype"] == "float32" and row["fwd_bwd_reps"] == 2 and row["fwd_ms"] > 0
-    for key in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err", "fwd_loss_rel_err"):
-        assert row[key] < 1e-5, (key, row[key])
-    if impl == "hugehead":  # the planner's fields, whatever they are, for forward+backward and forward
-        assert {"rows", "cols", "fwd_rows", "fwd_cols"} <= set(row["plan"]) and row["plan"]["rows"] == TINY.n
-    if impl == "torch_lce":
-        assert row["plan"]["batch_chunk_size"] >= 1 and row["warnings"] == []  # no fallback to the reference path
-    assert json.loads((tmp_path / "c.json").read_text())["done"]
+def test_cases_share_a_process_and_one_reference(tmp_path):
+    """Several implementations in one process, measured one after the other on the same inputs, compared
+    with one reference: timings, fp32 errors, the plans, one JSON per case."""
+    impls = ["hugehead", "torch", "torch_chunked"] + (["torch_lce"] if HAS_TORCH_LCE else [])
+    rows = lce_case.run_cases(impls, TINY, CPU, torch.float32, _opts(), tmp_path)
+    assert [r["impl"] for r in rows] == impls
+    for row in rows:
+        assert row["status"] == "ok", (row["impl"], row.get("error"))
+        assert row["dtype"] == "float32" and row["fwd_bwd_reps"] == 2 and row["fwd_ms"] > 0
+        for key in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err", "fwd_loss_rel_err"):
+            assert row[key] < 1e-5, (row["impl"], key, row[key])
+        assert row["ref_shared_by"] == len(impls) and row["loss_ref"] == rows[0]["loss_ref"]
+        assert json.loads(lce_case.case_json(tmp_path, TINY.name, row["impl"]).read_text())["done"]
+    plan = rows[0]["plan"]  # the planner's fields, whatever they are, for forward+backward and forward
+    assert {"rows", "cols", "fwd_rows", "fwd_cols"} <= set(plan) and plan["rows"] == TINY.n
+    if HAS_TORCH_LCE:
+        assert rows[3]["plan"]["batch_chunk_size"] >= 1 and rows[3]["warnings"] == []  # no fallback warning
 
 
-def test_case_reference_cache(tmp_path):
-    """The second implementation of a shape compares against the cached reference: same numbers."""
-    opts, cpu = _opts(tmp_path), torch.device("cpu")
-    first = lce_case.run_case("torch", TINY, cpu, torch.float32, opts, tmp_path / "a.json")
-    second = lce_case.run_case("torch", TINY, cpu, torch.float32, opts, tmp_path / "b.json")
-    assert (first["ref_cached"], second["ref_cached"]) == (False, True)
-    for key in ("loss_ref", "grad_x_norm_ref", "grad_w_norm_ref", "grad_w_rel_err"):
-        assert second[key] == pytest.approx(first[key], rel=1e-6, abs=1e-12)
-
-
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
 def test_case_torch_compile_reports_compile_time_apart(tmp_path):
-    row = lce_case.run_case("torch_compile", TINY, torch.device("cpu"), torch.float32, _opts(tmp_path, reps=1),
-                            tmp_path / "c.json")
+    (row,) = lce_case.run_cases(["torch_compile"], TINY, CPU, torch.float32, _opts(reps=1), tmp_path)
     assert row["status"] == "ok", row.get("error")
     assert row["fwd_bwd_compile_ms"] > row["fwd_bwd_ms"] and row["fwd_compile_ms"] > row["fwd_ms"]
     assert row["loss_rel_err"] < 1e-5 and row["grad_w_rel_err"] < 1e-5
@@ -154,20 +146,25 @@ def test_case_torch_compile_reports_compile_time_apart(tmp_path):
 def test_missing_torch_lce_is_skipped_with_the_reason(tmp_path, monkeypatch):
     """A torch without F.linear_cross_entropy (2.11 on the GPU machine) gives a skipped row, not a crash."""
     monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
-    row = lce_case.run_case("torch_lce", TINY, torch.device("cpu"), torch.float32, _opts(tmp_path), tmp_path / "c.json")
+    (row,) = lce_case.run_cases(["torch_lce"], TINY, CPU, torch.float32, _opts(), tmp_path)
     assert row["status"] == "skipped" and "has no F.linear_cross_entropy" in row["error"]
 
 
-def test_parent_skips_and_writes_the_report(tmp_path):
-    """The parent process: --skip and an unavailable peer become skipped rows; lce.md has the headline."""
+def test_parent_reruns_after_a_crash_and_skips(tmp_path):
+    """The parent: a case that kills the process it shares is recorded as a crash and the others run again
+    in a fresh process; --skip and an unavailable peer become skipped rows; lce.md has the headline."""
     from bench import bench_lce
 
-    rc = bench_lce.main(["--cpu-smoke", "--shapes", "tiny", "--peers", "torch,selftest_unavailable",
-                         "--skip", "tiny:torch", "--out", str(tmp_path), "--work", str(tmp_path / "work")])
+    rc = bench_lce.main(["--cpu-smoke", "--shapes", "tiny", "--out", str(tmp_path), "--work", str(tmp_path / "work"),
+                         "--peers", "torch,selftest_crash_shared,torch_chunked,selftest_unavailable",
+                         "--skip", "tiny:torch_chunked", "--reps", "1", "--warmup", "1"])
     assert rc == 0
     doc = json.loads((tmp_path / "lce.json").read_text())
     rows = {r["impl"]: r for r in doc["rows"]}
-    assert rows["torch"]["status"] == "skipped" and "--skip" in rows["torch"]["error"]
+    assert list(rows) == ["torch", "selftest_crash_shared", "torch_chunked", "selftest_unavailable"]
+    assert rows["torch"]["status"] == "ok" and rows["torch"]["process_group"] == ["torch"]  # the rerun
+    assert rows["selftest_crash_shared"]["status"] == "crash" and "SIGABRT" in rows["selftest_crash_shared"]["error"]
+    assert rows["torch_chunked"]["status"] == "skipped" and "--skip" in rows["torch_chunked"]["error"]
     assert rows["selftest_unavailable"]["status"] == "skipped" and "does not exist" in rows["selftest_unavailable"]["error"]
     assert "| shape | N×D×V | hugehead ms | best exact peer |" in (tmp_path / "lce.md").read_text()
 
