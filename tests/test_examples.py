@@ -13,6 +13,8 @@ import torch
 pytest.importorskip("lightning", reason="examples/lightning_6m.py needs PyTorch Lightning (pip install lightning)")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_6m.py"
+# Lightning's own deprecation warning, raised inside its loops.
+pytestmark = pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
 
 
 def _load_example():
@@ -55,7 +57,6 @@ def test_lightning_style_moves_leave_the_head_in_place(example):
 TINY = ["--cpu", "--classes", "500", "--dim", "16", "--batch", "16", "--test-size", "64", "--no-progress"]
 
 
-@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
 @pytest.mark.parametrize("precision,param_dtype", [("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16)])
 def test_cpu_precisions(example, precision, param_dtype):
     result = example.main(TINY + ["--steps", "8", "--precision", precision])
@@ -73,7 +74,6 @@ def uninterrupted(example):
     return example.main(TINY + ["--train-size", "80", "--steps", "10"])
 
 
-@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 @pytest.mark.parametrize("fmt", ["dcp", "lightning"])
 def test_cpu_resume_matches_uninterrupted_fit(example, uninterrupted, tmp_path, fmt):
