@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
+from .engines.local import shard_oom_guard
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     DEFAULT_MEMORY_BUDGET,
     Plan,
@@ -174,8 +175,8 @@ def _lce_forward(
     chunk_size/memory_budget 0: planned."""
     v = weight.shape[0]
     check_targets(target, v, ignore_index)
-    with _no_autocast(x.device):
-        plan = _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    plan = _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, plan, memory_budget or None):
         stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, softcap, plan)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         loss = row_losses(lse, target_logit, logit_sum, target != ignore_index, v, label_smoothing, z_loss)
@@ -214,8 +215,8 @@ def _lce_backward(
     Non-empty ``kept`` logits are overwritten by their gradient (no recompute)."""
     acc = ops.acc_dtype(x.dtype)
     keep = kept.numel() > 0
-    with _no_autocast(x.device):
-        plan = _plan(x, weight, chunk_size, memory_budget, keep)
+    plan = _plan(x, weight, chunk_size, memory_budget, keep)
+    with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
         grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_x else None
         grad_w, grad_b = shard_backward(

@@ -650,3 +650,52 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, ke
         results[overlap] = [loss.detach()] + [t.grad for t in leaves]
     for a, b_ in zip(results["0"], results["1"]):
         assert torch.equal(a, b_)
+
+
+def test_out_of_memory_in_the_loop_names_shard_and_budget_and_the_next_step_works(monkeypatch):
+    """An allocation failure inside the chunk loop (simulated on CPU: the first GEMM raises torch's
+    OutOfMemoryError) surfaces as an OutOfMemoryError naming the shard, its device, the workspace and
+    memory_budget — from the functional op and from a module shard — and the next call succeeds."""
+    import hugehead.loop as loop
+
+    torch.manual_seed(13)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    w = torch.randn(40, 5, dtype=torch.float64)
+    target = torch.randint(0, 40, (6,))
+    real_mm = torch.mm
+    calls = {"n": 0}
+
+    def failing_mm(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB (simulated)")
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(loop.torch, "mm", failing_mm)
+    with pytest.raises(torch.OutOfMemoryError, match=r"shard 0 \(classes \[0, 40\)\) on cpu .*memory_budget"):
+        hugehead.linear_cross_entropy(x, w, target, chunk_size=8)
+    expected = reference.linear_cross_entropy(x, w, target)
+    assert_rel(hugehead.linear_cross_entropy(x, w, target, chunk_size=8), expected, 1e-12, "after OOM")
+
+    head = hugehead.ChunkedClassifier(5, 40, bias=False, devices=["cpu", "cpu"], dtype=torch.float64, chunk_size=8)
+    calls["n"] = 0
+    with pytest.raises(torch.OutOfMemoryError, match=r"shard 0 \(classes \[0, 20\)\) on cpu"):
+        head(x, target)
+    assert torch.isfinite(head(x, target))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_budget_forced_too_large_raises_named_oom_and_context_stays_usable():
+    """memory_budget far beyond the GPU makes the planner keep ~160 GiB of logits: the allocation fails,
+    the error names the shard, device and budget, and the same call with the default budget then works."""
+    torch.manual_seed(14)
+    n, d, v = 4096, 16, 20_000_000
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (n,), device="cuda")
+    with pytest.raises(torch.OutOfMemoryError, match=r"shard 0 .* on cuda:\d .*memory_budget=1125899906842624 bytes"):
+        hugehead.linear_cross_entropy(x, w, target, memory_budget=1 << 50).backward()
+    loss = hugehead.linear_cross_entropy(x, w, target)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(w.grad.float().sum())
