@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from bench import common  # first: decides which hugehead is imported
 from bench.common import ALL_SHAPES, CPU_SHAPES, REPO_ROOT, SHAPES, SMOKE_SHAPES, Shape, find_shape
@@ -37,15 +37,17 @@ import torch  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Per mode: (reps, warmup, case budget s, case timeout s, wait-idle s). The CPU shapes take seconds per
 # step on 2 cores; a CPU peer slower than the timeout there is recorded as such.
-MODE_DEFAULTS = {"cuda": (10, 2, 120.0, 300.0, 0.0), "cpu": (3, 1, 40.0, 100.0, 30.0),
+MODE_DEFAULTS = {"cuda": (10, 2, 120.0, 300.0, 0.0), "cpu": (3, 1, 60.0, 100.0, 30.0),
                  "smoke": (10, 2, 120.0, 300.0, 0.0)}
 
 
 # --------------------------------------------------------------------------------------------------
 # The parent: one subprocess per case
 # --------------------------------------------------------------------------------------------------
-def _child(args: List[str], log: Path, timeout: float) -> Tuple[Optional[int], bool, float]:
-    """Run ``python -m bench.bench_lce ARGS`` in its own process group; returns (rc, timed_out, wall s)."""
+def _child(args: List[str], log: Path, timeout: float,
+           watch: Optional[Callable[[], bool]] = None) -> Tuple[Optional[int], bool, float]:
+    """Run ``python -m bench.bench_lce ARGS`` in its own process group; returns (rc, timed_out, wall s).
+    It is stopped after ``timeout`` seconds, or as soon as ``watch()`` (polled every second) says so."""
     cmd = [sys.executable, "-m", "bench.bench_lce", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -55,12 +57,15 @@ def _child(args: List[str], log: Path, timeout: float) -> Tuple[Optional[int], b
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
-            rc = proc.wait(timeout=max(1.0, timeout))
-            _reap_group(proc)
-            return rc, False, time.perf_counter() - t0
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            return None, True, time.perf_counter() - t0
+            while True:
+                try:
+                    rc = proc.wait(timeout=min(1.0, max(0.05, timeout - (time.perf_counter() - t0))))
+                    _reap_group(proc)
+                    return rc, False, time.perf_counter() - t0
+                except subprocess.TimeoutExpired:
+                    if time.perf_counter() - t0 >= timeout or (watch is not None and watch()):
+                        _stop(proc)
+                        return None, True, time.perf_counter() - t0
         finally:  # also when this parent is being stopped (SIGTERM -> SystemExit): no orphan on the GPU
             if proc.poll() is None:
                 _stop(proc)
@@ -128,30 +133,43 @@ def _dead_row(row: dict, rc: Optional[int], timed_out: bool, timeout: float, log
 
 
 def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optional[float]) -> List[dict]:
-    """Run ``impls`` on ``shape`` in one child process (see lce_case.py) and return their rows. When the
-    process dies or times out, the case it was in is recorded as such and the cases it had not finished
-    run again in a fresh process; a death in the shared reference marks every case it held."""
+    """Run ``impls`` on ``shape`` in one child process (see lce_case.py) and return their rows. A case
+    running longer than ``--case-timeout`` stops the process. The case a process died or was stopped in
+    is recorded as such (all of them when it was in the shared inputs or reference) and the cases it had
+    not started run again in a fresh process."""
     rows: List[dict] = []
     pending = list(impls)
     attempt = 0
+    group_file = lce_group_json(work, shape.name)
+
+    def state() -> dict:
+        try:
+            return json.loads(group_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def overdue() -> bool:
+        st = state()
+        return st.get("running") in pending and time.time() - float(st.get("since", time.time())) > opts.case_timeout
+
     while pending:
         attempt += 1
-        left = None if deadline is None else deadline - time.perf_counter()
-        timeout = opts.case_timeout * len(pending) if left is None else min(opts.case_timeout * len(pending), left)
+        # one case timeout for the setup and reference, one per case
+        timeout = opts.case_timeout * (len(pending) + 1)
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.perf_counter())
         log = work / f"{shape.name}__{'+'.join(pending)}{'' if attempt == 1 else f'.{attempt}'}.log"
         paths = {i: lce_case_json(work, shape.name, i) for i in pending}
-        for path in [*paths.values(), lce_group_json(work, shape.name)]:
+        for path in [*paths.values(), group_file]:
             path.unlink(missing_ok=True)  # a reused --work folder must not pass an old result off as new
         args = ["--case", ",".join(pending), shape.name, "--json-dir", str(work), "--reps", str(opts.reps),
                 "--warmup", str(opts.warmup), "--case-budget", str(opts.case_budget), "--seed", str(opts.seed),
                 *_args_for_child(opts)]
         if opts.ref_chunk:
             args += ["--ref-chunk", str(opts.ref_chunk)]
-        rc, timed_out, wall = _child(args, log, max(1.0, timeout))
-        try:
-            running = json.loads(lce_group_json(work, shape.name).read_text()).get("running")
-        except (OSError, ValueError):
-            running = None
+        rc, timed_out, wall = _child(args, log, max(1.0, timeout), watch=overdue)
+        running = state().get("running")
+        shared_stage = running in (None, "inputs", "reference")
         rerun = []
         for impl in pending:
             try:
@@ -160,22 +178,23 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
                 row = None
             if row is not None and row.get("done"):
                 row.update(rc=rc, process_wall_s=round(wall, 1))
-            elif row is not None and (running in (impl, "reference", "inputs") or len(pending) == 1):
-                row = _dead_row(row, rc, timed_out, timeout, log)
+            elif running == impl or (shared_stage and (row is not None or len(pending) == 1)):
+                limit = opts.case_timeout if running == impl else timeout
+                row = _dead_row(row or _skeleton(shape, impl, opts, "crash", None), rc, timed_out, limit, log)
+                if shared_stage:
+                    row["error"] += f" (the process was in the shared stage {running or 'startup'})"
                 row["wall_s"] = round(wall, 1)
-            elif row is None and len(pending) == 1:
-                row = _dead_row(_skeleton(shape, impl, opts, "crash", None), rc, timed_out, timeout, log)
-                row["wall_s"] = round(wall, 1)
-            else:  # measured or not started when another case broke the process: again, in a fresh one
+            else:  # not started when another case broke the process: again, in a fresh one
                 rerun.append(impl)
                 continue
             if row.get("status") not in ("ok", "skipped"):
                 row["log_tail"] = _tail(log)
             row["log"] = log.name
             rows.append(row)
-        if len(rerun) == len(pending):  # no progress (e.g. the process died at startup): stop here
+        if len(rerun) == len(pending):  # no progress: stop rather than loop
             for impl in rerun:
-                rows.append(_dead_row(_skeleton(shape, impl, opts, "crash", None), rc, timed_out, timeout, log))
+                row = _dead_row(_skeleton(shape, impl, opts, "crash", None), rc, timed_out, timeout, log)
+                rows.append(row)
             break
         pending = rerun
     order = {impl: k for k, impl in enumerate(impls)}
@@ -384,7 +403,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2, 1 on cpu; 1 for slow steps)")
     p.add_argument("--case-budget", type=float, default=None,
                    help="seconds the timed loops of one case may take: half for fwd+bwd, a quarter for fwd; "
-                        "repetitions are cut to fit, never below one (default 120; 40 on cpu)")
+                        "repetitions are cut to fit, never below one (default 120; 60 on cpu)")
     p.add_argument("--case-timeout", type=float, default=None, help="kill a case after this many seconds (default 300; 100 on cpu)")
     p.add_argument("--wait-idle", type=float, default=None,
                    help="before each case, wait up to this many seconds for other processes to leave the CPUs "

@@ -1,12 +1,13 @@
 """The cases of the linear cross-entropy benchmark that ``bench_lce`` runs in one child process: one shape,
-one or several implementations measured one after the other on the same inputs (timed forward+backward
-and forward, the plan each chose), then one float32 reference for all of them. Also the probe
+its float32 reference (computed once, kept in host memory), then one or several implementations
+measured one after the other on the same inputs (timed forward+backward and forward, the plan each
+chose, errors against the reference), each finished before the next starts. Also the probe
 (environment, which peers import).
 
 Several implementations share a process only when none is expected to break it (``Impl.isolate``):
 they then share the process start, the inputs and the reference, which dominate short cases. Between
-implementations the gradients go to host memory and the allocator cache is emptied, so each one's peak
-memory is measured from the same baseline as in a process of its own.
+implementations the allocator cache is emptied, so each one's peak memory is measured from the same
+baseline as in a process of its own.
 """
 from __future__ import annotations
 
@@ -134,7 +135,6 @@ class _Case:
         self.impl = IMPLS[impl_name]
         self.device = device
         self.path = path
-        self.grads = None  # (gx, gw) in host memory until the reference has seen them
         self.row: dict = {
             "shape": shape.name, "n": shape.n, "d": shape.d, "v": shape.v, "dtype": str(dtype).replace("torch.", ""),
             "impl": impl_name, "impl_about": self.impl.about, "impl_exact": self.impl.exact, "impl_version": None,
@@ -148,8 +148,7 @@ class _Case:
     def save(self, stage: Optional[str] = None) -> None:
         if stage is not None:
             self.row["stage"] = stage
-        if self.row["stage"] not in ("measured", "reference", "done"):  # its own time, not the group's after it
-            self.row["wall_s"] = round(time.perf_counter() - self.t_start, 2)
+        self.row["wall_s"] = round(time.perf_counter() - self.t_start, 2)
         write_json(self.path, self.row)
 
     def fail(self, stage: str, exc: BaseException) -> bool:
@@ -180,8 +179,8 @@ class _Case:
         return row
 
 
-def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, opts) -> bool:
-    """fwd+bwd then fwd of one implementation on the shared inputs; its gradients end in host memory.
+def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, opts, ref) -> bool:
+    """fwd+bwd (compared with the reference ``ref``) then fwd of one implementation on the shared inputs.
     Returns False when the CUDA context is lost."""
     row, device, impl = case.row, case.device, case.impl
     if impl.plan is not None:
@@ -216,12 +215,8 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
             row["fwd_bwd_max_rss_bytes"] = _max_rss_bytes()  # the whole process so far, inputs included
         row["tflops"] = shape.fwd_bwd_flops / (stats["ms"] * 1e-3) / 1e12
         row["loss"] = float(loss.float())
-        if gx is None or gw is None or gx.shape != x.shape or gw.shape != weight.shape:
-            row["ref_status"], row["ref_error"] = "error", (
-                f"gradients missing or misshaped: dx {getattr(gx, 'shape', None)}, dW {getattr(gw, 'shape', None)}")
-        else:
-            case.save("to_host")
-            case.grads = (gx.cpu(), gw.cpu())
+        case.save("compare")
+        _compare(case, ref, gx, gw, x, weight)
         del loss, gx, gw
     except Exception as exc:  # noqa: BLE001
         if not case.fail("fwd_bwd", exc):
@@ -249,56 +244,57 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
             row["fwd_peak_extra_gib"] = extra / 2**30
         row["fwd_tflops"] = shape.fwd_flops / (stats["ms"] * 1e-3) / 1e12
         row["fwd_loss"] = float(loss.float())
+        if ref is not None:
+            row["loss_ref"] = ref["loss"]
+            row["fwd_loss_rel_err"] = abs(row["fwd_loss"] - ref["loss"]) / abs(ref["loss"])
         del loss
     except Exception as exc:  # noqa: BLE001
         if not case.fail("fwd", exc):
             return False
     _release(device)
-    case.save("measured")
     return True
 
 
-def _reference_for(cases: List[_Case], shape: Shape, x, weight, target, device, opts) -> None:
-    """One float32 reference for every case of the group: loss, dx and (chunk by chunk) dW errors."""
-    with_grads = [c for c in cases if c.grads is not None]
-    need_loss = [c for c in cases if c.row.get("fwd_status") == "ok" or c.row.get("loss") is not None]
-    if not need_loss and not with_grads:
-        return
-    for c in cases:
-        c.save("reference")
+def _reference(shape: Shape, x, weight, target, device, opts) -> dict:
+    """The float32 reference of the shape: loss, ``grad_x`` (on ``x``'s device) and ``grad_w`` ``[V, D]``
+    float32 in host memory (the implementations' dW are compared with it chunk by chunk)."""
     cols = opts.ref_chunk or reference_chunk_cols(shape.n, shape.v)
-    errs = [ChunkedRelErr(c.grads[1]) for c in with_grads]
+    grad_w = torch.empty(weight.shape, dtype=torch.float32)  # host memory: the GPU is for the measurements
 
     def sink(c0, c1, chunk):
-        for e in errs:
-            e(c0, c1, chunk)
+        grad_w[c0:c1].copy_(chunk)
 
-    try:
-        t0 = time.perf_counter()
-        ref = reference_lce(x.detach(), weight.detach(), target, chunk_cols=cols,
-                            grad_weight_sink=sink if errs else None, with_grads=bool(errs))
-        synchronize(device)
-        ref_s = round(time.perf_counter() - t0, 2)
-    except Exception as exc:  # noqa: BLE001
-        for c in cases:
-            c.fail("ref", exc)
+    t0 = time.perf_counter()
+    ref = reference_lce(x.detach(), weight.detach(), target, chunk_cols=cols, grad_weight_sink=sink)
+    synchronize(device)
+    return {"loss": ref.loss, "grad_x": ref.grad_x, "grad_w": grad_w, "cols": cols,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _compare(case: _Case, ref: Optional[dict], gx, gw, x, weight) -> None:
+    """Errors of one implementation's loss and gradients against the reference, recorded in its row."""
+    row = case.row
+    if ref is None:
         return
-    for c in need_loss:
-        row = c.row
-        row.update(loss_ref=ref.loss, ref_s=ref_s, ref_chunk_cols=cols, ref_shared_by=len(cases))
-        if row.get("loss") is not None:
-            row["loss_rel_err"] = abs(row["loss"] - ref.loss) / abs(ref.loss)
-        if row.get("fwd_status") == "ok":
-            row["fwd_loss_rel_err"] = abs(row["fwd_loss"] - ref.loss) / abs(ref.loss)
-    for c, e in zip(with_grads, errs):
-        gx = c.grads[0]
-        c.row.update(
-            grad_x_rel_err=rel_err(gx.to(ref.grad_x.device), ref.grad_x), grad_w_rel_err=e.rel_err,
+    row.update(loss_ref=ref["loss"], loss_rel_err=abs(row["loss"] - ref["loss"]) / abs(ref["loss"]),
+               ref_s=ref["seconds"], ref_chunk_cols=ref["cols"])
+    if gx is None or gw is None or gx.shape != x.shape or gw.shape != weight.shape:
+        row["ref_status"], row["ref_error"] = "error", (
+            f"gradients missing or misshaped: dx {getattr(gx, 'shape', None)}, dW {getattr(gw, 'shape', None)}")
+        return
+    try:
+        gw_err = ChunkedRelErr(gw)
+        v, cols = weight.shape[0], ref["cols"]
+        for c0 in range(0, v, cols):
+            gw_err(c0, min(c0 + cols, v), ref["grad_w"][c0:c0 + cols].to(gw.device))
+        row.update(
+            grad_x_rel_err=rel_err(gx, ref["grad_x"]), grad_w_rel_err=gw_err.rel_err,
             grad_x_norm=float(torch.linalg.vector_norm(gx.float())),
-            grad_x_norm_ref=float(torch.linalg.vector_norm(ref.grad_x)),
-            grad_w_norm=e.actual_sq ** 0.5, grad_w_norm_ref=e.ref_sq ** 0.5, ref_status="ok",
+            grad_x_norm_ref=float(torch.linalg.vector_norm(ref["grad_x"])),
+            grad_w_norm=gw_err.actual_sq ** 0.5, grad_w_norm_ref=gw_err.ref_sq ** 0.5, ref_status="ok",
         )
-        c.grads = None
+    except Exception as exc:  # noqa: BLE001
+        case.fail("ref", exc)
 
 
 def run_cases(impl_names: List[str], shape: Shape, device: torch.device, dtype: torch.dtype, opts,
@@ -310,7 +306,7 @@ def run_cases(impl_names: List[str], shape: Shape, device: torch.device, dtype: 
     group_file = group_json(json_dir, shape.name)
 
     def running(what: str) -> None:
-        write_json(group_file, {"running": what, "impls": impl_names})
+        write_json(group_file, {"running": what, "impls": impl_names, "since": time.time()})
 
     cases: List[_Case] = []
     settled: List[dict] = []  # rows finished before measuring (skipped, import errors)
@@ -352,24 +348,31 @@ def run_cases(impl_names: List[str], shape: Shape, device: torch.device, dtype: 
             c.row["error"] = c.row["inputs_error"]
             c.finish(c.row["inputs_status"])
         return in_order([c.row for c in cases])
+
+    running("reference")
+    ref = None
+    try:
+        ref = _reference(shape, x, weight, target, device, opts)
+    except Exception as exc:  # noqa: BLE001  (the measurements still stand; each row says why no errors)
+        for c in cases:
+            c.fail("ref", exc)
+    _release(device)
     x.requires_grad_(True)
     weight.requires_grad_(True)
 
-    measured: List[_Case] = []
+    finished: List[dict] = []
     for case in cases:
         running(case.impl.name)
         case.start()
         case.row["input_bytes"] = tensor_bytes(x, weight, target)
         case.row["grad_bytes"] = tensor_bytes(x, weight)
-        measured.append(case)
-        if not _measure_impl(case, loss_fns[case.impl.name], shape, x, weight, target, dtype, opts):
-            case.finish()
-            # the CUDA context is gone: the others get a fresh process from the parent
-            return in_order([c.row for c in measured])
-    running("reference")
-    _reference_for(measured, shape, x, weight, target, device, opts)
+        case.row["ref_shared_by"] = len(cases)
+        alive = _measure_impl(case, loss_fns[case.impl.name], shape, x, weight, target, dtype, opts, ref)
+        finished.append(case.finish())
+        if not alive:  # the CUDA context is gone: the others get a fresh process from the parent
+            break
     running("done")
-    return in_order([c.finish() for c in measured])
+    return in_order(finished)
 
 
 def run_probe(device: torch.device, json_out: Path) -> None:

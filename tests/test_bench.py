@@ -151,18 +151,20 @@ def test_missing_torch_lce_is_skipped_with_the_reason(tmp_path, monkeypatch):
 
 
 def test_parent_reruns_after_a_crash_and_skips(tmp_path):
-    """The parent: a case that kills the process it shares is recorded as a crash and the others run again
+    """The parent: a case that kills the process it shares is recorded as a crash and the cases after it run
     in a fresh process; --skip and an unavailable peer become skipped rows; lce.md has the headline."""
     from bench import bench_lce
 
     rc = bench_lce.main(["--cpu-smoke", "--shapes", "tiny", "--out", str(tmp_path), "--work", str(tmp_path / "work"),
-                         "--peers", "torch,selftest_crash_shared,torch_chunked,selftest_unavailable",
+                         "--peers", "hugehead,selftest_crash_shared,torch,torch_chunked,selftest_unavailable",
                          "--skip", "tiny:torch_chunked", "--reps", "1", "--warmup", "1"])
     assert rc == 0
     doc = json.loads((tmp_path / "lce.json").read_text())
     rows = {r["impl"]: r for r in doc["rows"]}
-    assert list(rows) == ["torch", "selftest_crash_shared", "torch_chunked", "selftest_unavailable"]
-    assert rows["torch"]["status"] == "ok" and rows["torch"]["process_group"] == ["torch"]  # the rerun
+    assert list(rows) == ["hugehead", "selftest_crash_shared", "torch", "torch_chunked", "selftest_unavailable"]
+    # hugehead finished before the crash; torch had not started: it ran again in a process of its own
+    assert rows["hugehead"]["status"] == "ok" and "selftest_crash_shared" in rows["hugehead"]["process_group"]
+    assert rows["torch"]["status"] == "ok" and rows["torch"]["process_group"] == ["torch"]
     assert rows["selftest_crash_shared"]["status"] == "crash" and "SIGABRT" in rows["selftest_crash_shared"]["error"]
     assert rows["torch_chunked"]["status"] == "skipped" and "--skip" in rows["torch_chunked"]["error"]
     assert rows["selftest_unavailable"]["status"] == "skipped" and "does not exist" in rows["selftest_unavailable"]["error"]
