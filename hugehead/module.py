@@ -239,8 +239,20 @@ class ChunkedClassifier(nn.Module):
             :func:`hugehead.linear_cross_entropy` (None: planned).
         ignore_index, reduction, label_smoothing, z_loss, softcap: the loss, exactly as in
             :func:`hugehead.linear_cross_entropy`.
-        shard_sizes: classes per shard, in device order (default: balanced).
-        offload, process_group: placements of engines not built yet; they raise NotImplementedError.
+        shard_sizes: classes per shard, in device order (default: balanced). With ``process_group``:
+            classes per rank, in rank order, the same list on every rank (each rank splits its classes
+            evenly over its own ``devices``).
+        offload: placement of an engine not built yet; raises NotImplementedError.
+        process_group: a ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD``):
+            the classes are split over its ranks, rank ``r`` holding the contiguous range
+            ``[start_r, stop_r)`` on its own ``devices`` (``hugehead/engines/distributed.py``). Every rank
+            passes its own rows (batch sizes may differ); rank ``r``'s loss is the reduction over its rows,
+            ``x``'s gradient is ``dL_r/dx_r``, and each shard's gradient is that of the mean over ranks of
+            their losses — the objective whose backbone gradients DDP averages. Forward, backward,
+            :meth:`topk`, :meth:`log_prob`, ``state_dict()`` (the logical weight, gathered) and
+            :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
+            head's Parameters out of DDP (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`).
+            The same seed on rank 0 gives the same logical weight as any one-process placement.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
     shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
@@ -252,7 +264,9 @@ class ChunkedClassifier(nn.Module):
 
     Raises:
         ValueError: bad sizes, devices, shard_sizes or loss options.
-        NotImplementedError: ``offload=True`` or a ``process_group``.
+        NotImplementedError: ``offload=True``.
+        RuntimeError, TypeError: ``process_group`` given without ``torch.distributed`` initialized, or not
+            a process group. ValueError: the ranks built heads that differ (raised on every rank).
     """
 
     def __init__(
@@ -280,11 +294,11 @@ class ChunkedClassifier(nn.Module):
                 "hugehead: offload=True (shards in pinned host memory, streamed to the GPU chunk by chunk by "
                 "the planned engines/offload.py) is not implemented yet; use devices=[...] to shard over GPUs"
             )
+        group = None
         if process_group is not None:
-            raise NotImplementedError(
-                "hugehead: process_group (vocabulary-parallel shards across ranks, the planned "
-                "engines/distributed.py) is not implemented yet; use devices=[...] within one process"
-            )
+            from .engines.distributed import resolve_group
+
+            group = resolve_group(process_group)
         if int(in_features) != in_features or in_features < 1:
             raise ValueError(f"hugehead: in_features must be a positive integer, got {in_features}")
         if int(num_classes) != num_classes or num_classes < 1:
@@ -313,15 +327,32 @@ class ChunkedClassifier(nn.Module):
         # loops call on the whole model) cast dtypes but leave each shard on its device.
         self.placement_pinned = devices is not None
         placement = _parse_devices(devices)
-        sizes = _parse_shard_sizes(shard_sizes, self.num_classes, len(placement))
-        shards, start = [], 0
+        first_class, stop_class = 0, self.num_classes
+        if group is not None:  # this rank's classes [first_class, stop_class), split evenly over its devices
+            from .engines.distributed import rank_class_ranges
+
+            rank_ranges = rank_class_ranges(self.num_classes, group.size(), shard_sizes)
+            first_class, stop_class = rank_ranges[group.rank()]
+            shard_sizes = None
+        sizes = _parse_shard_sizes(shard_sizes, stop_class - first_class, len(placement))
+        shards, start = [], first_class
         for device, size in zip(placement, sizes):
             shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
             start += size
         self.shards = nn.ModuleList(shards)
+        if group is not None:
+            from .engines.distributed import DistributedEngine
+
+            self.engine = DistributedEngine(self.engine, group, rank_ranges)
+            self.engine.check_agreement(self.in_features, bias, dtype)
         self.reset_parameters()
 
-        self.register_state_dict_post_hook(_logical_state_dict_hook)
+        if group is None:
+            self.register_state_dict_post_hook(_logical_state_dict_hook)
+        else:  # the logical weight gathered from every rank (collective)
+            from .engines.distributed import logical_state_dict_hook
+
+            self.register_state_dict_post_hook(logical_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_logical_state_dict_hook)
         self.register_load_state_dict_post_hook(_rename_missing_keys_hook)
 
@@ -381,6 +412,8 @@ class ChunkedClassifier(nn.Module):
         so ``torch.manual_seed`` makes it reproducible.
         """
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        if hasattr(self.engine, "agree_seed"):  # across ranks: rank 0's seed, one logical weight
+            seed = self.engine.agree_seed(seed)
         bound = 1.0 / math.sqrt(self.in_features)
         for shard in self.shards:
             _hashed_uniform_(shard.weight, seed, shard.start, bound)
@@ -522,6 +555,10 @@ class ChunkedClassifier(nn.Module):
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
         it was). Any placement reads the file back with :meth:`load_safetensors`.
         """
+        if self.engine.name == "distributed":  # collective: one file, written by rank 0
+            from .engines.distributed import save_safetensors
+
+            return save_safetensors(self, path, _SAFETENSORS_FORMAT)
         from .checkpoint import write_safetensors
 
         tensors: List[Tuple[str, Tensor]] = []

@@ -1,0 +1,156 @@
+"""A vocabulary-parallel head under PyTorch Lightning's DDP strategy: ``Trainer(strategy="ddp",
+devices=2)`` replicates the backbone, and a :class:`hugehead.ChunkedClassifier` built with
+``process_group=`` splits the classes over the DDP ranks; then ``trainer.test``.
+
+    python examples/lightning_ddp.py                 # 2 GPUs: 6M classes, D=768, bf16-mixed
+    python examples/lightning_ddp.py --cpu           # tiny, 2 CPU processes (gloo)
+    python examples/lightning_ddp.py --devices 8 --num-nodes 2   # under a cluster launcher (SLURM, torchrun)
+
+What matters for the head (see ``HugeHeadDDP.configure_model``):
+
+- it is built in ``configure_model``, which Lightning calls once the process group exists, with the
+  rank's own device (an explicit placement is pinned: Lightning's ``.to(device)`` leaves it alone);
+- its Parameters are put on DDP's ignore list (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`)
+  before Lightning wraps the module: DDP must neither broadcast rank 0's shard over the others' at
+  construction — nor, for ``trainer.test``, in Lightning's module-state sync, which honours the same list —
+  nor all-reduce the head's gradients, which are already those of the mean of the ranks' losses (the
+  objective whose backbone gradients DDP averages);
+- every rank runs the same steps (the DistributedSampler gives each the same number of batches): each
+  forward, backward, ``topk`` and ``state_dict`` of the head is collective.
+
+``--checkpoint PATH`` also writes a Lightning checkpoint after ``fit``: its ``state_dict`` holds the
+head's logical ``head.weight [V, D]`` gathered from all ranks, which loads into any world size or into a
+one-process head. The data are those of ``examples/ddp_train.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import hugehead
+from hugehead.engines.distributed import ignore_heads_in_ddp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp_train import synthetic_batch  # noqa: E402  (the same synthetic classes)
+
+try:
+    import lightning as L
+except ImportError as exc:  # pragma: no cover - exercised only without lightning
+    raise SystemExit(f"examples/lightning_ddp.py needs PyTorch Lightning: pip install lightning ({exc})") from None
+
+
+class HugeHeadDDP(L.LightningModule):
+    """An MLP backbone (replicated by DDP) and a head whose classes are split over the DDP ranks."""
+
+    def __init__(self, num_classes: int, dim: int, in_dim: int, lr: float):
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = nn.Sequential(nn.Linear(in_dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim), nn.LayerNorm(dim))
+        self.head: Optional[hugehead.ChunkedClassifier] = None
+
+    def configure_model(self) -> None:
+        if self.head is not None:  # called again by trainer.test
+            return
+        group = dist.group.WORLD if dist.is_initialized() else None  # one process: an ordinary head
+        self.head = hugehead.ChunkedClassifier(self.hparams.dim, self.hparams.num_classes,
+                                               devices=[self.trainer.strategy.root_device], process_group=group)
+        ignore_heads_in_ddp(self)
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        loss = self.head(self.backbone(inputs), target)  # this rank's rows; the mean over ranks is the objective
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        inputs, target = batch
+        features = self.backbone(inputs)
+        loss = self.head(features, target)
+        _, top = self.head.topk(features, 1)
+        self.log("test_loss", loss, sync_dist=True, batch_size=target.shape[0])
+        self.log("test_acc", (top[:, 0] == target).float().mean(), sync_dist=True, batch_size=target.shape[0])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+
+
+def shard_fingerprint(head: hugehead.ChunkedClassifier) -> float:
+    return float(sum(s.weight.detach().double().sum() for s in head.shards))
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="tiny run on CPU processes (gloo)")
+    p.add_argument("--devices", type=int, default=2, help="processes (GPUs) per node")
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--classes", type=int, help="GPU 6000000, --cpu 2000")
+    p.add_argument("--dim", type=int, help="GPU 768, --cpu 32")
+    p.add_argument("--in-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, help="rows per rank per step (GPU 2048, --cpu 64)")
+    p.add_argument("--steps", type=int, help="GPU 100, --cpu 30")
+    p.add_argument("--test-size", type=int, help="held-out rows in all (GPU 16384, --cpu 512)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", help="after fit, trainer.save_checkpoint to this path")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    defaults = (dict(classes=2000, dim=32, batch=64, steps=30, test_size=512) if args.cpu
+                else dict(classes=6_000_000, dim=768, batch=2048, steps=100, test_size=16384))
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    L.seed_everything(args.seed, verbose=False)
+    world = args.devices * args.num_nodes
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    cpu = torch.device("cpu")
+    train = TensorDataset(*synthetic_batch(args.steps * args.batch * world, args.classes, args.in_dim, 1.3, 0.5, gen, cpu))
+    test = TensorDataset(*synthetic_batch(args.test_size, args.classes, args.in_dim, 1.3, 0.5, gen, cpu))
+    model = HugeHeadDDP(args.classes, args.dim, args.in_dim, args.lr)
+    trainer = L.Trainer(
+        accelerator="cpu" if args.cpu else "gpu", devices=args.devices, num_nodes=args.num_nodes, strategy="ddp",
+        precision="32-true" if args.cpu else "bf16-mixed", max_steps=args.steps, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        enable_progress_bar=not args.no_progress,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True))
+    fit_seconds = time.perf_counter() - t0
+    rank = trainer.global_rank
+    head = model.head
+    if args.checkpoint:
+        trainer.save_checkpoint(args.checkpoint)  # every rank gathers the logical head; rank 0 writes
+    before = shard_fingerprint(head)
+    t0 = time.perf_counter()
+    metrics = trainer.test(model, DataLoader(test, batch_size=args.batch), verbose=False)[0]
+    test_seconds = time.perf_counter() - t0
+    if shard_fingerprint(head) != before:
+        raise RuntimeError("trainer.test changed this rank's head shard (was the head left on DDP's ignore list?)")
+    print(f"rank {rank}: classes [{head.shards[0].start:,}, {head.shards[-1].stop:,}) on {head.shards[0].device}",
+          flush=True)
+    if rank == 0:
+        print(f"fit: {trainer.global_step} steps in {fit_seconds:.1f} s on {world} ranks; test: {test_seconds:.1f} s")
+        print(f"test_loss={metrics['test_loss']:.4f} test_acc={metrics['test_acc']:.4f} "
+              f"(log V = {math.log(args.classes):.2f}, uniform chance {1 / args.classes:.1e})", flush=True)
+    return dict(test_loss=float(metrics["test_loss"]), test_acc=float(metrics["test_acc"]),
+                fit_seconds=fit_seconds, test_seconds=test_seconds, global_step=trainer.global_step)
+
+
+if __name__ == "__main__":
+    main()

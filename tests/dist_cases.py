@@ -1,0 +1,309 @@
+"""What the ranks of tests/test_distributed.py run: one spawned process per rank (gloo on CPU, or NCCL on
+one GPU each) works through a list of jobs and saves each job's results per rank; the test process
+compares them with a single-process float64 reference built from the same seeded inputs
+(:func:`case_inputs`, :func:`case_weights`). Imported by the spawned ranks, so it needs no pytest."""
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import hugehead
+from hugehead.engines.distributed import ignore_heads_in_ddp
+
+D = 6
+
+# Loss cases: per-rank rows (3 ranks; a 2-rank world takes the first two), options, per-rank devices.
+LOSS_CASES: Dict[str, dict] = {
+    # Streaming (several chunks per shard), unequal batches, ignored rows, mean per rank.
+    "mean_streamed": dict(v=23, rows=[7, 4, 5], bias=True, reduction="mean", chunk_size=4),
+    # Every option at once, logits kept between forward and backward (no chunk_size: they fit).
+    "options_kept": dict(v=29, rows=[5, 8, 3], bias=False, reduction="sum", label_smoothing=0.15, z_loss=0.02,
+                         softcap=2.5),
+    # Per-row losses and the lse, both differentiated; two local shards per rank, unbalanced ranks.
+    "none_lse_two_local_shards": dict(v=31, rows=[6, 6, 9], bias=True, reduction="none", return_lse=True,
+                                      label_smoothing=0.05, local_shards=2, rank_sizes=[8, 16, 7],
+                                      chunk_size=3, ignore_index=3),
+    # A rank with no rows, one whose rows are all ignored.
+    "empty_and_all_ignored": dict(v=17, rows=[0, 5, 4], bias=True, reduction="sum", all_ignored_rank=1,
+                                  z_loss=0.1, chunk_size=5),
+}
+TOPK_V = 19
+
+
+def rank_sizes(case: dict, world: int) -> Optional[List[int]]:
+    sizes = case.get("rank_sizes")
+    if sizes is None:
+        return None
+    sizes = list(sizes[:world])
+    sizes[-1] += case["v"] - sum(sizes)  # the last rank takes the rest
+    return sizes
+
+
+def case_weights(case: dict):
+    """The logical weight ``[V, D]`` and bias ``[V]`` (or None) of a case, float64."""
+    g = torch.Generator().manual_seed(case["v"])
+    w = torch.randn(case["v"], D, generator=g, dtype=torch.float64)
+    b = torch.randn(case["v"], generator=g, dtype=torch.float64) if case.get("bias") else None
+    return w, b
+
+
+def case_inputs(case: dict, rank: int):
+    """Rank ``rank``'s ``x [N_r, D]``, ``target [N_r]`` and the coefficients of its objective: ``c`` (on
+    the loss: scalar, or ``[N_r]`` for reduction none) and ``e`` (``[N_r]``, on the lse)."""
+    n = case["rows"][rank]
+    g = torch.Generator().manual_seed(1000 * rank + case["v"])
+    x = torch.randn(n, D, generator=g, dtype=torch.float64) * 2
+    target = torch.randint(0, case["v"], (n,), generator=g)
+    ignore = case.get("ignore_index", -100)
+    if case.get("all_ignored_rank") == rank:
+        target[:] = ignore
+    else:
+        target[1::3] = ignore
+    c = torch.rand(n if case["reduction"] == "none" else (), generator=g, dtype=torch.float64) + 0.5
+    e = torch.randn(n, generator=g, dtype=torch.float64)
+    return x, target, c, e
+
+
+def head_kwargs(case: dict) -> dict:
+    keys = ("reduction", "label_smoothing", "z_loss", "softcap", "chunk_size", "ignore_index")
+    return {k: case[k] for k in keys if k in case}
+
+
+# --------------------------------------------------------------------------------------------------
+# Jobs (run on every rank, in the same order)
+# --------------------------------------------------------------------------------------------------
+def _devices(ctx, count: int) -> List[str]:
+    return [ctx["device"]] * count
+
+
+def job_loss(ctx, name: str) -> dict:
+    case = LOSS_CASES[name]
+    rank, world = ctx["rank"], ctx["world"]
+    device = ctx["device"]
+    head = hugehead.ChunkedClassifier(
+        D, case["v"], case.get("bias", True), dtype=torch.float64, devices=_devices(ctx, case.get("local_shards", 1)),
+        process_group=dist.group.WORLD, shard_sizes=rank_sizes(case, world), **head_kwargs(case),
+    )
+    w, b = case_weights(case)
+    head.load_state_dict({"weight": w, "bias": b} if b is not None else {"weight": w})
+    x, target, c, e = case_inputs(case, rank)
+    x = x.to(device).requires_grad_()
+    out = head(x, target.to(device), return_lse=case.get("return_lse", False))
+    loss, lse = out if case.get("return_lse") else (out, None)
+    objective = (loss * c.to(device)).sum()
+    if lse is not None:
+        objective = objective + (lse * e.to(device)).sum()
+    objective.backward()
+    return dict(
+        loss=loss.detach().cpu(), lse=None if lse is None else lse.detach().cpu(), grad_x=x.grad.cpu(),
+        shards=[(s.start, s.stop, s.weight.grad.cpu(), None if s.bias is None else s.bias.grad.cpu())
+                for s in head.shards],
+    )
+
+
+BF16_CASE = dict(v=4000, d=64, rows=[96, 64])
+
+
+def bf16_inputs(rank: int):
+    """float64 ``x [N_r, 64]`` and ``target`` of the bf16 accuracy job; the weight comes from seed 5."""
+    g = torch.Generator().manual_seed(60 + rank)
+    n = BF16_CASE["rows"][rank]
+    return torch.randn(n, BF16_CASE["d"], generator=g, dtype=torch.float64), torch.randint(0, BF16_CASE["v"], (n,), generator=g)
+
+
+def bf16_weight():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(BF16_CASE["v"], BF16_CASE["d"], generator=g, dtype=torch.float64) / BF16_CASE["d"] ** 0.5 * 3
+
+
+def job_bf16(ctx) -> dict:
+    """bfloat16 rows and head (no bias), mean per rank; every rank's loss and dX, this rank's dW."""
+    head = hugehead.ChunkedClassifier(BF16_CASE["d"], BF16_CASE["v"], False, dtype=torch.bfloat16,
+                                      devices=_devices(ctx, 1), process_group=dist.group.WORLD, chunk_size=768)
+    head.load_state_dict({"weight": bf16_weight().to(torch.bfloat16)})
+    x, target = bf16_inputs(ctx["rank"])
+    x = x.to(ctx["device"], torch.bfloat16).requires_grad_()
+    loss = head(x, target.to(ctx["device"]))
+    loss.backward()
+    return dict(loss=loss.detach().cpu(), grad_x=x.grad.cpu(),
+                shards=[(s.start, s.stop, s.weight.grad.cpu()) for s in head.shards])
+
+
+def job_topk(ctx) -> dict:
+    rank = ctx["rank"]
+    case = dict(v=TOPK_V, rows=[5, 0, 7], bias=True, reduction="mean")
+    w, b = case_weights(case)
+    out = {}
+    for softcap in (None, 1.5):
+        # Uneven ranks: k = 7 is more than the last rank's classes, V = 19 more than any rank's.
+        head = hugehead.ChunkedClassifier(D, TOPK_V, dtype=torch.float64, devices=_devices(ctx, 1), chunk_size=4,
+                                          softcap=softcap, process_group=dist.group.WORLD,
+                                          shard_sizes={2: [14, 5], 3: [10, 6, 3]}[ctx["world"]])
+        head.load_state_dict({"weight": w, "bias": b})
+        x, target, _, _ = case_inputs(case, rank)
+        x = x.to(ctx["device"])
+        for k in (0, 1, 7, TOPK_V):
+            values, indices = head.topk(x, k)
+            out[(softcap, k)] = (values.cpu(), indices.cpu())
+        target = target.clamp(min=0).to(ctx["device"])
+        out[(softcap, "log_prob")] = (head.log_prob(x, target).cpu(), target.cpu())
+    return out
+
+
+def job_save(ctx) -> dict:
+    """A head initialized under a different seed on every rank (rank 0's wins), written as a state dict and
+    a safetensors file; rank 0 has two local shards, the others one."""
+    torch.manual_seed(ctx["rank"])
+    head = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=_devices(ctx, 2 if ctx["rank"] == 0 else 1),
+                                      process_group=dist.group.WORLD)
+    state = head.state_dict()
+    prefix = os.path.join(ctx["out"], f"w{ctx['world']}")
+    if ctx["rank"] == 0:
+        torch.save(state, prefix + ".pt")
+    head.save_safetensors(prefix + ".safetensors")
+    return dict(state=state, shards=[(s.start, s.stop, s.weight.detach().cpu(), s.bias.detach().cpu())
+                                     for s in head.shards])
+
+
+def job_load(ctx, source: str) -> dict:
+    """Load ``<source>.pt`` (a logical state dict) and ``<source>.safetensors`` into heads of this world."""
+    out = {}
+    torch.manual_seed(999)  # another initialization than the file's: loading must overwrite it
+    for kind in ("pt", "safetensors"):
+        head = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=_devices(ctx, 1),
+                                          process_group=dist.group.WORLD)
+        path = os.path.join(ctx["out"], f"{source}.{kind}")
+        if kind == "pt":
+            head.load_state_dict(torch.load(path))
+        else:
+            head.load_safetensors(path)
+        out[kind] = [(s.start, s.stop, s.weight.detach().cpu(), s.bias.detach().cpu()) for s in head.shards]
+    return out
+
+
+class _Net(nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.backbone = nn.Linear(4, D, dtype=torch.float64)
+        self.head = head
+
+    def forward(self, inputs, target):
+        return self.head(torch.tanh(self.backbone(inputs)), target)
+
+
+def ddp_case():
+    g = torch.Generator().manual_seed(7)
+    return dict(v=11, backbone_w=torch.randn(D, 4, generator=g, dtype=torch.float64),
+                backbone_b=torch.randn(D, generator=g, dtype=torch.float64),
+                head_w=torch.randn(11, D, generator=g, dtype=torch.float64),
+                head_b=torch.randn(11, generator=g, dtype=torch.float64))
+
+
+def ddp_inputs(rank: int):
+    g = torch.Generator().manual_seed(50 + rank)
+    n = 3 + 2 * rank
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 11, (n,), generator=g)
+
+
+def job_ddp(ctx) -> dict:
+    """One SGD step of a DDP-wrapped model whose head spans the ranks and is ignored by DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    case = ddp_case()
+    head = hugehead.ChunkedClassifier(D, case["v"], dtype=torch.float64, devices=_devices(ctx, 1),
+                                      process_group=dist.group.WORLD)
+    net = _Net(head).to(ctx["device"])
+    with torch.no_grad():
+        net.backbone.weight.copy_(case["backbone_w"])
+        net.backbone.bias.copy_(case["backbone_b"])
+    head.load_state_dict({"weight": case["head_w"], "bias": case["head_b"]})
+    ignored = ignore_heads_in_ddp(net)
+    ddp = DistributedDataParallel(net, device_ids=None)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    inputs, target = ddp_inputs(ctx["rank"])
+    loss = ddp(inputs.to(ctx["device"]), target.to(ctx["device"]))
+    loss.backward()
+    opt.step()
+    state = net.state_dict()
+    return dict(ignored=ignored, loss=loss.detach().cpu(), state={k: v.detach().cpu() for k, v in state.items()})
+
+
+def job_mismatch(ctx) -> dict:
+    """Ranks that disagree on the head all get the same error: rank 1 asks for 21 classes; then rank 1
+    splits the 20 classes differently (``shard_sizes``)."""
+    world, rank = ctx["world"], ctx["rank"]
+    sizes = [5] * (world - 1) + [20 - 5 * (world - 1)]
+    if rank == 1:
+        sizes = [6] + sizes[1:-1] + [sizes[-1] - 1]
+    errors = []
+    for num_classes, shard_sizes in ((20 + (rank == 1), None), (20, sizes)):
+        try:
+            hugehead.ChunkedClassifier(D, num_classes, dtype=torch.float64, devices=_devices(ctx, 1),
+                                       process_group=dist.group.WORLD, shard_sizes=shard_sizes)
+        except ValueError as exc:
+            errors.append(str(exc))
+        else:
+            errors.append(None)
+    return dict(errors=errors)
+
+
+JOBS = {
+    **{f"loss:{name}": (job_loss, (name,)) for name in LOSS_CASES},
+    "topk": (job_topk, ()),
+    "save": (job_save, ()),
+    "ddp": (job_ddp, ()),
+    "bf16": (job_bf16, ()),
+    "mismatch": (job_mismatch, ()),
+}
+
+
+def load_job(name: str):
+    if name.startswith("load:"):
+        return job_load, (name.split(":", 1)[1],)
+    return JOBS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------------
+def _rank_main(rank: int, world: int, backend: str, store_path: str, out: str, jobs: List[str]) -> None:
+    torch.set_num_threads(1)  # the ranks share a few cores
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    else:
+        device = "cpu"
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    ctx = dict(rank=rank, world=world, device=device, out=out)
+    try:
+        for name in jobs:
+            fn, args = load_job(name)
+            result = fn(ctx, *args)
+            torch.save(result, os.path.join(out, f"{name.replace(':', '-')}.{rank}.pt"))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    dist.destroy_process_group()
+    # Skip the interpreter's teardown: after DDP has imported torch._dynamo, it intermittently aborts
+    # ("terminate called without an active exception") once every result is already written.
+    os._exit(0)
+
+
+def run_world(world: int, jobs: List[str], out: str, backend: str = "gloo") -> Dict[str, List[dict]]:
+    """Run ``jobs`` on ``world`` spawned ranks; returns ``{job: [result of rank 0, rank 1, ...]}``."""
+    os.makedirs(out, exist_ok=True)
+    store = os.path.join(out, f"store.{world}.{backend}")
+    if os.path.exists(store):
+        os.unlink(store)
+    mp.start_processes(_rank_main, args=(world, backend, store, out, jobs), nprocs=world, join=True,
+                       start_method="spawn")
+    return {name: [torch.load(os.path.join(out, f"{name.replace(':', '-')}.{r}.pt"), weights_only=False)
+                   for r in range(world)] for name in jobs}

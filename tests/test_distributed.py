@@ -1,0 +1,318 @@
+"""A ChunkedClassifier spanning the ranks of a process group (hugehead/engines/distributed.py) against a
+single-process float64 reference: every rank's loss and lse, every rank's dX, every shard's gradient
+(of the mean over ranks of their losses), top-k and log_prob, checkpoints across world sizes, one DDP
+step. gloo with 2 and 3 spawned CPU processes (each world spawned once for all its jobs, see
+tests/dist_cases.py); the same jobs on NCCL with 2 GPUs where there are two."""
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hugehead
+from hugehead import reference
+from hugehead.engines.distributed import rank_class_ranges
+
+import dist_cases
+from dist_cases import D, LOSS_CASES, TOPK_V, case_inputs, case_weights, ddp_case, ddp_inputs
+from conftest import rel_err, requires_multigpu
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+CLOSE = dict(rtol=1e-10, atol=1e-12)
+COMMON_JOBS = [f"loss:{name}" for name in LOSS_CASES] + ["topk", "mismatch"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The worlds: spawned once per module
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture(scope="module")
+def gloo2(workdir):
+    # DDP only here: its constructor imports torch._dynamo, seconds per process.
+    return dist_cases.run_world(2, COMMON_JOBS + ["save", "ddp", "bf16"], workdir)
+
+
+@pytest.fixture(scope="module")
+def one_process_files(workdir):
+    """A one-process head (seed 123, two shards) written as a state dict and a safetensors file."""
+    torch.manual_seed(123)
+    head = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=["cpu", "cpu"])
+    torch.save(head.state_dict(), os.path.join(workdir, "one.pt"))
+    head.save_safetensors(os.path.join(workdir, "one.safetensors"))
+    return head.state_dict()
+
+
+@pytest.fixture(scope="module")
+def gloo3(workdir, gloo2, one_process_files):
+    # After gloo2: world 3 loads what world 2 saved.
+    return dist_cases.run_world(3, COMMON_JOBS + ["save", "load:w2", "load:one"], workdir)
+
+
+def world_results(request, world):
+    return request.getfixturevalue(f"gloo{world}")
+
+
+# --------------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------------
+def reference_loss_case(name, world):
+    """Per rank ``(loss, lse, dX)`` and the logical ``(dW, db)`` of the mean of the ranks' objectives."""
+    case = LOSS_CASES[name]
+    w, b = case_weights(case)
+    w.requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    options = {k: case[k] for k in ("reduction", "label_smoothing", "z_loss", "softcap", "ignore_index") if k in case}
+    total, per_rank = 0.0, []
+    for rank in range(world):
+        x, target, c, e = case_inputs(case, rank)
+        x.requires_grad_()
+        loss = reference.linear_cross_entropy(x, w, target, b, **options)
+        lse = torch.logsumexp(reference.logits(x, w, b, case.get("softcap")), dim=-1)
+        objective = (loss * c).sum()
+        if case.get("return_lse"):
+            objective = objective + (lse * e).sum()
+        total = total + objective
+        per_rank.append((loss, lse, x))
+    total.backward()
+    ranks = [(loss.detach(), lse.detach(), x.grad) for loss, lse, x in per_rank]
+    return ranks, w.grad / world, None if b is None else b.grad / world
+
+
+def logical_from_pieces(pieces, num_classes):
+    """Concatenate ``(start, stop, tensor)`` pieces of all ranks, checking they tile ``[0, V)``."""
+    pieces = sorted(pieces, key=lambda p: p[0])
+    assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]] and pieces[-1][1] == num_classes
+    return torch.cat([p[2] for p in pieces])
+
+
+def check_loss_case(results, name, world):
+    case = LOSS_CASES[name]
+    ranks, grad_w, grad_b = reference_loss_case(name, world)
+    got = results[f"loss:{name}"]
+    for rank, (loss, lse, grad_x) in enumerate(ranks):
+        torch.testing.assert_close(got[rank]["loss"], loss, **CLOSE)
+        if case.get("return_lse"):
+            torch.testing.assert_close(got[rank]["lse"], lse, **CLOSE)
+        torch.testing.assert_close(got[rank]["grad_x"], grad_x, **CLOSE)
+    shards = [s for r in got for s in r["shards"]]
+    torch.testing.assert_close(logical_from_pieces([(a, b, gw) for a, b, gw, _ in shards], case["v"]), grad_w, **CLOSE)
+    if grad_b is not None:
+        torch.testing.assert_close(logical_from_pieces([(a, b, gb) for a, b, _, gb in shards], case["v"]), grad_b,
+                                   **CLOSE)
+
+
+def check_topk(results, world):
+    case = dict(v=TOPK_V, rows=[5, 0, 7], bias=True, reduction="mean")
+    w, b = case_weights(case)
+    for rank in range(world):
+        x, target, _, _ = case_inputs(case, rank)
+        got = results["topk"][rank]
+        for softcap in (None, 1.5):
+            z = reference.logits(x, w, b, softcap)
+            for k in (0, 1, 7, TOPK_V):
+                values, indices = got[(softcap, k)]
+                ref_values, ref_indices = torch.topk(z, k, dim=1)
+                torch.testing.assert_close(values, ref_values, **CLOSE)
+                assert torch.equal(indices, ref_indices)
+            log_prob, target = got[(softcap, "log_prob")]
+            torch.testing.assert_close(log_prob, torch.log_softmax(z, 1).gather(1, target[:, None])[:, 0], **CLOSE)
+
+
+def check_ddp(results, world):
+    case = ddp_case()
+    params = {"backbone.weight": case["backbone_w"], "backbone.bias": case["backbone_b"],
+              "head.weight": case["head_w"], "head.bias": case["head_b"]}
+    params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    losses = []
+    for rank in range(world):
+        inputs, target = ddp_inputs(rank)
+        features = torch.tanh(inputs @ params["backbone.weight"].T + params["backbone.bias"])
+        losses.append(reference.linear_cross_entropy(features, params["head.weight"], target, params["head.bias"]))
+    (sum(losses) / world).backward()
+    for rank in range(world):
+        got = results["ddp"][rank]
+        assert got["ignored"] == ["head.shards.0.weight", "head.shards.0.bias"]
+        torch.testing.assert_close(got["loss"], losses[rank].detach(), **CLOSE)
+        for key, p in params.items():  # one SGD step, lr 0.5: the same model on every rank
+            torch.testing.assert_close(got["state"][key], (p - 0.5 * p.grad).detach(), **CLOSE)
+
+
+def check_bf16(results, device):
+    """bfloat16 errors against float64 at most 2x those of plain PyTorch in bfloat16 (DESIGN.md)."""
+    w64 = dist_cases.bf16_weight()
+    errors = {}
+    for name, dtype, where in (("f64", torch.float64, "cpu"), ("plain", torch.bfloat16, device)):
+        w = w64.to(where, dtype, copy=True).requires_grad_()
+        losses, xs = [], []
+        for rank in range(2):
+            x, target = dist_cases.bf16_inputs(rank)
+            x = x.to(where, dtype).requires_grad_()
+            losses.append(reference.linear_cross_entropy(x, w, target.to(where)))
+            xs.append(x)
+        sum(l.float() for l in losses).backward()  # dX_r = dL_r/dx_r; dW of the mean of the ranks' losses
+        errors[name] = ([l.detach() for l in losses], [x.grad for x in xs], w.grad / 2)
+    (ref_loss, ref_dx, ref_dw), (plain_loss, plain_dx, plain_dw) = errors["f64"], errors["plain"]
+    got = results["bf16"]
+    dw = logical_from_pieces([s for r in got for s in r["shards"]], dist_cases.BF16_CASE["v"])
+    assert rel_err(dw, ref_dw) <= 2 * rel_err(plain_dw, ref_dw)
+    for rank in range(2):
+        assert got[rank]["loss"].dtype == torch.float32
+        assert rel_err(got[rank]["loss"], ref_loss[rank]) <= 2 * max(rel_err(plain_loss[rank], ref_loss[rank]), 1e-6)
+        assert rel_err(got[rank]["grad_x"], ref_dx[rank]) <= 2 * rel_err(plain_dx[rank], ref_dx[rank])
+
+
+# --------------------------------------------------------------------------------------------------
+# gloo, 2 and 3 processes
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(LOSS_CASES))
+@pytest.mark.parametrize("world", [2, 3])
+def test_loss_and_gradients_match_one_process(request, world, name):
+    check_loss_case(world_results(request, world), name, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_topk_and_log_prob_match_one_process(request, world):
+    check_topk(world_results(request, world), world)
+
+
+def test_ddp_step_with_ignored_head_matches_one_process(gloo2):
+    check_ddp(gloo2, 2)
+
+
+def test_bfloat16_errors_within_twice_plain_pytorch(gloo2):
+    check_bf16(gloo2, "cpu")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_on_the_head_all_raise(request, world):
+    results = world_results(request, world)["mismatch"]
+    size, split = zip(*(r["errors"] for r in results))
+    assert all(e is not None and "rank 1 of the process group built a different head" in e for e in size + split)
+    assert all("num_classes=21 (rank 0: 20)" in e for e in size)
+    assert all("its classes start at 6, after rank 0's end at 5" in e for e in split)
+
+
+def _one_process_head(seed=999):
+    torch.manual_seed(seed)
+    return hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=["cpu", "cpu", "cpu"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpoints_load_into_one_process(request, workdir, world):
+    saved = world_results(request, world)["save"]
+    # Rank 0's seed (0) decides the initialization on every rank: the weight of a one-process head seeded so.
+    torch.manual_seed(0)
+    expected = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64).state_dict()
+    for rank in range(world):
+        torch.testing.assert_close(saved[rank]["state"], expected, rtol=0, atol=0)
+    assert [(s[0], s[1]) for s in saved[0]["shards"]] == ([(0, 4), (4, 7)] if world == 2 else [(0, 3), (3, 5)])
+    for kind in ("pt", "safetensors"):
+        head = _one_process_head()
+        path = os.path.join(workdir, f"w{world}.{kind}")
+        if kind == "pt":
+            head.load_state_dict(torch.load(path))
+        else:
+            head.load_safetensors(path)
+        torch.testing.assert_close(head.state_dict(), expected, rtol=0, atol=0)
+
+
+def test_checkpoints_load_into_other_world_sizes(gloo3, one_process_files):
+    torch.manual_seed(0)
+    from_two_ranks = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64).state_dict()
+    for source, expected in (("w2", from_two_ranks), ("one", one_process_files)):
+        for kind in ("pt", "safetensors"):
+            pieces = [s for rank in gloo3[f"load:{source}"] for s in rank[kind]]
+            for i, name in ((2, "weight"), (3, "bias")):
+                got = logical_from_pieces([(s[0], s[1], s[i]) for s in pieces], 13)
+                torch.testing.assert_close(got, expected[name], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The examples, tiny, as their docstrings launch them (gloo, 2 CPU processes)
+# --------------------------------------------------------------------------------------------------
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _run_example(args, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_ddp_train_example_with_torchrun_on_gloo(tmp_path):
+    saved = tmp_path / "head.safetensors"
+    out = _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(EXAMPLES / "ddp_train.py"), "--backend", "gloo", "--uneven", "--steps", "30",
+                        "--save", str(saved)], tmp_path)
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    accuracy = float(re.search(r"held-out top-1 ([\d.]+)", out).group(1))
+    assert last < first - 2 and accuracy > 0.2, out  # it learned (2000 classes: chance 5e-4)
+    assert "backbones identical on all ranks: True" in out and "cover [0, 2000): True" in out
+    head = hugehead.ChunkedClassifier(32, 2000, devices=["cpu", "cpu", "cpu"])  # the file loads into one process
+    head.load_safetensors(str(saved))
+
+
+def test_lightning_ddp_example_fit_and_test_on_cpu(tmp_path):
+    pytest.importorskip("lightning", reason="examples/lightning_ddp.py needs PyTorch Lightning")
+    checkpoint = tmp_path / "last.ckpt"
+    out = _run_example([str(EXAMPLES / "lightning_ddp.py"), "--cpu", "--no-progress", "--steps", "30",
+                        "--checkpoint", str(checkpoint)], tmp_path)
+    assert re.search(r"fit: 30 steps in [\d.]+ s on 2 ranks", out), out
+    loss, accuracy = map(float, re.search(r"test_loss=([\d.]+) test_acc=([\d.]+)", out).groups())
+    assert loss < math.log(2000) - 2 and accuracy > 0.2, out
+    # The Lightning checkpoint holds the logical head gathered from both ranks: it loads into one process.
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    head = hugehead.ChunkedClassifier(32, 2000, devices=["cpu", "cpu"])
+    head.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
+    assert state["head.weight"].shape == (2000, 32)
+
+
+# --------------------------------------------------------------------------------------------------
+# No processes
+# --------------------------------------------------------------------------------------------------
+def test_rank_class_ranges():
+    assert rank_class_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert rank_class_ranges(10, 2, [3, 7]) == [(0, 3), (3, 10)]
+    with pytest.raises(ValueError, match="3 entries expected"):
+        rank_class_ranges(10, 3, [5, 5])
+    with pytest.raises(ValueError, match="sum to 9"):
+        rank_class_ranges(10, 2, [4, 5])
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        rank_class_ranges(3, 4)
+
+
+def test_process_group_needs_torch_distributed_initialized():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        hugehead.ChunkedClassifier(D, 13, process_group=object())
+
+
+# --------------------------------------------------------------------------------------------------
+# NCCL, 2 GPUs (one per rank), the same jobs in float64
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nccl2(tmp_path_factory):
+    return dist_cases.run_world(2, COMMON_JOBS + ["ddp", "bf16"], str(tmp_path_factory.mktemp("nccl")), backend="nccl")
+
+
+@pytest.mark.multigpu
+@requires_multigpu
+def test_nccl_two_gpus_match_one_process(nccl2):
+    for name in LOSS_CASES:
+        check_loss_case(nccl2, name, 2)
+    check_topk(nccl2, 2)
+    check_ddp(nccl2, 2)
+    check_bf16(nccl2, "cuda:0")
