@@ -103,6 +103,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-size", type=_positive_int, help="held-out samples (CPU 1024, GPU 16384)")
     p.add_argument("--devices", help="head placement: 'cuda:0,cuda:1', 'cpu', 'cpu,cpu', or a GPU count "
                    "like '2' (default: all visible GPUs, else cpu). The backbone runs on the first one.")
+    p.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
+                   help="keep the head in pinned host memory and stream it through the --devices GPUs "
+                   "(ChunkedClassifier(offload=True)); auto (default): only when the head does not fit the GPUs "
+                   "but fits the host's RAM")
     p.add_argument("--dtype", type=_dtype_arg, help="head dtype: float32, bfloat16 or float16 "
                    "(CPU float32, GPU bfloat16); the backbone trains in float32")
     p.add_argument("--time-budget", type=float, help="seconds for the whole run, startup included; with "
@@ -235,13 +239,24 @@ def balanced_shard_sizes(num_classes: int, shards: int) -> List[int]:
 def estimate_bytes_per_device(args: argparse.Namespace) -> Dict[torch.device, int]:
     """Bytes each device needs while training: per shard the weight and bias with their gradient and
     Adam's two moments, plus the chunk workspace; on the first device also the backbone (with its
-    gradient and Adam state), the class-frequency tables and one batch of activations."""
+    gradient and Adam state), the class-frequency tables and one batch of activations. With
+    ``args.offload is True`` the parameters, gradients and Adam state are counted in host memory (``cpu``)
+    and each GPU holds the workspace and the offload engine's rings of weight and gradient chunks."""
     itemsize = torch.empty((), dtype=args.dtype).element_size()
+    offloaded = getattr(args, "offload", False) is True
+    host = torch.device("cpu")
     need: Dict[torch.device, int] = {}
     for dev, v in zip(args.devices, balanced_shard_sizes(args.classes, len(args.devices))):
         params = v * (args.dim + 1) * itemsize * _COPIES_PER_PARAM
         workspace = min(_WORKSPACE_BUDGET, args.batch * v * itemsize) + 2 * args.batch * args.dim * 4
-        need[dev] = need.get(dev, 0) + params + workspace
+        if offloaded:
+            from .engines.offload import GRAD_RING_DEPTH, STREAM_MAX_COLS, WEIGHT_RING_DEPTH
+
+            rings = (WEIGHT_RING_DEPTH + GRAD_RING_DEPTH) * min(v, STREAM_MAX_COLS) * (args.dim + 1) * itemsize
+            need[host] = need.get(host, 0) + params
+            need[dev] = need.get(dev, 0) + workspace + rings
+        else:
+            need[dev] = need.get(dev, 0) + params + workspace
     first = args.devices[0]
     backbone_params = args.input_dim * args.hidden + args.hidden * args.hidden + args.hidden * args.dim
     activations = args.batch * (args.input_dim + 2 * args.hidden + 2 * args.dim) * 4 * 3
@@ -267,19 +282,55 @@ def available_bytes(device: torch.device) -> int:
         return 1 << 62  # unknown: do not refuse
 
 
-def check_fits(args: argparse.Namespace) -> None:
-    """Raise ``SystemExit`` with a message when the estimate exceeds what a device has free."""
+def _shortfall(args: argparse.Namespace) -> Optional[Tuple[torch.device, int, int]]:
+    """The first device whose estimated need exceeds 92% of what it has available: (device, need, have)."""
     for dev, need in estimate_bytes_per_device(args).items():
         have = available_bytes(dev)
         if need > 0.92 * have:
-            where = "available RAM" if dev.type == "cpu" else "free memory"
-            smaller_dtype = " or a 2-byte --dtype (bfloat16)" if args.dtype.itemsize > 2 else ""
-            raise SystemExit(
-                f"hugehead.demo: error: {args.classes:,} classes × {args.dim} features in "
-                f"{_dtype_name(args.dtype)} on {len(args.devices)} device(s) need about {need / _GiB:.1f} GiB "
-                f"on {dev} (weights, gradients, Adam state and workspace) but it has {have / _GiB:.1f} GiB "
-                f"{where}. Use more --devices, fewer --classes, a smaller --dim{smaller_dtype}."
-            )
+            return dev, need, have
+    return None
+
+
+def check_fits(args: argparse.Namespace) -> None:
+    """Decide ``--offload auto`` (sets ``args.offload`` to a bool: offload when the head does not fit the
+    GPUs but fits the host's RAM), then raise ``SystemExit`` with a message when the estimate exceeds
+    what a device has available."""
+    gpus = any(d.type == "cuda" for d in args.devices)
+    choice = getattr(args, "offload", "auto")
+    if choice in ("on", True) and not gpus:
+        raise SystemExit("hugehead.demo: error: --offload on streams the head to GPUs; none are in --devices")
+    args.offload = choice in ("on", True)
+    short = _shortfall(args)
+    resident_short = None
+    if choice == "auto" and gpus and short is not None:
+        resident_short = short
+        args.offload = True
+        short = _shortfall(args)
+        if short is None:
+            dev, need, have = resident_short
+            print(f"hugehead.demo: the head needs about {need / _GiB:.1f} GiB on {dev}, which has "
+                  f"{have / _GiB:.1f} GiB free: keeping it in pinned host memory instead (--offload auto)",
+                  flush=True)
+        else:
+            args.offload = False
+            short = resident_short
+    if short is not None:
+        dev, need, have = short
+        where = "available RAM" if dev.type == "cpu" else "free memory"
+        smaller_dtype = " or a 2-byte --dtype (bfloat16)" if args.dtype.itemsize > 2 else ""
+        offload_text = ""
+        if resident_short is not None:
+            args.offload = True
+            host = estimate_bytes_per_device(args).get(torch.device("cpu"), 0)
+            args.offload = False
+            offload_text = (f" Offloading the head to host memory would need about {host / _GiB:.1f} GiB of RAM, "
+                            f"and {available_bytes(torch.device('cpu')) / _GiB:.1f} GiB are available.")
+        raise SystemExit(
+            f"hugehead.demo: error: {args.classes:,} classes × {args.dim} features in "
+            f"{_dtype_name(args.dtype)} on {len(args.devices)} device(s) need about {need / _GiB:.1f} GiB "
+            f"on {dev} (weights, gradients, Adam state and workspace) but it has {have / _GiB:.1f} GiB "
+            f"{where}.{offload_text} Use more --devices, fewer --classes, a smaller --dim{smaller_dtype}."
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -469,16 +520,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     backbone = Backbone(args.input_dim, args.hidden, args.dim).to(first)
     head = hugehead.ChunkedClassifier(args.dim, args.classes, devices=[str(d) for d in devices], dtype=dtype,
-                                      memory_budget=_WORKSPACE_BUDGET)
+                                      memory_budget=_WORKSPACE_BUDGET, offload=args.offload)
     optimizer = _adam(backbone, head, args.lr, dtype)
     shard_info = [dict(device=str(s.device), start=int(s.start), stop=int(s.stop)) for s in head.shards]
+    if args.offload:
+        for info, s in zip(shard_info, head.shards):
+            info["device"] = f"{s.device}->{s.compute_device}"  # lives in pinned host memory, computes there
 
     chance = 1.0 / args.classes
     majority = float((y_eval == data.most_frequent_class).double().mean())
     expected_majority = float(data.rank_probs[0])
     steps_text = f"{args.steps} steps" if args.steps else f"steps to fit {args.time_budget:.0f} s"
     print(f"hugehead.demo: {args.classes:,} classes, D={args.dim}, {_dtype_name(dtype)}, batch {args.batch}, "
-          f"{steps_text}; head shards: "
+          f"{steps_text}; head shards{' (offloaded: pinned host memory)' if args.offload else ''}: "
           + ", ".join(f"{s['device']}[{s['start']:,}:{s['stop']:,})" for s in shard_info), flush=True)
 
     history = dict(num_classes=args.classes, step_loss=[], train_loss=[], epoch_end_step=[], epoch_seconds=[],
@@ -554,7 +608,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     logits_bytes = args.batch * args.classes * itemsize
-    peaks = peak_memory(devices)
+    peaks = peak_memory(list(devices) + ([torch.device("cpu")] if args.offload else []))
     final_acc = history["eval_accuracy"][-1]
     print()
     print(f"held-out top-1 accuracy   {100 * final_acc:.2f}%   on {args.eval_size:,} samples "
@@ -582,7 +636,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     batch=args.batch, steps=steps_done, steps_requested=args.steps or "auto",
                     epochs=args.epochs, eval_size=args.eval_size, dtype=_dtype_name(dtype), lr=args.lr,
                     zipf=args.zipf, noise=args.noise, seed=args.seed, time_budget=args.time_budget,
-                    devices=[str(d) for d in devices]),
+                    devices=[str(d) for d in devices], offload=args.offload,
+                    offload_stats=head.offload_stats),
         shards=shard_info,
         final=dict(eval_accuracy=final_acc, eval_loss=history["eval_loss"][-1],
                    untrained_eval_accuracy=history["eval_accuracy"][0],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -30,16 +31,23 @@ DeviceLike = Union[str, int, torch.device]
 
 class ClassShard(nn.Module):
     """Classes ``[start, stop)`` of a :class:`ChunkedClassifier`: ``weight [stop - start, D]`` and
-    ``bias [stop - start]`` (or None) on one device."""
+    ``bias [stop - start]`` (or None) on one device.
+
+    An offloaded shard lives in pinned host memory (``device`` is the CPU; ``empty`` allocates it) and
+    computes on ``compute_device``; otherwise ``compute_device`` is ``device``."""
 
     def __init__(self, start: int, stop: int, in_features: int, bias: bool, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, *, compute_device: Optional[torch.device] = None, empty=None):
         super().__init__()
         self.start = start
         self.stop = stop
-        self.weight = nn.Parameter(torch.empty(stop - start, in_features, device=device, dtype=dtype))
+        self.compute_device = device if compute_device is None else compute_device
+        if empty is None:
+            def empty(shape, dtype, what):
+                return torch.empty(shape, device=device, dtype=dtype)
+        self.weight = nn.Parameter(empty((stop - start, in_features), dtype, what=f"shard [{start}, {stop}) weight"))
         if bias:
-            self.bias = nn.Parameter(torch.empty(stop - start, device=device, dtype=dtype))
+            self.bias = nn.Parameter(empty((stop - start,), dtype, what=f"shard [{start}, {stop}) bias"))
         else:
             self.register_parameter("bias", None)
 
@@ -62,15 +70,17 @@ def _fmix32(h: Tensor) -> Tensor:
     return h.bitwise_xor_(h >> 16)
 
 
-def _hashed_uniform_(param: Tensor, seed: int, first_class: int, bound: float) -> None:
+def _hashed_uniform_(param: Tensor, seed: int, first_class: int, bound: float,
+                     compute_device: Optional[torch.device] = None) -> None:
     """Fill ``param`` (``[rows, D]`` or ``[rows]``, rows = classes from ``first_class``) with values
     uniform in ``[-bound, bound)`` that depend only on ``(seed, class, feature)``: 24 random bits per
-    value from a hash, computed on ``param``'s device a block of rows at a time."""
+    value from a hash, computed on ``param``'s device (or ``compute_device``: an offloaded shard's GPU,
+    each block copied to the host) a block of rows at a time."""
     rows = param.shape[0]
     cols = param.shape[1] if param.dim() == 2 else 1
-    budget = (1 << 26) if param.device.type == "cuda" else (1 << 20)
+    device = param.device if compute_device is None else compute_device
+    budget = (1 << 26) if device.type == "cuda" else (1 << 20)
     block = max(1, budget // cols)
-    device = param.device
     col_key = _fmix32((torch.arange(cols, device=device, dtype=torch.int64) * 0x27D4EB2F + seed) & _MASK32)
     flat = param.view(rows, cols)
     for r0 in range(0, rows, block):
@@ -80,7 +90,10 @@ def _hashed_uniform_(param: Tensor, seed: int, first_class: int, bound: float) -
         h = _fmix32(((row_key * 0x9E3779B1)[:, None] + col_key[None, :]).bitwise_and_(_MASK32))
         # Exact: 24-bit integers and a power-of-two scale; then one rounding into the bound.
         u = h.bitwise_right_shift_(8).to(torch.float32).mul_(2.0 / (1 << 24)).sub_(1.0)
-        flat[r0:r1].copy_(u.mul_(bound))
+        u = u.mul_(bound)
+        if u.device != flat.device:  # cast where computed (as on a resident shard), then a plain copy
+            u = u.to(flat.dtype)
+        flat[r0:r1].copy_(u)
 
 
 def _parse_devices(devices) -> List[torch.device]:
@@ -239,20 +252,12 @@ class ChunkedClassifier(nn.Module):
             :func:`hugehead.linear_cross_entropy` (None: planned).
         ignore_index, reduction, label_smoothing, z_loss, softcap: the loss, exactly as in
             :func:`hugehead.linear_cross_entropy`.
-        shard_sizes: classes per shard, in device order (default: balanced). With ``process_group``:
-            classes per rank, in rank order, the same list on every rank (each rank splits its classes
-            evenly over its own ``devices``).
-        offload: placement of an engine not built yet; raises NotImplementedError.
-        process_group: a ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD``):
-            the classes are split over its ranks, rank ``r`` holding the contiguous range
-            ``[start_r, stop_r)`` on its own ``devices`` (``hugehead/engines/distributed.py``). Every rank
-            passes its own rows (batch sizes may differ); rank ``r``'s loss is the reduction over its rows,
-            ``x``'s gradient is ``dL_r/dx_r``, and each shard's gradient is that of the mean over ranks of
-            their losses — the objective whose backbone gradients DDP averages. Forward, backward,
-            :meth:`topk`, :meth:`log_prob`, ``state_dict()`` (the logical weight, gathered) and
-            :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
-            head's Parameters out of DDP (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`).
-            The same seed on rank 0 gives the same logical weight as any one-process placement.
+        shard_sizes: classes per shard, in device order (default: balanced).
+        offload: keep every shard in pinned host memory (exact size; the host's available memory is
+            checked first) and stream it through the shard's entry of ``devices`` (CUDA devices; None:
+            the current one) chunk by chunk, gradients copied back into pinned host ``.grad`` tensors, so
+            optimizers step the head on the CPU (``hugehead/engines/offload.py``). Needs CUDA.
+        process_group: vocabulary-parallel placement across ranks; not built yet (NotImplementedError).
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
     shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
@@ -263,10 +268,11 @@ class ChunkedClassifier(nn.Module):
             ``.start``, ``.stop``, ``.device``); ``parameters()`` are exactly their Parameters.
 
     Raises:
-        ValueError: bad sizes, devices, shard_sizes or loss options.
-        NotImplementedError: ``offload=True``.
-        RuntimeError, TypeError: ``process_group`` given without ``torch.distributed`` initialized, or not
-            a process group. ValueError: the ranks built heads that differ (raised on every rank).
+        ValueError: bad sizes, devices, shard_sizes or loss options; ``offload=True`` without CUDA or with
+            a non-CUDA device.
+        hugehead.pinned.HostMemoryError: ``offload=True`` and the host has less available memory than the
+            parameters need (the message names both).
+        NotImplementedError: a ``process_group``.
     """
 
     def __init__(
@@ -289,16 +295,11 @@ class ChunkedClassifier(nn.Module):
         process_group=None,
     ):
         super().__init__()
-        if offload:
-            raise NotImplementedError(
-                "hugehead: offload=True (shards in pinned host memory, streamed to the GPU chunk by chunk by "
-                "the planned engines/offload.py) is not implemented yet; use devices=[...] to shard over GPUs"
-            )
-        group = None
         if process_group is not None:
-            from .engines.distributed import resolve_group
-
-            group = resolve_group(process_group)
+            raise NotImplementedError(
+                "hugehead: process_group (vocabulary-parallel shards across ranks, the planned "
+                "engines/distributed.py) is not implemented yet; use devices=[...] within one process"
+            )
         if int(in_features) != in_features or in_features < 1:
             raise ValueError(f"hugehead: in_features must be a positive integer, got {in_features}")
         if int(num_classes) != num_classes or num_classes < 1:
@@ -319,40 +320,44 @@ class ChunkedClassifier(nn.Module):
         self.label_smoothing = float(label_smoothing)
         self.z_loss = float(z_loss)
         self.softcap = softcap
-        self.engine = LocalEngine(
-            None if chunk_size is None else int(chunk_size), None if memory_budget is None else int(memory_budget)
-        )
+        chunk_size = None if chunk_size is None else int(chunk_size)
+        memory_budget = None if memory_budget is None else int(memory_budget)
 
         # Explicit placements are pinned: Module.to(device)/.cuda()/.cpu() (which Lightning and most training
-        # loops call on the whole model) cast dtypes but leave each shard on its device.
-        self.placement_pinned = devices is not None
+        # loops call on the whole model) cast dtypes but leave each shard on its device. Offloaded shards
+        # always stay in host memory.
+        self.offload = bool(offload)
+        self.placement_pinned = devices is not None or self.offload
         placement = _parse_devices(devices)
-        first_class, stop_class = 0, self.num_classes
-        if group is not None:  # this rank's classes [first_class, stop_class), split evenly over its devices
-            from .engines.distributed import rank_class_ranges
+        sizes = _parse_shard_sizes(shard_sizes, self.num_classes, len(placement))
+        empty, t0 = None, time.perf_counter()
+        if self.offload:
+            from .engines.offload import OffloadEngine, check_offload_devices
+            from .pinned import check_host_memory
 
-            rank_ranges = rank_class_ranges(self.num_classes, group.size(), shard_sizes)
-            first_class, stop_class = rank_ranges[group.rank()]
-            shard_sizes = None
-        sizes = _parse_shard_sizes(shard_sizes, stop_class - first_class, len(placement))
-        shards, start = [], first_class
+            placement = check_offload_devices(placement)
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            self.engine = self._offload_engine = OffloadEngine(dict(zip(starts, placement)), chunk_size, memory_budget)
+            empty = self.engine.allocate_host
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            host_bytes = sum(sizes) * (self.in_features + int(bool(bias))) * itemsize
+            check_host_memory(host_bytes, f"the offloaded head's parameters ({sum(sizes):,} x "
+                                          f"{self.in_features} {str(dtype).replace('torch.', '')})")
+        else:
+            self.engine, self._offload_engine = LocalEngine(chunk_size, memory_budget), None
+        shards, start = [], 0
         for device, size in zip(placement, sizes):
-            shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
+            if self.offload:
+                shards.append(ClassShard(start, start + size, self.in_features, bias, torch.device("cpu"), dtype,
+                                         compute_device=device, empty=empty))
+            else:
+                shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
             start += size
         self.shards = nn.ModuleList(shards)
-        if group is not None:
-            from .engines.distributed import DistributedEngine
-
-            self.engine = DistributedEngine(self.engine, group, rank_ranges)
-            self.engine.check_agreement(self.in_features, bias, dtype)
+        self._pin_seconds = time.perf_counter() - t0
         self.reset_parameters()
 
-        if group is None:
-            self.register_state_dict_post_hook(_logical_state_dict_hook)
-        else:  # the logical weight gathered from every rank (collective)
-            from .engines.distributed import logical_state_dict_hook
-
-            self.register_state_dict_post_hook(logical_state_dict_hook)
+        self.register_state_dict_post_hook(_logical_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_logical_state_dict_hook)
         self.register_load_state_dict_post_hook(_rename_missing_keys_hook)
 
@@ -363,7 +368,11 @@ class ChunkedClassifier(nn.Module):
         def keep_device(t: Tensor) -> Tensor:
             # What fn would make of a tensor like t tells the dtype it asks for; the device stays.
             probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-            return t if probe.dtype == t.dtype else t.to(dtype=probe.dtype)
+            if probe.dtype == t.dtype:
+                return t
+            if self.offload:  # cast into pinned memory again (t.to would land in pageable memory)
+                return self._offload_engine.allocate_host(t.shape, probe.dtype, what="a cast offloaded shard").copy_(t)
+            return t.to(dtype=probe.dtype)
 
         return super()._apply(keep_device, recurse)
 
@@ -381,6 +390,16 @@ class ChunkedClassifier(nn.Module):
     @property
     def shard_sizes(self) -> Tuple[int, ...]:
         return tuple(s.stop - s.start for s in self.shards)
+
+    @property
+    def offload_stats(self) -> Dict[str, float]:
+        """An offloaded head's host memory: ``weight_bytes`` (parameters, pinned at construction) and the
+        ``pin_seconds`` that took, ``grad_bytes`` of pinned gradient buffers allocated so far and their
+        ``grad_alloc_seconds``. Empty for other placements."""
+        if not self.offload:
+            return {}
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+        return {"weight_bytes": weight_bytes, "pin_seconds": self._pin_seconds, **self._offload_engine.stats()}
 
     def extra_repr(self) -> str:
         layout = ", ".join(f"{s.device} [{s.start}, {s.stop})" for s in self.shards)
@@ -412,13 +431,12 @@ class ChunkedClassifier(nn.Module):
         so ``torch.manual_seed`` makes it reproducible.
         """
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        if hasattr(self.engine, "agree_seed"):  # across ranks: rank 0's seed, one logical weight
-            seed = self.engine.agree_seed(seed)
         bound = 1.0 / math.sqrt(self.in_features)
         for shard in self.shards:
-            _hashed_uniform_(shard.weight, seed, shard.start, bound)
+            # An offloaded shard's values are computed on its GPU (the same integer hash) and copied in.
+            _hashed_uniform_(shard.weight, seed, shard.start, bound, shard.compute_device)
             if shard.bias is not None:
-                _hashed_uniform_(shard.bias, seed ^ 0x5BD1E995, shard.start, bound)
+                _hashed_uniform_(shard.bias, seed ^ 0x5BD1E995, shard.start, bound, shard.compute_device)
 
     # ---------------------------------------------------------------------------------------------
     # Compute
@@ -555,10 +573,6 @@ class ChunkedClassifier(nn.Module):
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
         it was). Any placement reads the file back with :meth:`load_safetensors`.
         """
-        if self.engine.name == "distributed":  # collective: one file, written by rank 0
-            from .engines.distributed import save_safetensors
-
-            return save_safetensors(self, path, _SAFETENSORS_FORMAT)
         from .checkpoint import write_safetensors
 
         tensors: List[Tuple[str, Tensor]] = []
