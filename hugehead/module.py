@@ -252,12 +252,23 @@ class ChunkedClassifier(nn.Module):
             :func:`hugehead.linear_cross_entropy` (None: planned).
         ignore_index, reduction, label_smoothing, z_loss, softcap: the loss, exactly as in
             :func:`hugehead.linear_cross_entropy`.
-        shard_sizes: classes per shard, in device order (default: balanced).
+        shard_sizes: classes per shard, in device order (default: balanced). With ``process_group``:
+            classes per rank, in rank order, the same list on every rank (each rank splits its classes
+            evenly over its own ``devices``).
         offload: keep every shard in pinned host memory (exact size; the host's available memory is
             checked first) and stream it through the shard's entry of ``devices`` (CUDA devices; None:
             the current one) chunk by chunk, gradients copied back into pinned host ``.grad`` tensors, so
             optimizers step the head on the CPU (``hugehead/engines/offload.py``). Needs CUDA.
-        process_group: vocabulary-parallel placement across ranks; not built yet (NotImplementedError).
+        process_group: a ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD``):
+            the classes are split over its ranks, rank ``r`` holding the contiguous range
+            ``[start_r, stop_r)`` on its own ``devices`` (``hugehead/engines/distributed.py``). Every rank
+            passes its own rows (batch sizes may differ); rank ``r``'s loss is the reduction over its rows,
+            ``x``'s gradient is ``dL_r/dx_r``, and each shard's gradient is that of the mean over ranks of
+            their losses — the objective whose backbone gradients DDP averages. Forward, backward,
+            :meth:`topk`, :meth:`log_prob`, ``state_dict()`` (the logical weight, gathered) and
+            :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
+            head's Parameters out of DDP (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`).
+            The same seed on rank 0 gives the same logical weight as any one-process placement.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
     shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
@@ -272,7 +283,8 @@ class ChunkedClassifier(nn.Module):
             a non-CUDA device.
         hugehead.pinned.HostMemoryError: ``offload=True`` and the host has less available memory than the
             parameters need (the message names both).
-        NotImplementedError: a ``process_group``.
+        RuntimeError, TypeError: ``process_group`` given without ``torch.distributed`` initialized, or not
+            a process group. ValueError: the ranks built heads that differ (raised on every rank).
     """
 
     def __init__(
@@ -295,11 +307,11 @@ class ChunkedClassifier(nn.Module):
         process_group=None,
     ):
         super().__init__()
+        group = None
         if process_group is not None:
-            raise NotImplementedError(
-                "hugehead: process_group (vocabulary-parallel shards across ranks, the planned "
-                "engines/distributed.py) is not implemented yet; use devices=[...] within one process"
-            )
+            from .engines.distributed import resolve_group
+
+            group = resolve_group(process_group)
         if int(in_features) != in_features or in_features < 1:
             raise ValueError(f"hugehead: in_features must be a positive integer, got {in_features}")
         if int(num_classes) != num_classes or num_classes < 1:
@@ -329,14 +341,21 @@ class ChunkedClassifier(nn.Module):
         self.offload = bool(offload)
         self.placement_pinned = devices is not None or self.offload
         placement = _parse_devices(devices)
-        sizes = _parse_shard_sizes(shard_sizes, self.num_classes, len(placement))
+        first_class, stop_class = 0, self.num_classes
+        if group is not None:  # this rank's classes [first_class, stop_class), split evenly over its devices
+            from .engines.distributed import rank_class_ranges
+
+            rank_ranges = rank_class_ranges(self.num_classes, group.size(), shard_sizes)
+            first_class, stop_class = rank_ranges[group.rank()]
+            shard_sizes = None
+        sizes = _parse_shard_sizes(shard_sizes, stop_class - first_class, len(placement))
         empty, t0 = None, time.perf_counter()
         if self.offload:
             from .engines.offload import OffloadEngine, check_offload_devices
             from .pinned import check_host_memory
 
             placement = check_offload_devices(placement)
-            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            starts = [first_class + sum(sizes[:k]) for k in range(len(sizes))]
             self.engine = self._offload_engine = OffloadEngine(dict(zip(starts, placement)), chunk_size, memory_budget)
             empty = self.engine.allocate_host
             itemsize = torch.empty((), dtype=dtype).element_size()
@@ -345,7 +364,7 @@ class ChunkedClassifier(nn.Module):
                                           f"{self.in_features} {str(dtype).replace('torch.', '')})")
         else:
             self.engine, self._offload_engine = LocalEngine(chunk_size, memory_budget), None
-        shards, start = [], 0
+        shards, start = [], first_class
         for device, size in zip(placement, sizes):
             if self.offload:
                 shards.append(ClassShard(start, start + size, self.in_features, bias, torch.device("cpu"), dtype,
@@ -354,10 +373,20 @@ class ChunkedClassifier(nn.Module):
                 shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
             start += size
         self.shards = nn.ModuleList(shards)
+        if group is not None:
+            from .engines.distributed import DistributedEngine
+
+            self.engine = DistributedEngine(self.engine, group, rank_ranges)
+            self.engine.check_agreement(self.in_features, bias, dtype)
         self._pin_seconds = time.perf_counter() - t0
         self.reset_parameters()
 
-        self.register_state_dict_post_hook(_logical_state_dict_hook)
+        if group is None:
+            self.register_state_dict_post_hook(_logical_state_dict_hook)
+        else:  # the logical weight gathered from every rank (collective)
+            from .engines.distributed import logical_state_dict_hook
+
+            self.register_state_dict_post_hook(logical_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_logical_state_dict_hook)
         self.register_load_state_dict_post_hook(_rename_missing_keys_hook)
 
@@ -431,6 +460,8 @@ class ChunkedClassifier(nn.Module):
         so ``torch.manual_seed`` makes it reproducible.
         """
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        if hasattr(self.engine, "agree_seed"):  # across ranks: rank 0's seed, one logical weight
+            seed = self.engine.agree_seed(seed)
         bound = 1.0 / math.sqrt(self.in_features)
         for shard in self.shards:
             # An offloaded shard's values are computed on its GPU (the same integer hash) and copied in.
@@ -573,6 +604,10 @@ class ChunkedClassifier(nn.Module):
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
         it was). Any placement reads the file back with :meth:`load_safetensors`.
         """
+        if self.engine.name == "distributed":  # collective: one file, written by rank 0
+            from .engines.distributed import save_safetensors
+
+            return save_safetensors(self, path, _SAFETENSORS_FORMAT)
         from .checkpoint import write_safetensors
 
         tensors: List[Tuple[str, Tensor]] = []

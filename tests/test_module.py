@@ -430,7 +430,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(devices=["cpu"] * 2, shard_sizes=[37]), ValueError, r"1 entries but devices has 2"),
         (dict(devices=["cpu"] * 38), ValueError, r"37 classes cannot fill 38 shards"),
         (dict(offload=True, devices=["cpu"]), ValueError, r"offload=True .*(not available|CUDA device, but)"),
-        (dict(process_group=object()), NotImplementedError, r"process_group .*across ranks"),
+        (dict(process_group=object()), RuntimeError, r"process_group= needs torch.distributed initialized"),
         (dict(softcap=float("inf")), ValueError, r"softcap must be a finite positive number"),
         (dict(dtype=torch.int32), TypeError, r"dtype must be one of"),
         (dict(chunk_size=0), ValueError, r"chunk_size must be >= 1"),
