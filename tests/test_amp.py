@@ -933,9 +933,11 @@ def test_multigpu_fp16_grad_scaler_adamw_matches_plain(inject):
 # --------------------------------------------------------------------------------------------------
 # bench/bench_amp.py: the GPU benchmark's pipeline on tiny CPU problems
 # --------------------------------------------------------------------------------------------------
-def test_bench_amp_cpu_smoke(tmp_path):
+def test_bench_amp_cpu_smoke(tmp_path, monkeypatch):
     import json
+    from pathlib import Path
 
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # `bench` under python -P -m pytest
     from bench import bench_amp
 
     out = tmp_path / "amp.json"
