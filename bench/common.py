@@ -495,6 +495,7 @@ def environment(device: torch.device) -> Dict[str, object]:
     else:
         info.update(gpu_name="cpu", gpu_capability=None, gpu_memory_gib=None, gpu_count=0)
     info["cpu_model"] = cpu_model()
+    info["niceness"] = os.nice(0) if hasattr(os, "nice") else None  # CPU runs may raise their priority
     info["torch_threads"] = torch.get_num_threads()
     info["machine"] = (
         info["gpu_name"] if device.type == "cuda" else f"{info['cpu_model']}, {os.cpu_count()} cores"

@@ -1,7 +1,7 @@
 """The cases of the linear cross-entropy benchmark that ``bench_lce`` runs in one child process: one shape,
-its float32 reference (computed once, kept in host memory), then one or several implementations
-measured one after the other on the same inputs (timed forward+backward and forward, the plan each
-chose, errors against the reference), each finished before the next starts. Also the probe
+one or several implementations measured one after the other on the same inputs (timed forward+backward
+and forward, the plan each chose, errors against the shape's float32 reference, computed once when
+first needed and kept in host memory), each finished before the next starts. Also the probe
 (environment, which peers import).
 
 Several implementations share a process only when none is expected to break it (``Impl.isolate``):
@@ -179,8 +179,9 @@ class _Case:
         return row
 
 
-def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, opts, ref) -> bool:
-    """fwd+bwd (compared with the reference ``ref``) then fwd of one implementation on the shared inputs.
+def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, opts,
+                  reference: Callable[[], Optional[dict]]) -> bool:
+    """fwd+bwd (compared with ``reference()``) then fwd of one implementation on the shared inputs.
     Returns False when the CUDA context is lost."""
     row, device, impl = case.row, case.device, case.impl
     if impl.plan is not None:
@@ -216,7 +217,7 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
         row["tflops"] = shape.fwd_bwd_flops / (stats["ms"] * 1e-3) / 1e12
         row["loss"] = float(loss.float())
         case.save("compare")
-        _compare(case, ref, gx, gw, x, weight)
+        _compare(case, reference(), gx, gw, x, weight)
         del loss, gx, gw
     except Exception as exc:  # noqa: BLE001
         if not case.fail("fwd_bwd", exc):
@@ -244,6 +245,7 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
             row["fwd_peak_extra_gib"] = extra / 2**30
         row["fwd_tflops"] = shape.fwd_flops / (stats["ms"] * 1e-3) / 1e12
         row["fwd_loss"] = float(loss.float())
+        ref = reference()
         if ref is not None:
             row["loss_ref"] = ref["loss"]
             row["fwd_loss_rel_err"] = abs(row["fwd_loss"] - ref["loss"]) / abs(ref["loss"])
@@ -257,7 +259,8 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
 
 def _reference(shape: Shape, x, weight, target, device, opts) -> dict:
     """The float32 reference of the shape: loss, ``grad_x`` (on ``x``'s device) and ``grad_w`` ``[V, D]``
-    float32 in host memory (the implementations' dW are compared with it chunk by chunk)."""
+    float32 in host memory (the implementations' dW are compared with it chunk by chunk; it stays there,
+    out of the way of the next implementation's memory measurement)."""
     cols = opts.ref_chunk or reference_chunk_cols(shape.n, shape.v)
     grad_w = torch.empty(weight.shape, dtype=torch.float32)  # host memory: the GPU is for the measurements
 
@@ -349,25 +352,34 @@ def run_cases(impl_names: List[str], shape: Shape, device: torch.device, dtype: 
             c.finish(c.row["inputs_status"])
         return in_order([c.row for c in cases])
 
-    running("reference")
-    ref = None
-    try:
-        ref = _reference(shape, x, weight, target, device, opts)
-    except Exception as exc:  # noqa: BLE001  (the measurements still stand; each row says why no errors)
-        for c in cases:
-            c.fail("ref", exc)
-    _release(device)
+    ref: dict = {}
+
+    def reference() -> Optional[dict]:
+        """Computed the first time a case needs it (a peer that crashes first costs no reference)."""
+        if not ref:
+            running("reference")
+            try:
+                ref["value"] = _reference(shape, x, weight, target, device, opts)
+            except Exception as exc:  # noqa: BLE001  (the measurements still stand; each row says why no errors)
+                ref["value"] = None
+                for c in cases:
+                    c.fail("ref", exc)
+            running(current[0])
+        return ref["value"]
+
+    current = [""]
     x.requires_grad_(True)
     weight.requires_grad_(True)
 
     finished: List[dict] = []
     for case in cases:
+        current[0] = case.impl.name
         running(case.impl.name)
         case.start()
         case.row["input_bytes"] = tensor_bytes(x, weight, target)
         case.row["grad_bytes"] = tensor_bytes(x, weight)
         case.row["ref_shared_by"] = len(cases)
-        alive = _measure_impl(case, loss_fns[case.impl.name], shape, x, weight, target, dtype, opts, ref)
+        alive = _measure_impl(case, loss_fns[case.impl.name], shape, x, weight, target, dtype, opts, reference)
         finished.append(case.finish())
         if not alive:  # the CUDA context is gone: the others get a fresh process from the parent
             break
