@@ -837,10 +837,12 @@ def test_demo_offload_on_needs_gpus(monkeypatch):
         demo.check_fits(args)
 
 
-def test_bench_offload_cpu_smoke(tmp_path):
+def test_bench_offload_cpu_smoke(tmp_path, monkeypatch):
     import json
+    from pathlib import Path
 
     pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # `bench` under python -P -m pytest
     from bench import bench_offload
 
     try:
