@@ -10,11 +10,12 @@ Cases, in order (bf16 unless said; D=768; x and targets on cuda:0):
    recomputes them), and forward only; then xc6M_16k (N=16384) on the same head.
 3. the same two shapes with the head resident on the GPU (same seed, same logical weight): the ratio the
    issue's N=16384 target is about, and a check that both placements compute the same loss.
-4. xc6M with float32 master weights under bf16 autocast (float32 streamed, cast per chunk on the GPU):
-   the alternative a bfloat16 host copy would be measured against.
-5. xc25M (N=4096, V=25M): a training step with SGD on the CPU (weights + gradients = 77 GB of pinned host
+4. xc25M (N=4096, V=25M): a training step with SGD on the CPU (weights + gradients = 77 GB of pinned host
    memory in bf16; float32, or Adam's state, would not fit a 128 GiB host): step time split into
    forward+backward and optimizer, host memory, pinning time.
+5. xc6M with float32 master weights under bf16 autocast (float32 streamed, cast per chunk on the GPU):
+   the alternative a bfloat16 host copy would be measured against (the bf16 rows of case 2 are what
+   such a copy would cost on the wire, before the CPU work of keeping it up to date).
 
 Achieved GB/s counts the bytes a step must move: forward the weight in; backward the weight in and the
 gradient out. The floor is the issue's: two weight passes at 55.4 GB/s. Writes offload.json (rows in the
@@ -450,9 +451,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     big = device.type == "cuda"
     case("xc6M", offloaded_6m, 40 if big else 0, s6, bf16, "offload", "kept logits")
     case("resident", resident_6m, 30 if big else 0, s6, bf16, "resident", "default")
-    case("autocast", autocast_6m, 40 if big else 0, s6, torch.float32, "offload", "fp32 masters+autocast")
     case("xc25M", lambda: [run_train_step(s25, bf16, device, args.train_steps)], 70 if big else 0, s25, bf16,
          "offload", "train step (SGD, CPU)")
+    case("autocast", autocast_6m, 40 if big else 0, s6, torch.float32, "offload", "fp32 masters+autocast")
 
     publish(plot=True)
     print(f"\nwrote {out}/offload.json, offload.md, offload.png in {time.perf_counter() - t_start:.0f} s\n")
