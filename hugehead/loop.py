@@ -121,6 +121,10 @@ def plan_chunks(
     n, v = max(n, 1), max(v, 1)
     max_cols = _MAX_COLS.get(device.type, _MAX_COLS["cpu"])
     dx_bytes = n * d * (itemsize + 4)
+    if weight_dtype != dtype:
+        # Under autocast a cast weight chunk, the next one and a dW chunk in the compute dtype also live:
+        # count them (at the widest chunk) against the budget.
+        memory_budget = max(1, memory_budget - 3 * min(v, max_cols) * d * itemsize)
     keep = chunk_size is None and allow_keep
     if keep and n * v * itemsize + dx_bytes <= memory_budget:
         # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the

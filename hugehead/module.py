@@ -553,7 +553,8 @@ class ChunkedClassifier(nn.Module):
         by chunk per shard: no ``[N, V]`` tensor.
 
         Args:
-            x: ``[N, D]`` in the head's dtype. k: ``0 <= k <= num_classes``.
+            x: ``[N, D]`` in the head's dtype, or any float16/bfloat16/float32 dtype under
+                ``torch.autocast`` (computed in the autocast dtype). k: ``0 <= k <= num_classes``.
         Returns:
             ``(values [N, k]`` in ``x``'s dtype, ``indices [N, k]`` int64``)`` on ``x``'s device, sorted by
             value descending, ties broken by the lower class index.
@@ -575,7 +576,7 @@ class ChunkedClassifier(nn.Module):
         Args:
             x: ``[N, D]``; target: ``[N]`` class ids in ``[0, V)`` (``ignore_index`` is not accepted).
         Returns:
-            ``[N]`` in ``x``'s dtype on ``x``'s device.
+            ``[N]`` float32 (float64 for a float64 computation) on ``x``'s device.
         Raises:
             ValueError: a target outside ``[0, V)``, or the checks of :meth:`forward`.
         """
