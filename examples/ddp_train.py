@@ -102,14 +102,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit("launch with torchrun, e.g. torchrun --nproc_per_node 2 examples/ddp_train.py")
-    dist.init_process_group(args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.backend == "nccl":
+    if args.backend == "nccl":  # this process's GPU first: NCCL's communicator binds to the current device
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same backbone on every rank (DDP would broadcast rank 0's anyway)
 
     # fp32 master weights; on GPUs the step computes in bf16 under autocast (the head casts each weight

@@ -83,14 +83,20 @@ def _devices(ctx, count: int) -> List[str]:
     return [ctx["device"]] * count
 
 
-def job_loss(ctx, name: str) -> dict:
+def job_loss(ctx, name: str, offload: bool = False) -> dict:
+    """``offload``: each rank's shards in pinned host memory, streamed through its GPU (the offload
+    engine inside the distributed one); skipped where this build has no offload engine."""
     case = LOSS_CASES[name]
     rank, world = ctx["rank"], ctx["world"]
     device = ctx["device"]
-    head = hugehead.ChunkedClassifier(
-        D, case["v"], case.get("bias", True), dtype=torch.float64, devices=_devices(ctx, case.get("local_shards", 1)),
-        process_group=dist.group.WORLD, shard_sizes=rank_sizes(case, world), **head_kwargs(case),
-    )
+    try:
+        head = hugehead.ChunkedClassifier(
+            D, case["v"], case.get("bias", True), dtype=torch.float64,
+            devices=_devices(ctx, case.get("local_shards", 1)), process_group=dist.group.WORLD,
+            shard_sizes=rank_sizes(case, world), **head_kwargs(case), **(dict(offload=True) if offload else {}),
+        )
+    except NotImplementedError as exc:
+        return dict(skipped=str(exc))
     w, b = case_weights(case)
     head.load_state_dict({"weight": w, "bias": b} if b is not None else {"weight": w})
     x, target, c, e = case_inputs(case, rank)
@@ -256,6 +262,7 @@ def job_mismatch(ctx) -> dict:
 
 JOBS = {
     **{f"loss:{name}": (job_loss, (name,)) for name in LOSS_CASES},
+    **{f"offload:{name}": (job_loss, (name, True)) for name in LOSS_CASES},
     "topk": (job_topk, ()),
     "save": (job_save, ()),
     "ddp": (job_ddp, ()),

@@ -95,10 +95,10 @@ def logical_from_pieces(pieces, num_classes):
     return torch.cat([p[2] for p in pieces])
 
 
-def check_loss_case(results, name, world):
+def check_loss_case(results, name, world, job="loss"):
     case = LOSS_CASES[name]
     ranks, grad_w, grad_b = reference_loss_case(name, world)
-    got = results[f"loss:{name}"]
+    got = results[f"{job}:{name}"]
     for rank, (loss, lse, grad_x) in enumerate(ranks):
         torch.testing.assert_close(got[rank]["loss"], loss, **CLOSE)
         if case.get("return_lse"):
@@ -209,7 +209,11 @@ def _one_process_head(seed=999):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_checkpoints_load_into_one_process(request, workdir, world):
-    saved = world_results(request, world)["save"]
+    check_saved(world_results(request, world), workdir, world)
+
+
+def check_saved(results, workdir, world):
+    saved = results["save"]
     # Rank 0's seed (0) decides the initialization on every rank: the weight of a one-process head seeded so.
     torch.manual_seed(0)
     expected = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64).state_dict()
@@ -279,6 +283,21 @@ def test_lightning_ddp_example_fit_and_test_on_cpu(tmp_path):
     assert state["head.weight"].shape == (2000, 32)
 
 
+def test_bench_dist_smoke_writes_records(tmp_path):
+    """bench/bench_dist.py's pipeline on gloo, tiny: one JSON file with the one-rank and the two-rank rows."""
+    import json
+
+    _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "bench.bench_dist",
+                  "--cpu-smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "out")],
+                 Path(__file__).resolve().parents[1])
+    doc = json.loads((tmp_path / "out" / "dist.json").read_text())
+    assert doc["git"]["git_sha"] and [r["world_size"] for r in doc["records"]] == [1, 2]
+    for record in doc["records"]:
+        assert {"n", "d", "v", "world_size", "fwd_bwd_ms"} <= set(record) and record["fwd_bwd_ms"] > 0
+    assert all(v < 1e-5 for v in doc["checks"].values()), doc["checks"]  # float32: the same numbers as one process
+    assert (tmp_path / "out" / "dist.md").exists()
+
+
 # --------------------------------------------------------------------------------------------------
 # No processes
 # --------------------------------------------------------------------------------------------------
@@ -304,15 +323,32 @@ def test_process_group_needs_torch_distributed_initialized():
 # NCCL, 2 GPUs (one per rank), the same jobs in float64
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def nccl2(tmp_path_factory):
-    return dist_cases.run_world(2, COMMON_JOBS + ["ddp", "bf16"], str(tmp_path_factory.mktemp("nccl")), backend="nccl")
+def nccl_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("nccl"))
+
+
+@pytest.fixture(scope="module")
+def nccl2(nccl_dir):
+    return dist_cases.run_world(2, COMMON_JOBS + ["ddp", "bf16", "save"], nccl_dir, backend="nccl")
 
 
 @pytest.mark.multigpu
 @requires_multigpu
-def test_nccl_two_gpus_match_one_process(nccl2):
+def test_nccl_two_gpus_match_one_process(nccl2, nccl_dir):
     for name in LOSS_CASES:
         check_loss_case(nccl2, name, 2)
     check_topk(nccl2, 2)
     check_ddp(nccl2, 2)
     check_bf16(nccl2, "cuda:0")
+    check_saved(nccl2, nccl_dir, 2)
+
+
+@pytest.mark.multigpu
+@requires_multigpu
+def test_nccl_two_gpus_offloaded_shards_match_one_process(tmp_path):
+    jobs = [f"offload:{name}" for name in LOSS_CASES]
+    results = dist_cases.run_world(2, jobs, str(tmp_path), backend="nccl")
+    if any("skipped" in r for r in results[jobs[0]]):
+        pytest.skip("this build has no offload engine")
+    for name in LOSS_CASES:
+        check_loss_case(results, name, 2, job="offload")

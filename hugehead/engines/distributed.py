@@ -254,6 +254,7 @@ class DistributedEngine:
         world = self.world_size
         n = placed[0].x.shape[0] // world
         device = self.comm_device(x_like.device)
+        # The local engine takes dX's dtype and device from x_like; the rows themselves are in `placed`.
         x_comm = x_like.new_empty(0, device=device)
         if n == 0:  # no rank has rows: no collective
             _, grad_w, grad_b = self.local.backward(
@@ -372,7 +373,7 @@ def gather_logical(head, name: str, dst: Optional[int] = None, block_bytes: int 
     first = getattr(head.shards[0], name)
     tail, dtype = tuple(first.shape[1:]), first.dtype
     keep = dst is None or dst == engine.rank
-    out = torch.empty((head.num_classes, *tail), dtype=dtype) if keep else None
+    out = torch.empty((head.num_classes, *tail), dtype=dtype, device="cpu") if keep else None
     device = engine.comm_device(first.device)
     row_bytes = max(1, math.prod(tail) * first.element_size())
     step = max(1, block_bytes // row_bytes)
