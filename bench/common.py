@@ -414,8 +414,12 @@ def cuda_context_ok(device: torch.device) -> bool:
 # Environment facts
 # --------------------------------------------------------------------------------------------------
 def git_sha() -> Dict[str, object]:
-    """``git rev-parse HEAD`` of the repository (and whether tracked files differ), else the
-    ``HUGEHEAD_GIT_SHA`` environment variable, else "unknown"."""
+    """The ``HUGEHEAD_GIT_SHA`` environment variable when set (the GPU machine's copy of the tree may
+    carry a stale ``.git``: the caller names the commit it sent), else ``git rev-parse HEAD`` of the
+    repository (and whether tracked files differ), else "unknown"."""
+    env = os.environ.get("HUGEHEAD_GIT_SHA")
+    if env:
+        return {"git_sha": env, "git_dirty": None, "git_sha_source": "env HUGEHEAD_GIT_SHA"}
     try:
         sha = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20, check=True
@@ -428,9 +432,6 @@ def git_sha() -> Dict[str, object]:
         files = [line[3:] for line in dirty.splitlines()][:40]
         return {"git_sha": sha, "git_dirty": bool(dirty), "git_dirty_files": files, "git_sha_source": "git"}
     except (OSError, subprocess.SubprocessError):
-        env = os.environ.get("HUGEHEAD_GIT_SHA")
-        if env:
-            return {"git_sha": env, "git_dirty": None, "git_sha_source": "env HUGEHEAD_GIT_SHA"}
         return {"git_sha": "unknown", "git_dirty": None, "git_sha_source": "none"}
 
 

@@ -25,6 +25,14 @@ FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def pytest_collection_modifyitems(config, items):
+    # A test gated by requires_cuda / requires_multigpu carries the matching marker, so the GPU machine
+    # can select exactly the hardware tests with -m "cuda or multigpu" (CI runs the CPU ones).
+    for item in items:
+        reasons = [m.kwargs.get("reason", "") for m in item.iter_markers("skipif")]
+        if any("needs a CUDA GPU" in r for r in reasons):
+            item.add_marker(pytest.mark.cuda)
+        if any("two or more CUDA GPUs" in r for r in reasons):
+            item.add_marker(pytest.mark.multigpu)
     if os.environ.get("HUGEHEAD_SLOW") == "1":
         return
     skip_slow = pytest.mark.skip(reason="slow: set HUGEHEAD_SLOW=1 to run")
