@@ -662,8 +662,11 @@ def test_cuda_offload_trains_like_resident_over_steps(optimizer):
         for a, b in zip(g_o, g_r):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     assert h_off[-1][0] < h_off[0][0]  # it trains
+    # AdamW divides by sqrt(v): an element whose second moment is tiny amplifies float32 rounding of
+    # its gradient (CPU vs GPU optimizer arithmetic), measured 2.3e-6 absolute on one of 160000 weights.
+    atol = 1e-5 if optimizer == "adamw" else 1e-6
     for a, b in zip(off.parameters(), res.parameters()):
-        torch.testing.assert_close(a.detach(), b.detach().cpu(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.detach(), b.detach().cpu(), rtol=1e-5, atol=atol)
 
 
 @requires_cuda
