@@ -54,7 +54,8 @@ def test_auto_steps_fit_the_time_budget(tmp_path):
     # hard bound; stopping early is the demo's own safety valve when steps slow down mid-run.
     assert summary["config"]["steps"] >= 1
     assert summary["timing"]["wall_seconds"] < 7
-    assert len(summary["epochs"]) == 2
+    # Two epochs, unless the machine was so loaded that a single step filled the budget.
+    assert len(summary["epochs"]) == min(2, summary["config"]["steps"])
 
 
 def test_time_budget_stops_a_fixed_step_count_early(tmp_path):
