@@ -427,9 +427,9 @@ def git_sha() -> Dict[str, object]:
         dirty = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
             capture_output=True, text=True, timeout=20,
-        ).stdout.strip()
+        ).stdout.rstrip("\n")
         # which tracked files differ from the commit (others' work in progress is measured too)
-        files = [line[3:] for line in dirty.splitlines()][:40]
+        files = [line[3:] for line in dirty.splitlines() if line.strip()][:40]
         return {"git_sha": sha, "git_dirty": bool(dirty), "git_dirty_files": files, "git_sha_source": "git"}
     except (OSError, subprocess.SubprocessError):
         return {"git_sha": "unknown", "git_dirty": None, "git_sha_source": "none"}

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from bench.common import SHAPES, SMOKE_SHAPES, as_float, write_json
+from bench.common import ALL_SHAPES, as_float, write_json
 
 SLOW_REPS = 5  # fewer timed repetitions than this are marked in the table
 SUSPECT_REL_ERR = 2e-2  # bf16 results are ~1e-3 off the float32 reference; far more is shown in bold
@@ -57,7 +57,7 @@ def _ordered(seen: List[str], preferred: List[str]) -> List[str]:
 def _shape_order(doc: dict) -> List[str]:
     """Shapes in DESIGN.md order (cheapest first), then any others in the order they appear."""
     seen = list(dict.fromkeys(r["shape"] for r in doc["rows"]))
-    return _ordered(seen, [*SHAPES, *SMOKE_SHAPES])
+    return _ordered(seen, list(ALL_SHAPES))
 
 
 def _impl_order(doc: dict) -> List[str]:
@@ -83,6 +83,11 @@ def _exact(row: dict) -> bool:
 
 def _accurate(doc: dict, row: dict) -> bool:
     return not any(suspect(_num(row, k), _dtype(doc, row)) for k in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err"))
+
+
+def _short_sha(meta: dict) -> str:
+    sha = str(meta.get("git_sha", "unknown"))
+    return sha if sha.startswith("mixed") else sha[:12]
 
 
 def headline_rows(doc: dict) -> List[dict]:
@@ -116,7 +121,7 @@ def render_headline(doc: dict) -> str:
     meta = doc.get("meta", {})
     lines = [
         f"{_machine(meta)}, {meta.get('dtype', 'bfloat16')}, forward + backward with exact gradients, median ms "
-        f"(git `{str(meta.get('git_sha', 'unknown'))[:12]}`, torch {meta.get('torch')}):",
+        f"(git `{_short_sha(meta)}`, torch {meta.get('torch')}):",
         "",
         "| shape | N×D×V | hugehead ms | best exact peer | peer ms | speed-up | peers that did not run |",
         "|---|---|--:|---|--:|--:|---|",
@@ -134,16 +139,17 @@ def render_headline(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mark(row: dict, stage: str) -> str:
+def _mark(row: dict, stage: str, asked_reps: int = SLOW_REPS) -> str:
+    """‡: one (first) call only; †: fewer timed repetitions than asked for (or than SLOW_REPS)."""
     if row.get(f"{stage}_first_call_only"):
         return "‡"
-    return "†" if (row.get(f"{stage}_reps") or 0) < SLOW_REPS else ""
+    return "†" if (row.get(f"{stage}_reps") or 0) < min(SLOW_REPS, asked_reps) else ""
 
 
 def render_markdown(doc: dict) -> str:
     """The results table with a header saying what was measured where, and a note per failed case."""
     meta = doc.get("meta", {})
-    sha = str(meta.get("git_sha", "unknown"))[:12] + (" (dirty)" if meta.get("git_dirty") else "")
+    sha = _short_sha(meta) + (" (dirty)" if meta.get("git_dirty") else "")
     imports = meta.get("imports", {})
     peers = ", ".join(
         f"{name} {st.get('version')}" if st.get("ok") else f"{name}: not importable"
@@ -167,6 +173,7 @@ def render_markdown(doc: dict) -> str:
     ]
     by_key = {(r["shape"], r["impl"]): r for r in doc["rows"]}
     notes, slow, plans, compiles, warned, crowded = [], set(), [], [], [], []
+    asked = int(meta.get("reps") or SLOW_REPS)
     for shape in _shape_order(doc):
         torch_row = by_key.get((shape, "torch"))
         torch_ms = _num(torch_row, "fwd_bwd_ms") if torch_row and torch_row.get("fwd_bwd_status") == "ok" else None
@@ -179,13 +186,13 @@ def render_markdown(doc: dict) -> str:
             fb_ok = r.get("fwd_bwd_status") == "ok"
             fw_ok = r.get("fwd_status") == "ok"
             if fb_ok:
-                mark = _mark(r, "fwd_bwd")
+                mark = _mark(r, "fwd_bwd", asked)
                 slow.add(mark)
                 fb = f"{_num(r, 'fwd_bwd_ms'):.2f}{mark}"
             else:
                 fb = _status_word(r.get("fwd_bwd_status") or r.get("status"))
             if fw_ok:
-                mark = _mark(r, "fwd")
+                mark = _mark(r, "fwd", asked)
                 slow.add(mark)
                 fw = f"{_num(r, 'fwd_ms'):.2f}{mark}"
             elif r.get("fwd_status"):
@@ -247,7 +254,7 @@ def render_markdown(doc: dict) -> str:
         lines += ["", "‡ one call only: the first call alone took longer than the case budget, so it is the "
                       "measurement (not repeated, no separate warm-up)."]
     if "†" in slow:
-        lines += ["", f"† fewer than {SLOW_REPS} timed repetitions (one step takes too long for the case budget); "
+        lines += ["", f"† fewer than {min(SLOW_REPS, asked)} timed repetitions (one step takes too long for the case budget); "
                       "see `*_reps` and `*_ms_all` in lce.json."]
     selfcheck = meta.get("reference_selfcheck")
     if selfcheck:
@@ -256,7 +263,12 @@ def render_markdown(doc: dict) -> str:
                       + ", ".join(f"{k} {_sci(as_float(v))}" for k, v in selfcheck.items()) + f": {state}."]
     if notes:
         lines += ["", "Failures and skips:", *notes]
-    if meta.get("command"):
+    if meta.get("merged_from"):
+        lines += ["", "Merged from these runs (later ones replace earlier rows):",
+                  *[f"- `{m.get('command')}` · git {str(m.get('git_sha'))[:12]} · {m.get('created_utc')}"
+                    + (f" · nice {m['niceness']}" if m.get("niceness") else "")
+                    for m in meta["merged_from"]]]
+    elif meta.get("command"):
         lines += ["", f"Command: `{meta['command']}` · {meta.get('elapsed_s', '?')} s"]
     return "\n".join(lines) + "\n"
 
@@ -311,7 +323,8 @@ def render_png(doc: dict, path: Path) -> None:
     axes[-1].set_xticklabels(shapes)
     meta = doc.get("meta", {})
     axes[0].set_title(f"linear cross-entropy, {meta.get('dtype', 'bf16')}, exact gradients: {_machine(meta)} "
-                      f"(git {str(meta.get('git_sha', ''))[:8]})", fontsize=10)
+                      f"(git {'mixed SHAs' if _short_sha(meta).startswith('mixed') else _short_sha(meta)[:8]})",
+                      fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -332,16 +345,20 @@ def write_reports(doc: dict, out_dir: Path) -> None:
 
 
 def merge(docs: List[dict]) -> dict:
-    """One document from several runs: rows keyed by (shape, impl), later runs replacing earlier ones;
+    """One document from several runs: rows keyed by (shape, impl), later runs replacing earlier ones
+    (except by a skipped row);
     the meta of the last run, with every run's git SHA, GPU and time listed under "merged_from"."""
     rows: Dict[tuple, dict] = {}
     for d in docs:
         for r in d["rows"]:
-            rows.pop((r["shape"], r["impl"]), None)
-            rows[(r["shape"], r["impl"])] = r
+            key = (r["shape"], r["impl"])
+            if r.get("status") == "skipped" and key in rows and rows[key].get("status") != "skipped":
+                continue  # a run that skipped a case does not erase an earlier measurement of it
+            rows.pop(key, None)
+            rows[key] = r
     meta = dict(docs[-1].get("meta", {}))
     meta["merged_from"] = [
-        {k: d.get("meta", {}).get(k) for k in ("git_sha", "gpu_name", "created_utc", "command")} for d in docs
+        {k: d.get("meta", {}).get(k) for k in ("git_sha", "gpu_name", "created_utc", "command", "niceness")} for d in docs
     ]
     shas = {d.get("meta", {}).get("git_sha") for d in docs}
     if len(shas) > 1:
