@@ -2,16 +2,17 @@
 vocabulary-chunked function, PyTorch's own F.linear_cross_entropy, Cut Cross-Entropy and Liger-Kernel on
 the DESIGN.md shapes (bf16 on a GPU; fp32 on the CPU shapes), loss + exact dL/dx and dL/dW.
 
-Every (implementation, shape) case runs in its own subprocess with a timeout (``bench/lce_case.py``),
-because a peer that faults (an illegal memory access poisons the CUDA context) or hangs must not take
-the other cases down. The parent never touches CUDA; it collects one JSON per case and rewrites
-``lce.json``, ``lce.md`` and ``lce.png`` after every case, so a run cut short still leaves its results.
-The implementations are in ``bench/peers.py``.
+Cases run in child processes with a timeout each (``bench/lce_case.py``, ``bench/child.py``), because a
+peer that faults (an illegal memory access poisons the CUDA context) or hangs must not take the other
+cases down; per shape, the implementations that cannot break their process share one (inputs,
+reference). The parent never touches CUDA; it collects one JSON per case and rewrites ``lce.json``,
+``lce.md`` and ``lce.png`` after every process, so a run cut short still leaves its results. The
+implementations are in ``bench/peers.py``.
 
-    python -m bench.bench_lce --out DIR [--shapes a,b] [--peers hugehead,torch,...] [--skip 'xc6M*:liger'] [--budget S]
+    python -m bench.bench_lce --out DIR [--shapes a,b] [--peers hugehead,torch,...] [--skip xc6M:liger] [--budget S]
     python -m bench.bench_lce --device cpu               # fp32 on the CPU shapes -> bench/results/cpu/
     python -m bench.bench_lce --cpu-smoke [--out DIR]    # the whole pipeline on tiny CPU shapes
-    python -m bench.bench_lce --one IMPL SHAPE --json-out F  # one case in this process (what the parent runs)
+    python -m bench.bench_lce --case IMPLS SHAPE --json-dir D  # cases in this process (what the parent runs)
 """
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ import fnmatch
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from bench import common  # first: decides which hugehead is imported
+from bench.child import run_child, tail
 from bench.common import ALL_SHAPES, CPU_SHAPES, REPO_ROOT, SHAPES, SMOKE_SHAPES, Shape, find_shape
 from bench.lce_case import case_json as lce_case_json, group_json as lce_group_json
 from bench.peers import CPU_PEERS, DEFAULT_PEERS, IMPLS
@@ -42,66 +43,8 @@ MODE_DEFAULTS = {"cuda": (10, 2, 120.0, 300.0, 0.0), "cpu": (3, 1, 60.0, 100.0, 
 
 
 # --------------------------------------------------------------------------------------------------
-# The parent: one subprocess per case
+# The parent: child processes per shape
 # --------------------------------------------------------------------------------------------------
-def _child(args: List[str], log: Path, timeout: float,
-           watch: Optional[Callable[[], bool]] = None) -> Tuple[Optional[int], bool, float]:
-    """Run ``python -m bench.bench_lce ARGS`` in its own process group; returns (rc, timed_out, wall s).
-    It is stopped after ``timeout`` seconds, or as soon as ``watch()`` (polled every second) says so."""
-    cmd = [sys.executable, "-m", "bench.bench_lce", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            while True:
-                try:
-                    rc = proc.wait(timeout=min(1.0, max(0.05, timeout - (time.perf_counter() - t0))))
-                    _reap_group(proc)
-                    return rc, False, time.perf_counter() - t0
-                except subprocess.TimeoutExpired:
-                    if time.perf_counter() - t0 >= timeout or (watch is not None and watch()):
-                        _stop(proc)
-                        return None, True, time.perf_counter() - t0
-        finally:  # also when this parent is being stopped (SIGTERM -> SystemExit): no orphan on the GPU
-            if proc.poll() is None:
-                _stop(proc)
-
-
-def _reap_group(proc: subprocess.Popen) -> None:
-    """After a case exits: stop what it left in its own process group (e.g. torch.compile's worker pool,
-    which the case's os._exit does not shut down)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, to the case's own process group (it may have compile workers)."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _tail(path: Path, chars: int = 2500) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return text[-chars:]
-
-
 def _args_for_child(opts) -> List[str]:
     """The options a case / probe process needs to measure the same way as this parent."""
     args = ["--device", opts.device, "--dtype", opts.dtype]
@@ -125,7 +68,7 @@ def _dead_row(row: dict, rc: Optional[int], timed_out: bool, timeout: float, log
     else:
         how = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit code {rc}"
         row["status"] = "crash"
-        last = [ln for ln in _tail(log, 4000).splitlines() if ln.strip() and not ln.startswith("$ ")][-1:]
+        last = [ln for ln in tail(log, 4000).splitlines() if ln.strip() and not ln.startswith("$ ")][-1:]
         row["error"] = f"process died ({how}) in stage {stage}" + (f": {last[0][:300]}" if last else "")
     if stage in ("fwd_bwd", "fwd") and not row.get(f"{stage}_status"):
         row[f"{stage}_status"] = row["status"]
@@ -167,7 +110,7 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
                 *_args_for_child(opts)]
         if opts.ref_chunk:
             args += ["--ref-chunk", str(opts.ref_chunk)]
-        rc, timed_out, wall = _child(args, log, max(1.0, timeout), watch=overdue)
+        rc, timed_out, wall = run_child(args, log, max(1.0, timeout), watch=overdue)
         running = state().get("running")
         shared_stage = running in (None, "inputs", "reference")
         rerun = []
@@ -188,7 +131,7 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
                 rerun.append(impl)
                 continue
             if row.get("status") not in ("ok", "skipped"):
-                row["log_tail"] = _tail(log)
+                row["log_tail"] = tail(log)
             row["log"] = log.name
             rows.append(row)
         if len(rerun) == len(pending):  # no progress: stop rather than loop
@@ -279,13 +222,13 @@ def run_all(opts) -> int:
           f"case logs in {work}", flush=True)
 
     probe_json = work / "probe.json"
-    rc, timed_out, _ = _child(["--probe", "--json-out", str(probe_json), *_args_for_child(opts)],
+    rc, timed_out, _ = run_child(["--probe", "--json-out", str(probe_json), *_args_for_child(opts)],
                               work / "probe.log", 300)
     try:
         probe = json.loads(probe_json.read_text())
     except (OSError, ValueError):
-        print(f"bench_lce: the probe failed (rc={rc}, timed out={timed_out}):\n{_tail(work / 'probe.log')}", flush=True)
-        probe = {"environment": {}, "imports": {}, "probe_error": _tail(work / "probe.log")}
+        print(f"bench_lce: the probe failed (rc={rc}, timed out={timed_out}):\n{tail(work / 'probe.log')}", flush=True)
+        probe = {"environment": {}, "imports": {}, "probe_error": tail(work / "probe.log")}
     env = probe.get("environment", {})
     imports = probe.get("imports", {})
     selfcheck = probe.get("reference_selfcheck") or {}
@@ -339,6 +282,8 @@ def run_all(opts) -> int:
                 row = _skeleton(shape, impl, opts, "skipped", f"skipped: --skip {opts.skip}")
             elif probed.get("unavailable"):  # known not to exist here: no process to start
                 row = _skeleton(shape, impl, opts, "skipped", f"skipped: {probed.get('error')}")
+            elif IMPLS[impl].needs_cuda and opts.device != "cuda":
+                row = _skeleton(shape, impl, opts, "skipped", "skipped: needs CUDA")
             else:
                 runnable.append(impl)
                 continue

@@ -68,7 +68,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         x, weight, tgt, valid, lse, n_valid = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n, v, cols = x.shape[0], weight.shape[0], ctx.cols
+        v, cols = weight.shape[0], ctx.cols
         acc = lse.dtype
         grad_rows = valid.to(acc) * grad_loss.to(acc)  # d loss / d row_loss, 0 on ignored rows
         if ctx.reduction == "mean":

@@ -33,7 +33,7 @@ from types import SimpleNamespace  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench import lce_case, peers, report  # noqa: E402
+from bench import lce_case, report  # noqa: E402
 from bench.common import Shape  # noqa: E402
 from bench.torch_chunked import torch_chunked_linear_cross_entropy  # noqa: E402
 
