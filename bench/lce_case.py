@@ -258,8 +258,8 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
 
 
 def _reference(shape: Shape, x, weight, target, device, opts) -> dict:
-    """The float32 reference of the shape: loss, ``grad_x`` (on ``x``'s device) and ``grad_w`` ``[V, D]``
-    float32 in host memory (the implementations' dW are compared with it chunk by chunk; it stays there,
+    """The float32 reference of the shape: loss, ``grad_x`` ``[N, D]`` and ``grad_w`` ``[V, D]`` float32 in
+    host memory (the implementations' dW are compared with it chunk by chunk; it stays there,
     out of the way of the next implementation's memory measurement)."""
     cols = opts.ref_chunk or reference_chunk_cols(shape.n, shape.v)
     grad_w = torch.empty(weight.shape, dtype=torch.float32)  # host memory: the GPU is for the measurements
@@ -270,7 +270,7 @@ def _reference(shape: Shape, x, weight, target, device, opts) -> dict:
     t0 = time.perf_counter()
     ref = reference_lce(x.detach(), weight.detach(), target, chunk_cols=cols, grad_weight_sink=sink)
     synchronize(device)
-    return {"loss": ref.loss, "grad_x": ref.grad_x, "grad_w": grad_w, "cols": cols,
+    return {"loss": ref.loss, "grad_x": ref.grad_x.cpu(), "grad_w": grad_w, "cols": cols,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -290,8 +290,9 @@ def _compare(case: _Case, ref: Optional[dict], gx, gw, x, weight) -> None:
         v, cols = weight.shape[0], ref["cols"]
         for c0 in range(0, v, cols):
             gw_err(c0, min(c0 + cols, v), ref["grad_w"][c0:c0 + cols].to(gw.device))
+        ref_gx = ref["grad_x"].to(gx.device)
         row.update(
-            grad_x_rel_err=rel_err(gx, ref["grad_x"]), grad_w_rel_err=gw_err.rel_err,
+            grad_x_rel_err=rel_err(gx, ref_gx), grad_w_rel_err=gw_err.rel_err,
             grad_x_norm=float(torch.linalg.vector_norm(gx.float())),
             grad_x_norm_ref=float(torch.linalg.vector_norm(ref["grad_x"])),
             grad_w_norm=gw_err.actual_sq ** 0.5, grad_w_norm_ref=gw_err.ref_sq ** 0.5, ref_status="ok",
