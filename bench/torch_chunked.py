@@ -79,8 +79,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             c1 = min(c0 + cols, v)
             w = weight[c0:c1]
             g = (x @ w.t()).to(acc).sub_(lse[:, None]).exp_()  # softmax [N, C]
-            rows = torch.nonzero((tgt >= c0) & (tgt < c1) & valid).squeeze(1)
-            g.index_put_((rows, tgt[rows] - c0), torch.full_like(rows, -1, dtype=acc), accumulate=True)
+            # minus the one-hot of targets inside this chunk (scatter, not nonzero: no host sync per chunk)
+            hit = ((tgt >= c0) & (tgt < c1) & valid).to(acc)
+            g.scatter_add_(1, (tgt - c0).clamp(0, c1 - c0 - 1)[:, None], -hit[:, None])
             g = g.mul_(grad_rows[:, None]).to(x.dtype)
             if need_x and g.dtype == acc:
                 grad_x.addmm_(g, w)
