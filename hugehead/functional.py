@@ -253,6 +253,9 @@ def _lce_setup_context(ctx, inputs, output):
     # them, so a second backward (retain_graph=True) finds none and recomputes instead.
     # Under torch.compile nothing is kept (keep_logits is False there), so nothing rides on ctx.
     ctx.kept = kept if keep_logits else None
+    # Outputs nobody differentiates (the kept logits always, lse unless returned) get None, not a
+    # materialized zero tensor: for the kept logits that would be an [N, V]-sized allocation and fill.
+    ctx.set_materialize_grads(False)
 
 
 def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
@@ -260,6 +263,8 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
     kept, ctx.kept = ctx.kept, None
     if kept is None:
         kept = x.new_empty(0)
+    if grad_loss is None:  # only the returned lse is differentiated
+        grad_loss = torch.zeros_like(lse)
     need_x = ctx.needs_input_grad[0]
     need_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     grad_x, grad_w, grad_b = torch.ops.hugehead.linear_cross_entropy_backward(
