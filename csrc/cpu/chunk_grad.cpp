@@ -4,7 +4,10 @@
 #include <torch/library.h>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_simd.h"
 #include "hugehead/numerics.h"
+
+#include <type_traits>
 
 namespace hugehead {
 namespace {
@@ -28,6 +31,12 @@ void chunk_grad_rows(const ChunkGradParams& p, int64_t begin, int64_t end) {
     const acc_t l = lse[row];
     const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * l;
     const int64_t t = p.target[row] - p.class_start;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (softcap <= acc_t(0)) {  // the common case, vectorized
+        cpu::row_grad_f32(z, p.cols, t, l, g, gl, z_term, smooth, acc_t(1) - eps);
+        continue;
+      }
+    }
     for (int64_t j = 0; j < p.cols; ++j) {
       const acc_t d = logit_grad(static_cast<acc_t>(z[j]), j == t, l, g, gl, z_term, smooth, acc_t(1) - eps,
                                  softcap);

@@ -4,7 +4,10 @@
 #include <torch/library.h>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_simd.h"
 #include "hugehead/numerics.h"
+
+#include <type_traits>
 
 namespace hugehead {
 namespace {
@@ -18,6 +21,17 @@ void chunk_stats_rows(const ChunkStatsParams& p, int64_t begin, int64_t end) {
   auto* logit_sum = static_cast<acc_t*>(p.logit_sum);
   for (int64_t row = begin; row < end; ++row) {
     const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (softcap <= acc_t(0)) {  // the common case, vectorized
+        acc_t m, s, sum;
+        cpu::row_stats_f32(z, p.cols, m, s, sum);
+        lse_merge(row_max[row], row_sumexp[row], m, s);
+        logit_sum[row] += sum;
+        const int64_t t = p.target[row] - p.class_start;
+        if (t >= 0 && t < p.cols) target_logit[row] = z[t];
+        continue;
+      }
+    }
     // Two passes over the row (it sits in cache): the max, then the shifted sum, one exp per element.
     acc_t m = neg_inf<acc_t>();
     bool has_nan = false;
