@@ -572,3 +572,96 @@ def test_explicit_placement_is_pinned_under_module_to():
     free = hugehead.ChunkedClassifier(6, 11, devices=None, dtype=torch.float32)
     free.to("meta")
     assert free.shards[0].weight.device.type == "meta"
+
+
+# --------------------------------------------------------------------------------------------------
+# The local engine's ordering (issue 8): every device's inputs first, then the GPU shards' chunk loops
+# one chunk each in turn, then the CPU shards. Checked on the CPU with two shards dressed as GPUs: the
+# engine is asked where each shard computes, and the copies and loop steps are logged.
+# --------------------------------------------------------------------------------------------------
+class _FakeGpuEngine(hugehead.engines.LocalEngine):
+    """Shards 0 and 1 "compute on" fake GPUs (their tensors stay on the CPU); shard 2 on the CPU."""
+
+    def compute_device(self, shard):
+        index = {0: 0, 20: 1}.get(shard.start)
+        return torch.device("cpu") if index is None else _FakeDevice(index)
+
+
+class _FakeDevice:
+    type = "fakegpu"
+
+    def __init__(self, index):
+        self.index = index
+
+    def __eq__(self, other):
+        return isinstance(other, _FakeDevice) and other.index == self.index
+
+    def __hash__(self):
+        return hash(("fakegpu", self.index))
+
+    def __repr__(self):
+        return f"fakegpu:{self.index}"
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "topk"])
+def test_local_engine_queues_every_input_before_any_loop_and_interleaves_gpu_loops(monkeypatch, phase):
+    from hugehead.engines import local
+    from hugehead import loop
+
+    events = []
+    real_to = local._to
+
+    def logging_to(t, device):
+        if isinstance(device, _FakeDevice):
+            events.append(("copy", repr(device)))
+            return t
+        return real_to(t, device)
+
+    def logged(steps_fn):
+        def wrapper(x, source, *args, **kwargs):
+            name = f"shard@{source.weight.shape[0]}"
+            gen = steps_fn(x, source, *args, **kwargs)
+            try:
+                while True:
+                    next(gen)
+                    events.append(("step", name))
+                    yield
+            except StopIteration as done:
+                return done.value
+        return wrapper
+
+    monkeypatch.setattr(local, "_to", logging_to)
+    monkeypatch.setattr(local, "forward_stats_steps", logged(loop.forward_stats_steps))
+    monkeypatch.setattr(local, "backward_steps", logged(loop.backward_steps))
+    monkeypatch.setattr(local, "topk_steps", logged(loop.topk_steps))
+
+    head = make_head([20, 30, 10], chunk_size=5)
+    head.engine = _FakeGpuEngine(chunk_size=5)
+    expected = make_head([20, 30, 10], chunk_size=5)
+    x, target = inputs()
+    # The reference results first (its loops log too), then the logged run.
+    want_topk = expected.topk(x, 3)
+    ref_x = x.clone().requires_grad_()
+    want_loss = expected(ref_x, target)
+    want_loss.backward()
+    x.requires_grad_()
+    events.clear()
+    if phase == "topk":
+        assert torch.equal(head.topk(x.detach(), 3)[1], want_topk[1])
+    else:
+        loss = head(x, target)
+        assert torch.allclose(loss, want_loss, rtol=1e-12)
+        if phase == "backward":
+            events.clear()
+            loss.backward()
+            assert torch.allclose(x.grad, ref_x.grad, rtol=1e-12, atol=1e-14)
+    steps = [e for e in events if e[0] == "step"]
+    copies = [i for i, e in enumerate(events) if e[0] == "copy"]
+    first_step = events.index(steps[0])
+    # Every copy to a (fake) GPU is queued before the first chunk of any loop.
+    assert copies and max(copies) < first_step, events
+    # The two GPU shards (20 and 30 classes, chunks of 5) advance in turn: 4 and 6 steps interleaved,
+    # then the CPU shard (10 classes) runs last.
+    names = [name for _, name in steps]
+    assert names[:8] == ["shard@20", "shard@30"] * 4, names
+    assert names[8:10] == ["shard@30", "shard@30"] and names[10:] == ["shard@10", "shard@10"], names

@@ -267,7 +267,7 @@ class LocalEngine:
             plan = kept_plan(kept) if kept is not None else self.plan(inputs.x, shard, False)
             with _device_guard(device), self._oom_guard(i, shard, plan):
                 if need_x and device not in grad_x_parts:
-                    grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=device)
+                    grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=inputs.x.device)
             lse_k, grad_rows_k, *grad_lse_k = by_device[device]
             tasks.append((i, shard, plan, backward_steps(
                 inputs.x, self.source(shard, x_like.dtype), inputs.target, shard.start, num_classes,
