@@ -90,6 +90,15 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def resolve_budget(memory_budget: Optional[int], device: torch.device) -> int:
+    """``memory_budget``, or the default: 4 GiB, and at most a quarter of a CUDA device's free memory."""
+    if memory_budget is not None:
+        return int(memory_budget)
+    if device.type == "cuda":
+        return min(DEFAULT_MEMORY_BUDGET, torch.cuda.mem_get_info(device)[0] // 4)
+    return DEFAULT_MEMORY_BUDGET
+
+
 def plan_chunks(
     n: int,
     d: int,
@@ -113,11 +122,7 @@ def plan_chunks(
     """
     itemsize = _itemsize(dtype)
     weight_dtype = dtype if weight_dtype is None else weight_dtype
-    if memory_budget is None:
-        memory_budget = DEFAULT_MEMORY_BUDGET
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            memory_budget = min(memory_budget, free // 4)
+    memory_budget = resolve_budget(memory_budget, device)
     n, v = max(n, 1), max(v, 1)
     max_cols = _MAX_COLS.get(device.type, _MAX_COLS["cpu"])
     dx_bytes = n * d * (itemsize + 4)
@@ -184,11 +189,7 @@ def plan_topk_chunks(
 
 
 def _topk_budget(memory_budget: Optional[int], device: torch.device, itemsize: int) -> int:
-    if memory_budget is None:
-        memory_budget = DEFAULT_MEMORY_BUDGET
-        if device.type == "cuda":
-            memory_budget = min(memory_budget, torch.cuda.mem_get_info(device)[0] // 4)
-    return max(1, memory_budget * itemsize // (itemsize + _TOPK_TEMP_BYTES))
+    return max(1, resolve_budget(memory_budget, device) * itemsize // (itemsize + _TOPK_TEMP_BYTES))
 
 
 # --------------------------------------------------------------------------------------------------
