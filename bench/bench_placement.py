@@ -217,6 +217,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--scaling", action="store_true", help="one GPU vs all GPUs at xc6M")
     p.add_argument("--huge", action="store_true", help="the 50M-class head over all GPUs")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU shards (checks the pipeline)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs to split the head over (default: every visible one); the one-GPU and seed-layout "
+                        "rows run too")
     p.add_argument("--huge-classes", type=int, default=50_000_000)
     p.add_argument("--shapes", default="xc6M,xc6M_16k", help="scaling shapes: xc6M (N=4096), xc6M_16k (N=16384)")
     p.add_argument("--repeats", type=int, default=5)
@@ -232,7 +235,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         shapes = {"tiny": n, "tiny_2n": 2 * n}
         device = torch.device("cpu")
     else:
-        gpus = torch.cuda.device_count()
+        gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
+        if gpus > torch.cuda.device_count():
+            print(f"bench_placement: --gpus {gpus} but only {torch.cuda.device_count()} are visible", file=sys.stderr)
+            return 2
         if gpus < 2:
             print("bench_placement needs two or more GPUs (or --cpu-smoke)", file=sys.stderr)
             return 2
