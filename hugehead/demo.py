@@ -109,6 +109,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    "but fits the host's RAM")
     p.add_argument("--dtype", type=_dtype_arg, help="head dtype: float32, bfloat16 or float16 "
                    "(CPU float32, GPU bfloat16); the backbone trains in float32")
+    p.add_argument("--autocast", choices=["off", "bfloat16"], default="off",
+                   help="train and evaluate under torch.autocast(bfloat16), as Lightning's bf16-mixed does; with "
+                   "--dtype float32 the head keeps float32 master weights and computes in bfloat16 (off)")
     p.add_argument("--time-budget", type=float, help="seconds for the whole run, startup included; with "
                    "--steps auto it sets the step count, with a number of steps it only stops training early "
                    "(CPU 100, GPU none)")
@@ -422,18 +425,31 @@ def _adam(backbone: nn.Module, head: nn.Module, lr: float, head_dtype: torch.dty
 # --------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(backbone: nn.Module, head: nn.Module, x: Tensor, target: Tensor, batch: int,
-             dtype: torch.dtype) -> Tuple[float, float]:
+             dtype: torch.dtype, autocast: str = "off") -> Tuple[float, float]:
     """Held-out ``(mean loss, top-1 accuracy)``, ``batch`` rows at a time."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
     for i in range(0, x.shape[0], batch):
-        feats = backbone(x[i:i + batch]).to(dtype)
         t = target[i:i + batch]
-        loss_sum += head(feats, t).double() * t.shape[0]
-        _, top = head.topk(feats, 1)
+        with _autocast(autocast, x.device):
+            feats = _features(backbone, x[i:i + batch], dtype, autocast)
+            loss_sum += head(feats, t).double() * t.shape[0]
+            _, top = head.topk(feats, 1)
         correct += (top[:, 0].to(t.device) == t).sum()
     n = x.shape[0]
     return float(loss_sum) / n, int(correct) / n
+
+
+def _autocast(mode: str, device: torch.device):
+    """``torch.autocast`` in bfloat16 on ``device``'s type for ``--autocast bfloat16``, else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
+
+
+def _features(backbone: nn.Module, x: Tensor, dtype: torch.dtype, autocast: str) -> Tensor:
+    """The backbone's features for the head: cast to the head's dtype, except under autocast, where the
+    head casts them itself (float32 master weights, compute in the autocast dtype)."""
+    feats = backbone(x)
+    return feats if autocast != "off" else feats.to(dtype)
 
 
 def _sync(devices: Sequence[torch.device]) -> None:
@@ -540,7 +556,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def run_eval(step: int) -> float:
         t0 = time.perf_counter()
-        loss, acc = evaluate(backbone, head, x_eval, y_eval, args.batch, dtype)
+        loss, acc = evaluate(backbone, head, x_eval, y_eval, args.batch, dtype, args.autocast)
         history["eval_step"].append(step)
         history["eval_loss"].append(loss)
         history["eval_accuracy"].append(acc)
@@ -558,7 +574,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_train = t_epoch
     while total is None or step < total:
         x, target = data.sample(args.batch, train_gen)
-        loss = head(backbone(x).to(dtype), target)
+        with _autocast(args.autocast, x.device):
+            loss = head(_features(backbone, x, dtype, args.autocast), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -636,7 +653,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     batch=args.batch, steps=steps_done, steps_requested=args.steps or "auto",
                     epochs=args.epochs, eval_size=args.eval_size, dtype=_dtype_name(dtype), lr=args.lr,
                     zipf=args.zipf, noise=args.noise, seed=args.seed, time_budget=args.time_budget,
-                    devices=[str(d) for d in devices], offload=args.offload,
+                    devices=[str(d) for d in devices], offload=args.offload, autocast=args.autocast,
                     offload_stats=head.offload_stats),
         shards=shard_info,
         final=dict(eval_accuracy=final_acc, eval_loss=history["eval_loss"][-1],
