@@ -3,20 +3,19 @@ shards (contiguous class ranges) on several devices. It owns one pair of Paramet
 its loss as one custom autograd op over all shards through a placement engine (``engines/``)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from ._extension import require_kernels
-from .engines.local import LocalEngine, PlacedInputs, ShardTensors
+from .engines.local import LocalEngine
 from .functional import autocast_dtype, check_targets, reduce_loss, validate_options
-from .loop import row_losses
+from .init import hashed_uniform_
+from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
@@ -57,43 +56,6 @@ class ClassShard(nn.Module):
 
     def extra_repr(self) -> str:
         return f"classes=[{self.start}, {self.stop}), device={self.device}"
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _fmix32(h: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finalizer, in place, on int64 tensors holding 32-bit values (products wrap
-    in int64; the mask keeps the exact low 32 bits), identical on every device."""
-    h.bitwise_xor_(h >> 16).mul_(0x85EBCA6B).bitwise_and_(_MASK32)
-    h.bitwise_xor_(h >> 13).mul_(0xC2B2AE35).bitwise_and_(_MASK32)
-    return h.bitwise_xor_(h >> 16)
-
-
-def _hashed_uniform_(param: Tensor, seed: int, first_class: int, bound: float,
-                     compute_device: Optional[torch.device] = None) -> None:
-    """Fill ``param`` (``[rows, D]`` or ``[rows]``, rows = classes from ``first_class``) with values
-    uniform in ``[-bound, bound)`` that depend only on ``(seed, class, feature)``: 24 random bits per
-    value from a hash, computed on ``param``'s device (or ``compute_device``: an offloaded shard's GPU,
-    each block copied to the host) a block of rows at a time."""
-    rows = param.shape[0]
-    cols = param.shape[1] if param.dim() == 2 else 1
-    device = param.device if compute_device is None else compute_device
-    budget = (1 << 26) if device.type == "cuda" else (1 << 20)
-    block = max(1, budget // cols)
-    col_key = _fmix32((torch.arange(cols, device=device, dtype=torch.int64) * 0x27D4EB2F + seed) & _MASK32)
-    flat = param.view(rows, cols)
-    for r0 in range(0, rows, block):
-        r1 = min(r0 + block, rows)
-        row_ids = torch.arange(first_class + r0, first_class + r1, device=device, dtype=torch.int64)
-        row_key = _fmix32((row_ids * 0x165667B1 + (row_ids >> 32) + seed) & _MASK32)
-        h = _fmix32(((row_key * 0x9E3779B1)[:, None] + col_key[None, :]).bitwise_and_(_MASK32))
-        # Exact: 24-bit integers and a power-of-two scale; then one rounding into the bound.
-        u = h.bitwise_right_shift_(8).to(torch.float32).mul_(2.0 / (1 << 24)).sub_(1.0)
-        u = u.mul_(bound)
-        if u.device != flat.device:  # cast where computed (as on a resident shard), then a plain copy
-            u = u.to(flat.dtype)
-        flat[r0:r1].copy_(u)
 
 
 def _parse_devices(devices) -> List[torch.device]:
@@ -146,94 +108,6 @@ def _parse_shard_sizes(shard_sizes, num_classes: int, num_devices: int) -> List[
     if sum(sizes) != num_classes:
         raise ValueError(f"hugehead: shard_sizes {sizes} sum to {sum(sizes)}, not num_classes={num_classes}")
     return sizes
-
-
-@dataclass(frozen=True)
-class _LossSpec:
-    """What the autograd op needs besides tensors (kept on ctx for the backward)."""
-
-    engine: LocalEngine
-    starts: List[int]
-    has_bias: bool
-    num_classes: int
-    ignore_index: int
-    label_smoothing: float
-    z_loss: float
-    softcap: float  # 0.0: none
-
-    def shards(self, params: Sequence[Tensor]) -> List[ShardTensors]:
-        k = len(self.starts)
-        biases = params[k:2 * k] if self.has_bias else [None] * k
-        return [ShardTensors(w, b, s) for w, b, s in zip(params[:k], biases, self.starts)]
-
-
-class _ShardedLinearCrossEntropy(torch.autograd.Function):
-    """Per-row losses and lse ``[N]`` (accumulation dtype) of ``x`` against every shard; one node in
-    the graph. ``x`` is in the compute dtype; the shards' Parameters may be stored in another float
-    dtype (autocast: cast chunk by chunk in the loop).
-
-    The backward streams the shards again (recomputing logits, or from logits a shard kept) and returns
-    each shard's gradients on that shard's device in its Parameters' dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, spec: _LossSpec, x: Tensor, target: Tensor, *params: Tensor) -> Tuple[Tensor, Tensor]:
-        shards = spec.shards(params)
-        with _no_autocast(x, shards):
-            lse, target_logit, logit_sum, placed = spec.engine.row_stats(
-                x, target, shards, spec.softcap, keep=any(ctx.needs_input_grad)
-            )
-            valid = target != spec.ignore_index
-            loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.label_smoothing,
-                              spec.z_loss)
-        ctx.spec = spec
-        ctx.num_params = len(params)
-        ctx.save_for_backward(x, target, lse, *params, *(p.x for p in placed), *(p.target for p in placed))
-        # Not saved for backward: the backward turns kept logits into their gradient in place and drops
-        # them, so a second backward (retain_graph=True) finds none and recomputes instead.
-        ctx.kept = [p.kept for p in placed]
-        ctx.set_materialize_grads(False)
-        return loss, lse
-
-    @staticmethod
-    def backward(ctx, grad_loss: Optional[Tensor], grad_lse: Optional[Tensor]):
-        spec: _LossSpec = ctx.spec
-        saved = ctx.saved_tensors
-        x, target, lse = saved[:3]
-        params = saved[3:3 + ctx.num_params]
-        k = len(spec.starts)
-        base = 3 + ctx.num_params
-        placed_x, placed_target = saved[base:base + k], saved[base + k:base + 2 * k]
-        placed_kept, ctx.kept = ctx.kept or [px.new_empty(0) for px in placed_x], None
-        needs = ctx.needs_input_grad
-        need_x = needs[1]
-        need_w = [needs[3 + i] for i in range(k)]
-        need_b = [spec.has_bias and needs[3 + k + i] for i in range(k)]
-        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-        if grad_loss is None:
-            grad_loss = zero.expand(lse.shape)
-        grad_rows = torch.where(target != spec.ignore_index, grad_loss.to(lse.dtype), zero)
-        shards = spec.shards(params)
-        with _no_autocast(x, shards):
-            grad_x, grad_w, grad_b = spec.engine.backward(
-                [PlacedInputs(px, pt, pk) for px, pt, pk in zip(placed_x, placed_target, placed_kept)],
-                shards, spec.num_classes, lse, grad_rows, spec.label_smoothing, spec.z_loss,
-                spec.softcap, need_x, [w or b for w, b in zip(need_w, need_b)], x,
-                grad_lse=None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(),
-            )
-        grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
-        grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
-        return (None, grad_x if need_x else None, None, *grads_w, *grads_b)
-
-
-def _no_autocast(x: Tensor, shards: Sequence[ShardTensors]):
-    """Autocast off on every device type involved: the loop picks its own dtypes (x's compute dtype,
-    weight chunks cast to it) and issues GEMMs with out= that autocast must not recast."""
-    types = {x.device.type} | {s.weight.device.type for s in shards}
-    stack = contextlib.ExitStack()
-    for device_type in sorted(types & {"cuda", "cpu"}):
-        stack.enter_context(torch.autocast(device_type, enabled=False))
-    return stack
 
 
 class ChunkedClassifier(nn.Module):
@@ -465,9 +339,9 @@ class ChunkedClassifier(nn.Module):
         bound = 1.0 / math.sqrt(self.in_features)
         for shard in self.shards:
             # An offloaded shard's values are computed on its GPU (the same integer hash) and copied in.
-            _hashed_uniform_(shard.weight, seed, shard.start, bound, shard.compute_device)
+            hashed_uniform_(shard.weight, seed, shard.start, bound, shard.compute_device)
             if shard.bias is not None:
-                _hashed_uniform_(shard.bias, seed ^ 0x5BD1E995, shard.start, bound, shard.compute_device)
+                hashed_uniform_(shard.bias, seed ^ 0x5BD1E995, shard.start, bound, shard.compute_device)
 
     # ---------------------------------------------------------------------------------------------
     # Compute
@@ -515,9 +389,9 @@ class ChunkedClassifier(nn.Module):
             raise ValueError(f"hugehead: target is on {target.device} but x is on {x.device}")
         return target.long().contiguous()
 
-    def _spec(self) -> _LossSpec:
+    def _spec(self) -> LossSpec:
         softcap = validate_options(self.reduction, self.label_smoothing, self.z_loss, self.softcap)
-        return _LossSpec(
+        return LossSpec(
             self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes, self.ignore_index,
             self.label_smoothing, self.z_loss, softcap,
         )
@@ -543,7 +417,7 @@ class ChunkedClassifier(nn.Module):
         target = self._check_target(x, target)
         spec = self._spec()
         check_targets(target, self.num_classes, self.ignore_index)  # the step's only host synchronization
-        loss_rows, lse = _ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
+        loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
         loss = reduce_loss(loss_rows, target != self.ignore_index, self.reduction)
         return (loss, lse) if return_lse else loss
 
@@ -566,7 +440,7 @@ class ChunkedClassifier(nn.Module):
             raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
         spec = self._spec()
         shards = spec.shards(self._shard_params())
-        with _no_autocast(x, shards):
+        with no_autocast(x, shards):
             return self.engine.topk(x, shards, spec.softcap, int(k))
 
     @torch.no_grad()
@@ -591,7 +465,7 @@ class ChunkedClassifier(nn.Module):
             )
         spec = self._spec()
         shards = spec.shards(self._shard_params())
-        with _no_autocast(x, shards):
+        with no_autocast(x, shards):
             lse, target_logit, _, _ = self.engine.row_stats(x, target, shards, spec.softcap)
         return target_logit - lse
 

@@ -1,0 +1,103 @@
+"""The head's loss as one autograd node over all shards: the forward asks the placement engine for the
+merged per-row statistics, the backward streams the shards again (or uses the logits a shard kept) and
+returns each shard's gradients on its device in its Parameters' dtype."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .engines.local import LocalEngine, PlacedInputs, ShardTensors
+from .loop import row_losses
+
+__all__ = ["LossSpec", "ShardedLinearCrossEntropy", "no_autocast"]
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the autograd op needs besides tensors (kept on ctx for the backward)."""
+
+    engine: LocalEngine
+    starts: List[int]
+    has_bias: bool
+    num_classes: int
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float  # 0.0: none
+
+    def shards(self, params: Sequence[Tensor]) -> List[ShardTensors]:
+        k = len(self.starts)
+        biases = params[k:2 * k] if self.has_bias else [None] * k
+        return [ShardTensors(w, b, s) for w, b, s in zip(params[:k], biases, self.starts)]
+
+
+class ShardedLinearCrossEntropy(torch.autograd.Function):
+    """Per-row losses and lse ``[N]`` (accumulation dtype) of ``x`` against every shard; one node in
+    the graph. ``x`` is in the compute dtype; the shards' Parameters may be stored in another float
+    dtype (autocast: cast chunk by chunk in the loop).
+
+    The backward streams the shards again (recomputing logits, or from logits a shard kept) and returns
+    each shard's gradients on that shard's device in its Parameters' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, spec: LossSpec, x: Tensor, target: Tensor, *params: Tensor) -> Tuple[Tensor, Tensor]:
+        shards = spec.shards(params)
+        with no_autocast(x, shards):
+            lse, target_logit, logit_sum, placed = spec.engine.row_stats(
+                x, target, shards, spec.softcap, keep=any(ctx.needs_input_grad)
+            )
+            valid = target != spec.ignore_index
+            loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.label_smoothing,
+                              spec.z_loss)
+        ctx.spec = spec
+        ctx.num_params = len(params)
+        ctx.save_for_backward(x, target, lse, *params, *(p.x for p in placed), *(p.target for p in placed))
+        # Not saved for backward: the backward turns kept logits into their gradient in place and drops
+        # them, so a second backward (retain_graph=True) finds none and recomputes instead.
+        ctx.kept = [p.kept for p in placed]
+        ctx.set_materialize_grads(False)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss: Optional[Tensor], grad_lse: Optional[Tensor]):
+        spec: LossSpec = ctx.spec
+        saved = ctx.saved_tensors
+        x, target, lse = saved[:3]
+        params = saved[3:3 + ctx.num_params]
+        k = len(spec.starts)
+        base = 3 + ctx.num_params
+        placed_x, placed_target = saved[base:base + k], saved[base + k:base + 2 * k]
+        placed_kept, ctx.kept = ctx.kept or [px.new_empty(0) for px in placed_x], None
+        needs = ctx.needs_input_grad
+        need_x = needs[1]
+        need_w = [needs[3 + i] for i in range(k)]
+        need_b = [spec.has_bias and needs[3 + k + i] for i in range(k)]
+        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+        if grad_loss is None:
+            grad_loss = zero.expand(lse.shape)
+        grad_rows = torch.where(target != spec.ignore_index, grad_loss.to(lse.dtype), zero)
+        shards = spec.shards(params)
+        with no_autocast(x, shards):
+            grad_x, grad_w, grad_b = spec.engine.backward(
+                [PlacedInputs(px, pt, pk) for px, pt, pk in zip(placed_x, placed_target, placed_kept)],
+                shards, spec.num_classes, lse, grad_rows, spec.label_smoothing, spec.z_loss,
+                spec.softcap, need_x, [w or b for w, b in zip(need_w, need_b)], x,
+                grad_lse=None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(),
+            )
+        grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
+        grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
+        return (None, grad_x if need_x else None, None, *grads_w, *grads_b)
+
+
+def no_autocast(x: Tensor, shards: Sequence[ShardTensors]):
+    """Autocast off on every device type involved: the loop picks its own dtypes (x's compute dtype,
+    weight chunks cast to it) and issues GEMMs with out= that autocast must not recast."""
+    types = {x.device.type} | {s.weight.device.type for s in shards}
+    stack = contextlib.ExitStack()
+    for device_type in sorted(types & {"cuda", "cpu"}):
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
