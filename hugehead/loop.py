@@ -478,6 +478,40 @@ def row_losses(
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
+def _add_dx(grad_x: Tensor, g: Tensor, weight: Tensor, dx_partial: Optional[Tensor]) -> None:
+    """``grad_x += g @ weight``. When ``grad_x`` is in the accumulation dtype and ``g`` is not, through a
+    partial in the compute dtype: each chunk's partial is rounded on its own (as a single GEMM's would
+    be), never a low-precision running sum."""
+    if dx_partial is None:
+        grad_x.addmm_(g, weight)
+    else:
+        part = dx_partial[: g.shape[0]]
+        torch.mm(g, weight, out=part)
+        grad_x.add_(part)
+
+
+class _WeightGradWriter:
+    """Writes a chunk's ``dW = gᵀ x`` (whole rows) into the source's gradient sink: straight into it when
+    it stores the compute dtype, else, as autocast's ``F.linear`` does, in the compute dtype first through
+    one reused scratch chunk, then cast by :meth:`ResidentChunks.put_grad`."""
+
+    def __init__(self, source: ResidentChunks, x: Tensor, cols: int):
+        self.source, self.x, self.cols = source, x, cols
+        self.scratch: Optional[Tensor] = None
+
+    def write(self, chunk: WeightChunk, g: Tensor, grad_bias: Optional[Tensor]) -> None:
+        c0, c1 = chunk.c0, chunk.c1
+        out = self.source.grad_weight_out(c0, c1, self.x.dtype)
+        if out is not None:
+            torch.mm(g.t(), self.x, out=out)
+            self.source.put_grad(c0, c1, None, grad_bias)
+            return
+        if self.scratch is None:
+            self.scratch = self.x.new_empty(self.cols, self.x.shape[1])
+        torch.mm(g.t(), self.x, out=self.scratch[: c1 - c0])
+        self.source.put_grad(c0, c1, self.scratch[: c1 - c0], grad_bias)
+
+
 def backward_steps(
     x: Tensor,
     source: ResidentChunks,
@@ -534,14 +568,11 @@ def backward_steps(
             grad_x, need_weight, kept, grad_lse,
         ))
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
-    # dX partials are added in the accumulation dtype; a low-precision partial per chunk keeps the
-    # rounding of each partial independent (and matches a single GEMM's error), unlike a low-precision
-    # running sum.
     dx_partial = None
     if grad_x is not None and grad_x.dtype != x.dtype:
         dx_partial = x.new_empty(min(plan.rows, n), d)
     dw_acc = x.new_empty(min(plan.cols, v), d, dtype=acc) if (rows_split and need_weight) else None
-    dw_low = None  # dW of a chunk in the compute dtype, when the sink stores another dtype
+    dw_writer = _WeightGradWriter(source, x, min(plan.cols, v))
     for chunk in source.chunks(plan.cols):
         c0, c1 = chunk.c0, chunk.c1
         db_chunk = None
@@ -558,12 +589,7 @@ def backward_steps(
                 None if grad_lse is None else grad_lse[r0:r1],
             )
             if grad_x is not None:
-                if dx_partial is None:
-                    grad_x[r0:r1].addmm_(g, chunk.weight)
-                else:
-                    part = dx_partial[: r1 - r0]
-                    torch.mm(g, chunk.weight, out=part)
-                    grad_x[r0:r1].add_(part)
+                _add_dx(grad_x[r0:r1], g, chunk.weight, dx_partial)
             if need_weight:
                 if rows_split:
                     if r0 == 0:
@@ -577,16 +603,7 @@ def backward_steps(
             if rows_split:
                 source.put_grad(c0, c1, dw_acc[: c1 - c0], db_chunk)
             else:
-                out = source.grad_weight_out(c0, c1, x.dtype)
-                if out is not None:
-                    torch.mm(g.t(), x, out=out)
-                    source.put_grad(c0, c1, None, db_chunk)
-                else:
-                    # As autocast's F.linear: dW in the compute dtype, then cast to the stored dtype.
-                    if dw_low is None:
-                        dw_low = x.new_empty(min(plan.cols, v), d)
-                    torch.mm(g.t(), x, out=dw_low[: c1 - c0])
-                    source.put_grad(c0, c1, dw_low[: c1 - c0], db_chunk)
+                dw_writer.write(chunk, g, db_chunk)
         yield
     if need_weight:
         return source.finish_grads()
@@ -604,7 +621,7 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows)) if kept_classes < source.num_rows else None
     dx_partial = x.new_empty(n, d) if (grad_x is not None and grad_x.dtype != x.dtype) else None
-    dw_low = None
+    dw_writer = _WeightGradWriter(source, x, min(plan.cols, source.num_rows))
     ready: List[Tuple[WeightChunk, Tensor, torch.cuda.Event]] = []
     main = torch.cuda.current_stream(x.device)
     side = _side_stream(x.device)
@@ -626,27 +643,12 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
         ready.append((chunk, g, done))
 
     def consume() -> None:
-        nonlocal dw_low
         chunk, g, done = ready.pop(0)
         main.wait_event(done)
-        c0, c1 = chunk.c0, chunk.c1
         if grad_x is not None:
-            if dx_partial is None:
-                grad_x.addmm_(g, chunk.weight)
-            else:
-                torch.mm(g, chunk.weight, out=dx_partial)
-                grad_x.add_(dx_partial)
+            _add_dx(grad_x, g, chunk.weight, dx_partial)
         if need_weight:
-            db_chunk = g.sum(dim=0, dtype=acc) if source.bias is not None else None
-            out = source.grad_weight_out(c0, c1, x.dtype)
-            if out is not None:
-                torch.mm(g.t(), x, out=out)
-                source.put_grad(c0, c1, None, db_chunk)
-            else:
-                if dw_low is None:
-                    dw_low = x.new_empty(min(plan.cols, source.num_rows), d)
-                torch.mm(g.t(), x, out=dw_low[: c1 - c0])
-                source.put_grad(c0, c1, dw_low[: c1 - c0], db_chunk)
+            dw_writer.write(chunk, g, g.sum(dim=0, dtype=acc) if source.bias is not None else None)
 
     for j, chunk in enumerate(source.chunks(plan.cols)):
         produce(j, chunk)

@@ -36,6 +36,7 @@ from ..loop import (
     merge_topk,
     plan_chunks,
     plan_topk_chunks,
+    run_steps,
     topk_steps,
 )
 from ..ops import acc_dtype
@@ -165,12 +166,7 @@ class LocalEngine:
             pending = still
         for i, shard, plan, steps in host:
             with self._oom_guard(i, shard, plan):
-                while True:
-                    try:
-                        next(steps)
-                    except StopIteration as done:
-                        results[i] = done.value
-                        break
+                results[i] = run_steps(steps)
         return results
 
     def _place(self, tensors: Sequence[Tensor], shards: Sequence[ShardTensors]) -> Dict[torch.device, List[Tensor]]:
