@@ -68,8 +68,11 @@ def _hugehead_plan(n, d, v, dtype, device) -> dict:
 
     from hugehead import functional
 
-    plan = _plain(functional.plan_chunks(n, d, v, dtype, device, None, None))
-    if "allow_keep" in inspect.signature(functional.plan_chunks).parameters:
+    params = inspect.signature(functional.plan_chunks).parameters
+    # linear_cross_entropy plans with direct_dx=True (its dX of a one-chunk plan is one GEMM)
+    plan = _plain(functional.plan_chunks(n, d, v, dtype, device, None, None,
+                                         **({"direct_dx": True} if "direct_dx" in params else {})))
+    if "allow_keep" in params:
         fwd = _plain(functional.plan_chunks(n, d, v, dtype, device, None, None, allow_keep=False))
         plan.update({f"fwd_{k}": val for k, val in fwd.items() if k != "keep_logits"})
     return plan

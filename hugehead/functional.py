@@ -148,7 +148,7 @@ def _no_autocast(device: torch.device):
 def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: bool) -> Plan:
     return plan_chunks(
         x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size or None, memory_budget or None,
-        weight_dtype=weight.dtype, allow_keep=keep,
+        weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
     )
 
 
@@ -218,12 +218,17 @@ def _lce_backward(
     plan = _plan(x, weight, chunk_size, memory_budget, keep)
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
-        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_x else None
+        # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
+        # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
+        direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
+        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if (need_x and not direct) else None
         grad_w, grad_b = shard_backward(
             x, ResidentChunks(weight, bias, x.dtype), target, 0, weight.shape[0], lse, grad_rows, label_smoothing,
             z_loss, softcap, plan, grad_x, need_weight, kept=kept if keep else None,
             grad_lse=None if grad_lse is None else grad_lse.to(acc).contiguous(),
         )
+        if need_x and direct:
+            grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
     # A gradient not asked for is a fresh empty tensor each: custom op outputs may not alias each other.
     return (
         grad_x.to(x.dtype) if grad_x is not None else x.new_empty(0),
@@ -350,7 +355,7 @@ def linear_cross_entropy(
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         keep = plan_chunks(
             x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
-            weight_dtype=weight.dtype,
+            weight_dtype=weight.dtype, direct_dx=True,
         ).keep_logits
     loss_rows, lse, _ = torch.ops.hugehead.linear_cross_entropy_forward(
         x, weight, bias, target, int(ignore_index), float(label_smoothing), float(z_loss), cap,

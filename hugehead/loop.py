@@ -110,6 +110,7 @@ def plan_chunks(
     *,
     weight_dtype: Optional[torch.dtype] = None,
     allow_keep: bool = True,
+    direct_dx: bool = False,
 ) -> Plan:
     """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
 
@@ -119,6 +120,8 @@ def plan_chunks(
     bounds the rest. When all ``N × V`` logits fit the budget (and ``allow_keep``), they are kept
     (:attr:`Plan.keep_logits`); a weight stored in another dtype than ``dtype`` (autocast) is still cast
     a chunk at a time. Rows are split only when even a ``_MIN_COLS``-wide chunk of all rows would not fit.
+    ``direct_dx``: the caller computes the ``dX`` of a plan that keeps all logits in one chunk as one GEMM
+    straight into the gradient (the single-device op), so that plan needs no ``dX`` buffers.
     """
     itemsize = _itemsize(dtype)
     weight_dtype = dtype if weight_dtype is None else weight_dtype
@@ -131,6 +134,8 @@ def plan_chunks(
         # count them (at the widest chunk) against the budget.
         memory_budget = max(1, memory_budget - 3 * min(v, max_cols) * d * itemsize)
     keep = chunk_size is None and allow_keep
+    if keep and direct_dx and weight_dtype == dtype and n * v * itemsize <= memory_budget:
+        return Plan(rows=n, cols=v, keep_logits=True, kept_chunks=1)
     if keep and n * v * itemsize + dx_bytes <= memory_budget:
         # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the
         # streaming width; a weight already in the compute dtype is used whole (one GEMM each way).

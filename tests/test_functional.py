@@ -620,6 +620,37 @@ def test_partly_kept_logits_match_float64(device, bias, monkeypatch):
         assert_rel(t.grad, a, 1e-12, "second backward")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_all_logits_kept_with_dx_straight_into_the_gradient(device, dtype):
+    """A budget that holds all N x V logits but not the dX accumulation buffers beside them: the
+    single-device op keeps every logit in one chunk and computes dX as one GEMM into x's dtype (as
+    F.linear's backward does); the module's planner, whose dX accumulates over shards, does not keep them.
+    Loss and gradients match float64 (bf16: within the low-precision bounds used above)."""
+    n, d, v = 8, 6, 700
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    budget = n * v * itemsize + n * d  # room for the logits, not for n*d*(itemsize+4) more
+    plan = plan_chunks(n, d, v, dtype, device, None, budget, direct_dx=True)
+    assert plan.keep_logits and plan.kept_chunks == 1 and plan.cols == v, plan
+    shared = plan_chunks(n, d, v, dtype, device, None, budget)
+    assert not (shared.keep_logits and shared.cols == v), shared
+    torch.manual_seed(5)
+    x = torch.randn(n, d, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(v, d, device=device) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(v, device=device).to(dtype).requires_grad_()
+    target = torch.randint(0, v, (n,), device=device)
+    target[2] = -100
+    opts = dict(label_smoothing=0.05, z_loss=1e-3)
+    loss = hugehead.linear_cross_entropy(x, w, target, b, memory_budget=budget, **opts)
+    loss.backward()
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = reference.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **opts)
+    ref.backward()
+    assert x.grad.dtype == dtype and w.grad.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    for a, r in zip([loss.detach(), x.grad, w.grad, b.grad], [ref.detach()] + [t.grad for t in leaves]):
+        assert rel_err(a.double(), r) <= tol, (rel_err(a.double(), r), tol)
+
+
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("keep", [False, True])
