@@ -20,7 +20,17 @@ What matters for the head (see ``HugeHeadDDP.configure_model``):
 
 ``--checkpoint PATH`` also writes a Lightning checkpoint after ``fit``: its ``state_dict`` holds the
 head's logical ``head.weight [V, D]`` gathered from all ranks, which loads into any world size or into a
-one-process head. The data are those of ``examples/ddp_train.py``.
+one-process head.
+
+``--ckpt-dir DIR`` trains with :class:`hugehead.lightning.ShardedHeadDDPStrategy` and
+``ModelCheckpoint(save_last=True)``: ``DIR/last.ckpt`` is a sharded checkpoint directory in which every
+rank writes its own head rows and Adam state (nothing gathered); ``--ckpt-path DIR/last.ckpt`` resumes
+from it, and the test reads the weights back from it::
+
+    python examples/lightning_ddp.py --steps 100 --epoch-steps 50 --ckpt-dir ckpts
+    python examples/lightning_ddp.py --steps 150 --epoch-steps 50 --ckpt-dir ckpts --ckpt-path ckpts/last.ckpt
+
+The data are those of ``examples/ddp_train.py``.
 """
 from __future__ import annotations
 
@@ -47,6 +57,8 @@ try:
     import lightning as L
 except ImportError as exc:  # pragma: no cover - exercised only without lightning
     raise SystemExit(f"examples/lightning_ddp.py needs PyTorch Lightning: pip install lightning ({exc})") from None
+
+from hugehead.lightning import ShardedHeadDDPStrategy  # noqa: E402  (needs lightning)
 
 
 class HugeHeadDDP(L.LightningModule):
@@ -102,7 +114,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--test-size", type=int, help="held-out rows in all (GPU 16384, --cpu 512)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epoch-steps", type=int, help="steps per epoch (default: --steps, one epoch); resume at "
+                   "an epoch boundary to continue exactly as an uninterrupted run")
     p.add_argument("--checkpoint", help="after fit, trainer.save_checkpoint to this path")
+    p.add_argument("--ckpt-dir", help="sharded checkpoints (ShardedHeadDDPStrategy): DIR/last.ckpt at the end of fit")
+    p.add_argument("--ckpt-path", help="resume fit from this sharded checkpoint directory")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     defaults = (dict(classes=2000, dim=32, batch=64, steps=30, test_size=512) if args.cpu
@@ -120,30 +136,42 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     world = args.devices * args.num_nodes
     gen = torch.Generator().manual_seed(args.seed + 1)
     cpu = torch.device("cpu")
-    train = TensorDataset(*synthetic_batch(args.steps * args.batch * world, args.classes, args.in_dim, 1.3, 0.5, gen, cpu))
+    epoch_steps = args.epoch_steps or args.steps
+    train = TensorDataset(*synthetic_batch(epoch_steps * args.batch * world, args.classes, args.in_dim, 1.3, 0.5, gen, cpu))
     test = TensorDataset(*synthetic_batch(args.test_size, args.classes, args.in_dim, 1.3, 0.5, gen, cpu))
     model = HugeHeadDDP(args.classes, args.dim, args.in_dim, args.lr)
+    sharded = bool(args.ckpt_dir or args.ckpt_path)
+    callbacks = []
+    if args.ckpt_dir:
+        # save_top_k=0: only last.ckpt, rewritten atomically. Saved at the last training step (not at
+        # on_train_end): Lightning then resumes a run that stopped at an epoch's end at the next epoch's
+        # first batch, exactly as an uninterrupted run continues.
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0,
+                                                             enable_version_counter=False,
+                                                             every_n_train_steps=args.steps))
     trainer = L.Trainer(
-        accelerator="cpu" if args.cpu else "gpu", devices=args.devices, num_nodes=args.num_nodes, strategy="ddp",
-        precision="32-true" if args.cpu else "bf16-mixed", max_steps=args.steps, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        enable_progress_bar=not args.no_progress,
+        accelerator="cpu" if args.cpu else "gpu", devices=args.devices, num_nodes=args.num_nodes,
+        strategy=ShardedHeadDDPStrategy() if sharded else "ddp",
+        precision="32-true" if args.cpu else "bf16-mixed", max_steps=args.steps, max_epochs=-1, logger=False,
+        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, enable_progress_bar=not args.no_progress,
     )
     t0 = time.perf_counter()
-    trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True))
+    trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True), ckpt_path=args.ckpt_path)
     fit_seconds = time.perf_counter() - t0
     rank = trainer.global_rank
     head = model.head
     if args.checkpoint:
         trainer.save_checkpoint(args.checkpoint)  # every rank gathers the logical head; rank 0 writes
     before = shard_fingerprint(head)
+    last = os.path.join(args.ckpt_dir, "last.ckpt") if args.ckpt_dir else None
     t0 = time.perf_counter()
-    metrics = trainer.test(model, DataLoader(test, batch_size=args.batch), verbose=False)[0]
+    metrics = trainer.test(model, DataLoader(test, batch_size=args.batch), ckpt_path=last, verbose=False)[0]
     test_seconds = time.perf_counter() - t0
     if shard_fingerprint(head) != before:
         raise RuntimeError("trainer.test changed this rank's head shard (was the head left on DDP's ignore list?)")
-    print(f"rank {rank}: classes [{head.shards[0].start:,}, {head.shards[-1].stop:,}) on {head.shards[0].device}",
-          flush=True)
+    print(f"rank {rank}: classes [{head.shards[0].start:,}, {head.shards[-1].stop:,}) on {head.shards[0].device}; "
+          f"head shard sum {before!r}", flush=True)
     if rank == 0:
         print(f"fit: {trainer.global_step} steps in {fit_seconds:.1f} s on {world} ranks; test: {test_seconds:.1f} s")
         print(f"test_loss={metrics['test_loss']:.4f} test_acc={metrics['test_acc']:.4f} "
@@ -154,3 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
 
 if __name__ == "__main__":
     main()
+    # As in ddp_train.py: on torch 2.13 (CPU, gloo) the interpreter's teardown after DDP sometimes aborts
+    # in a library thread ("terminate called without an active exception") once everything is done,
+    # turning a finished run into SIGABRT; leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -167,6 +167,100 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         raise
 
 
+@contextlib.contextmanager
+def _atomic_dir_across_ranks(path: PathLike, group) -> Iterator[str]:
+    """:func:`atomic_path` for a directory that every rank of ``group`` writes into (a shared file
+    system): group rank 0 names and creates the temporary, every rank writes its part, and rank 0 swaps it
+    in only once the block ended normally on every rank. A failure on any rank removes the temporary and
+    raises on every rank (the failing rank re-raises its own exception)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    src = dist.get_global_rank(group, 0)
+    path = os.path.abspath(os.fspath(path))
+    name: List[Any] = [None]
+    if rank == 0:
+        try:
+            _clean_stale_temps(path)
+            name[0] = _temp_sibling(path)
+            os.makedirs(name[0])
+        except OSError as exc:  # every rank learns it (none waits for a directory that will not come)
+            name[0] = exc
+    dist.broadcast_object_list(name, src=src, group=group)
+    if isinstance(name[0], BaseException):
+        raise name[0]
+    tmp = name[0]
+    error: Optional[BaseException] = None
+    try:
+        yield tmp
+    except BaseException as exc:  # reported to every rank below, then re-raised
+        error = _as_rank_error(exc, rank)
+    reports: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+                           group=group)
+    failures = [r for r in reports if r is not None]
+    if rank == 0:
+        if not failures:
+            try:
+                _fsync_path(tmp)
+                _commit(tmp, path)
+            except BaseException as exc:
+                failures = [f"rank 0: {type(exc).__name__}: {exc}"]
+        if failures:
+            _remove_path(tmp)
+    outcome = [failures]
+    dist.broadcast_object_list(outcome, src=src, group=group)
+    if error is not None:
+        raise error
+    if outcome[0]:
+        raise RuntimeError(f"hugehead: checkpoint {path} was not written ({'; '.join(outcome[0])}); the previous "
+                           "one, if any, is unchanged")
+
+
+def _as_rank_error(exc: BaseException, rank: int) -> BaseException:
+    """DCP raises a ``CheckpointException`` (a BaseException, not an Exception) on every rank when any rank
+    failed: on a failing rank, its own original error instead; on the others, a RuntimeError naming the
+    failing ranks and their errors. Anything else is returned as it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return exc
+    failures = dict(getattr(exc, "failures", {}) or {})
+    own = failures.get(rank)
+    own = own[0] if isinstance(own, tuple) else own
+    if isinstance(own, BaseException):
+        own.__cause__ = exc
+        return own
+    described = []
+    for r, failure in sorted(failures.items()):
+        original = failure[0] if isinstance(failure, tuple) else failure
+        described.append(f"rank {r}: {type(original).__name__}: {original}")
+    error = RuntimeError(f"hugehead: torch.distributed.checkpoint failed on another rank ({'; '.join(described)})")
+    error.__cause__ = exc
+    return error
+
+
+def _group_rank(group) -> Tuple[int, int]:
+    """``(rank, world size)`` in ``group``; ``(0, 1)`` for None (one process)."""
+    if group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _resolve_group(process_group):
+    """The process group a checkpoint is written or read with: None (one process) unless one is given
+    and ``torch.distributed`` is initialized with more than one rank in it."""
+    if process_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("hugehead: process_group was given but torch.distributed is not initialized")
+    return process_group if dist.get_world_size(process_group) > 1 else None
+
+
 # --------------------------------------------------------------------------------------------------
 # Optimizer state on each parameter's device
 # --------------------------------------------------------------------------------------------------
@@ -235,12 +329,15 @@ class ShardedRows(Tensor):
         pieces: ``(first_row, tensor)`` pairs; tensors share trailing shape and dtype; the row ranges must
             tile ``[0, rows)`` without overlap.
         rows: ``R``.
+        local: the pieces are this process's part of a tensor whose other rows live in other ranks (a head
+            spanning ranks): they must lie in ``[0, rows)`` without overlap but need not cover it. DCP then
+            saves and loads, on every rank, that rank's pieces of the one logical tensor.
     """
 
     _pieces: List[Tuple[int, Tensor]]
 
     @staticmethod
-    def __new__(cls, pieces: Sequence[Tuple[int, Tensor]], rows: int):
+    def __new__(cls, pieces: Sequence[Tuple[int, Tensor]], rows: int, local: bool = False):
         pieces = sorted(((int(s), t) for s, t in pieces), key=lambda p: p[0])
         if not pieces:
             raise ValueError("hugehead: ShardedRows needs at least one piece")
@@ -252,13 +349,16 @@ class ShardedRows(Tensor):
                     f"hugehead: ShardedRows pieces must share trailing shape and dtype; got {tuple(piece.shape)} "
                     f"{piece.dtype} next to {tuple(first.shape)} {first.dtype}"
                 )
-            if start != expected:
-                raise ValueError(f"hugehead: ShardedRows piece starts at row {start}, expected {expected}")
+            if start < expected if local else start != expected:
+                raise ValueError(f"hugehead: ShardedRows piece starts at row {start}, expected "
+                                 f"{'at least ' if local else ''}{expected}")
             expected = start + piece.shape[0]
-        if expected != rows:
+        if expected > rows if local else expected != rows:
             raise ValueError(f"hugehead: ShardedRows pieces cover {expected} rows, not {rows}")
         out = Tensor._make_wrapper_subclass(cls, (rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
         out._pieces = pieces
+        out._local = bool(local)
+        out._partial = bool(local) and (sum(p.shape[0] for _, p in pieces) != rows)
         out._stage_to_host = False
         return out
 
@@ -273,7 +373,8 @@ class ShardedRows(Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         layout = ", ".join(f"[{s}, {s + t.shape[0]}) on {t.device}" for s, t in self._pieces)
-        return f"ShardedRows(shape={tuple(self.shape)}, dtype={self.dtype}, pieces=[{layout}])"
+        local = ", local" if self._local else ""
+        return f"ShardedRows(shape={tuple(self.shape)}, dtype={self.dtype}, pieces=[{layout}]{local})"
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
@@ -293,14 +394,14 @@ class ShardedRows(Tensor):
             row_bytes = max(1, piece[:1].numel() * piece.element_size())
             step = max(1, int(max_bytes) // row_bytes)
             out.extend((start + r, piece[r:r + step]) for r in range(0, piece.shape[0], step))
-        return ShardedRows(out, self.shape[0])
+        return ShardedRows(out, self.shape[0], self._local)
 
     def staged_to_host(self) -> "ShardedRows":
         """The same pieces, handed to DCP's writer as host copies made one at a time when it asks for
         each (a blocking copy on the current stream of the piece's device). DCP's own copy-ahead of GPU
         tensors waits on the current device's stream only, so a piece on another GPU of this process
         could be written before its copy finished; a piece already on the CPU is handed over as is."""
-        out = ShardedRows(self._pieces, self.shape[0])
+        out = ShardedRows(self._pieces, self.shape[0], self._local)
         out._stage_to_host = True
         return out
 
@@ -312,10 +413,15 @@ class ShardedRows(Tensor):
             if piece_start == start and piece.shape[0] == stop - start and piece.device == device:
                 return piece
         out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype, device=device)
+        covered = 0
         for piece_start, piece in self._pieces:
             lo, hi = max(start, piece_start), min(stop, piece_start + piece.shape[0])
             if lo < hi:
                 out[lo - start:hi - start].copy_(piece[lo - piece_start:hi - piece_start])
+                covered += hi - lo
+        if covered != stop - start:
+            raise ValueError(f"hugehead: rows [{start}, {stop}) are not all in this process's pieces of "
+                             f"the ShardedRows ({self!r})")
         return out
 
     # The protocol torch.distributed.checkpoint's default planners call (DTensor implements the same).
@@ -372,6 +478,10 @@ def sharded_state_dict(module: nn.Module, *, for_save: bool = False) -> Dict[str
         state = hugehead.checkpoint.sharded_state_dict(model)  # the same keys, this placement
         dcp.load(state, checkpoint_id=path)                   # in place, into the shards
         model.load_state_dict(state)                          # the rest (no copy for the head)
+
+    A head that spans ranks (``process_group``) gives this rank's shards (``ShardedRows(local=True)``):
+    with the process group initialized, ``dcp.save``/``dcp.load`` on every rank write and read each rank's
+    rows of the one logical tensor, and load into any world size or into one process.
 
     Other entries are those of ``state_dict()`` (tensors sharing the module's storage).
     """
@@ -453,10 +563,11 @@ def _optimizer_state_dicts(optimizers) -> Optional[List[dict]]:
 
 
 def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], optimizers=None,
-                    extra: Any = None, *, block_bytes: int = DCP_BLOCK_BYTES, io_threads: int = 1) -> None:
+                    extra: Any = None, *, block_bytes: int = DCP_BLOCK_BYTES, io_threads: int = 1,
+                    process_group=None) -> None:
     """Write a checkpoint directory, atomically: the model's tensors and the optimizers' state tensors
-    with ``torch.distributed.checkpoint`` (single process, no process group), everything else (param
-    groups, ``extra``) in one small ``torch.save`` file inside it.
+    with ``torch.distributed.checkpoint``, everything else (param groups, ``extra``) in one small
+    ``torch.save`` file inside it.
 
     Heads are never gathered: each shard is written from where it lives, in row blocks of at most
     ``block_bytes`` (a GPU block is staged through host memory one at a time). The model's weights load
@@ -471,12 +582,23 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
         extra: anything else ``torch.save`` can write (Lightning's loops, callbacks, hyper-parameters).
         block_bytes: the largest piece stored (and read back) at once. io_threads: DCP writer threads
             (one file each; host memory grows by a block per thread).
+        process_group: for a model whose heads span the ranks of this group (``process_group=`` heads,
+            e.g. under DDP): a collective call; every rank writes its own head rows and optimizer state
+            into the one directory (a shared file system), a replicated tensor once, and group rank 0
+            commits it. Weights then load into any world size or one process; optimizer state into the
+            same world size and placement. None: one process.
     Raises:
-        Whatever writing raises; ``path`` is then left as it was and no temporary remains.
+        Whatever writing raises (on every rank, with ``process_group``); ``path`` is then left as it was
+        and no temporary remains.
     """
     import torch.distributed.checkpoint as dcp
 
+    group = _resolve_group(process_group)
+    rank, world = _group_rank(group)
     state = sharded_state_dict(model) if isinstance(model, nn.Module) else dict(model)
+    if group is None and any(isinstance(v, ShardedRows) and v._partial for v in state.values()):
+        raise ValueError("hugehead: the model holds a head that spans ranks: pass its process_group to "
+                         "save_checkpoint (every rank writes its rows)")
     tensors: Dict[str, Any] = {}
     model_other: Dict[str, Any] = {}
     for key, value in state.items():
@@ -492,7 +614,8 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
             entry = {}
             for key, value in param_state.items():
                 if isinstance(value, Tensor):
-                    name = f"optimizer.{i}.{pid}.{key}"
+                    # Over ranks, each rank's optimizer state is its own (its head shards): keyed by rank.
+                    name = f"optimizer.{i}.{pid}.{key}" if group is None else f"optimizer.{i}.rank{rank}.{pid}.{key}"
                     tensors[name] = _for_dcp(value, block_bytes, saving=True)
                     entry[key] = _TensorRef(name, value.shape, value.dtype)
                 else:
@@ -506,16 +629,30 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
         "model_shapes": {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)},
         "optimizers": optimizer_meta,
         "extra": extra,
+        "world_size": world,
     }
-    with atomic_path(path) as tmp:
-        os.makedirs(tmp)
-        if tensors:
-            with _single_process_dcp():
-                writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=io_threads)
-                dcp.save(tensors, storage_writer=writer, no_dist=True)
-        # The metadata file goes last: a directory with it is complete (is_checkpoint_dir).
-        with open(os.path.join(tmp, _META_FILE), "wb") as f:
-            torch.save(meta, f)
+    if group is None:
+        with atomic_path(path) as tmp:
+            os.makedirs(tmp)
+            if tensors:
+                with _single_process_dcp():
+                    writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=io_threads)
+                    dcp.save(tensors, storage_writer=writer, no_dist=True)
+            # The metadata file goes last: a directory with it is complete (is_checkpoint_dir).
+            with open(os.path.join(tmp, _META_FILE), "wb") as f:
+                torch.save(meta, f)
+        return
+    import torch.distributed as dist
+
+    per_rank: List[Any] = [None] * world
+    dist.all_gather_object(per_rank, optimizer_meta, group=group)
+    meta["optimizers"] = None if optimizer_meta is None else per_rank  # one list per rank
+    with _atomic_dir_across_ranks(path, group) as tmp:
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=io_threads)
+        dcp.save(tensors, storage_writer=writer, process_group=group)
+        if rank == 0:
+            with open(os.path.join(tmp, _META_FILE), "wb") as f:
+                torch.save(meta, f)
 
 
 def _read_meta(path: str, weights_only: Optional[bool]) -> dict:
@@ -535,7 +672,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[Tensor]:
 
 def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
                     optimizers: Optional[Sequence[torch.optim.Optimizer]] = None, *, strict: bool = True, weights_only: Optional[bool] = None,
-                    block_bytes: int = DCP_BLOCK_BYTES) -> Tuple[Dict[str, Any], List[dict], Any]:
+                    block_bytes: int = DCP_BLOCK_BYTES, process_group=None) -> Tuple[Dict[str, Any], List[dict], Any]:
     """The loading half of :func:`load_checkpoint`, for callers that apply the states themselves
     (``hugehead.lightning``): loads in place into ``model_state`` (a :func:`sharded_state_dict`) and into
     optimizer state tensors allocated on each parameter's device.
@@ -543,14 +680,23 @@ def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
     Returns:
         ``(model_state, optimizer_state_dicts, extra)``; ``optimizer_state_dicts`` is None when
         ``optimizers`` is None or the checkpoint holds no optimizer state (nothing of it is read then).
+    With ``process_group`` (a model whose heads span its ranks): collective; each rank reads its rows
+    and, from a checkpoint saved by the same world size, its own optimizer state.
+
     Raises:
         FileNotFoundError, ValueError: not a checkpoint; different shapes; optimizer state saved for other
-            parameters (another placement, another optimizer). RuntimeError: (``strict``) other keys.
+            parameters (another placement, another optimizer, another world size). RuntimeError:
+            (``strict``) other keys.
     """
     import torch.distributed.checkpoint as dcp
 
+    pg = _resolve_group(process_group)
+    rank, world = _group_rank(pg)
     path = os.fspath(path)
     meta = _read_meta(path, weights_only)
+    if pg is None and any(isinstance(v, ShardedRows) and v._partial for v in model_state.values()):
+        raise ValueError("hugehead: the model holds a head that spans ranks: pass its process_group to "
+                         "read_checkpoint/load_checkpoint (every rank reads its rows)")
     model_state = dict(model_state)
     saved_shapes = meta["model_shapes"]
     if strict:
@@ -575,7 +721,16 @@ def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
 
     optimizer_states: Optional[List[dict]] = None
     saved_optimizers = meta["optimizers"]
+    saved_world = meta.get("world_size", 1)
     if optimizers is not None and saved_optimizers is not None:
+        if saved_world != world:
+            raise ValueError(
+                f"hugehead: {path} holds the optimizer state of {saved_world} rank(s); this is {world}. Optimizer "
+                "state resumes into the same world size and placement only; load the weights alone with "
+                "optimizers=None"
+            )
+        if saved_world > 1:
+            saved_optimizers = saved_optimizers[rank]  # this rank's own lists
         optimizer_states = []
         if len(optimizers) != len(saved_optimizers):
             raise ValueError(f"hugehead: {path} holds state of {len(saved_optimizers)} optimizer(s), "
@@ -617,21 +772,26 @@ def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
                 state[pid] = param_state
             optimizer_states.append({**{k: v for k, v in saved.items() if k != "state"}, "state": state})
 
-    if targets:
+    if pg is not None:
+        try:
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(path), process_group=pg)
+        except BaseException as exc:
+            raise _as_rank_error(exc, rank) from None
+    elif targets:
         with _single_process_dcp():
             dcp.load(targets, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return model_state, optimizer_states, meta["extra"]
 
 
 def load_checkpoint(path: PathLike, model: nn.Module, optimizers=None, *, strict: bool = True,
-                    weights_only: Optional[bool] = None) -> Any:
+                    weights_only: Optional[bool] = None, process_group=None) -> Any:
     """Load a directory written by :func:`save_checkpoint` into ``model`` (any placement and shard count
     of its heads: each shard reads only its rows, block by block, straight into its Parameters) and into
     ``optimizers`` (same placement; each state tensor is read onto its parameter's device).
 
     Args:
         strict: passed to ``model.load_state_dict``. weights_only: for the small ``torch.save`` part
-            (None: torch's default).
+            (None: torch's default). process_group: as for :func:`save_checkpoint` (collective).
     Returns:
         The ``extra`` object that was saved.
     Raises:
@@ -641,7 +801,8 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizers=None, *, strict
         optimizers = [optimizers]
     optimizers = None if optimizers is None else list(optimizers)
     state, optimizer_states, extra = read_checkpoint(path, sharded_state_dict(model), optimizers,
-                                                     strict=strict, weights_only=weights_only)
+                                                     strict=strict, weights_only=weights_only,
+                                                     process_group=process_group)
     if optimizers and optimizer_states is None:
         raise ValueError(f"hugehead: {os.fspath(path)} holds no optimizer state (it was saved without optimizers)")
     model.load_state_dict(state, strict=strict)

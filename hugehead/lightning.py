@@ -8,6 +8,8 @@
   a directory written by :func:`hugehead.checkpoint.save_checkpoint` (``torch.distributed.checkpoint``
   for the tensors), so no head is ever gathered, and it loads into any head placement. It keeps
   optimizer state on the shards itself (no callback needed).
+- :class:`ShardedHeadDDPStrategy`: the same checkpoints under DDP, for heads that span the ranks: every
+  rank writes its own rows and optimizer state into one directory.
 
 This module imports Lightning (``lightning.pytorch``); ``import hugehead`` does not import it.
 """
@@ -22,7 +24,7 @@ import torch
 try:
     from lightning.pytorch.accelerators import CUDAAccelerator
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 except ImportError as exc:  # pragma: no cover - exercised only without lightning
@@ -31,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
 from .checkpoint import (is_checkpoint_dir, keep_optimizer_state_on_shards, place_optimizer_state, read_checkpoint,
                          save_checkpoint, sharded_state_dict)
 
-__all__ = ["ShardPlacementCallback", "ShardedHeadStrategy"]
+__all__ = ["ShardPlacementCallback", "ShardedHeadStrategy", "ShardedHeadDDPStrategy"]
 
 
 class ShardPlacementCallback(Callback):
@@ -48,7 +50,65 @@ class ShardPlacementCallback(Callback):
             keep_optimizer_state_on_shards(optimizer)
 
 
-class ShardedHeadStrategy(SingleDeviceStrategy):
+class _ShardedCheckpoints:
+    """Checkpoint methods shared by the strategies below: every checkpoint is a directory written by
+    :func:`hugehead.checkpoint.save_checkpoint` (collectively over ``_checkpoint_group()`` when that is
+    not None), loaded after setup straight into the shards and onto each parameter's device."""
+
+    def _checkpoint_group(self):
+        return None
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load after setup: the optimizers exist then, so their state is read straight onto the shards.
+        return True
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        return sharded_state_dict(self.lightning_module)
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes checkpoint directories and takes no storage_options")
+        checkpoint = dict(checkpoint)
+        state = checkpoint.pop("state_dict")
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        t0 = time.perf_counter()
+        save_checkpoint(filepath, state, optimizer_states, extra=checkpoint, process_group=self._checkpoint_group())
+        rank_zero_info(f"hugehead: saved sharded checkpoint {filepath} ({_size_gb(filepath):.2f} GB) in "
+                       f"{time.perf_counter() - t0:.1f} s")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        if not is_checkpoint_dir(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        torch.cuda.empty_cache()
+        # Optimizer state only for fit: after a fit, self.optimizers still holds its optimizers during test.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        t0 = time.perf_counter()
+        state, optimizer_states, extra = read_checkpoint(
+            checkpoint_path, self.lightning_module_state_dict(), (self.optimizers or None) if fitting else None,
+            weights_only=weights_only, process_group=self._checkpoint_group(),
+        )
+        rank_zero_info(f"hugehead: loaded sharded checkpoint {checkpoint_path} (weights"
+                       f"{'' if optimizer_states is None else ' and optimizer state'}) in {time.perf_counter() - t0:.1f} s")
+        checkpoint = dict(extra or {})
+        checkpoint["state_dict"] = state
+        if optimizer_states is not None:
+            checkpoint["optimizer_states"] = optimizer_states
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(opt_state)
+            place_optimizer_state(optimizer)  # not Lightning's move of everything to the root device
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        for optimizer in self.optimizers:
+            keep_optimizer_state_on_shards(optimizer)
+
+
+class ShardedHeadStrategy(_ShardedCheckpoints, SingleDeviceStrategy):
     """One process, one root device for the LightningModule (heads keep their own placement), and
     sharded checkpoints.
 
@@ -82,54 +142,27 @@ class ShardedHeadStrategy(SingleDeviceStrategy):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Load after setup: the optimizers exist then, so their state is read straight onto the shards.
-        return True
 
-    def lightning_module_state_dict(self) -> Dict[str, Any]:
-        return sharded_state_dict(self.lightning_module)
+class ShardedHeadDDPStrategy(_ShardedCheckpoints, DDPStrategy):
+    """Lightning's DDP strategy for a model whose heads span the DDP ranks (``process_group=`` heads, see
+    ``examples/lightning_ddp.py``), with sharded checkpoints: ``trainer.save_checkpoint`` and
+    ``ModelCheckpoint`` write one directory (a shared file system) in which every rank writes its own
+    head rows and its own optimizer state (the head's Adam moments differ per rank), the replicated
+    backbone once, and rank 0 commits it atomically — the head is never gathered (DDP's own checkpoint
+    gathers the logical head on every rank and keeps only rank 0's optimizer state, so a resumed fit
+    would give every rank rank 0's moments). ``fit(ckpt_path=dir)`` resumes on the same world size;
+    ``test(ckpt_path=dir)`` and :func:`hugehead.checkpoint.load_checkpoint` read the weights into any world
+    size or one process. Arguments: those of ``DDPStrategy``.
 
-    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} writes checkpoint directories and takes no storage_options")
-        checkpoint = dict(checkpoint)
-        state = checkpoint.pop("state_dict")
-        optimizer_states = checkpoint.pop("optimizer_states", None)
-        t0 = time.perf_counter()
-        save_checkpoint(filepath, state, optimizer_states, extra=checkpoint)
-        rank_zero_info(f"hugehead: saved sharded checkpoint {filepath} ({_size_gb(filepath):.2f} GB) in "
-                       f"{time.perf_counter() - t0:.1f} s")
+    ``Trainer(devices=2, strategy=hugehead.lightning.ShardedHeadDDPStrategy())``.
+    """
 
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        if not is_checkpoint_dir(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        torch.cuda.empty_cache()
-        # Optimizer state only for fit: after a fit, self.optimizers still holds its optimizers during test.
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        t0 = time.perf_counter()
-        state, optimizer_states, extra = read_checkpoint(
-            checkpoint_path, self.lightning_module_state_dict(), (self.optimizers or None) if fitting else None,
-            weights_only=weights_only,
-        )
-        rank_zero_info(f"hugehead: loaded sharded checkpoint {checkpoint_path} (weights"
-                       f"{'' if optimizer_states is None else ' and optimizer state'}) in {time.perf_counter() - t0:.1f} s")
-        checkpoint = dict(extra or {})
-        checkpoint["state_dict"] = state
-        if optimizer_states is not None:
-            checkpoint["optimizer_states"] = optimizer_states
-        return checkpoint
+    strategy_name = "hugehead_sharded_head_ddp"
 
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(opt_state)
-            place_optimizer_state(optimizer)  # not Lightning's move of everything to the root device
+    def _checkpoint_group(self):
+        import torch.distributed as dist
 
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        for optimizer in self.optimizers:
-            keep_optimizer_state_on_shards(optimizer)
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _size_gb(path) -> float:

@@ -11,10 +11,12 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 
 import hugehead
+from hugehead.checkpoint import sharded_state_dict
 from hugehead.engines.distributed import ignore_heads_in_ddp
 
 D = 6
@@ -174,6 +176,9 @@ def job_save(ctx) -> dict:
     if ctx["rank"] == 0:
         torch.save(state, prefix + ".pt")
     head.save_safetensors(prefix + ".safetensors")
+    # torch.distributed.checkpoint of a model holding the head: each rank writes its own rows (nothing
+    # gathered); the backbone, the same on every rank, is written once.
+    dcp.save(sharded_state_dict(_Net(head, seed=5), for_save=True), checkpoint_id=prefix + ".dcp")
     return dict(state=state, shards=[(s.start, s.stop, s.weight.detach().cpu(), s.bias.detach().cpu())
                                      for s in head.shards])
 
@@ -182,21 +187,89 @@ def job_load(ctx, source: str) -> dict:
     """Load ``<source>.pt`` (a logical state dict) and ``<source>.safetensors`` into heads of this world."""
     out = {}
     torch.manual_seed(999)  # another initialization than the file's: loading must overwrite it
-    for kind in ("pt", "safetensors"):
+    for kind in ("pt", "safetensors", "dcp"):
         head = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=_devices(ctx, 1),
                                           process_group=dist.group.WORLD)
         path = os.path.join(ctx["out"], f"{source}.{kind}")
         if kind == "pt":
             head.load_state_dict(torch.load(path))
-        else:
+        elif kind == "safetensors":
             head.load_safetensors(path)
+        else:  # in place: every rank reads only the rows of its shards, whatever layout wrote them
+            net = _Net(head, seed=77)
+            state = sharded_state_dict(net)
+            dcp.load(state, checkpoint_id=path)
+            net.load_state_dict(state)
+            out["dcp_backbone"] = (net.backbone.weight.detach().clone(), net.backbone.bias.detach().clone())
         out[kind] = [(s.start, s.stop, s.weight.detach().cpu(), s.bias.detach().cpu()) for s in head.shards]
     return out
 
 
+def _average_backbone_grads(net) -> None:
+    for p in net.backbone.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def job_ckpt_atomic(ctx) -> dict:
+    """hugehead.checkpoint.save_checkpoint over the ranks: a good checkpoint, then a save whose write fails
+    on rank 1 only. Every rank must raise, the good checkpoint must stay loadable and no temporary may
+    remain; load_checkpoint reads it back (weights and this rank's optimizer state)."""
+    from hugehead import checkpoint as ck
+
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=_devices(ctx, 1),
+                                      process_group=dist.group.WORLD)
+    net = _Net(head, seed=5)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    x, target = torch.randn(4 + ctx["rank"], 4, dtype=torch.float64), torch.arange(4 + ctx["rank"]) % 13
+    net(x, target).backward()
+    _average_backbone_grads(net)  # as DDP would: the backbone stays the same on every rank
+    opt.step()
+    path = os.path.join(ctx["out"], f"atomic{ctx['world']}")
+    ck.save_checkpoint(path, net, opt, extra={"step": 1}, process_group=dist.group.WORLD)
+    good = [s.weight.detach().clone() for s in head.shards]
+    with torch.no_grad():
+        for s in head.shards:
+            s.weight.add_(1.0)
+    real_write = dcp.FileSystemWriter.write_data
+
+    def failing_write(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device (injected)")
+        return real_write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = failing_write
+    error = None
+    try:
+        ck.save_checkpoint(path, net, opt, process_group=dist.group.WORLD)
+    except Exception as exc:  # noqa: BLE001 - what every rank sees is the result
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        dcp.FileSystemWriter.write_data = real_write
+    dist.barrier()
+    leftovers = sorted(n for n in os.listdir(ctx["out"]) if n.startswith(f".atomic{ctx['world']}"))
+    torch.manual_seed(1)
+    fresh_head = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=_devices(ctx, 1),
+                                            process_group=dist.group.WORLD)
+    fresh = _Net(fresh_head, seed=9)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    fresh(x, target).backward()
+    _average_backbone_grads(fresh)
+    fresh_opt.step()  # state exists, then is overwritten by the load
+    extra = ck.load_checkpoint(path, fresh, fresh_opt, process_group=dist.group.WORLD)
+    same_opt = all(torch.equal(a, b) for p, q in zip(net.parameters(), fresh.parameters())
+                   for a, b in zip(opt.state[p].values(), fresh_opt.state[q].values()))
+    return dict(error=error, leftovers=leftovers, extra=extra, same_opt=same_opt,
+                loaded=[torch.equal(s.weight.detach(), g) for s, g in zip(fresh_head.shards, good)],
+                backbone=torch.equal(fresh.backbone.weight, net.backbone.weight))
+
+
 class _Net(nn.Module):
-    def __init__(self, head):
+    def __init__(self, head, seed: Optional[int] = None):
         super().__init__()
+        if seed is not None:
+            torch.manual_seed(seed)  # the same backbone on every rank
         self.backbone = nn.Linear(4, D, dtype=torch.float64)
         self.head = head
 
@@ -268,6 +341,7 @@ JOBS = {
     "ddp": (job_ddp, ()),
     "bf16": (job_bf16, ()),
     "mismatch": (job_mismatch, ()),
+    "ckpt_atomic": (job_ckpt_atomic, ()),
 }
 
 

@@ -234,6 +234,32 @@ def test_saves_hand_dcp_host_copies_of_pieces_off_the_cpu():
     assert ck._for_dcp(torch.zeros(5), 1 << 20, saving=True).device.type == "cpu"  # CPU tensors as they are
 
 
+def test_local_sharded_rows_are_a_rank_s_part_of_the_logical_tensor(tmp_path):
+    """local=True (a head spanning ranks): pieces inside [0, R) without overlap, not covering it; rows are
+    materialized only where this process has them."""
+    a, b = torch.arange(6.0).view(3, 2), torch.arange(6.0, 10.0).view(2, 2)
+    part = ck.ShardedRows([(7, b), (2, a)], 12, local=True)
+    assert part.shape == (12, 2) and [s for s, _ in part.pieces] == [2, 7] and "local" in repr(part)
+    assert part.rows(7, 9) is b
+    torch.testing.assert_close(part.rows(3, 5), a[1:3], rtol=0, atol=0)
+    assert [s for s, _ in part.blocks(8).pieces] == [2, 3, 4, 7, 8]  # one 8-byte row per block, still local
+    with pytest.raises(ValueError, match=r"rows \[4, 8\) are not all in this process's pieces"):
+        part.rows(4, 8)
+    with pytest.raises(ValueError, match="starts at row 3, expected at least 5"):
+        ck.ShardedRows([(2, a), (3, b)], 12, local=True)
+    with pytest.raises(ValueError, match="cover 13 rows, not 12"):
+        ck.ShardedRows([(10, a)], 12, local=True)
+    with pytest.raises(ValueError, match="starts at row 2, expected 0"):
+        ck.ShardedRows([(2, a)], 12)  # without local the pieces must tile [0, R)
+    # Some rows live in other ranks: a one-process checkpoint of it would be incomplete.
+    with pytest.raises(ValueError, match="spans ranks: pass its process_group to save_checkpoint"):
+        ck.save_checkpoint(tmp_path / "ckpt", {"weight": part})
+    assert not os.listdir(tmp_path)
+    whole = ck.ShardedRows([(0, torch.zeros(2, 2)), (2, a)], 5, local=True)  # a world of one rank
+    ck.save_checkpoint(tmp_path / "ckpt", {"weight": whole})
+    assert ck.is_checkpoint_dir(tmp_path / "ckpt")
+
+
 def test_load_state_dict_takes_sharded_rows_of_another_placement():
     a, b = make_head([5, 20, 12], seed=3), make_head([30, 7], seed=4)
     b.load_state_dict(a.sharded_state_dict())

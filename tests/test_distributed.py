@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import hugehead
 from hugehead import reference
+from hugehead import checkpoint as ck
+from hugehead.checkpoint import sharded_state_dict
 from hugehead.engines.distributed import rank_class_ranges
 
 import dist_cases
@@ -38,7 +41,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gloo2(workdir):
     # DDP only here: its constructor imports torch._dynamo, seconds per process.
-    return dist_cases.run_world(2, COMMON_JOBS + ["save", "ddp", "bf16"], workdir)
+    return dist_cases.run_world(2, COMMON_JOBS + ["save", "ddp", "bf16", "ckpt_atomic"], workdir)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,15 @@ def one_process_files(workdir):
     head = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=["cpu", "cpu"])
     torch.save(head.state_dict(), os.path.join(workdir, "one.pt"))
     head.save_safetensors(os.path.join(workdir, "one.safetensors"))
+    dcp.save(sharded_state_dict(dist_cases._Net(head, seed=5), for_save=True),
+             checkpoint_id=os.path.join(workdir, "one.dcp"), no_dist=True)
     return head.state_dict()
+
+
+def _backbone(seed=5):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(4, D, dtype=torch.float64)
+    return lin.weight.detach(), lin.bias.detach()
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +213,20 @@ def test_ranks_that_disagree_on_the_head_all_raise(request, world):
     assert all("its classes start at 6, after rank 0's end at 5" in e for e in split)
 
 
+def test_checkpoint_directory_over_ranks_is_atomic_and_resumes(gloo2):
+    """save_checkpoint/load_checkpoint with process_group (gloo, 2 ranks): a write failing on rank 1 raises
+    on both ranks, leaves the previous checkpoint loadable and no temporary; the load restores every
+    rank's shard, the backbone and that rank's own Adam state."""
+    errors = [result["error"] for result in gloo2["ckpt_atomic"]]
+    assert errors[1] == "OSError: [Errno 28] No space left on device (injected)", errors  # its own error
+    assert errors[0].startswith("RuntimeError: hugehead: torch.distributed.checkpoint failed on another rank "
+                                "(rank 1: OSError: [Errno 28] No space left on device (injected))"), errors
+    for rank, result in enumerate(gloo2["ckpt_atomic"]):
+        assert result["leftovers"] == [], result
+        assert result["extra"] == {"step": 1} and result["loaded"] == [True] and result["backbone"], result
+        assert result["same_opt"], result
+
+
 def _one_process_head(seed=999):
     torch.manual_seed(seed)
     return hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=["cpu", "cpu", "cpu"])
@@ -220,13 +245,20 @@ def check_saved(results, workdir, world):
     for rank in range(world):
         torch.testing.assert_close(saved[rank]["state"], expected, rtol=0, atol=0)
     assert [(s[0], s[1]) for s in saved[0]["shards"]] == ([(0, 4), (4, 7)] if world == 2 else [(0, 3), (3, 5)])
-    for kind in ("pt", "safetensors"):
+    for kind in ("pt", "safetensors", "dcp"):
         head = _one_process_head()
         path = os.path.join(workdir, f"w{world}.{kind}")
         if kind == "pt":
             head.load_state_dict(torch.load(path))
-        else:
+        elif kind == "safetensors":
             head.load_safetensors(path)
+        else:  # written by every rank of the world, read by one process with three shards
+            net = dist_cases._Net(head, seed=77)
+            state = sharded_state_dict(net)
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+            net.load_state_dict(state)
+            for got, want in zip((net.backbone.weight, net.backbone.bias), _backbone()):
+                torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
         torch.testing.assert_close({k: v.cpu() for k, v in head.state_dict().items()}, expected, rtol=0, atol=0)
 
 
@@ -234,11 +266,14 @@ def test_checkpoints_load_into_other_world_sizes(gloo3, one_process_files):
     torch.manual_seed(0)
     from_two_ranks = hugehead.ChunkedClassifier(D, 13, dtype=torch.float64, devices=["cpu"]).state_dict()
     for source, expected in (("w2", from_two_ranks), ("one", one_process_files)):
-        for kind in ("pt", "safetensors"):
+        for kind in ("pt", "safetensors", "dcp"):
             pieces = [s for rank in gloo3[f"load:{source}"] for s in rank[kind]]
             for i, name in ((2, "weight"), (3, "bias")):
                 got = logical_from_pieces([(s[0], s[1], s[i]) for s in pieces], 13)
                 torch.testing.assert_close(got, expected[name], rtol=0, atol=0)
+        for rank in gloo3[f"load:{source}"]:  # the backbone written once, read by every rank
+            for got, want in zip(rank["dcp_backbone"], _backbone()):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,7 +287,7 @@ def _run_example(args, cwd):
                                                             "MASTER_PORT")}
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return proc.stdout + proc.stderr  # Lightning's rank-zero messages go to stderr
 
 
 def test_ddp_train_example_with_torchrun_on_gloo(tmp_path):
@@ -281,6 +316,41 @@ def test_lightning_ddp_example_fit_and_test_on_cpu(tmp_path):
     head = hugehead.ChunkedClassifier(32, 2000, devices=["cpu", "cpu"])
     head.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
     assert state["head.weight"].shape == (2000, 32)
+
+
+def _shard_sums(out):
+    return dict(re.findall(r"rank (\d): classes .*?; head shard sum (-?[\d.e+-]+)", out))
+
+
+def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(tmp_path):
+    """ShardedHeadDDPStrategy: 3 steps, checkpoint (every rank writes its rows and Adam state), a new fit
+    resumed from it to step 6 ends bitwise where an uninterrupted 6-step fit does (epoch boundary at 3),
+    and the checkpoint directory loads into one process without gathering anything at save time."""
+    pytest.importorskip("lightning", reason="examples/lightning_ddp.py needs PyTorch Lightning")
+    example = [str(EXAMPLES / "lightning_ddp.py"), "--cpu", "--no-progress", "--epoch-steps", "3"]
+    ckpt, other = tmp_path / "ckpt", tmp_path / "uninterrupted"
+    first = _run_example(example + ["--steps", "3", "--ckpt-dir", str(ckpt)], tmp_path)
+    assert "hugehead: saved sharded checkpoint" in first
+    last = ckpt / "last.ckpt"
+    assert ck.is_checkpoint_dir(last) and sorted(os.listdir(ckpt)) == ["last.ckpt"]
+    # The weights alone load into a one-process head (three shards) and match what rank r held.
+    one = hugehead.ChunkedClassifier(32, 2000, devices=["cpu", "cpu", "cpu"])
+    state = {f"head.{k}": v for k, v in ck.sharded_state_dict(one).items()}  # the LightningModule's keys
+    ck.read_checkpoint(last, state, strict=False)  # in place, into the three shards
+    saved = {r: float(v) for r, v in _shard_sums(first).items()}
+    weight = torch.cat([s.weight.detach() for s in one.shards]).double()
+    for r, (lo, hi) in enumerate([(0, 1000), (1000, 2000)]):
+        assert float(weight[lo:hi].sum()) == saved[str(r)]
+    resumed = _run_example(example + ["--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-path", str(last)], tmp_path)
+    assert "(weights and optimizer state)" in resumed and re.search(r"fit: 6 steps", resumed), resumed
+    straight = _run_example(example + ["--steps", "6", "--ckpt-dir", str(other)], tmp_path)
+    assert _shard_sums(resumed) == _shard_sums(straight) and len(_shard_sums(straight)) == 2, (resumed, straight)
+    metrics = re.compile(r"test_loss=[\d.]+ test_acc=[\d.]+")
+    assert metrics.search(resumed).group(0) == metrics.search(straight).group(0)
+    # Optimizer state belongs to this world size: one process may read the weights, not resume the optimizer.
+    opt = torch.optim.AdamW(one.parameters())
+    with pytest.raises(ValueError, match="optimizer state of 2 rank"):
+        ck.read_checkpoint(last, state, [opt], strict=False)
 
 
 def test_bench_dist_smoke_writes_records(tmp_path):

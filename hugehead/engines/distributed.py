@@ -397,19 +397,21 @@ def gather_logical(head, name: str, dst: Optional[int] = None, block_bytes: int 
 def logical_state_dict_hook(module, state_dict, prefix: str, local_metadata) -> None:
     """State-dict post-hook of a distributed head: the per-shard entries of this rank are replaced by the
     logical ``weight`` and ``bias`` gathered from all ranks (:func:`gather_logical`), the same on every
-    rank; any placement or world size loads them. Collective: every rank must call ``state_dict()``."""
-    from ..checkpoint import sharded_state_dict_requested
+    rank; any placement or world size loads them. Collective: every rank must call ``state_dict()``.
+    Inside :func:`hugehead.checkpoint.sharded_state_dict` they are this rank's pieces instead
+    (:class:`~hugehead.checkpoint.ShardedRows` with ``local=True``): nothing gathered, nothing collective."""
+    from ..checkpoint import ShardedRows, sharded_state_dict_requested
 
-    if sharded_state_dict_requested():
-        raise NotImplementedError(
-            "hugehead: sharded (torch.distributed.checkpoint) state dicts of a head spanning ranks are not "
-            "supported yet; use state_dict() (gathered) or save_safetensors()/load_safetensors()"
-        )
+    sharded = sharded_state_dict_requested()
     names = ("weight", "bias") if module.has_bias else ("weight",)
     for name in names:
-        for k in range(len(module.shards)):
-            state_dict.pop(f"{prefix}shards.{k}.{name}")
-        state_dict[prefix + name] = gather_logical(module, name)
+        pieces = [(shard.start, state_dict.pop(f"{prefix}shards.{k}.{name}")) for k, shard in enumerate(module.shards)]
+        if sharded:
+            # This rank's shards as its pieces of the logical tensor (global class offsets, no copy, no
+            # collective): torch.distributed.checkpoint saves and loads every rank's rows where they live.
+            state_dict[prefix + name] = ShardedRows(pieces, module.num_classes, local=True)
+        else:
+            state_dict[prefix + name] = gather_logical(module, name)
 
 
 def save_safetensors(head, path: str, file_format: str) -> None:
