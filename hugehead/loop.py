@@ -47,8 +47,12 @@ __all__ = [
 
 T = TypeVar("T")
 DEFAULT_MEMORY_BUDGET = 4 << 30
-_MAX_COLS = {"cuda": 32768, "cpu": 8192}
+_MAX_COLS = {"cuda": 65536, "cpu": 8192}
 _MIN_COLS = 256
+# CUDA: a streamed chunk of about 2**28 logits (512 MiB in bf16), i.e. 65536 / 32768 / 16384 classes at
+# N = 4096 / 8192 / 16384 rows: the fastest of 16384, 32768 and 65536 for the four GEMMs of a chunk at
+# D = 768 on an H200 (bench/results/h200/split.md; 32768 at N = 16384 was 5% slower, at N = 4096 6%).
+_CHUNK_ELEMS = {"cuda": 1 << 28}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,6 +149,8 @@ def plan_chunks(
         cols = min(int(chunk_size), v)
     else:
         cols = (memory_budget - dx_bytes) // (n * itemsize)
+        if device.type in _CHUNK_ELEMS:
+            cols = min(cols, max(_MIN_COLS, _CHUNK_ELEMS[device.type] // n))
         cols = max(_MIN_COLS, min(max_cols, cols))
         if cols < v:  # round down to a multiple of 256 columns: aligned rows, GEMM-friendly widths
             cols = max(_MIN_COLS, cols // _MIN_COLS * _MIN_COLS)

@@ -1,9 +1,11 @@
 // CUDA kernel of hugehead::chunk_grad_: one block per row turns a logits chunk into its gradient in
-// place (16-byte loads and stores where the row allows).
+// place (16-byte loads and stores where the row allows, two in flight per thread).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <type_traits>
 
 #include "hugehead/common.h"
 #include "hugehead/cuda_utils.cuh"
@@ -30,11 +32,26 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(ChunkGradParams p)
   const acc_t smooth = eps / static_cast<acc_t>(p.num_classes);
   const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * lse;
   const int64_t t = p.target[row] - p.class_start;
-  cuda::for_each_in_row<scalar_t, /*Write=*/true>(logits, p.cols, [&](int64_t j, scalar_t& v) {
-    const acc_t d = logit_grad(static_cast<acc_t>(v), j == t, lse, g, gl, z_term, smooth, acc_t(1) - eps,
-                               softcap);
-    v = static_cast<scalar_t>(d);
+  const bool has_target = t >= 0 && t < p.cols;
+  // The target's logit is read before any thread overwrites it; every element is then written with the
+  // non-target formula (no index compare per element) and thread 0 rewrites the target's afterwards.
+  __shared__ acc_t target_z;
+  if (has_target) {
+    if (threadIdx.x == 0) target_z = static_cast<acc_t>(logits[t]);
+    __syncthreads();
+  }
+  auto grad = [&](acc_t z, bool is_target) {
+    return logit_grad(z, is_target, lse, g, gl, z_term, smooth, acc_t(1) - eps, softcap);
+  };
+  cuda::for_each_pack_in_row<scalar_t, /*Write=*/true>(logits, p.cols, [&](auto& pack) {
+    constexpr int N = std::decay_t<decltype(pack)>::kSize;
+#pragma unroll
+    for (int k = 0; k < N; ++k) pack.v[k] = static_cast<scalar_t>(grad(static_cast<acc_t>(pack.v[k]), false));
   });
+  if (has_target) {
+    __syncthreads();
+    if (threadIdx.x == 0) logits[t] = static_cast<scalar_t>(grad(target_z, true));
+  }
 }
 
 void chunk_grad_cuda(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,

@@ -1,9 +1,13 @@
 // CUDA kernel of hugehead::chunk_stats_: one block per row folds a logits chunk into running
-// (max, sumexp, target logit, sum of logits) with an online log-sum-exp in the accumulation type.
+// (max, sumexp, target logit, sum of logits) with an online log-sum-exp in the accumulation type, one
+// exp per element (the running sum is rescaled per 16-byte pack, not per element; the target logit is
+// read once, not compared for at every element).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <type_traits>
 
 #include "hugehead/common.h"
 #include "hugehead/cuda_utils.cuh"
@@ -13,25 +17,49 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename scalar_t, typename acc_t>
+// Fold N values into the thread's online (max, sumexp, sum): the pack's max first, so the running sum is
+// rescaled at most once per pack and each element costs one exp. NaN reaches the sum through exp (or,
+// while the max is still -inf, directly); -inf counts as exp(-inf) = 0; a +inf max makes exp(inf - inf)
+// a NaN, as F.cross_entropy's log_softmax does.
+template <int N, typename acc_t>
+__device__ __forceinline__ void fold_values(const acc_t (&v)[N], acc_t& m, acc_t& s, acc_t& sum) {
+  acc_t pm = v[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) pm = ::fmax(pm, v[k]);  // NaN-ignoring: NaN is caught below
+  if (pm > m) {
+    // s * 0 (not a literal 0) when m is still -inf: a NaN already in s must survive.
+    s *= m == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(m - pm);
+    m = pm;
+  }
+  if (m == neg_inf<acc_t>()) {  // every value so far is -inf or NaN
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += v[k] != v[k] ? v[k] : acc_t(0);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += cuda::fast_exp(v[k] - m);
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) sum += v[k];
+}
+
+template <typename scalar_t, typename acc_t, bool kSoftcap>
 __global__ void __launch_bounds__(kThreads) chunk_stats_kernel(ChunkStatsParams p) {
   const int64_t row = blockIdx.x;
   const acc_t softcap = static_cast<acc_t>(p.softcap);
   const int64_t t = p.target[row] - p.class_start;
   auto* logits = const_cast<scalar_t*>(static_cast<const scalar_t*>(p.logits)) + row * p.row_stride;
+  auto value = [&](scalar_t raw) {
+    return kSoftcap ? apply_softcap(static_cast<acc_t>(raw), softcap) : static_cast<acc_t>(raw);
+  };
   acc_t m = neg_inf<acc_t>(), s = 0, sum = 0;
-  cuda::for_each_in_row<scalar_t, /*Write=*/false>(logits, p.cols, [&](int64_t j, scalar_t& raw) {
-    const acc_t v = apply_softcap(static_cast<acc_t>(raw), softcap);
-    if (v > m) {
-      // s * 0 (not a literal 0) when m is still -inf: a NaN already in s must survive.
-      s = s * (m == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(m - v)) + acc_t(1);
-      m = v;
-    } else {
-      s += v == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(v - m);  // NaN v makes s NaN
-    }
-    sum += v;
-    if (j == t) static_cast<acc_t*>(p.target_logit)[row] = v;
+  cuda::for_each_pack_in_row<scalar_t, /*Write=*/false>(logits, p.cols, [&](auto& pack) {
+    constexpr int N = std::decay_t<decltype(pack)>::kSize;
+    acc_t v[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = value(pack.v[k]);
+    fold_values(v, m, s, sum);
   });
+  if (threadIdx.x == 0 && t >= 0 && t < p.cols) static_cast<acc_t*>(p.target_logit)[row] = value(logits[t]);
   cuda::block_reduce_lse(m, s, sum);
   if (threadIdx.x == 0) {
     lse_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row], m, s);
@@ -57,7 +85,11 @@ void chunk_stats_cuda(const at::Tensor& logits_in, const at::Tensor& target, int
   const auto stream = at::cuda::getCurrentCUDAStream();
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "chunk_stats_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    chunk_stats_kernel<scalar_t, acc_t><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+    if (p.softcap > 0) {
+      chunk_stats_kernel<scalar_t, acc_t, true><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+    } else {
+      chunk_stats_kernel<scalar_t, acc_t, false><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -48,6 +48,55 @@ __device__ __forceinline__ void for_each_in_row(scalar_t* row, int64_t cols, F&&
   }
 }
 
+template <typename T>
+struct Vec1 {
+  static constexpr int kSize = 1;
+  T v[1];
+};
+
+// Calls f(pack) for the row's elements in packs spread over the block's threads: Vec16 packs (16-byte
+// loads and stores) for the aligned body, each thread holding kUnroll of them in flight before calling
+// f on them in order, and Vec1 packs for the scalar head and tail. f takes the pack by reference and
+// may modify it (written back when Write is true); it reads pack.v[0 .. kSize). Which thread sees which
+// pack, and in what order, is fixed by (row address, cols, blockDim): deterministic.
+template <typename scalar_t, bool Write, int kUnroll = 2, typename F>
+__device__ __forceinline__ void for_each_pack_in_row(scalar_t* row, int64_t cols, F&& f) {
+  constexpr int V = Vec16<scalar_t>::kSize;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(row);
+  int64_t head = static_cast<int64_t>(((16 - (addr & 15)) & 15) / sizeof(scalar_t));
+  if ((addr % sizeof(scalar_t)) != 0) head = cols;  // misaligned element pointer: all scalar
+  head = head < cols ? head : cols;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
+    Vec1<scalar_t> one{{row[j]}};
+    f(one);
+    if (Write) row[j] = one.v[0];
+  }
+  const int64_t body = (cols - head) / V;
+  auto* vrow = reinterpret_cast<Vec16<scalar_t>*>(row + head);
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  int64_t i = threadIdx.x;
+  for (; i + (kUnroll - 1) * static_cast<int64_t>(blockDim.x) < body; i += step) {
+    Vec16<scalar_t> packs[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) packs[u] = vrow[i + u * static_cast<int64_t>(blockDim.x)];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      f(packs[u]);
+      if (Write) vrow[i + u * static_cast<int64_t>(blockDim.x)] = packs[u];
+    }
+  }
+  for (; i < body; i += blockDim.x) {
+    Vec16<scalar_t> pack = vrow[i];
+    f(pack);
+    if (Write) vrow[i] = pack;
+  }
+  for (int64_t j = head + body * V + threadIdx.x; j < cols; j += blockDim.x) {
+    Vec1<scalar_t> one{{row[j]}};
+    f(one);
+    if (Write) row[j] = one.v[0];
+  }
+}
+
 // Reduce (max, sumexp, sum) over the block; the result is valid in thread 0. Fixed tree: deterministic.
 template <typename acc_t>
 __device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum) {
