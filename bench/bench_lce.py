@@ -10,6 +10,7 @@ reference). The parent never touches CUDA; it collects one JSON per case and rew
 implementations are in ``bench/peers.py``.
 
     python -m bench.bench_lce --out DIR [--shapes a,b] [--peers hugehead,torch,...] [--skip xc6M:liger] [--budget S]
+    python -m bench.bench_lce --out DIR --resume DIR/lce.json [same options]   # continue a run cut short
     python -m bench.bench_lce --device cpu               # fp32 on the CPU shapes -> bench/results/cpu/
     python -m bench.bench_lce --cpu-smoke [--out DIR]    # the whole pipeline on tiny CPU shapes
     python -m bench.bench_lce --case IMPLS SHAPE --json-dir D  # cases in this process (what the parent runs)
@@ -51,6 +52,32 @@ def _args_for_child(opts) -> List[str]:
     if opts.cpu_smoke:
         args.append("--cpu-smoke")
     return args
+
+
+BUDGET_SKIP = "skipped: bench budget of"  # the error of a case --budget left out (--resume runs it)
+# What a resumed run must measure as the earlier part did: (meta key, option)
+RESUME_SAME = (("dtype", "dtype"), ("reps", "reps"), ("warmup", "warmup"), ("case_budget_s", "case_budget"),
+               ("seed", "seed"))
+
+
+def _load_resume(path: str, opts, sha: str) -> dict:
+    """--resume: the earlier part's lce.json, refused unless it measured this commit the way this run will."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+        meta, _ = earlier["meta"], earlier["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"bench_lce: --resume {path}: not a readable lce.json ({type(exc).__name__}: {exc})")
+    diffs = [] if meta.get("git_sha") == sha else [f"git_sha {meta.get('git_sha')} (this tree: {sha})"]
+    diffs += [f"{key} {meta.get(key)!r} (this run: {getattr(opts, attr)!r})"
+              for key, attr in RESUME_SAME if meta.get(key) != getattr(opts, attr)]
+    if diffs:
+        raise SystemExit(f"bench_lce: refusing --resume {path}, it was measured differently: {'; '.join(diffs)}")
+    return earlier
+
+
+def _part(meta: dict) -> dict:
+    """One part of a run continued with --resume, as lce.json's meta records it."""
+    return {k: meta.get(k) for k in ("created_utc", "elapsed_s", "hostname", "command")}
 
 
 def _skeleton(shape: Shape, impl: str, opts, status: str, error: Optional[str]) -> dict:
@@ -216,6 +243,8 @@ def run_all(opts) -> int:
     skips = _parse_skips(opts.skip)
     if opts.cpu_smoke and not opts.ref_chunk:
         opts.ref_chunk = 700  # several reference chunks, the last one partial, on the tiny shapes
+    sha = common.git_sha()
+    earlier = _load_resume(opts.resume, opts, sha["git_sha"]) if opts.resume else None
     work = Path(opts.work or tempfile.mkdtemp(prefix="hugehead-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"bench_lce: {len(shapes)} shapes x {len(impls)} implementations on {opts.device} ({opts.dtype}); "
@@ -236,6 +265,25 @@ def run_all(opts) -> int:
     for name, st in imports.items():
         print(f"  import {name:<13} " + (f"ok {st.get('version')}" if st.get("ok") else f"FAILED {st.get('error')}"))
     print(f"  reference self-check vs float64: {selfcheck} -> {'ok' if selfcheck_ok else 'FAILED'}", flush=True)
+    reused: Dict[Tuple[str, str], dict] = {}
+    if earlier is not None:
+        diffs = [f"{k} {earlier['meta'][k]!r} (here: {env.get(k)!r})" for k in ("device", "gpu_name", "machine")
+                 if k in earlier["meta"] and earlier["meta"][k] != env.get(k)]
+        if diffs:
+            raise SystemExit(f"bench_lce: refusing --resume {opts.resume}, it ran on another device: "
+                             f"{'; '.join(diffs)}")
+        wanted = {(s.name, i) for s in shapes for i in impls}
+        for row in earlier["rows"]:
+            key = (row.get("shape"), row.get("impl"))
+            if key in wanted and not (row.get("status") == "skipped" and str(row.get("error")).startswith(BUDGET_SKIP)):
+                reused[key] = row
+        left_out = sorted({f"{r.get('shape')}:{r.get('impl')}" for r in earlier["rows"]
+                           if (r.get("shape"), r.get("impl")) not in wanted})
+        print(f"bench_lce: resuming {opts.resume}: reusing {len(reused)} case(s) as recorded "
+              f"({', '.join(f'{s}:{i}' for s, i in reused) or 'none'}); running the other "
+              f"{len(wanted) - len(reused)}"
+              + (f"; not in this run, left out: {', '.join(left_out)}" if left_out else ""),
+              flush=True)
 
     if opts.out:
         out_dir = Path(opts.out)
@@ -250,7 +298,7 @@ def run_all(opts) -> int:
             "benchmark": "linear_cross_entropy",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": " ".join([Path(sys.executable).name, "-m", "bench.bench_lce", *sys.argv[1:]]),
-            **common.git_sha(),
+            **sha,
             **env,
             "dtype": opts.dtype,
             "imports": imports,
@@ -264,11 +312,16 @@ def run_all(opts) -> int:
             "implementations": {i: IMPLS[i].about for i in impls},
             "method": _method(opts),
         },
-        "rows": [],
+        "rows": list(reused.values()),  # from the start: --out may be where --resume's file is
     }
+    if earlier is not None:
+        doc["meta"]["resumed_from"] = _part(earlier["meta"])
+        doc["meta"]["parts"] = [*(earlier["meta"].get("parts") or [_part(earlier["meta"])]), _part(doc["meta"])]
 
     def publish():
-        doc["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        doc["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)  # of this part when resumed
+        if earlier is not None:
+            doc["meta"]["parts"][-1]["elapsed_s"] = doc["meta"]["elapsed_s"]
         report.write_reports(doc, out_dir)
 
     publish()
@@ -278,6 +331,11 @@ def run_all(opts) -> int:
         runnable = []
         for impl in impls:
             probed = imports.get(impl, {})
+            if (shape.name, impl) in reused:  # already in doc["rows"]
+                done += 1
+                print(f"[{done:2d}/{len(shapes) * len(impls)}] {shape.name:<9} {impl:<14} reused: "
+                      f"{_fmt_case(reused[shape.name, impl])}", flush=True)
+                continue
             if any(fnmatch.fnmatchcase(shape.name, sp) and fnmatch.fnmatchcase(impl, ip) for sp, ip in skips):
                 row = _skeleton(shape, impl, opts, "skipped", f"skipped: --skip {opts.skip}")
             elif probed.get("unavailable"):  # known not to exist here: no process to start
@@ -296,7 +354,7 @@ def run_all(opts) -> int:
         for group in groups:
             remaining = None if deadline is None else deadline - time.perf_counter()
             if remaining is not None and remaining < opts.min_case_s:
-                rows = [_skeleton(shape, i, opts, "skipped", f"skipped: bench budget of {opts.budget:.0f} s used up")
+                rows = [_skeleton(shape, i, opts, "skipped", f"{BUDGET_SKIP} {opts.budget:.0f} s used up")
                         for i in group]
             else:
                 waited, busy = common.wait_until_idle(opts.wait_idle) if opts.wait_idle > 0 else (0.0, None)
@@ -355,6 +413,10 @@ def main(argv=None) -> int:
                         "idle (default 0; 30 on cpu, where others' work skews the timings)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run; cases that would start later are skipped")
+    p.add_argument("--resume", metavar="FILE",
+                   help="continue the run whose (partial) lce.json is FILE: keep its rows, run only the cases it has "
+                        "no row for or that its --budget left out (same commit, device, dtype, reps, warmup, "
+                        "case budget and seed, else refused); the rows of all parts go to --out")
     p.add_argument("--min-case-s", type=float, default=45.0,
                    help="with --budget: do not start a case with less than this left (default 45)")
     p.add_argument("--no-share", dest="share", action="store_false",

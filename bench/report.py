@@ -270,6 +270,10 @@ def render_markdown(doc: dict) -> str:
                     for m in meta["merged_from"]]]
     elif meta.get("command"):
         lines += ["", f"Command: `{meta['command']}` · {meta.get('elapsed_s', '?')} s"]
+    if meta.get("parts"):
+        lines += ["", f"Run in {len(meta['parts'])} parts (resumed with --resume): " + ", ".join(
+            f"part {k} {p.get('created_utc')} {p.get('elapsed_s', '?')} s on {p.get('hostname')}"
+            for k, p in enumerate(meta["parts"], 1)) + "."]
     return "\n".join(lines) + "\n"
 
 

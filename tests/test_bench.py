@@ -171,6 +171,53 @@ def test_parent_reruns_after_a_crash_and_skips(tmp_path):
     assert "| shape | N×D×V | hugehead ms | best exact peer |" in (tmp_path / "lce.md").read_text()
 
 
+def test_resume_runs_only_what_the_earlier_part_left_out(tmp_path, monkeypatch, capsys):
+    """--resume keeps the earlier part's rows as they are (ok, and skipped for a reason other than the
+    budget), runs the cases its --budget left out or it has no row for, and records both parts; a file from
+    another commit or measured with other options is refused before anything runs."""
+    from bench import bench_lce
+
+    monkeypatch.setenv("HUGEHEAD_GIT_SHA", "0123456789ab")
+    smoke = ["--cpu-smoke", "--shapes", "tiny", "--reps", "1", "--warmup", "1", "--out", str(tmp_path)]
+    # part 1: the budget is used up before the first case (only the probe runs)
+    assert bench_lce.main([*smoke, "--work", str(tmp_path / "work1"), "--budget", "0", "--skip", "tiny:selftest*",
+                           "--peers", "hugehead,torch,selftest_unavailable"]) == 1
+    part1 = json.loads((tmp_path / "lce.json").read_text())
+    assert [(r["impl"], r["status"], r["error"][:24]) for r in part1["rows"]] == [
+        ("hugehead", "skipped", "skipped: bench budget of"), ("torch", "skipped", "skipped: bench budget of"),
+        ("selftest_unavailable", "skipped", "skipped: --skip tiny:sel")]
+    # as if hugehead had run in part 1 (numbers no run here gives: a rerun would show)
+    part1["rows"][0] = {**_row("tiny", "hugehead", 1.25, stage="done", done=True, log="tiny__hugehead.log"),
+                        **{k: part1["rows"][0][k] for k in ("n", "d", "v", "dtype", "impl_exact")}}
+    _write(tmp_path, part1)
+
+    # part 2, into the folder the earlier file is in: torch (budget-skipped) and torch_chunked (no row) run, in
+    # one process; hugehead and selftest_unavailable are kept as they are
+    rc = bench_lce.main([*smoke, "--work", str(tmp_path / "work2"), "--resume", str(tmp_path / "lce.json"),
+                         "--peers", "hugehead,torch,torch_chunked,selftest_unavailable"])
+    assert rc == 0
+    assert "reusing 2 case(s) as recorded (tiny:hugehead, tiny:selftest_unavailable)" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "lce.json").read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert list(rows) == ["hugehead", "torch", "torch_chunked", "selftest_unavailable"]
+    assert rows["hugehead"] == part1["rows"][0] and rows["selftest_unavailable"] == part1["rows"][2]
+    for impl in ("torch", "torch_chunked"):
+        assert rows[impl]["status"] == "ok" and rows[impl]["process_group"] == ["torch", "torch_chunked"]
+    meta = doc["meta"]
+    assert meta["resumed_from"] == {k: part1["meta"][k] for k in ("created_utc", "elapsed_s", "hostname", "command")}
+    assert len(meta["parts"]) == 2 and meta["parts"][1]["elapsed_s"] == meta["elapsed_s"]
+    assert "Run in 2 parts (resumed with --resume): part 1 " in (tmp_path / "lce.md").read_text()
+
+    for key, value in [("git_sha", "fedcba987654"), ("reps", 10)]:
+        other = json.loads(json.dumps(part1))
+        other["meta"][key] = value
+        path = tmp_path / f"other_{key}.json"
+        path.write_text(json.dumps(other))
+        with pytest.raises(SystemExit, match=f"refusing --resume .*{key} {value}"):
+            bench_lce.main([*smoke[:-1], str(tmp_path / "refused"), "--resume", str(path), "--peers", "hugehead"])
+        assert not (tmp_path / "refused").exists()
+
+
 def _row(shape, impl, ms, status="ok", **kw):
     r = {"shape": shape, "n": 8, "d": 4, "v": 100, "impl": impl, "status": status,
          "fwd_bwd_status": status, "fwd_status": status, "fwd_bwd_ms": ms, "fwd_ms": ms, "fwd_bwd_reps": 10,

@@ -116,6 +116,32 @@ def test_chunk_stats_strided_chunk_and_non_finite(device):
     assert stats[2][2].item() == chunk[2, 3].item()
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_chunk_stats_non_finite_inside_vector_packs(device, dtype):
+    """Rows long enough for the CUDA kernel's 16-byte packs (and its scalar head and tail): a NaN among
+    -inf values still makes the sum NaN, an all -inf row keeps a zero sum, -inf among finite values
+    counts as 0, and a +inf logit gives a NaN sum as F.cross_entropy's log_softmax does; the finite row
+    matches float64."""
+    n, c = 4, 1000
+    z = torch.randn(n, c + 3, dtype=torch.float64)
+    z[0] = -math.inf
+    z[0, 517] = math.nan
+    z[1] = -math.inf
+    z[2, 100:700:3] = -math.inf
+    z[3, 640] = math.inf
+    buf = z.to(dtype).to(device)
+    chunk = buf[:, 3:]  # starts mid-pack: scalar head, vector body, scalar tail
+    stats = fresh_stats(n, dtype, device)
+    torch.ops.hugehead.chunk_stats_(chunk, torch.tensor([5, 6, 7, 8], device=device), 0, 0.0, *stats)
+    m, s = stats[0].cpu().double(), stats[1].cpu().double()
+    assert math.isnan(s[0].item())
+    assert m[1].item() == -math.inf and s[1].item() == 0.0
+    ref = torch.logsumexp(chunk[2].double().cpu(), 0)
+    assert abs((m[2] + s[2].log()).item() - ref.item()) <= STATS_TOL_DEFAULT * abs(ref.item()) + 1e-6
+    assert math.isnan((m[3] + s[3].log()).item())
+    assert stats[2][2].item() == chunk[2, 7].float().item()
+
+
 # --------------------------------------------------------------------------------------------------
 # chunk_grad_
 # --------------------------------------------------------------------------------------------------
