@@ -50,8 +50,9 @@ DEFAULT_MEMORY_BUDGET = 4 << 30
 _MAX_COLS = {"cuda": 65536, "cpu": 8192}
 _MIN_COLS = 256
 # CUDA: a streamed chunk of about 2**28 logits (512 MiB in bf16), i.e. 65536 / 32768 / 16384 classes at
-# N = 4096 / 8192 / 16384 rows: the fastest of 16384, 32768 and 65536 for the four GEMMs of a chunk at
-# D = 768 on an H200 (bench/results/h200/split.md; 32768 at N = 16384 was 5% slower, at N = 4096 6%).
+# N = 4096 / 8192 / 16384 rows. Measured for the four GEMMs of a chunk at D = 768 on an H200 (three
+# bench/split_lce.py runs, bench/NOTES.md): 65536 beat 32768 by 3-6% at N = 4096 and 32768 was best at
+# N = 8192 in every run; at N = 16384 the three widths were within 5% with no consistent winner.
 _CHUNK_ELEMS = {"cuda": 1 << 28}
 
 
