@@ -50,6 +50,7 @@ __all__ = [
     "backward_steps",
     "topk_steps",
     "run_steps",
+    "step_result",
 ]
 
 T = TypeVar("T")
@@ -206,13 +207,20 @@ class _Overlap:
         self.main.wait_stream(self.side)
 
 
+def step_result(done: StopIteration):
+    """The value a finished chunk-loop generator returned. Read from ``args``: dynamo (torch.compile)
+    traces that, not ``StopIteration.value`` (nor the value of a ``yield from``, so the loops below pick
+    their variant in a plain function and hand back its generator instead of delegating to it)."""
+    return done.args[0] if done.args else None
+
+
 def run_steps(steps: Generator[None, None, T]) -> T:
     """Run a chunk-loop generator to its end and return its result."""
     while True:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value
+            return step_result(done)
 
 
 def shard_forward_stats(*args, **kwargs) -> Tuple[RowStats, Optional[Tensor]]:
@@ -254,21 +262,30 @@ def forward_stats_steps(
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
     n = x.shape[0]
-    v = source.num_rows
-    acc = ops.acc_dtype(x.dtype)
-    softcap = options.kernel_softcap
-    stats = RowStats(
+    if plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0:
+        return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
+    return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan)
+
+
+def _new_stats(x: Tensor) -> RowStats:
+    n, acc = x.shape[0], ops.acc_dtype(x.dtype)
+    return RowStats(
         torch.full((n,), -math.inf, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
     )
-    if n == 0 or v == 0:
-        return stats, (x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None)
+
+
+def _forward_streamed(x, source, target, class_start, softcap, plan):
+    """:func:`forward_stats_steps` on one stream (any rows split)."""
+    n = x.shape[0]
+    v = source.num_rows
+    stats = _new_stats(x)
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
+    if n == 0 or v == 0:
+        return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    if plan.overlap and x.is_cuda and plan.rows >= n:
-        return (yield from _forward_overlapped(x, source, target, class_start, softcap, plan, stats, kept))
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     for chunk in source.chunks(plan.cols):
@@ -285,10 +302,12 @@ def forward_stats_steps(
     return stats, kept
 
 
-def _forward_overlapped(x, source, target, class_start, softcap, plan, stats, kept):
+def _forward_overlapped(x, source, target, class_start, softcap, plan):
     """:func:`forward_stats_steps` with the statistics kernel of chunk ``j`` on the side stream while the
     main stream computes chunk ``j + 1``'s logits (rows whole)."""
     n = x.shape[0]
+    stats = _new_stats(x)
+    kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows))
     for j, chunk in enumerate(source.chunks(plan.cols)):
@@ -389,6 +408,18 @@ def backward_steps(
         ``(grad_weight [V_k, D], grad_bias [V_k] or None)`` in the stored dtype, from the source's
         gradient sink, each chunk written once (no atomics: deterministic), or ``(None, None)``.
     """
+    n = x.shape[0]
+    args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
+            grad_lse)
+    if (plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0
+            and getattr(source, "lookahead", False)):
+        return _backward_overlapped(*args)
+    return _backward_streamed(*args)
+
+
+def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
+                       need_weight, kept, grad_lse):
+    """:func:`backward_steps` on one stream (any rows split)."""
     n, d = x.shape
     v = source.num_rows
     acc = ops.acc_dtype(x.dtype)
@@ -404,11 +435,6 @@ def backward_steps(
         return None, None
     rows_split = plan.rows < n
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    if plan.overlap and x.is_cuda and plan.rows >= n and getattr(source, "lookahead", False):
-        return (yield from _backward_overlapped(
-            x, source, target, class_start, num_classes, lse, grad_rows, options, plan,
-            grad_x, need_weight, kept, grad_lse,
-        ))
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     dx_partial = None
     if grad_x is not None and grad_x.dtype != x.dtype:
@@ -460,6 +486,8 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
     while chunk ``j`` is fetched (``source.lookahead``)."""
     n, d = x.shape
     acc = ops.acc_dtype(x.dtype)
+    if need_weight:
+        source.start_grads(need_bias=True)
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows)) if kept_classes < source.num_rows else None
     dx_partial = x.new_empty(n, d) if (grad_x is not None and grad_x.dtype != x.dtype) else None

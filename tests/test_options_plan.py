@@ -257,6 +257,43 @@ def test_second_order_gradients_raise_not_supported(where):
 
 
 # --------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True) of a model holding a head
+# --------------------------------------------------------------------------------------------------
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.backbone = torch.nn.Linear(6, 8, dtype=torch.float64)
+        self.head = hugehead.ChunkedClassifier(8, 50, devices=["cpu", "cpu", "cpu"], dtype=torch.float64,
+                                               chunk_size=8, label_smoothing=0.1, softcap=4.0)
+
+    def forward(self, x, target):
+        return self.head(torch.tanh(self.backbone(x)), target)
+
+
+def test_compile_fullgraph_of_a_model_with_a_chunked_head_matches_eager():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 50, (10,), generator=g)
+    target[3] = -100
+    eager, compiled_model = _Model(), _Model()
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    want = eager(x, target)
+    want.backward()
+    got = compiled(x, target)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-13, msg=name)
+    # The range check still runs inside the compiled graph.
+    bad = target.clone()
+    bad[0] = 50
+    with pytest.raises((ValueError, RuntimeError), match=r"out of range for 50 classes"):
+        compiled(x, bad)
+
+
+# --------------------------------------------------------------------------------------------------
 # Layering: no import cycle; data flows down
 # --------------------------------------------------------------------------------------------------
 def _module_imports():

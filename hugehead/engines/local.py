@@ -33,6 +33,7 @@ from ..loop import (
     merge_row_stats,
     merge_topk,
     run_steps,
+    step_result,
     topk_steps,
 )
 from ..ops import acc_dtype
@@ -156,7 +157,7 @@ class LocalEngine:
                         next(steps)
                         still.append(task)
                     except StopIteration as done:
-                        results[i] = done.value
+                        results[i] = step_result(done)
             pending = still
         for i, shard, plan, steps in host:
             with self._oom_guard(i, shard, plan):
