@@ -154,8 +154,8 @@ def predict_topk_chunks(
         device: where the features go (default: the head's first shard's compute device, a plain weight's
             device, or the features' own device for a callable).
         dtype: cast the features to it (default: a ChunkedClassifier's dtype, unless ``autocast`` is set).
-        autocast: run each top-k under ``torch.autocast(device.type, dtype=autocast)`` (float32 parameters,
-            16-bit compute).
+        autocast: run ``features`` and each top-k under ``torch.autocast(device.type, dtype=autocast)``
+            (float32 parameters, 16-bit compute).
         out_device: where the chunks go. progress, desc: a tqdm progress bar over the batches.
     Yields:
         :class:`TopK` per batch: ``values [rows, k]``, ``indices [rows, k]`` int64, the batch's target.
@@ -179,15 +179,18 @@ def predict_topk_chunks(
     rows = 0
     try:
         for batch in bar:
-            x, batch_target = _split_batch(batch) if features is None else (features(batch), _default_target(batch))
-            if target is not None:
-                batch_target = target(batch)
-            if not isinstance(x, Tensor):
-                raise TypeError(f"hugehead.predict: features must be a tensor, got {type(x).__name__}")
-            dev = device if device is not None else x.device
-            x = x.to(dev, dtype=dtype) if dtype is not None else x.to(dev)
-            cast = (torch.autocast(dev.type, dtype=autocast) if autocast is not None else contextlib.nullcontext())
-            with torch.no_grad(), cast:
+            # Under autocast (if asked) from the features on: a features function running a backbone
+            # computes in the same precision as the head.
+            with torch.no_grad(), _autocast(autocast, device):
+                if features is None:
+                    x, batch_target = _split_batch(batch)
+                else:
+                    x, batch_target = features(batch), _default_target(batch)
+                if target is not None:
+                    batch_target = target(batch)
+                if not isinstance(x, Tensor):
+                    raise TypeError(f"hugehead.predict: features must be a tensor, got {type(x).__name__}")
+                x = x.to(device or x.device, dtype=dtype) if dtype is not None else x.to(device or x.device)
                 values, indices = rank(x, k)
             chunk = _to_out(TopK(values, indices, batch_target), out_device)
             rows += values.shape[0]
@@ -199,6 +202,17 @@ def predict_topk_chunks(
             yield _ready(pending)
     finally:
         bar.close()
+
+
+def _autocast(dtype: Optional[torch.dtype], device: Optional[torch.device]) -> contextlib.ExitStack:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type (on the CPU and, where there is one, CUDA when
+    the device is not known before the features are); nothing for ``dtype=None``."""
+    stack = contextlib.ExitStack()
+    if dtype is not None:
+        types = [device.type] if device is not None else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        for device_type in types:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    return stack
 
 
 def _to_out(chunk: TopK, out_device: torch.device) -> Tuple[TopK, Optional[torch.cuda.Event]]:
