@@ -179,6 +179,131 @@ def grad_cases(device: torch.device) -> Iterator[Result]:
             yield f"{name}: dlogits", got, ref, TOLERANCE[dtype]
 
 
+# --------------------------------------------------------------------------------------------------
+# Sparse targets (issue 22): CSR probability / binary targets
+# --------------------------------------------------------------------------------------------------
+SPARSE_CHUNKS = [(0, 211), (211, 212), (212, 530)]  # a one-class chunk in the middle
+SPARSE_N, SPARSE_V = 9, 530
+
+
+def _sparse_target(label: str, kind: str, acc: torch.dtype):
+    """A dense float64 target ``[9, 530]`` (row 0 empty, row 1 every label, entries at every chunk edge
+    in row 2) and its CSR form made on the host by hugehead.sparse.prepare."""
+    from hugehead import sparse
+
+    g = _gen("target " + label)
+    n, v = SPARSE_N, SPARSE_V
+    t = (torch.rand(n, v, generator=g, dtype=torch.float64) < 0.03) * torch.rand(n, v, generator=g, dtype=torch.float64)
+    t[0] = 0
+    t[1] = 1.0 if kind == "binary" else torch.rand(v, generator=g, dtype=torch.float64)
+    t[2, [0, 210, 211, 212, v - 1]] = 0.5
+    target = sparse.prepare(t.to_sparse_coo(), n, v, kind=kind, dtype=acc, device=torch.device("cpu"))
+    return t, target
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device, copy=True) for t in tensors]
+
+
+@kernel_case("sparse_chunk_stats_")
+def sparse_stats_cases(device: torch.device) -> Iterator[Result]:
+    for dtype in DTYPES:
+        for softcap, weighted in ((0.0, False), (4.0, True)):
+            name = f"softcap {softcap:g}{', class weights' if weighted else ''} {str(dtype)[6:]}"
+            acc = _acc(dtype)
+            t, target = _sparse_target(name, "probability", acc)
+            full = (3 * torch.randn(SPARSE_N, SPARSE_V, generator=_gen(name), dtype=torch.float64)).to(dtype)
+            w = torch.rand(SPARSE_V, generator=_gen("w " + name), dtype=torch.float64) + 0.5
+            crow, col, val = _on(device, target.crow, target.col, target.val)
+            stats = _on(device, torch.full((SPARSE_N,), -math.inf, dtype=acc),
+                        *[torch.zeros(SPARSE_N, dtype=acc) for _ in range(3)])
+            for k, (a, b) in enumerate(SPARSE_CHUNKS):
+                (cw,) = _on(device, w[a:b].to(acc) if weighted else None)
+                torch.ops.hugehead.sparse_chunk_stats_.default(_chunk_on(device, full, a, b, 3 * k), crow, col, val,
+                                                               a, softcap, cw, *stats)
+            c = _softcapped(full.double(), softcap)
+            tv = t.to(acc).double()
+            ww = w.to(acc).double() if weighted else torch.ones(SPARSE_V, dtype=torch.float64)
+            row_max, row_sumexp, target_dot, logit_sum = (x.cpu().double() for x in stats)
+            tol = ACC_TOLERANCE[acc]
+            yield f"{name}: lse", row_max + row_sumexp.log(), torch.logsumexp(c, 1), tol
+            yield f"{name}: target_dot", target_dot, (tv * c).sum(1), 10 * tol
+            yield f"{name}: logit_sum", logit_sum, (ww * c).sum(1), 10 * tol
+
+
+@kernel_case("sparse_chunk_grad_")
+def sparse_grad_cases(device: torch.device) -> Iterator[Result]:
+    import torch.nn.functional as F
+
+    for dtype in DTYPES:
+        for eps, z_loss, softcap, weighted, with_lse in ((0.0, 0.0, 0.0, False, False), (0.2, 1e-3, 5.0, True, True)):
+            name = f"eps {eps:g} z {z_loss:g} softcap {softcap:g}{' weighted' if weighted else ''}" \
+                   f"{' grad_lse' if with_lse else ''} {str(dtype)[6:]}"
+            acc = _acc(dtype)
+            t, target = _sparse_target(name, "probability", acc)
+            n, v = SPARSE_N, SPARSE_V
+            full = (3 * torch.randn(n, v, generator=_gen(name), dtype=torch.float64)).to(dtype)
+            w = torch.rand(v, generator=_gen("w " + name), dtype=torch.float64) + 0.5
+            tv = t.to(acc).double()
+            wv = w.to(acc).double() if weighted else torch.ones(v, dtype=torch.float64)
+            z = full.double().requires_grad_(True)
+            c = _softcapped(z, softcap)
+            rows = F.cross_entropy(c, tv, weight=wv if weighted else None, label_smoothing=eps, reduction="none")
+            rows = rows + z_loss * torch.logsumexp(c, 1) ** 2
+            g = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+            g[4] = 0.0  # a row without gradient
+            gl = torch.linspace(-1, 1, n, dtype=torch.float64) if with_lse else None
+            total = (rows * g).sum() + ((torch.logsumexp(c, 1) * gl).sum() if with_lse else 0.0)
+            (expected,) = torch.autograd.grad(total, z)
+            lse = torch.logsumexp(c.detach(), 1)
+            mass = (1 - eps) * (tv * wv).sum(1) + eps / v * wv.sum()
+            weighted_val = target.val * wv.to(acc)[target.col]
+            crow, col, val, lse_d, g_d, mass_d, gl_d = _on(device, target.crow, target.col, weighted_val, lse.to(acc),
+                                                           g.to(acc), mass.to(acc),
+                                                           None if gl is None else gl.to(acc))
+            for k, (a, b) in enumerate(SPARSE_CHUNKS):
+                (cw,) = _on(device, wv[a:b].to(acc) if weighted else None)
+                chunk = _chunk_on(device, full, a, b, 2 * k + 1)
+                torch.ops.hugehead.sparse_chunk_grad_.default(chunk, crow, col, val, a, v, lse_d, g_d, mass_d, eps,
+                                                              z_loss, softcap, cw, gl_d)
+                yield f"{name} [{a}, {b}): dlogits", chunk.cpu(), expected[:, a:b], TOLERANCE[dtype]
+
+
+@kernel_case("bce_chunk_")
+def bce_cases(device: torch.device) -> Iterator[Result]:
+    import torch.nn.functional as F
+
+    for dtype in DTYPES:
+        for pos_weighted, mode in ((False, "both"), (True, "loss"), (True, "grad")):
+            name = f"{mode}{' pos_weight' if pos_weighted else ''} {str(dtype)[6:]}"
+            acc = _acc(dtype)
+            t, target = _sparse_target(name, "binary", acc)
+            n, v = SPARSE_N, SPARSE_V
+            full = 6 * torch.randn(n, v, generator=_gen(name), dtype=torch.float64)
+            full[3, :8] = torch.tensor([30.0, -30.0, 80.0, -80.0, 0.0, 1e-3, -1e-3, 15.0], dtype=torch.float64)
+            full = full.to(dtype)
+            tv = t.to(acc).double()
+            pw = (torch.rand(v, generator=_gen("pw " + name), dtype=torch.float64) * 3).to(acc) if pos_weighted else None
+            entry_weight = (1 + (pw[target.col] - 1) * target.val).contiguous() if pos_weighted else None
+            z = full.double().requires_grad_(True)
+            ref_rows = F.binary_cross_entropy_with_logits(z, tv, pos_weight=None if pw is None else pw.double(),
+                                                          reduction="none").sum(1)
+            g = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+            (expected,) = torch.autograd.grad((ref_rows * g).sum(), z)
+            crow, col, val, ew = _on(device, target.crow, target.col, target.val, entry_weight)
+            (row_loss,) = _on(device, torch.zeros(n, dtype=acc) if mode != "grad" else None)
+            (grad_rows,) = _on(device, g.to(acc) if mode != "loss" else None)
+            for k, (a, b) in enumerate(SPARSE_CHUNKS):
+                chunk = _chunk_on(device, full, a, b, k)
+                torch.ops.hugehead.bce_chunk_.default(chunk, crow, col, val, ew, a, row_loss, grad_rows)
+                if grad_rows is not None:
+                    yield f"{name} [{a}, {b}): dlogits", chunk.cpu(), expected[:, a:b], TOLERANCE[dtype]
+                else:  # loss only: the chunk is read, not written
+                    yield f"{name} [{a}, {b}): chunk unchanged", chunk.cpu(), full[:, a:b].double(), 0.0
+            if row_loss is not None:
+                yield f"{name}: row_loss", row_loss.cpu(), ref_rows.detach(), 10 * ACC_TOLERANCE[acc]
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if not torch.isfinite(a).all():
