@@ -475,3 +475,22 @@ def test_heads_on_a_gpu_that_is_not_the_current_one():
     assert classifier.classifier.shards[0].weight.grad.device == torch.device("cuda", 1)
     torch.testing.assert_close(classifier.classifier.shards[0].weight.grad.cpu(), cref.classifier.weight.grad,
                                rtol=1e-4, atol=1e-7)
+
+
+@requires_cuda
+@pytest.mark.parametrize("placement", [dict(devices=["cuda:0"]), dict(offload=True)])
+def test_cuda_classifier_head_placements(placement):
+    model = _classifier("bert", dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    model.cuda()
+    patch(model, **placement)
+    assert all(s.compute_device == torch.device("cuda", 0) for s in model.classifier.shards)
+    ids, mask, labels = _sentences()
+    out = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
+    expected = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss.cpu(), expected.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.logits.cpu(), expected.logits, rtol=1e-4, atol=1e-5)
+    grad = torch.cat([s.weight.grad.cpu() for s in model.classifier.shards])
+    assert (grad - ref.classifier.weight.grad).norm() <= 1e-4 * ref.classifier.weight.grad.norm()
