@@ -1,0 +1,287 @@
+"""What the ranks of tests/test_dtensor.py and tests/test_dist_faults.py run: spawned gloo CPU processes
+(one per rank) work through a list of jobs and save each job's results per rank; the test process compares
+them with single-process float64 references built from the same seeded inputs. Imported by the spawned
+ranks, so it needs no pytest.
+
+:func:`spawn_world` bounds every world by a wall-clock limit (ranks still alive then are killed and the
+test fails) and returns every rank's exit code, so a test may also let a rank die on purpose."""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+D = 5
+
+# Loss cases. layout: "fsdp" (rows differ per rank, weight Shard(0)), "tp" (x a Replicate() DTensor, the
+# same rows on every rank, weight Shard(0)), "replicate" (weight Replicate(), rows differ per rank).
+LOSS_CASES: Dict[str, dict] = {
+    # V = 23: uneven over 2 (12, 11) and 3 (8, 8, 7) ranks; streamed in chunks of 4; ignored rows.
+    "fsdp_mean_streamed": dict(layout="fsdp", v=23, rows=[7, 4, 5], bias=True, reduction="mean", chunk_size=4),
+    # Every option, per-row losses and the lse differentiated, a rank without rows; logits kept.
+    "fsdp_options_lse": dict(layout="fsdp", v=29, rows=[6, 0, 9], bias=False, reduction="none", return_lse=True,
+                             label_smoothing=0.1, z_loss=0.02, softcap=2.5, ignore_index=3),
+    # V = 4 over 3 ranks: torch.chunk gives (2, 2, 0): the last rank holds no classes at all.
+    "fsdp_rank_without_classes": dict(layout="fsdp", v=4, rows=[5, 3, 4], bias=True, reduction="sum", chunk_size=1),
+    "tp_mean_streamed": dict(layout="tp", v=23, rows=[9], bias=True, reduction="mean", chunk_size=5),
+    "tp_options_lse": dict(layout="tp", v=31, rows=[8], bias=True, reduction="none", return_lse=True,
+                           label_smoothing=0.05, z_loss=0.1, softcap=1.5),
+    "tp_rank_without_classes": dict(layout="tp", v=4, rows=[6], bias=False, reduction="sum", chunk_size=1),
+    "replicate": dict(layout="replicate", v=17, rows=[5, 7, 3], bias=True, reduction="mean", label_smoothing=0.2,
+                      chunk_size=6),
+}
+
+
+def case_weights(case: dict):
+    g = torch.Generator().manual_seed(case["v"])
+    w = torch.randn(case["v"], D, generator=g, dtype=torch.float64)
+    b = torch.randn(case["v"], generator=g, dtype=torch.float64) if case.get("bias") else None
+    return w, b
+
+
+def case_inputs(case: dict, rank: int):
+    """Rank ``rank``'s ``x [N_r, D]``, ``target [N_r]`` and its objective's coefficients ``c`` (on the
+    loss) and ``e`` (``[N_r]``, on the lse). With layout "tp" every rank has rank 0's rows."""
+    if case["layout"] == "tp":
+        rank = 0
+    n = case["rows"][rank]
+    g = torch.Generator().manual_seed(1000 * rank + case["v"])
+    x = torch.randn(n, D, generator=g, dtype=torch.float64) * 2
+    target = torch.randint(0, case["v"], (n,), generator=g)
+    target[1::3] = case.get("ignore_index", -100)
+    c = torch.rand(n if case["reduction"] == "none" else (), generator=g, dtype=torch.float64) + 0.5
+    e = torch.randn(n, generator=g, dtype=torch.float64)
+    return x, target, c, e
+
+
+def loss_options(case: dict) -> dict:
+    keys = ("reduction", "label_smoothing", "z_loss", "softcap", "chunk_size", "ignore_index", "return_lse")
+    return {k: case[k] for k in keys if k in case}
+
+
+def _mesh(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (ctx["world"],))
+
+
+# --------------------------------------------------------------------------------------------------
+# Jobs (run on every rank, in the same order)
+# --------------------------------------------------------------------------------------------------
+def job_loss(ctx, name: str) -> dict:
+    """hugehead.linear_cross_entropy of a DTensor weight; returns the local loss, lse and gradients."""
+    import hugehead
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    case = LOSS_CASES[name]
+    mesh = _mesh(ctx)
+    placement = Replicate() if case["layout"] == "replicate" else Shard(0)
+    w, b = case_weights(case)
+    weight = distribute_tensor(w, mesh, [placement]).requires_grad_()
+    bias = None if b is None else distribute_tensor(b, mesh, [placement]).requires_grad_()
+    x, target, c, e = case_inputs(case, ctx["rank"])
+    if case["layout"] == "tp":
+        x = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    else:
+        x = x.requires_grad_()
+    out = hugehead.linear_cross_entropy(x, weight, target, bias, **loss_options(case))
+    loss, lse = out if case.get("return_lse") else (out, None)
+    objective = (loss * c).sum()
+    if lse is not None:
+        objective = objective + (lse * e).sum()
+    objective.backward()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    return dict(
+        loss=loss.detach(), lse=None if lse is None else lse.detach(), loss_type=type(loss).__name__,
+        grad_x=local(x.grad), grad_x_type=type(x.grad).__name__,
+        grad_w=weight.grad.to_local(), grad_w_placements=tuple(str(p) for p in weight.grad.placements),
+        grad_b=None if bias is None else bias.grad.to_local(),
+    )
+
+
+def job_errors(ctx) -> dict:
+    """What a placement hugehead does not take says so, on every rank."""
+    import hugehead
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor, DTensor
+
+    mesh = _mesh(ctx)
+    w = torch.randn(12, D, dtype=torch.float64)
+    x, target = torch.randn(3, D, dtype=torch.float64), torch.tensor([0, 1, 2])
+    errors = {}
+    attempts = {
+        "shard1": lambda: hugehead.linear_cross_entropy(x, distribute_tensor(w, mesh, [Shard(1)]), target),
+        "partial": lambda: hugehead.linear_cross_entropy(
+            x, DTensor.from_local(w, mesh, [Partial()], run_check=False), target),
+        "plain_bias": lambda: hugehead.linear_cross_entropy(
+            x, distribute_tensor(w, mesh, [Shard(0)]), target, torch.zeros(12, dtype=torch.float64)),
+        "x_shard1": lambda: hugehead.linear_cross_entropy(
+            distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Shard(0)]), target),
+    }
+    for key, attempt in attempts.items():
+        try:
+            attempt()
+        except (ValueError, TypeError) as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+        else:
+            errors[key] = None
+    return errors
+
+
+COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "reduce_scatter_tensor",
+               "reduce_scatter_single", "reduce_scatter", "all_reduce", "all_to_all_single", "all_to_all",
+               "broadcast", "scatter", "gather", "send", "recv", "isend", "irecv")
+
+
+class CollectiveLog:
+    """Records every ``torch.distributed`` collective (name, bytes of its tensor arguments) while active,
+    wherever the function was bound (hugehead's modules keep aliases of some), and fails on any DTensor
+    method that would gather or move a DTensor (``full_tensor``, ``redistribute``)."""
+
+    def __init__(self):
+        import sys
+
+        self.calls: List[tuple] = []
+        self._patches = []
+        originals = {getattr(dist, n): n for n in COLLECTIVES if getattr(dist, n, None) is not None}
+        modules = [dist] + [m for name, m in list(sys.modules.items()) if name.startswith("hugehead") and m]
+        for module in modules:
+            for attr, value in list(vars(module).items()):
+                if callable(value) and value in originals:
+                    self._patches.append((module, attr, value, self._wrap(originals[value], value)))
+
+    @staticmethod
+    def _kind(name: str) -> str:
+        # torch 2.13's all_gather_single is 2.11's all_gather_into_tensor: one kind of collective.
+        for suffix in ("_into_tensor", "_tensor", "_single"):
+            name = name.replace(suffix, "")
+        return name
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            self.calls.append((self._kind(name), sum(t.numel() * t.element_size() for t in tensors)))
+            return fn(*args, **kwargs)
+        return counted
+
+    def __enter__(self):
+        from torch.distributed.tensor import DTensor
+
+        for module, attr, _, wrapped in self._patches:
+            setattr(module, attr, wrapped)
+        self._dtensor = {n: getattr(DTensor, n) for n in ("full_tensor", "redistribute")}
+
+        def refuse(name):
+            def method(*args, **kwargs):
+                raise AssertionError(f"DTensor.{name} called: the weight would move")
+            return method
+
+        for n in self._dtensor:
+            setattr(DTensor, n, refuse(n))
+        return self
+
+    def __exit__(self, *exc):
+        from torch.distributed.tensor import DTensor
+
+        for module, attr, original, _ in self._patches:
+            setattr(module, attr, original)
+        for n, m in self._dtensor.items():
+            setattr(DTensor, n, m)
+
+
+BYTES_CASE = dict(v=3001, n=[6, 4, 5], d=8)
+
+
+def job_bytes(ctx) -> dict:
+    """The collectives of one forward + backward on a head much larger than the rows (3001 x 8 against a
+    few rows of 8): their sizes, for FSDP-style and tensor-parallel rows."""
+    import hugehead
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _mesh(ctx)
+    g = torch.Generator().manual_seed(3)
+    v, d = BYTES_CASE["v"], BYTES_CASE["d"]
+    weight = distribute_tensor(torch.randn(v, d, generator=g), mesh, [Shard(0)]).requires_grad_()
+    bias = distribute_tensor(torch.randn(v, generator=g), mesh, [Shard(0)]).requires_grad_()
+    out = {}
+    for layout in ("fsdp", "tp"):
+        n = BYTES_CASE["n"][ctx["rank"] if layout == "fsdp" else 0]
+        x = torch.randn(n, d, generator=torch.Generator().manual_seed(ctx["rank"] if layout == "fsdp" else 0))
+        target = torch.arange(n) * 7 % v
+        if layout == "tp":
+            x = distribute_tensor(x, mesh, [Replicate()])
+        x.requires_grad_()
+        with CollectiveLog() as log:
+            hugehead.linear_cross_entropy(x, weight, target, bias, chunk_size=256).backward()
+        out[layout] = dict(calls=log.calls, local_weight_bytes=weight.to_local().numel() * 4)
+    return out
+
+
+JOBS = {
+    **{f"loss:{name}": (job_loss, (name,)) for name in LOSS_CASES},
+    "errors": (job_errors, ()),
+    "bytes": (job_bytes, ()),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------------
+def result_path(out: str, job: str, rank: int) -> str:
+    return os.path.join(out, f"{job.replace(':', '-').replace('/', '_')}.{rank}.pt")
+
+
+def _rank_main(rank: int, world: int, store_path: str, out: str, jobs: List[str], pg_timeout_s: float) -> None:
+    torch.set_num_threads(1)  # the ranks share a few cores
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    ctx = dict(rank=rank, world=world, out=out)
+    try:
+        for name in jobs:
+            fn, args = JOBS[name]
+            torch.save(fn(ctx, *args), result_path(out, name, rank))
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: see tests/dist_cases.py
+
+
+def spawn_world(world: int, jobs: List[str], out: str, timeout_s: float = 300, pg_timeout_s: float = 60,
+                target=_rank_main, args: tuple = ()) -> List[Optional[int]]:
+    """Run ``jobs`` on ``world`` spawned gloo ranks; returns each rank's exit code, or None for a rank still
+    running after ``timeout_s`` (it is then killed)."""
+    os.makedirs(out, exist_ok=True)
+    store = os.path.join(out, f"store.{world}.{time.monotonic_ns()}")
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=target, args=(rank, world, store, out, jobs, pg_timeout_s, *args))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    codes: List[Optional[int]] = []
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        codes.append(p.exitcode)
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    return codes
+
+
+def run_world(world: int, jobs: List[str], out: str, timeout_s: float = 300) -> Dict[str, List[dict]]:
+    """``{job: [result of rank 0, rank 1, ...]}``; raises if a rank failed or ran past ``timeout_s``."""
+    codes = spawn_world(world, jobs, out, timeout_s)
+    if codes != [0] * world:
+        raise RuntimeError(f"ranks of a {world}-process world ended with exit codes {codes} (None: killed after "
+                           f"{timeout_s} s); their tracebacks are in the captured stderr")
+    return {name: [torch.load(result_path(out, name, r), weights_only=False) for r in range(world)]
+            for name in jobs}
