@@ -224,10 +224,155 @@ def job_bytes(ctx) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------------------
+# The FSDP2 recipe: a model whose head is huge, trained with fully_shard
+# --------------------------------------------------------------------------------------------------
+TRAIN = dict(v=23, d_in=4, rows=12, steps=4, lr=0.05, saved_after=3)
+TRAIN_VARIANTS = ("sharded", "gathered", "classifier", "accumulated")
+
+
+def train_init():
+    """The model's initial float64 parameters, by name."""
+    g = torch.Generator().manual_seed(11)
+    v, d_in = TRAIN["v"], TRAIN["d_in"]
+    shapes = {"body.0.weight": (D, d_in), "body.0.bias": (D,), "body.2.weight": (D, D), "body.2.bias": (D,),
+              "head.weight": (v, D), "head.bias": (v,)}
+    return {k: torch.randn(*s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def train_batch(step: int):
+    """The global batch of ``step``: ``TRAIN["rows"]`` rows, split evenly over the ranks of any world."""
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(TRAIN["rows"], TRAIN["d_in"], generator=g, dtype=torch.float64),
+            torch.randint(0, TRAIN["v"], (TRAIN["rows"],), generator=g))
+
+
+class TrainNet(nn.Module):
+    """A small backbone and a linear head; ``forward`` returns the loss through hugehead. With a
+    :class:`hugehead.ChunkedClassifier` as ``head`` the loss is the head's own."""
+
+    def __init__(self, head: Optional[nn.Module] = None):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(TRAIN["d_in"], D), nn.Tanh(), nn.Linear(D, D), nn.Tanh())
+        self.head = head if head is not None else nn.Linear(D, TRAIN["v"])
+        self.to(torch.float64)
+
+    def forward(self, inputs, target):
+        import hugehead
+
+        features = self.body(inputs)
+        self.head_weight_seen = type(getattr(self.head, "weight", None)).__name__
+        if isinstance(self.head, hugehead.ChunkedClassifier):
+            return self.head(features, target)
+        # Inside fully_shard's forward: a DTensor (Shard(0)) when the head is its own FSDP unit (never
+        # called, so never gathered), the gathered weight when it belongs to the root's unit.
+        return hugehead.linear_cross_entropy(features, self.head.weight, target, self.head.bias)
+
+
+def build_fsdp_net(variant: str, params: Dict[str, torch.Tensor]):
+    """The recipe of each variant, from the logical ``params``:
+
+    - sharded / accumulated: ``fully_shard`` on every backbone layer, on the head (its own unit, never
+      called: its weight stays a Shard(0) DTensor that hugehead uses where it lies) and on the root.
+    - gathered: the head inside the root's unit: FSDP2 all-gathers its weight for every forward.
+    - classifier: a ``ChunkedClassifier(process_group=...)`` head left out of FSDP2 (``ignored_params``).
+    """
+    import hugehead
+    from torch.distributed.fsdp import fully_shard
+
+    head = None
+    if variant == "classifier":
+        head = hugehead.ChunkedClassifier(D, TRAIN["v"], dtype=torch.float64, devices=["cpu"],
+                                          process_group=dist.group.WORLD)
+        head.load_state_dict({"weight": params["head.weight"], "bias": params["head.bias"]})
+    net = TrainNet(head)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name in params:
+                p.copy_(params[name])
+    fully_shard(net.body[0])
+    fully_shard(net.body[2])
+    if variant in ("sharded", "accumulated"):
+        fully_shard(net.head)
+    fully_shard(net, ignored_params=set(net.head.parameters()) if variant == "classifier" else None)
+    return net
+
+
+def full_params(net) -> Dict[str, torch.Tensor]:
+    """Every logical parameter by name (collective: DTensors gathered, a distributed head's state dict)."""
+    out = {}
+    for name, p in net.named_parameters():
+        if not name.startswith("head.shards."):
+            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    if not any(k.startswith("head.") for k in out):
+        out.update({f"head.{k}": v for k, v in net.head.state_dict().items()})
+    return out
+
+
+def fsdp_step(net, opt, step: int, ctx, micro_batches: int = 1) -> float:
+    """One optimizer step on this rank's rows of the step's global batch; the loss is the mean over them
+    (with ``micro_batches``, the mean of the micro-batches' means, gradient sync only on the last)."""
+    inputs, target = train_batch(step)
+    rows = TRAIN["rows"] // ctx["world"]
+    lo = ctx["rank"] * rows
+    inputs, target = inputs[lo:lo + rows], target[lo:lo + rows]
+    opt.zero_grad()
+    total = 0.0
+    for m, (xs, ts) in enumerate(zip(inputs.chunk(micro_batches), target.chunk(micro_batches))):
+        net.set_requires_gradient_sync(m == micro_batches - 1)
+        loss = net(xs, ts) / micro_batches
+        loss.backward()
+        total += float(loss.detach())
+    opt.step()
+    return total
+
+
+def job_train(ctx, variant: str) -> dict:
+    """``TRAIN["steps"]`` AdamW steps of a variant; the sharded one also writes a torch.distributed.checkpoint
+    of the model and optimizer after step ``saved_after`` (``w<world>.dcp``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    net = build_fsdp_net(variant, train_init())
+    opt = torch.optim.AdamW(net.parameters(), lr=TRAIN["lr"])
+    losses, saved, saved_exp_avg = [], None, None
+    for step in range(TRAIN["steps"]):
+        losses.append(fsdp_step(net, opt, step, ctx, micro_batches=2 if variant == "accumulated" else 1))
+        if variant == "sharded" and step + 1 == TRAIN["saved_after"]:
+            model_state, optim_state = get_state_dict(net, opt)
+            dcp.save({"model": model_state, "optim": optim_state},
+                     checkpoint_id=os.path.join(ctx["out"], f"w{ctx['world']}.dcp"))
+            saved = full_params(net)
+            saved_exp_avg = {n: opt.state[p]["exp_avg"].full_tensor() for n, p in net.named_parameters()}
+    return dict(losses=losses, params=full_params(net), saved=saved, saved_exp_avg=saved_exp_avg, head_weight_seen=net.head_weight_seen)
+
+
+def job_resume(ctx, source: str) -> dict:
+    """The sharded recipe with another initialization, loaded from ``<source>.dcp`` (written by another
+    world size), then its remaining steps: the same model and optimizer state as the saving run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(5)
+    net = build_fsdp_net("sharded", {k: torch.randn_like(v) for k, v in train_init().items()})
+    opt = torch.optim.AdamW(net.parameters(), lr=TRAIN["lr"])
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(ctx["out"], f"{source}.dcp"))
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = full_params(net)
+    exp_avg = {n: opt.state[p]["exp_avg"].full_tensor() for n, p in net.named_parameters()}
+    for step in range(TRAIN["saved_after"], TRAIN["steps"]):
+        fsdp_step(net, opt, step, ctx)
+    return dict(loaded=loaded, exp_avg=exp_avg, params=full_params(net))
+
+
 JOBS = {
     **{f"loss:{name}": (job_loss, (name,)) for name in LOSS_CASES},
     "errors": (job_errors, ()),
     "bytes": (job_bytes, ()),
+    **{f"train:{v}": (job_train, (v,)) for v in TRAIN_VARIANTS},
+    "resume:w2": (job_resume, ("w2",)),
 }
 
 

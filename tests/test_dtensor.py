@@ -16,7 +16,8 @@ from dtensor_cases import LOSS_CASES, case_inputs, case_weights
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 CLOSE = dict(rtol=1e-10, atol=1e-12)
-COMMON_JOBS = [f"loss:{name}" for name in LOSS_CASES] + ["errors", "bytes"]
+COMMON_JOBS = ([f"loss:{name}" for name in LOSS_CASES] + ["errors", "bytes"]
+               + [f"train:{variant}" for variant in dtensor_cases.TRAIN_VARIANTS])
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def gloo2(workdir):
 
 @pytest.fixture(scope="module")
 def gloo3(workdir, gloo2):
-    return dtensor_cases.run_world(3, COMMON_JOBS, workdir)
+    # After gloo2: world 3 resumes from the checkpoint that world 2 wrote.
+    return dtensor_cases.run_world(3, COMMON_JOBS + ["resume:w2"], workdir)
 
 
 def world_results(request, world):
@@ -130,3 +132,65 @@ def test_collectives_move_rows_and_statistics_never_the_weight(request, world):
         assert fsdp["calls"][1][1] == (1 + world) * n * d * 4  # x: this rank's padded rows in, all ranks' out
         n_tp = case["n"][0]
         assert tp["calls"] == [("all_gather", (1 + world) * 3 * n_tp * 4), ("all_reduce", n_tp * d * 4)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The FSDP2 recipe
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_training():
+    """The model of dtensor_cases.TrainNet in one process, float64, plain PyTorch: AdamW on the mean loss
+    of each step's global batch. Returns the parameters after every step."""
+    params = {k: v.clone().requires_grad_() for k, v in dtensor_cases.train_init().items()}
+    opt = torch.optim.AdamW(params.values(), lr=dtensor_cases.TRAIN["lr"])
+    after, losses = [], []
+    for step in range(dtensor_cases.TRAIN["steps"]):
+        inputs, target = dtensor_cases.train_batch(step)
+        h = torch.tanh(inputs @ params["body.0.weight"].T + params["body.0.bias"])
+        h = torch.tanh(h @ params["body.2.weight"].T + params["body.2.bias"])
+        loss = reference.linear_cross_entropy(h, params["head.weight"], target, params["head.bias"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        after.append({k: v.detach().clone() for k, v in params.items()})
+    return after, losses
+
+
+@pytest.mark.parametrize("variant", dtensor_cases.TRAIN_VARIANTS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_training_matches_one_process(request, reference_training, world, variant):
+    """Four AdamW steps of a fully_shard-ed model, each rank its share of the global batch: the head as its
+    own never-called unit (hugehead on the Shard(0) DTensor), inside the root's unit (gathered by FSDP2),
+    a ChunkedClassifier(process_group=) left out of FSDP2, and the first with two micro-batches per step
+    (gradient sync off for the first): every parameter equal to one process's training."""
+    after, losses = reference_training
+    results = world_results(request, world)[f"train:{variant}"]
+    for rank, result in enumerate(results):
+        assert set(result["params"]) == set(after[-1])
+        for name, value in after[-1].items():
+            torch.testing.assert_close(result["params"][name], value, **CLOSE, msg=f"{variant} rank {rank} {name}")
+        # Rank r's loss is the mean over its own rows; their mean over ranks is the global batch's.
+        assert len(result["losses"]) == len(losses)
+    for step, loss in enumerate(losses):
+        assert abs(sum(r["losses"][step] for r in results) / world - loss) < 1e-10
+    # What hugehead saw as the head's weight inside the forward: the DTensor shard, never the whole weight,
+    # unless FSDP2 gathered it (the head in the root's unit).
+    seen = {"sharded": "DTensor", "accumulated": "DTensor", "gathered": "Parameter", "classifier": "NoneType"}
+    assert {r["head_weight_seen"] for r in results} == {seen[variant]}
+
+
+def test_fsdp2_checkpoint_loads_into_another_world_size(gloo2, gloo3, reference_training):
+    """torch.distributed.checkpoint of the sharded recipe (model and AdamW state) written by 2 ranks after
+    step 3, loaded by 3 ranks into a model initialized otherwise: the same parameters, and its last step
+    ends where one process's uninterrupted training does."""
+    after, _ = reference_training
+    saved = gloo2["train:sharded"][0]
+    for rank, result in enumerate(gloo3["resume:w2"]):
+        for name, value in after[dtensor_cases.TRAIN["saved_after"] - 1].items():
+            torch.testing.assert_close(result["loaded"][name], value, **CLOSE, msg=f"rank {rank} loaded {name}")
+        for name, value in after[-1].items():
+            torch.testing.assert_close(result["params"][name], value, **CLOSE, msg=f"rank {rank} resumed {name}")
+        for name, value in saved["saved_exp_avg"].items():  # the optimizer state, bit for bit
+            torch.testing.assert_close(result["exp_avg"][name], value, rtol=0, atol=0, msg=f"rank {rank} {name}")
+        assert set(result["exp_avg"]) == set(after[-1])
