@@ -367,12 +367,104 @@ def job_resume(ctx, source: str) -> dict:
     return dict(loaded=loaded, exp_avg=exp_avg, params=full_params(net))
 
 
+# --------------------------------------------------------------------------------------------------
+# Distributed faults: a rank of a process_group= head dies mid-step
+# --------------------------------------------------------------------------------------------------
+FAULT = dict(v=19, d_in=4, steps=6, save_every=2, die_at=4, victim=1, exit_code=17, lr=0.05)
+
+
+class FaultNet(nn.Module):
+    def __init__(self, seed: int):
+        import hugehead
+
+        super().__init__()
+        torch.manual_seed(seed)  # the same backbone on every rank; the head's initialization is rank 0's
+        self.backbone = nn.Linear(FAULT["d_in"], D, dtype=torch.float64)
+        self.head = hugehead.ChunkedClassifier(D, FAULT["v"], dtype=torch.float64, devices=["cpu"], chunk_size=4,
+                                               process_group=dist.group.WORLD)
+
+    def forward(self, inputs, target):
+        return self.head(torch.tanh(self.backbone(inputs)), target)
+
+
+def fault_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    n = 3 + rank
+    return torch.randn(n, FAULT["d_in"], generator=g, dtype=torch.float64), torch.randint(0, FAULT["v"], (n,), generator=g)
+
+
+def fault_train(ctx, net, opt, first_step: int, checkpoint: Optional[str], die_at: Optional[int] = None) -> int:
+    """Train from ``first_step`` to ``FAULT["steps"]``, a checkpoint every ``save_every`` steps; at step
+    ``die_at`` the victim rank dies (``os._exit``) inside the head's backward, between its all-gather and
+    its reduce-scatter, while the other ranks are in the same step's collectives."""
+    from hugehead import checkpoint as ck
+
+    for step in range(first_step, FAULT["steps"]):
+        ctx["step"] = step
+        if step == die_at and ctx["rank"] == FAULT["victim"]:
+            local = net.head.engine.local
+
+            def die(*args, **kwargs):
+                os._exit(FAULT["exit_code"])
+
+            local.backward = die
+        inputs, target = fault_batch(step, ctx["rank"])
+        opt.zero_grad()
+        net(inputs, target).backward()
+        for p in net.backbone.parameters():  # as DDP would: the backbone's gradients averaged
+            dist.all_reduce(p.grad)
+            p.grad /= ctx["world"]
+        opt.step()
+        if checkpoint is not None and (step + 1) % FAULT["save_every"] == 0:
+            ck.save_checkpoint(checkpoint, net, opt, extra={"step": step + 1}, process_group=dist.group.WORLD)
+    return FAULT["steps"]
+
+
+def _fault_state(net) -> dict:
+    return dict(shards=[(s.start, s.stop, s.weight.detach().clone(), s.bias.detach().clone()) for s in net.head.shards],
+                backbone=[p.detach().clone() for p in net.backbone.parameters()])
+
+
+def job_fault_dies(ctx) -> dict:
+    """The victim dies at step ``die_at``; every other rank must raise (not hang) and report what it saw."""
+    net = FaultNet(seed=3)
+    opt = torch.optim.AdamW(net.parameters(), lr=FAULT["lr"])
+    start = time.monotonic()
+    try:
+        fault_train(ctx, net, opt, 0, os.path.join(ctx["out"], "fault.ckpt"), die_at=FAULT["die_at"])
+    except Exception as exc:  # noqa: BLE001 - what the surviving ranks see is the result
+        return dict(error=f"{type(exc).__name__}: {exc}", step=ctx["step"], seconds=time.monotonic() - start)
+    return dict(error=None, step=ctx["step"])
+
+
+def job_fault_resume(ctx) -> dict:
+    """A new run (another initialization) resumed from the last checkpoint the interrupted run wrote."""
+    from hugehead import checkpoint as ck
+
+    net = FaultNet(seed=8)
+    opt = torch.optim.AdamW(net.parameters(), lr=FAULT["lr"])
+    extra = ck.load_checkpoint(os.path.join(ctx["out"], "fault.ckpt"), net, opt, process_group=dist.group.WORLD)
+    fault_train(ctx, net, opt, extra["step"], None)
+    return dict(resumed_at=extra["step"], **_fault_state(net))
+
+
+def job_fault_straight(ctx) -> dict:
+    """The same run, uninterrupted."""
+    net = FaultNet(seed=3)
+    opt = torch.optim.AdamW(net.parameters(), lr=FAULT["lr"])
+    fault_train(ctx, net, opt, 0, None)
+    return _fault_state(net)
+
+
 JOBS = {
     **{f"loss:{name}": (job_loss, (name,)) for name in LOSS_CASES},
     "errors": (job_errors, ()),
     "bytes": (job_bytes, ()),
     **{f"train:{v}": (job_train, (v,)) for v in TRAIN_VARIANTS},
     "resume:w2": (job_resume, ("w2",)),
+    "fault:dies": (job_fault_dies, ()),
+    "fault:resume": (job_fault_resume, ()),
+    "fault:straight": (job_fault_straight, ()),
 }
 
 
