@@ -4,9 +4,16 @@ for FSDP-style rows (Shard(0), rows per rank), tensor parallelism (Shard(0), rep
 Replicate(); the collectives moved nothing of the weight; and the FSDP2 recipe (fully_shard, optimizer
 steps, gradient accumulation, torch.distributed.checkpoint across world sizes). gloo, 2 and 3 spawned CPU
 processes, each world spawned once for all its jobs (tests/dtensor_cases.py), each bounded in time."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+import hugehead
 from hugehead import reference
 from hugehead.dtensor import shard_class_ranges
 
@@ -194,3 +201,42 @@ def test_fsdp2_checkpoint_loads_into_another_world_size(gloo2, gloo3, reference_
         for name, value in saved["saved_exp_avg"].items():  # the optimizer state, bit for bit
             torch.testing.assert_close(result["exp_avg"][name], value, rtol=0, atol=0, msg=f"rank {rank} {name}")
         assert set(result["exp_avg"]) == set(after[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# examples/fsdp2_train.py, tiny, as its docstring launches it (gloo)
+# --------------------------------------------------------------------------------------------------
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_train.py"
+
+
+def _run_example(args, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    # The example imports the hugehead this test imported (a worktree's, not an installed copy).
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(hugehead.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_fsdp2_example_trains_both_head_modes_and_resumes_in_another_world_size(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE),
+                        "--backend", "gloo", "--steps", "12", "--accumulate", "2", "--ckpt", str(ckpt)], tmp_path)
+    line = r"rank 0: head (\w+): step [\d.]+ ms .*?; loss ([\d.]+ -> [\d.]+); hugehead got a (.*)"
+    modes = {mode: (loss, seen) for mode, loss, seen in re.findall(line, out)}
+    assert set(modes) == {"sharded", "gathered"}, out
+    # The sharded mode hands hugehead rank 0's 1001 rows of the 2001-class head; the gathered one all of them.
+    assert modes["sharded"][1] == "DTensor with 1,001 local rows", out
+    assert modes["gathered"][1] == "Parameter with 2,001 local rows", out
+    for loss, _ in modes.values():
+        first, last = map(float, loss.split(" -> "))
+        assert last < first - 2, out  # it learned (2001 classes: log V = 7.6)
+    s, g = map(float, re.search(r"first-step loss ([\d.]+) vs ([\d.]+)", out).groups())
+    assert abs(s - g) <= 1e-5 * g, out  # the same model, the same first batch: the same loss
+    # The two-rank checkpoint loads into one process and continues from where it was.
+    resumed = _run_example([str(EXAMPLE), "--backend", "gloo", "--head", "sharded", "--steps", "2", "--warmup", "0",
+                            "--resume", str(ckpt)], tmp_path)
+    first = float(re.search(r"rank 0: head sharded: .*?; loss ([\d.]+) ->", resumed).group(1))
+    fresh = float(modes["sharded"][0].split(" -> ")[0])
+    assert first < fresh - 2 and "DTensor with 2,001 local rows" in resumed, resumed
