@@ -368,6 +368,71 @@ def job_resume(ctx, source: str) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
+# hugehead.integrations.transformers.patch on an FSDP2-wrapped causal LM
+# --------------------------------------------------------------------------------------------------
+HF = dict(vocab=67, hidden=16, layers=2, seq=7, batch=2)
+HF_VARIANTS = ("head_unit", "root_unit")
+
+
+def hf_model():
+    """A tiny Llama (float64, untied lm_head of 67 classes: uneven over 2 and 3 ranks), the same on every
+    rank and in the test process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(21)
+    config = LlamaConfig(vocab_size=HF["vocab"], hidden_size=HF["hidden"], intermediate_size=2 * HF["hidden"],
+                         num_hidden_layers=HF["layers"], num_attention_heads=2, num_key_value_heads=2,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def hf_batch(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(300 + rank)
+    ids = torch.randint(0, HF["vocab"], (HF["batch"], HF["seq"]), generator=g)
+    return ids
+
+
+def job_hf(ctx, variant: str) -> dict:
+    """fully_shard on every decoder layer and the root (``head_unit``: lm_head its own unit too), then
+    ``patch``; one forward with labels and backward. Returns the loss and every parameter's gathered
+    gradient."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("hugehead.integrations") is None:
+        return dict(skipped="needs transformers and hugehead.integrations.transformers")
+    from torch.distributed.fsdp import fully_shard
+
+    from hugehead.integrations.transformers import patch
+
+    model = hf_model()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if variant == "head_unit":
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    patch(model)
+    seen = []
+    import hugehead.integrations.transformers as hf_integration
+
+    real = hf_integration.linear_cross_entropy
+
+    def recording(x, weight, *args, **kwargs):
+        seen.append(type(weight).__name__)
+        return real(x, weight, *args, **kwargs)
+
+    hf_integration.linear_cross_entropy = recording
+    try:
+        ids = hf_batch(ctx["rank"])
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    finally:
+        hf_integration.linear_cross_entropy = real
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()
+             for n, p in model.named_parameters()}
+    return dict(loss=out.loss.detach(), logits=out.logits, grads=grads, weight_seen=seen)
+
+
+# --------------------------------------------------------------------------------------------------
 # Distributed faults: a rank of a process_group= head dies mid-step
 # --------------------------------------------------------------------------------------------------
 FAULT = dict(v=19, d_in=4, steps=6, save_every=2, die_at=4, victim=1, exit_code=17, lr=0.05)
@@ -462,6 +527,7 @@ JOBS = {
     "bytes": (job_bytes, ()),
     **{f"train:{v}": (job_train, (v,)) for v in TRAIN_VARIANTS},
     "resume:w2": (job_resume, ("w2",)),
+    **{f"hf:{v}": (job_hf, (v,)) for v in HF_VARIANTS},
     "fault:dies": (job_fault_dies, ()),
     "fault:resume": (job_fault_resume, ()),
     "fault:straight": (job_fault_straight, ()),
