@@ -475,3 +475,54 @@ def test_heads_on_a_gpu_that_is_not_the_current_one():
     assert classifier.classifier.shards[0].weight.grad.device == torch.device("cuda", 1)
     torch.testing.assert_close(classifier.classifier.shards[0].weight.grad.cpu(), cref.classifier.weight.grad,
                                rtol=1e-4, atol=1e-7)
+
+
+@requires_cuda
+@pytest.mark.parametrize("placement", [dict(devices=["cuda:0"]), dict(offload=True)])
+def test_cuda_classifier_head_placements(placement):
+    model = _classifier("bert", dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    model.cuda()
+    patch(model, **placement)
+    assert all(s.compute_device == torch.device("cuda", 0) for s in model.classifier.shards)
+    ids, mask, labels = _sentences()
+    out = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
+    expected = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss.cpu(), expected.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.logits.cpu(), expected.logits, rtol=1e-4, atol=1e-5)
+    grad = torch.cat([s.weight.grad.cpu() for s in model.classifier.shards])
+    assert (grad - ref.classifier.weight.grad).norm() <= 1e-4 * ref.classifier.weight.grad.norm()
+
+
+def test_trainer_with_gradient_accumulation_matches_the_unpatched_model(tmp_path):
+    """transformers' Trainer passes num_items_in_batch to a forward that takes **kwargs (it reads the
+    signature, which the patch keeps) and then does not divide by the accumulation steps itself: one
+    optimizer step over two uneven micro-batches must move the weights as the unpatched model's does."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    ids, labels = _tokens(batch=4, length=9, seed=6)
+    labels[0, :7] = -100  # micro-batch 1 has far fewer trained tokens than micro-batch 2
+    data = [{"input_ids": i, "labels": t} for i, t in zip(ids, labels)]
+
+    def one_step(model, name):
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=1, learning_rate=1.0, optim="sgd",
+                                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, use_cpu=True,
+                                 report_to=[], save_strategy="no", logging_strategy="no", dataloader_drop_last=False,
+                                 seed=0, data_seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        assert trainer.model_accepts_loss_kwargs
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model = _causal_lm("llama", torch.float32)
+    ref = copy.deepcopy(model)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ours, theirs = one_step(patch(model), "patched"), one_step(ref, "unpatched")
+    for name, value in theirs.items():
+        moved = theirs[name] - start[name]
+        assert moved.norm() > 0, name
+        assert (ours[name] - start[name] - moved).norm() <= 1e-4 * moved.norm(), name

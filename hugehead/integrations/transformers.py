@@ -312,6 +312,11 @@ def _causal_lm_forward(model, state: _Patch, original, args, kwargs, features_on
         )
     head: nn.Linear = state.head
     weight, bias = head.weight, head.bias
+    if weight.is_meta:
+        raise NotImplementedError(
+            f"hugehead: {type(model).__name__}'s {state.head_path}.weight is on the meta device outside its forward "
+            f"(offloaded by accelerate's device_map?); patch() needs the head's weight resident on a device"
+        )
     x = x.to(weight.device)
     if scale != 1.0:  # s * (x Wᵀ + b) = (s x) Wᵀ + s b
         x = x * scale
