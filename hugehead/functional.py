@@ -9,6 +9,7 @@ moment).
 """
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -98,6 +99,12 @@ def _check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
             raise ValueError(f"hugehead: {name} is on {t.device} but x is on {x.device}")
     require_kernels(x.device)
     return compute
+
+
+def _is_dtensor(t) -> bool:
+    # As hugehead.dtensor.is_dtensor, without importing that module (it sits above this layer).
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _no_autocast(device: torch.device):
@@ -296,6 +303,8 @@ def linear_cross_entropy(
         x: ``[N, D]`` (or ``[..., D]``, e.g. ``[batch, tokens, D]``) float16, bfloat16, float32 or float64;
             any strides.
         weight: ``[V, D]``, same device as ``x``; same dtype outside ``torch.autocast``. bias: ``[V]`` or None.
+            A ``DTensor`` weight (and bias) on a 1-D mesh — ``Shard(0)`` (FSDP2, ``ColwiseParallel``) or
+            ``Replicate()`` — is used where it lies, never gathered: see :mod:`hugehead.dtensor`.
         target: ``[N]`` (``x``'s leading shape) int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
         ignore_index, reduction, label_smoothing: as in :func:`torch.nn.functional.cross_entropy`
             ("mean" divides by the number of non-ignored rows).
@@ -326,6 +335,11 @@ def linear_cross_entropy(
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)
     compute = _check_inputs(x, weight, target, bias)
+    if _is_dtensor(weight) or _is_dtensor(x):  # FSDP2 / tensor parallelism: the weight is used where it lies
+        from .dtensor import linear_cross_entropy as dtensor_linear_cross_entropy  # (above this layer: lazily)
+        return dtensor_linear_cross_entropy(
+            x, weight, target, bias, compute_dtype=compute, options=options, chunk_size=chunk_size,
+            memory_budget=memory_budget, return_lse=return_lse)
     shape = target.shape
     if x.dim() != 2:  # [..., D] with target [...]: the rows are the leading dimensions
         x = x.reshape(-1, x.shape[-1])
