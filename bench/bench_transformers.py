@@ -8,7 +8,8 @@
     token a label. One training step = ``model(input_ids, labels=labels).loss.backward()`` (gradients set to
     None after each). Models from the same seed: unpatched (transformers' own ``lm_head`` + float32
     cross-entropy), ``patch(model)`` (default 4 GiB workspace: the 16384 x 128256 bf16 logits fit it and are
-    kept for the backward), ``patch(model, memory_budget=1 GiB)`` (chunks, recomputed), and Liger-Kernel's ``apply_liger_kernel_to_llama`` with only its fused
+    kept for the backward), ``patch(model, memory_budget=1 GiB)`` (chunks, recomputed), and Liger-Kernel's
+    ``apply_liger_kernel_to_llama`` with only its fused
     linear cross-entropy on (``rope``/``rms_norm``/``swiglu`` off, so that the rows differ in the loss
     alone); a Liger that cannot be imported is recorded as such.
 (b) ``bert_6m``: ``BertForSequenceClassification`` (BERT-base, random init) with 6,000,000 labels, float32
@@ -233,7 +234,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     meta = harness.run_meta("transformers", device, options=args, smoke=args.cpu_smoke, shapes=sizes,
                             transformers=transformers.__version__, liger_kernel=harness.package_version("liger-kernel"),
-                            command="python -m bench.bench_transformers " + " ".join(argv if argv is not None else sys.argv[1:]))
+                            command="python -m bench.bench_transformers "
+                            + " ".join(argv if argv is not None else sys.argv[1:]))
     out = args.out or harness.REPO_ROOT / "bench" / "results" / harness.gpu_slug(meta["gpu_name"]) / "transformers.json"
     doc: Dict[str, object] = dict(meta=meta)
 
