@@ -141,9 +141,13 @@ def run_bert(s, device, args) -> List[Dict[str, object]]:
 
     from hugehead.integrations.transformers import patch
 
+    t0 = time.perf_counter()
     config = BertConfig(vocab_size=s["token_vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
                         num_attention_heads=s["heads"], intermediate_size=s["intermediate"], num_labels=s["labels"],
                         problem_type="single_label_classification", attn_implementation="sdpa")
+    # transformers keeps num_labels as an id2label dict and type-checks every entry: seconds at 6M labels.
+    config_s = time.perf_counter() - t0
+    print(f"  BertConfig(num_labels={s['labels']:,}): {config_s:.1f} s", flush=True)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, s["token_vocab"], (s["batch"], s["seq"]), generator=g).to(device)
     labels = torch.randint(0, s["labels"], (s["batch"],), generator=g).to(device)
@@ -173,7 +177,10 @@ def run_bert(s, device, args) -> List[Dict[str, object]]:
         return make
 
     # hugehead first: a failed unpatched step cannot then leave memory behind for it.
-    return [_measured(kind, build(kind), device, args) for kind in ("hugehead", "unpatched")]
+    rows = [_measured(kind, build(kind), device, args) for kind in ("hugehead", "unpatched")]
+    for row in rows:
+        row["config_s"] = config_s
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,7 +216,9 @@ def render_markdown(doc) -> str:
         lines += [f"## (b) BertForSequenceClassification, {bs['layers']} layers, hidden {bs['hidden']}, "
                   f"{bs['labels']:,} labels, batch {bs['batch']} x {bs['seq']} tokens: bf16 autocast, "
                   f"fused AdamW step", "", _table(doc["bert_6m"], "hugehead"), "",
-                  "Peak beyond model: over the float32 parameters and AdamW state (allocated in the warm-up).", ""]
+                  "Peak beyond model: over the float32 parameters and AdamW state (allocated in the warm-up). "
+                  f"Building the `BertConfig` alone took {harness.fmt(doc['bert_6m'][0].get('config_s'), '.1f')} s "
+                  "(transformers stores num_labels as an id2label dict and type-checks each entry).", ""]
     return "\n".join(lines) + harness.footer(meta)
 
 
