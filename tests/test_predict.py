@@ -179,3 +179,19 @@ def test_head_over_two_gpus():
     head = make_head(w, b, ["cuda:0", "cuda:1"])
     got = hugehead.predict_topk(head, DataLoader(TensorDataset(x, y), batch_size=64), K, progress=False)
     assert torch.equal(got.indices, dense_topk(x, w, b)[1])
+
+
+def test_bench_predict_smoke_writes_records(tmp_path):
+    """bench/bench_predict.py's pipeline, tiny, on the CPU: one record per k, the prediction's ids equal to
+    the bare top-k's."""
+    import json
+
+    from bench import bench_predict
+
+    bench_predict.main(["--cpu-smoke", "--out", str(tmp_path), "--k", "5", "--batches", "2", "--reps", "1",
+                        "--warmup", "0"])
+    doc = json.loads((tmp_path / "predict.json").read_text())
+    assert doc["meta"]["smoke"] and [r["k"] for r in doc["rows"]] == [5]
+    row = doc["rows"][0]
+    assert row["same_indices"] and row["batches"] == 2 and row["topk_ms"] > 0 and row["predict_ms"] > 0
+    assert (tmp_path / "predict.md").read_text().count("| tiny |") == 1
