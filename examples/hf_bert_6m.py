@@ -138,9 +138,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def build_model(args) -> BertForSequenceClassification:
     """A random-init BERT with ``args.classes`` labels, patched to a head over ``args.head_devices``."""
+    t0 = time.perf_counter()
+    config = bert_config(args)
+    # transformers stores num_labels as an id2label dict and type-checks every entry: seconds at 6M labels.
+    print(f"BertConfig(num_labels={args.classes:,}) built in {time.perf_counter() - t0:.1f} s", flush=True)
     where = contextlib.nullcontext() if args.cpu else torch.device("cuda", 0)  # init the 6M-row Linear on a GPU
     with where:
-        model = BertForSequenceClassification(bert_config(args))
+        model = BertForSequenceClassification(config)
     return patch(model, devices=args.head_devices)
 
 

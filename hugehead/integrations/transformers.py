@@ -449,7 +449,8 @@ def _find_classifier(model: nn.Module) -> Tuple[str, nn.Linear]:
             if module.out_features != num_labels:
                 break
             return name, module
-        linears = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_labels]
+        linears = [(n, m) for n, m in module.named_modules()
+                   if isinstance(m, nn.Linear) and m.out_features == num_labels]
         if len(linears) > 1:
             linears = [(n, m) for n, m in linears if n.split(".")[-1] == "out_proj"]
         if len(linears) == 1:
