@@ -8,7 +8,8 @@
     token a label. One training step = ``model(input_ids, labels=labels).loss.backward()`` (gradients set to
     None after each). Models from the same seed: unpatched (transformers' own ``lm_head`` + float32
     cross-entropy), ``patch(model)`` (default 4 GiB workspace: the 16384 x 128256 bf16 logits fit it and are
-    kept for the backward), ``patch(model, memory_budget=1 GiB)`` (chunks, recomputed), and Liger-Kernel's ``apply_liger_kernel_to_llama`` with only its fused
+    kept for the backward), ``patch(model, memory_budget=1 GiB)`` (chunks, recomputed), and Liger-Kernel's
+    ``apply_liger_kernel_to_llama`` with only its fused
     linear cross-entropy on (``rope``/``rms_norm``/``swiglu`` off, so that the rows differ in the loss
     alone); a Liger that cannot be imported is recorded as such.
 (b) ``bert_6m``: ``BertForSequenceClassification`` (BERT-base, random init) with 6,000,000 labels, float32
@@ -140,9 +141,13 @@ def run_bert(s, device, args) -> List[Dict[str, object]]:
 
     from hugehead.integrations.transformers import patch
 
+    t0 = time.perf_counter()
     config = BertConfig(vocab_size=s["token_vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
                         num_attention_heads=s["heads"], intermediate_size=s["intermediate"], num_labels=s["labels"],
                         problem_type="single_label_classification", attn_implementation="sdpa")
+    # transformers keeps num_labels as an id2label dict and type-checks every entry: seconds at 6M labels.
+    config_s = time.perf_counter() - t0
+    print(f"  BertConfig(num_labels={s['labels']:,}): {config_s:.1f} s", flush=True)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, s["token_vocab"], (s["batch"], s["seq"]), generator=g).to(device)
     labels = torch.randint(0, s["labels"], (s["batch"],), generator=g).to(device)
@@ -172,7 +177,10 @@ def run_bert(s, device, args) -> List[Dict[str, object]]:
         return make
 
     # hugehead first: a failed unpatched step cannot then leave memory behind for it.
-    return [_measured(kind, build(kind), device, args) for kind in ("hugehead", "unpatched")]
+    rows = [_measured(kind, build(kind), device, args) for kind in ("hugehead", "unpatched")]
+    for row in rows:
+        row["config_s"] = config_s
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,7 +216,9 @@ def render_markdown(doc) -> str:
         lines += [f"## (b) BertForSequenceClassification, {bs['layers']} layers, hidden {bs['hidden']}, "
                   f"{bs['labels']:,} labels, batch {bs['batch']} x {bs['seq']} tokens: bf16 autocast, "
                   f"fused AdamW step", "", _table(doc["bert_6m"], "hugehead"), "",
-                  "Peak beyond model: over the float32 parameters and AdamW state (allocated in the warm-up).", ""]
+                  "Peak beyond model: over the float32 parameters and AdamW state (allocated in the warm-up). "
+                  f"Building the `BertConfig` alone took {harness.fmt(doc['bert_6m'][0].get('config_s'), '.1f')} s "
+                  "(transformers stores num_labels as an id2label dict and type-checks each entry).", ""]
     return "\n".join(lines) + harness.footer(meta)
 
 
@@ -233,7 +243,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     meta = harness.run_meta("transformers", device, options=args, smoke=args.cpu_smoke, shapes=sizes,
                             transformers=transformers.__version__, liger_kernel=harness.package_version("liger-kernel"),
-                            command="python -m bench.bench_transformers " + " ".join(argv if argv is not None else sys.argv[1:]))
+                            command="python -m bench.bench_transformers "
+                            + " ".join(argv if argv is not None else sys.argv[1:]))
     out = args.out or harness.REPO_ROOT / "bench" / "results" / harness.gpu_slug(meta["gpu_name"]) / "transformers.json"
     doc: Dict[str, object] = dict(meta=meta)
 

@@ -17,14 +17,13 @@ from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
+from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     ResidentChunks,
     RowStats,
     merge_row_stats,
-    merge_topk,
     shard_backward,
     shard_forward_stats,
-    shard_topk,
 )
 from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
     FLOAT_DTYPES,

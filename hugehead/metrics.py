@@ -6,9 +6,10 @@ multi-label targets; as functions, and as streaming ``torchmetrics.Metric`` s fo
 Why not torchmetrics' own metrics: ``MulticlassAccuracy(top_k=...)`` and the ``Retrieval*`` metrics take a
 score for every (row, class) pair, which is the ``[N, V]`` tensor a 6M-class head never builds. Feeding the
 retrieval metrics only each row's k candidates would be wrong for nDCG (its ideal DCG is built from the
-relevant items it is given, so it forgets the labels that missed the top k) and costly for every one of
-them (their states keep every prediction until ``compute`` and gather them all across ranks). The metrics
-here need only the ``[N, k]`` indices, the labels, and a few running sums per metric.
+relevant items it is given, so it forgets the labels that missed the top k), wrong for raw logits
+(torchmetrics 1.9's ``retrieval_precision`` counts a hit only where the score is positive) and costly for
+every one of them (their states keep every prediction until ``compute`` and gather them all across ranks).
+The metrics here need only the ``[N, k]`` indices, the labels, and a few running sums per metric.
 
 Conventions (those of the Extreme Classification Repository and its tools, e.g. pyxclib):
 

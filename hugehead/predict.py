@@ -63,12 +63,14 @@ def _ranker(model: Ranker, softcap: Optional[float], chunk_size: Optional[int], 
             ) -> Tuple[Callable[[Tensor, int], Tuple[Tensor, Tensor]], Optional[torch.device], Optional[torch.dtype]]:
     """``(rank(x, k) -> (values, indices), default device, dtype that x must have or None)``."""
     weight_options = dict(softcap=softcap, chunk_size=chunk_size, memory_budget=memory_budget)
+    if isinstance(model, torch.nn.Linear):
+        model = (model.weight, model.bias)
     if isinstance(model, Tensor) or (isinstance(model, tuple) and model and isinstance(model[0], Tensor)):
-        weight, bias = (model, None) if isinstance(model, Tensor) else (model[0], model[1] if len(model) > 1 else None)
         if isinstance(model, tuple) and len(model) > 2:
             raise TypeError("hugehead.predict: a plain head is weight or (weight, bias), got a tuple of "
                             f"{len(model)} items")
-        return (lambda x, k: _linear_topk(x, weight, k, bias, **weight_options)), weight.device, None
+        weight, bias = (model, None) if isinstance(model, Tensor) else (model[0], model[1] if len(model) > 1 else None)
+        return (lambda x, k: _linear_topk(x, weight, k, bias, **weight_options)), weight.device, weight.dtype
     if any(v is not None for v in weight_options.values()):
         raise TypeError("hugehead.predict: softcap, chunk_size and memory_budget apply to a plain (weight, bias) "
                         "head; a ChunkedClassifier or a callable carries its own")
@@ -141,8 +143,8 @@ def predict_topk_chunks(
 
     Args:
         model: a :class:`hugehead.ChunkedClassifier` in any placement (devices, offload, distributed), or
-            any object with ``topk(x, k) -> (values, indices)``; a plain weight ``[V, D]`` or ``(weight,
-            bias)`` (ranked by ``hugehead.linear_topk``; ``softcap``, ``chunk_size``, ``memory_budget`` go
+            any object with ``topk(x, k) -> (values, indices)``; a plain weight ``[V, D]``, ``(weight,
+            bias)`` or an ``nn.Linear`` (ranked by ``hugehead.linear_topk``; ``softcap``, ``chunk_size``, ``memory_budget`` go
             to it); or a callable ``(x [rows, D], k) -> (values, indices)``. A distributed head is
             collective: every rank must iterate over the same number of batches.
         loader: any iterable of batches (a ``DataLoader``): tensors of features, ``(features, target,
@@ -153,7 +155,7 @@ def predict_topk_chunks(
         target: ``batch -> target`` to carry along in each chunk (default: the layouts' target, or None).
         device: where the features go (default: the head's first shard's compute device, a plain weight's
             device, or the features' own device for a callable).
-        dtype: cast the features to it (default: a ChunkedClassifier's dtype, unless ``autocast`` is set).
+        dtype: cast the features to it (default: the head's or weight's dtype, unless ``autocast`` is set).
         autocast: run ``features`` and each top-k under ``torch.autocast(device.type, dtype=autocast)``
             (float32 parameters, 16-bit compute).
         out_device: where the chunks go. progress, desc: a tqdm progress bar over the batches.

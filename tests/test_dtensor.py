@@ -34,7 +34,8 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gloo2(workdir):
-    return dtensor_cases.run_world(2, COMMON_JOBS, workdir)
+    # transformers.patch on FSDP2 only here: importing transformers costs seconds per process.
+    return dtensor_cases.run_world(2, COMMON_JOBS + [f"hf:{v}" for v in dtensor_cases.HF_VARIANTS], workdir)
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +202,36 @@ def test_fsdp2_checkpoint_loads_into_another_world_size(gloo2, gloo3, reference_
         for name, value in saved["saved_exp_avg"].items():  # the optimizer state, bit for bit
             torch.testing.assert_close(result["exp_avg"][name], value, rtol=0, atol=0, msg=f"rank {rank} {name}")
         assert set(result["exp_avg"]) == set(after[-1])
+
+
+@pytest.mark.parametrize("variant", dtensor_cases.HF_VARIANTS)
+def test_transformers_patch_on_an_fsdp2_model_matches_the_unpatched_model(gloo2, variant):
+    """A tiny Llama under fully_shard (every decoder layer and the root; lm_head its own unit or in the
+    root's), then hugehead.integrations.transformers.patch: every rank's loss and every parameter's
+    gradient equal the unpatched model's in one process (float64), gradients averaged over the ranks as
+    FSDP2 does. With lm_head its own unit hugehead computes on its Shard(0) DTensor weight and FSDP2 never
+    gathers it."""
+    results = gloo2[f"hf:{variant}"]
+    if "skipped" in results[0]:
+        pytest.skip(results[0]["skipped"])
+    world = len(results)
+    model = dtensor_cases.hf_model()
+    losses = []
+    for rank in range(world):
+        ids = dtensor_cases.hf_batch(rank)
+        # transformers' own loss upcasts to float32: the same shifted cross-entropy, in float64.
+        logits = model(input_ids=ids).logits
+        losses.append(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+    (sum(losses) / world).backward()
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["loss"], losses[rank].detach(), **CLOSE)
+        assert result["logits"] is None  # no [tokens, V] logits
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(result["grads"][name], p.grad, **CLOSE, msg=f"rank {rank} {name}")
+        assert result["weight_seen"] == (["DTensor"] if variant == "head_unit" else ["Parameter"])
+        # lm_head its own unit: FSDP2 never gathers it (patch calls a stand-in, not the sharded module).
+        assert "lm_head" not in result["unsharded"], result["unsharded"]
+        assert set(result["unsharded"]) >= {"model.layers.0", "model.layers.1"}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ definition in plain Python; the head's streaming top-k feeds the same metrics wi
 streaming (torchmetrics) versions accumulate batches to the values of the whole set; torchmetrics' dense
 metrics agree where their tie handling cannot differ."""
 import math
+import os
 import random
 
 import pytest
@@ -349,3 +350,47 @@ def test_bad_inputs_raise_clear_errors():
     metric = M.AccuracyAtK(4)
     with pytest.raises(ValueError, match="only 3 columns"):
         metric.update(idx, target)
+
+
+# --------------------------------------------------------------------------------------------------
+# Over ranks: compute() adds the sums of every rank (what Lightning's DDP test loop relies on)
+# --------------------------------------------------------------------------------------------------
+def _rank_metrics(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ranking = ranking_tensor(dense_ranking(tied_scores(12), K))
+        labels = random_labels(12)
+        target = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(12))
+        w = M.inverse_propensity(M.label_frequencies(as_coo(labels), V), N)
+        rows = slice(0, 15) if rank == 0 else slice(15, N)  # unequal shares
+        acc, psp = M.AccuracyAtK(3), M.PSPrecisionAtK(5, w, normalize=True)
+        acc.update(ranking[rows], target[rows])
+        psp.update(ranking[rows], as_tensors(labels[rows]))
+        torch.save({"acc": float(acc.compute()), "psp": float(psp.compute())}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_streaming_metrics_sum_over_ranks(tmp_path):
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_rank_metrics, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=2.0):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the two gloo ranks did not finish within 180 s")
+    ranking = dense_ranking(tied_scores(12), K)
+    labels = random_labels(12)
+    target = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(12)).tolist()
+    wl = M.inverse_propensity(M.label_frequencies(as_coo(labels), V), N).tolist()
+    expected = {"acc": ref_accuracy(ranking, target, 3), "psp": ref_psp(ranking, labels, wl, 5, True)}
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert got == pytest.approx(expected, abs=1e-12), rank

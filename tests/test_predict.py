@@ -70,6 +70,12 @@ def test_plain_weight_and_bias_with_softcap_and_chunk_options():
     assert torch.allclose(got.values.double(), values, rtol=1e-6, atol=1e-6)
     plain = hugehead.predict_topk(w, loader, K, progress=False)
     assert torch.equal(plain.indices, dense_topk(x, w)[1])
+    linear = torch.nn.Linear(D, V).to(torch.bfloat16)  # its dtype: the float32 features are cast to it
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        linear.bias.copy_(b)
+    got = hugehead.predict_topk(linear, loader, K, progress=False)
+    assert got.values.dtype == torch.bfloat16 and torch.equal(got.indices, dense_topk(x, w, b)[1])
 
 
 def test_features_and_target_functions_dict_batches_and_callables():
