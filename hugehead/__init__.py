@@ -9,7 +9,8 @@ from .functional import linear_cross_entropy
 from .module import ChunkedClassifier
 from . import checkpoint
 from .checkpoint import keep_optimizer_state_on_shards, place_optimizer_state
+from .ddp import ignore_heads_in_ddp
 
 __version__ = "0.1.0"
 __all__ = ["linear_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
-           "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state"]
+           "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "ignore_heads_in_ddp"]
