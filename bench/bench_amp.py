@@ -22,10 +22,11 @@ steps against plain PyTorch.
     keep the same scale, and agree in losses; the first step's unscaled gradients are compared with float64
     on the same float16-rounded inputs.
 
-Times: CUDA events around each step on every device involved (the longest counts), median of ``--reps``
-after ``--warmup`` untimed steps; a non-positive time is an error, never recorded as a number. Memory:
-``torch.cuda.max_memory_allocated`` per device over the timed steps minus what was allocated before them.
-Writes the JSON to ``--out`` and a markdown table next to it (same name, ``.md``).
+Times and memory through ``bench.harness.measure``: CUDA events around each step on every device involved
+(the longest counts), median of ``--reps`` after ``--warmup`` untimed steps; a non-positive time is an
+error, never recorded as a number. Memory: ``torch.cuda.max_memory_allocated`` per device over the timed
+steps minus what was allocated before them. Writes the JSON to ``--out`` and a markdown table next to it
+(same name, ``.md``) through ``bench.harness.write_report``.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from bench import common  # noqa: F401  (first: decides which hugehead is imported)
-from bench.common import environment, error_text, git_sha, gpu_slug, median, write_json
+from bench import harness  # first: decides which hugehead is imported
+from bench.harness import error_text
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -55,56 +56,16 @@ FULL = dict(n=4096, d=768, v=6_000_000, agree_n=2048, agree_v=32768, agree_steps
 SMOKE = dict(n=64, d=32, v=5003, agree_n=64, agree_v=1000, agree_steps=5, inject=2)
 
 
-# --------------------------------------------------------------------------------------------------
-# Timing and memory on one or several devices
-# --------------------------------------------------------------------------------------------------
 def _sync(devices: Sequence[torch.device]) -> None:
-    for dev in devices:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-
-def _timed_ms(step: Callable[[], object], devices: Sequence[torch.device]) -> float:
-    """One call of ``step``: CUDA events on every device (the longest span), else the host clock."""
-    cuda = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
-    if not cuda:
-        t0 = time.perf_counter()
-        step()
-        ms = (time.perf_counter() - t0) * 1e3
-    else:
-        events = []
-        for dev in cuda:
-            with torch.cuda.device(dev):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                events.append((dev, start, end))
-        step()
-        for dev, _, end in events:
-            with torch.cuda.device(dev):
-                end.record()
-        _sync(cuda)
-        ms = max(start.elapsed_time(end) for _, start, end in events)
-    if not ms > 0:
-        raise RuntimeError(f"non-positive step time {ms} ms: the timer did not bracket the work")
-    return float(ms)
+    harness.synchronize(devices)
 
 
 def measure(step: Callable[[], object], devices: Sequence[torch.device], reps: int, warmup: int) -> dict:
-    """Median ms of ``reps`` timed calls after ``warmup`` untimed ones, and per CUDA device the bytes
-    allocated before the timed calls and the peak during them."""
-    devices = list(dict.fromkeys(devices))
-    for _ in range(warmup):
-        step()
-    _sync(devices)
-    gc.collect()
-    base = {}
-    for dev in devices:
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-            base[str(dev)] = torch.cuda.memory_allocated(dev)
-    times = [_timed_ms(step, devices) for _ in range(reps)]
-    peak = {str(dev): torch.cuda.max_memory_allocated(dev) for dev in devices if dev.type == "cuda"}
-    return dict(ms=median(times), all_ms=times, baseline_bytes=base, peak_bytes=peak)
+    """bench.harness.measure on every device involved (CUDA events on each, the longest span counts); the
+    JSON fields of the timing, per-device memory as dicts."""
+    t = harness.measure(step, devices, reps=reps, warmup=warmup)
+    return dict(ms=t.ms, ms_all=t.ms_all, baseline_bytes=t.baseline_bytes_per_device,
+                peak_bytes=t.peak_bytes_per_device, clock=t.clock)
 
 
 def _free(device: torch.device) -> None:
@@ -375,10 +336,8 @@ def _f(value, fmt: str) -> str:
 
 
 def render_markdown(doc: dict) -> str:
-    env = doc["env"]
-    lines = [f"# Mixed precision: {env.get('gpu_name')} x{env.get('gpu_count')}", "",
-             f"git `{str(doc['git'].get('git_sha'))[:12]}` · torch {env['torch']} · {doc['date']} · "
-             f"{doc['wall_s']:.0f} s", ""]
+    meta = doc["meta"]
+    lines = [harness.header(f"Mixed precision: {meta.get('gpu_name')} x{meta.get('gpu_count')}", meta)]
     fb = doc.get("fwd_bwd")
     if fb:
         lines += [f"## Forward + backward, N={fb['n']}, D={fb['d']}, V={fb['v']:,} (x bf16; dx and dW)", "",
@@ -442,8 +401,7 @@ def render_markdown(doc: dict) -> str:
             + f". Weight update after all steps vs torch's: rel diff {gs['update_rel_diff_vs_torch']:.2e}. "
             f"Agreement: **{'ok' if a['ok'] else 'FAILED'}** "
             f"({', '.join(f'{k}={v}' for k, v in a.items() if k != 'ok')}).", ""]
-    lines.append(f"Command: `{doc['command']}`")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + harness.footer(meta)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -467,18 +425,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         sizes, device = FULL, torch.device("cuda", 0)
         placements = [["cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.device_count() >= 2 else [])
-    env = environment(device)
-    out = args.out or Path(__file__).resolve().parent / "results" / gpu_slug(env["gpu_name"]) / "amp.json"
-    doc: Dict[str, object] = dict(
-        benchmark="amp", git=git_sha(), env=env, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        command="python -m bench.bench_amp " + " ".join(argv if argv is not None else sys.argv[1:]),
-        reps=args.reps, warmup=args.warmup,
-    )
+    meta = harness.run_meta(
+        "amp", device, options=args, smoke=args.cpu_smoke,
+        shapes={"fwd_bwd": {k: sizes[k] for k in ("n", "d", "v")},
+                "grad_scaler": {"n": sizes["agree_n"], "d": sizes["d"], "v": sizes["agree_v"]}},
+        command="python -m bench.bench_amp " + " ".join(argv if argv is not None else sys.argv[1:]))
+    out = args.out or harness.REPO_ROOT / "bench" / "results" / harness.gpu_slug(meta["gpu_name"]) / "amp.json"
+    doc: Dict[str, object] = dict(meta=meta)
 
     def publish():
-        doc["wall_s"] = time.perf_counter() - t_start
-        write_json(out, doc)
-        out.with_suffix(".md").write_text(render_markdown(doc))
+        meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        harness.write_report(out.parent, out.stem, doc, render_markdown)
 
     n, d, v = sizes["n"], sizes["d"], sizes["v"]
     if "fwd_bwd" in parts:

@@ -12,7 +12,7 @@ losses against the one-GPU loss, every rank's dX against W times the one-GPU dX 
 one-GPU loss is the mean over all N rows), rank 0's shard gradient against the same rows of the one-GPU
 gradient.
 
-Timing: CUDA events around each step on each rank (host clocks on the CPU), every rank synchronized and
+Timing (``bench.harness.measure``): CUDA events around each step on each rank (host clocks on the CPU), every rank synchronized and
 at a barrier before each step; a step's time is the slowest rank's; median after warm-up. Writes
 ``dist.json`` and ``dist.md`` to ``--out`` (default ``bench/results/<gpu>x<W>/``): one record per
 placement with ``n`` (global rows), ``d``, ``v``, ``world_size``, ``fwd_bwd_ms``, the git SHA in the
@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from . import common  # noqa: F401  (selects which hugehead is imported)
-from .common import environment, git_sha, gpu_slug, median, write_json
+from bench import harness  # first: decides which hugehead is imported
 
 import torch
 import torch.distributed as dist
@@ -51,39 +49,18 @@ def comm_bytes_per_rank(n_per_rank: int, d: int, world: int, itemsize: int) -> D
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_steps(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int,
-                group_barrier: bool) -> List[float]:
-    """Milliseconds of ``repeats`` calls after ``warmup``; with ``group_barrier`` every rank starts each
-    call together and a call's time is the slowest rank's."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        if group_barrier:
-            dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        times.append(ms)
-    if group_barrier:
+                group_barrier: bool):
+    """bench.harness.measure of ``repeats`` calls after ``warmup``; with ``group_barrier`` every rank
+    starts each call together and a call's time is the slowest rank's."""
+    def reduce(times: List[float]) -> List[float]:
         t = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times = t.tolist()
-    return times
+        return t.tolist()
+
+    return harness.measure(fn, device, reps=repeats, warmup=warmup,
+                           before=(lambda: (harness.synchronize(device), dist.barrier())) if group_barrier else None,
+                           reduce=reduce if group_barrier else None)
 
 
 def measure(head, x: torch.Tensor, target: torch.Tensor, device, repeats: int, warmup: int, distributed: bool) -> dict:
@@ -97,16 +74,14 @@ def measure(head, x: torch.Tensor, target: torch.Tensor, device, repeats: int, w
             p.grad = None
         head(x, target).backward()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     fwd_bwd = timed_steps(step, device, repeats, warmup, distributed)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    peak = None if fwd_bwd.peak_bytes is None else fwd_bwd.peak_bytes / 2**30
     with torch.no_grad():
         fwd = timed_steps(lambda: head(x, target), device, repeats, warmup, distributed)
         topk = timed_steps(lambda: head.topk(x, 5), device, max(1, repeats // 2), 1, distributed)
         loss = head(x, target).float()
-    return dict(fwd_bwd_ms=median(fwd_bwd), fwd_ms=median(fwd), topk_ms=median(topk), all_fwd_bwd_ms=fwd_bwd,
-                loss=float(loss), peak_gib=peak)
+    return dict(fwd_bwd_ms=fwd_bwd.ms, fwd_ms=fwd.ms, topk_ms=topk.ms, all_fwd_bwd_ms=fwd_bwd.ms_all,
+                loss=float(loss), peak_gib=peak, clock=fwd_bwd.clock)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 18) -> float:
@@ -120,8 +95,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 18) -> float:
 
 
 def render_markdown(doc: dict) -> str:
-    lines = [f"# Vocabulary-parallel head over ranks: {doc['env'].get('gpu_name', 'CPU')} x{doc['world_size']}", "",
-             f"git `{str(doc['git']['git_sha'])[:12]}` · torch {doc['env']['torch']} · {doc['date']}", "",
+    meta = doc["meta"]
+    lines = [harness.header(f"Vocabulary-parallel head over ranks: {meta.get('gpu_name', 'CPU')} x{doc['world_size']}",
+                            meta),
              "Same global batch for every row; the distributed row's N is the global batch (N/W per rank). "
              "fwd+bwd: loss, then gradients of x and the shards; ms are medians (CUDA events, slowest rank).", "",
              "| placement | world size | N×D×V | dtype | fwd+bwd ms | fwd ms | top-5 ms | vs one GPU | peak GiB | "
@@ -139,9 +115,8 @@ def render_markdown(doc: dict) -> str:
                   + ", ".join(f"{k} {v:.2e}" for k, v in checks.items()) + "."]
     dist_row = doc["records"][-1]
     lines += ["", f"Target: distributed fwd+bwd <= {TARGET_RATIO}× the one-GPU time: "
-                  f"{dist_row['fwd_bwd_ratio_vs_one_gpu']:.3f}× ({'met' if dist_row['meets_target'] else 'NOT met'}).",
-              "", f"Command: `{doc['command']}`"]
-    return "\n".join(lines) + "\n"
+                  f"{dist_row['fwd_bwd_ratio_vs_one_gpu']:.3f}× ({'met' if dist_row['meets_target'] else 'NOT met'})."]
+    return "\n".join(lines) + "\n" + harness.footer(meta)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -235,16 +210,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["tflops"] = 8 * n * d * v / r["fwd_bwd_ms"] / 1e9
         part["target_ratio"] = TARGET_RATIO
         part["meets_target"] = part["fwd_bwd_ratio_vs_one_gpu"] <= TARGET_RATIO
-        env = environment(device)
-        doc = dict(git=git_sha(), env=env, world_size=world, backend=backend,
-                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   command=f"torchrun --standalone --nproc_per_node {world} -m bench.bench_dist "
-                           + " ".join(argv if argv is not None else sys.argv[1:]),
-                   records=records, checks=checks)
-        out = args.out or (Path(__file__).resolve().parent / "results"
-                           / f"{gpu_slug(env.get('gpu_name', 'cpu'))}x{world}")
-        write_json(out / "dist.json", doc)
-        (out / "dist.md").write_text(render_markdown(doc))
+        meta = harness.run_meta(
+            "dist", device, options=args, smoke=args.cpu_smoke, shapes={"global": dict(n=n, d=d, v=v)},
+            command=f"torchrun --standalone --nproc_per_node {world} -m bench.bench_dist "
+                    + " ".join(argv if argv is not None else sys.argv[1:]))
+        doc = dict(meta=meta, world_size=world, backend=backend, records=records, checks=checks)
+        out = args.out or (harness.REPO_ROOT / "bench" / "results"
+                           / f"{harness.gpu_slug(meta.get('gpu_name', 'cpu'))}x{world}")
+        harness.write_report(out, "dist", doc, render_markdown)
         print(f"{world} ranks: fwd+bwd {part['fwd_bwd_ms']:.1f} ms = {part['fwd_bwd_ratio_vs_one_gpu']:.3f}x one GPU "
               f"(target <= {TARGET_RATIO}); fwd {part['fwd_ms']:.1f} ms, top-5 {part['topk_ms']:.1f} ms; checks "
               + ", ".join(f"{k} {v:.2e}" for k, v in checks.items()) + f"; wrote {out / 'dist.json'}", flush=True)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from bench import common  # first: decides which hugehead is imported
+from bench import harness  # first: decides which hugehead is imported
 from bench.child import run_child, tail
 from bench.common import ALL_SHAPES, CPU_SHAPES, REPO_ROOT, SHAPES, SMOKE_SHAPES, Shape, find_shape
 from bench.lce_case import case_json as lce_case_json, group_json as lce_group_json
@@ -173,10 +173,10 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
 
 def _fmt_case(row: dict) -> str:
     def num(key, fmt):
-        v = common.as_float(row.get(key))
+        v = harness.as_float(row.get(key))
         return format(v, fmt) if v is not None else "-"
 
-    compile_s = common.as_float(row.get("fwd_bwd_compile_ms"))
+    compile_s = harness.as_float(row.get("fwd_bwd_compile_ms"))
     return (f"{row['status']:<12} fwd+bwd {num('fwd_bwd_ms', '9.2f')} ms  fwd {num('fwd_ms', '8.2f')} ms  "
             f"peak+ {num('fwd_bwd_peak_extra_gib', '6.2f')} GiB  loss rel {num('loss_rel_err', '.1e')}  "
             f"dW rel {num('grad_w_rel_err', '.1e')}  ({row.get('wall_s', 0):.0f} s"
@@ -243,7 +243,7 @@ def run_all(opts) -> int:
     skips = _parse_skips(opts.skip)
     if opts.cpu_smoke and not opts.ref_chunk:
         opts.ref_chunk = 700  # several reference chunks, the last one partial, on the tiny shapes
-    sha = common.git_sha()
+    sha = harness.git_sha()
     earlier = _load_resume(opts.resume, opts, sha["git_sha"]) if opts.resume else None
     work = Path(opts.work or tempfile.mkdtemp(prefix="hugehead-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -261,7 +261,7 @@ def run_all(opts) -> int:
     env = probe.get("environment", {})
     imports = probe.get("imports", {})
     selfcheck = probe.get("reference_selfcheck") or {}
-    selfcheck_ok = bool(selfcheck) and all((common.as_float(v) or 1.0) < 1e-5 for v in selfcheck.values())
+    selfcheck_ok = bool(selfcheck) and all((harness.as_float(v) or 1.0) < 1e-5 for v in selfcheck.values())
     for name, st in imports.items():
         print(f"  import {name:<13} " + (f"ok {st.get('version')}" if st.get("ok") else f"FAILED {st.get('error')}"))
     print(f"  reference self-check vs float64: {selfcheck} -> {'ok' if selfcheck_ok else 'FAILED'}", flush=True)
@@ -290,7 +290,7 @@ def run_all(opts) -> int:
     elif opts.cpu_smoke:
         out_dir = Path(tempfile.mkdtemp(prefix="hugehead-bench-smoke-"))
     else:
-        out_dir = REPO_ROOT / "bench" / "results" / common.gpu_slug(str(env.get("gpu_name", "unknown")))
+        out_dir = REPO_ROOT / "bench" / "results" / harness.gpu_slug(str(env.get("gpu_name", "unknown")))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     doc = {
@@ -304,7 +304,8 @@ def run_all(opts) -> int:
             "imports": imports,
             "reference_selfcheck": selfcheck,
             "reference_selfcheck_ok": selfcheck_ok,
-            "cpu_smoke": bool(opts.cpu_smoke),
+            "smoke": bool(opts.cpu_smoke),
+            "options": {k: v for k, v in vars(opts).items() if k not in ("case", "json_dir", "json_out", "probe")},
             "reps": opts.reps, "warmup": opts.warmup, "case_budget_s": opts.case_budget, "seed": opts.seed,
             "case_timeout_s": opts.case_timeout, "wait_idle_s": opts.wait_idle,
             "skip": opts.skip,
@@ -357,7 +358,7 @@ def run_all(opts) -> int:
                 rows = [_skeleton(shape, i, opts, "skipped", f"{BUDGET_SKIP} {opts.budget:.0f} s used up")
                         for i in group]
             else:
-                waited, busy = common.wait_until_idle(opts.wait_idle) if opts.wait_idle > 0 else (0.0, None)
+                waited, busy = harness.wait_until_idle(opts.wait_idle) if opts.wait_idle > 0 else (0.0, None)
                 rows = _run_group(group, shape, work, opts, deadline)
                 if opts.wait_idle > 0:
                     for row in rows:
@@ -381,7 +382,7 @@ def run_all(opts) -> int:
     hugehead_rows = [r for r in doc["rows"] if r["impl"] == "hugehead"]
     hugehead_ok = all(r.get("status") == "ok" for r in hugehead_rows)
     limit = report.suspect_limit(opts.dtype)
-    accurate = not any(report.suspect(common.as_float(r.get(k)), opts.dtype) for r in hugehead_rows
+    accurate = not any(report.suspect(harness.as_float(r.get(k)), opts.dtype) for r in hugehead_rows
                        for k in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err"))
     if not accurate:
         print(f"bench_lce: a hugehead error is above {limit:g} relative (bold in the table)")

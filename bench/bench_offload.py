@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from . import common  # noqa: F401  (selects which hugehead is imported)
-from .common import Shape, environment, git_sha, gpu_slug, median, write_json
+from bench import harness  # first: decides which hugehead is imported
+from bench import common
+from bench.common import Shape
 
 import torch
 
@@ -53,8 +54,7 @@ _GB = 1e9
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    harness.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
@@ -74,12 +74,6 @@ def _rss_bytes() -> Optional[int]:
     return None
 
 
-def _timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int) -> List[float]:
-    for _ in range(warmup):
-        fn()
-    return [common.time_call_ms(fn, device)[0] for _ in range(reps)]
-
-
 def measure_ceilings(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -> Dict[str, float]:
     """GB/s of copies between an exact-size pinned block and the GPU: H2D, D2H, and both at once."""
     from hugehead import pinned
@@ -91,20 +85,18 @@ def measure_ceilings(device: torch.device, nbytes: int = 1 << 30, reps: int = 5)
     s_in, s_out = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
     def run(which: str) -> float:
-        times = []
-        for _ in range(reps + 1):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+        def copy():
             if which in ("h2d", "both"):
                 with torch.cuda.stream(s_in):
                     dev_in.copy_(host_in, non_blocking=True)
             if which in ("d2h", "both"):
                 with torch.cuda.stream(s_out):
                     host_out.copy_(dev_out, non_blocking=True)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+
+        # host clock with the device synchronized around each call: the copies run on side streams
+        t = harness.measure(copy, device, reps=reps, warmup=1, clock="host")
         moved = nbytes * (2 if which == "both" else 1)
-        return moved / median(times[1:]) / _GB
+        return moved / (t.ms * 1e-3) / _GB
 
     return {"h2d_gbps": run("h2d"), "d2h_gbps": run("d2h"), "both_gbps": run("both")}
 
@@ -122,11 +114,10 @@ def _row(shape: Shape, dtype: torch.dtype, placement: str, variant: str) -> dict
             "variant": variant, "status": "ok", "error": None}
 
 
-def _step_stats(row: dict, times: List[float], prefix: str = "fwd_bwd") -> None:
-    row[f"{prefix}_ms"] = median(times)
-    row[f"{prefix}_ms_min"] = min(times)
-    row[f"{prefix}_ms_all"] = times
-    row[f"{prefix}_reps"] = len(times)
+def _step_stats(row: dict, timing: "harness.Timing", prefix: str = "fwd_bwd") -> None:
+    fields = timing.fields(prefix)
+    for k in ("ms", "ms_min", "ms_all", "reps", "clock", "peak_extra_bytes"):
+        row[f"{prefix}_{k}"] = fields[f"{prefix}_{k}"]
 
 
 def run_head_case(head, shape: Shape, dtype: torch.dtype, device: torch.device, placement: str, variant: str,
@@ -145,15 +136,12 @@ def run_head_case(head, shape: Shape, dtype: torch.dtype, device: torch.device, 
         loss.backward()
         return loss
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = _timed(fwd_bwd, device, reps, warmup)
-    _step_stats(row, times)
-    row["loss"] = float(fwd_bwd().detach())
+    t = harness.measure(fwd_bwd, device, reps=reps, warmup=warmup)
+    _step_stats(row, t)
+    row["loss"] = float(t.result.detach())
     row["grad_x_norm"] = float(x.grad.float().norm())
     row["grad_w_norm"] = math.sqrt(sum(float(p.grad.float().norm()) ** 2 for p in head.parameters()))
-    if device.type == "cuda":
-        row["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    row["gpu_peak_bytes"] = t.peak_bytes
     if fwd_only:
         x_eval = x.detach()
 
@@ -161,7 +149,7 @@ def run_head_case(head, shape: Shape, dtype: torch.dtype, device: torch.device, 
             with torch.no_grad():
                 return head(x_eval, target)
 
-        _step_stats(row, _timed(fwd, device, reps, 1), "fwd")
+        _step_stats(row, harness.measure(fwd, device, reps=reps, warmup=1), "fwd")
     param_bytes = sum(p.numel() * p.element_size() for p in head.parameters())
     row["param_bytes"] = param_bytes
     if placement == "offload":
@@ -187,12 +175,10 @@ def _shard_tensors(head):
 def _make_head(shape: Shape, dtype: torch.dtype, device: torch.device, offload: bool, **kwargs):
     import hugehead
 
-    _sync(device)
-    t0 = time.perf_counter()
     torch.manual_seed(0)
-    head = hugehead.ChunkedClassifier(shape.d, shape.v, devices=[str(device)], dtype=dtype, offload=offload, **kwargs)
-    _sync(device)
-    return head, time.perf_counter() - t0
+    ms, head = harness.time_call_ms(lambda: hugehead.ChunkedClassifier(
+        shape.d, shape.v, devices=[str(device)], dtype=dtype, offload=offload, **kwargs), device, clock="host")
+    return head, ms / 1e3
 
 
 def run_train_step(shape: Shape, dtype: torch.dtype, device: torch.device, steps: int) -> dict:
@@ -206,22 +192,23 @@ def run_train_step(shape: Shape, dtype: torch.dtype, device: torch.device, steps
     opt = torch.optim.SGD(head.parameters(), lr=0.1, foreach=True)
     x, target = _inputs(shape, device, dtype)
     fb, op, losses = [], [], []
-    for _ in range(steps + 1):  # the first step also pins the gradient buffers
-        _sync(device)
-        t0 = time.perf_counter()
+
+    def fwd_bwd():
         opt.zero_grad(set_to_none=True)
         loss = head(x, target)
         loss.backward()
-        _sync(device)
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        fb.append((t1 - t0) * 1e3)
-        op.append((t2 - t1) * 1e3)
-        losses.append(float(loss.detach()))
+        return loss.detach()
+
+    # The two phases timed apart (the optimizer runs on the host); the first step also pins the gradient
+    # buffers: it is the warm-up, reported as first_step_ms.
+    for _ in range(steps + 1):
+        ms, loss = harness.time_call_ms(fwd_bwd, device, clock="host")
+        fb.append(ms)
+        op.append(harness.time_call_ms(opt.step, device, clock="host")[0])
+        losses.append(float(loss))
     row["first_step_ms"] = fb[0] + op[0]
-    _step_stats(row, fb[1:])
-    row["optimizer_ms"] = median(op[1:])
+    _step_stats(row, harness.Timing.of(fb[1:], fb[:1]))
+    row["optimizer_ms"] = harness.median(op[1:])
     row["step_ms"] = row["fwd_bwd_ms"] + row["optimizer_ms"]
     row["losses"] = losses
     param_bytes = sum(p.numel() * p.element_size() for p in head.parameters())
@@ -243,93 +230,69 @@ def run_train_step(shape: Shape, dtype: torch.dtype, device: torch.device, steps
 # --------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+_fmt = harness.fmt
 
 
 def render_markdown(doc: dict) -> str:
     meta = doc["meta"]
     ceil = meta.get("ceilings_measured") or {}
-    lines = [
-        "# ChunkedClassifier(offload=True): weights in pinned host memory",
-        "",
-        f"{meta.get('gpu_name')}, torch {meta.get('torch')}, git {str(meta.get('git_sha'))[:10]}"
-        f"{' (dirty)' if meta.get('git_dirty') else ''}. Copy ceilings measured here: "
-        f"H2D {_fmt(ceil.get('h2d_gbps'), '.1f')} GB/s, D2H {_fmt(ceil.get('d2h_gbps'), '.1f')} GB/s, both at once "
-        f"{_fmt(ceil.get('both_gbps'), '.1f')} GB/s (DESIGN.md: 55.4 / 55.3 / 101.6).",
-        "",
-        "| shape | N | V | placement | variant | fwd+bwd ms | fwd ms | GB/s moved | floor ms | x floor | "
-        "x resident | host GiB | GPU peak GiB | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
     resident = {r["shape"]: r.get("fwd_bwd_ms") for r in doc["rows"] if r.get("placement") == "resident"}
+    rows = []
     for r in doc["rows"]:
         host = r.get("host_weight_bytes")
         host = None if host is None else (host + (r.get("host_grad_bytes") or 0)) / 2**30
         vs = None
         if r.get("placement") == "offload" and resident.get(r["shape"]) and r.get("fwd_bwd_ms"):
             vs = r["fwd_bwd_ms"] / resident[r["shape"]]
-        lines.append(
-            f"| {r['shape']} | {r['n']} | {r['v']:,} | {r['placement']} | {r['variant']} | {_fmt(r.get('fwd_bwd_ms'), '.1f')}"
-            f" | {_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('achieved_gbps'), '.1f')} | {_fmt(r.get('floor_ms'), '.0f')}"
-            f" | {_fmt(r.get('x_floor'), '.2f')} | {_fmt(vs, '.2f')} | {_fmt(host, '.1f')}"
-            f" | {_fmt(None if r.get('gpu_peak_bytes') is None else r['gpu_peak_bytes'] / 2**30, '.1f')}"
-            f" | {r['status']}{': ' + r['error'] if r.get('error') else ''} |")
+        gpu_peak = None if r.get("gpu_peak_bytes") is None else r["gpu_peak_bytes"] / 2**30
+        rows.append([r["shape"], r["n"], f"{r['v']:,}", r["placement"], r["variant"], _fmt(r.get("fwd_bwd_ms"), ".1f"),
+                     _fmt(r.get("fwd_ms"), ".1f"), _fmt(r.get("achieved_gbps"), ".1f"), _fmt(r.get("floor_ms"), ".0f"),
+                     _fmt(r.get("x_floor"), ".2f"), _fmt(vs, ".2f"), _fmt(host, ".1f"), _fmt(gpu_peak, ".1f"),
+                     r["status"] + (": " + r["error"] if r.get("error") else "")])
+    lines = [
+        harness.header("ChunkedClassifier(offload=True): weights in pinned host memory", meta),
+        f"Copy ceilings measured here: H2D {_fmt(ceil.get('h2d_gbps'), '.1f')} GB/s, D2H "
+        f"{_fmt(ceil.get('d2h_gbps'), '.1f')} GB/s, both at once {_fmt(ceil.get('both_gbps'), '.1f')} GB/s "
+        "(DESIGN.md: 55.4 / 55.3 / 101.6).",
+        "",
+        harness.md_table(["shape", "N", "V", "placement", "variant", "fwd+bwd ms", "fwd ms", "GB/s moved", "floor ms",
+                          "x floor", "x resident", "host GiB", "GPU peak GiB", "status"], rows, "lrrllrrrrrrrrl"),
+    ]
     train = [r for r in doc["rows"] if r.get("variant") == "train step (SGD, CPU)" and r.get("status") == "ok"]
     for r in train:
-        lines += ["", f"**{r['shape']} training step** ({r['v']:,} x {r['d']} {r['dtype']}, N={r['n']}): "
+        lines += [f"**{r['shape']} training step** ({r['v']:,} x {r['d']} {r['dtype']}, N={r['n']}): "
                   f"{r['step_ms']:.0f} ms = forward+backward {r['fwd_bwd_ms']:.0f} ms + SGD on the CPU "
                   f"{r['optimizer_ms']:.0f} ms (first step {r['first_step_ms']:.0f} ms, pins the gradients); pinned "
                   f"host memory {(r.get('host_pinned_bytes') or 0) / 2**30:.1f} GiB, process RSS "
                   f"{(r.get('host_rss_bytes') or 0) / 2**30:.1f} GiB; pinning the weights took "
                   f"{r.get('host_pin_seconds', 0):.1f} s and the gradients {r.get('host_grad_alloc_seconds', 0):.1f} s; "
-                  f"losses {', '.join(f'{l:.4f}' for l in r['losses'])}."]
+                  f"losses {', '.join(f'{l:.4f}' for l in r['losses'])}.", ""]
     checks = meta.get("checks") or {}
     if checks:
-        lines += ["", "Same loss offloaded and resident (relative difference): "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in checks.items()) + "."]
-    lines += ["", meta.get("method", "")]
-    return "\n".join(lines) + "\n"
+        lines += ["Same loss offloaded and resident (relative difference): "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in checks.items()) + ".", ""]
+    lines += [meta.get("method", "")]
+    return "\n".join(lines) + "\n" + harness.footer(meta)
 
 
 def render_png(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in doc["rows"] if r.get("status") == "ok" and r.get("fwd_bwd_ms")]
     off = [r for r in rows if r["placement"] == "offload"]
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    labels = [f"{r['shape']}\n{r['variant']}" for r in off]
-    xs = range(len(off))
-    ax_t.bar([i - 0.2 for i in xs], [r["fwd_bwd_ms"] for r in off], 0.4, label="offloaded (fwd+bwd)")
     resident = {r["shape"]: r["fwd_bwd_ms"] for r in rows if r["placement"] == "resident"}
-    ax_t.bar([i + 0.2 for i in xs], [resident.get(r["shape"], 0) for r in off], 0.4, label="resident on the GPU")
-    ax_t.scatter(list(xs), [r.get("floor_ms", 0) for r in off], marker="_", s=600, color="k", zorder=3,
-                 label="floor: 2 weight passes at 55.4 GB/s")
-    ax_t.set_xticks(list(xs))
-    ax_t.set_xticklabels(labels, fontsize=7)
-    ax_t.set_ylabel("ms")
-    ax_t.set_yscale("log")
-    ax_t.legend(fontsize=8)
-    ax_t.set_title("forward + backward time")
-    ax_b.bar(list(xs), [r.get("achieved_gbps", 0) for r in off], color="C2", label="achieved (weight in x2, grad out)")
-    ax_b.axhline(H2D_CEILING / _GB, color="C3", ls="--", label="one direction 55.4 GB/s")
-    ax_b.axhline(BOTH_CEILING / _GB, color="C1", ls=":", label="both directions 101.6 GB/s")
-    ax_b.set_xticks(list(xs))
-    ax_b.set_xticklabels(labels, fontsize=7)
-    ax_b.set_ylabel("GB/s")
-    ax_b.legend(fontsize=8)
-    ax_b.set_title("PCIe traffic achieved by a step")
-    fig.suptitle(f"hugehead offload on {doc['meta'].get('gpu_name')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    labels = [f"{r['shape']} {r['variant']}" for r in off]
+    times = harness.Panel("forward + backward ms (log)", {
+        "offloaded": [r["fwd_bwd_ms"] for r in off],
+        "resident on the GPU": [resident.get(r["shape"]) for r in off],
+        "floor: 2 weight passes at 55.4 GB/s": [r.get("floor_ms") for r in off]})
+    traffic = harness.Panel("GB/s moved (weight in x2, grad out)", {"achieved": [r.get("achieved_gbps") for r in off]},
+                            log=False, lines={"one direction 55.4 GB/s": H2D_CEILING / _GB,
+                                              "both directions 101.6 GB/s": BOTH_CEILING / _GB})
+    harness.bar_chart(path, labels, [times, traffic], f"hugehead offload on {doc['meta'].get('gpu_name')}",
+                      smoke=harness.is_smoke(doc["meta"]))
 
 
 METHOD = (
-    "Timing: CUDA events around each call (the backward includes its wait for the gradient copies to land in "
+    "Timing (bench.harness.measure): CUDA events around each call (the backward includes its wait for the gradient copies to land in "
     "host memory), median of --reps after --warmup; the training step uses host clocks with a synchronize. "
     "Inputs x ~ N(0, 1), targets uniform; heads initialized by the same seed (the same logical weight in "
     "every placement). GB/s moved = 3 x parameter bytes per fwd+bwd (weight in twice, gradient out once). "
@@ -362,26 +325,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         device, shapes = torch.device("cuda", 0), GPU_SHAPES
     bf16 = torch.bfloat16
-    env = environment(device)
-    out = Path(args.out) if args.out else common.REPO_ROOT / "bench" / "results" / gpu_slug(str(env.get("gpu_name")))
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": {"benchmark": "offload", "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "command": " ".join([Path(sys.executable).name, "-m", "bench.bench_offload", *sys.argv[1:]]),
-                    **git_sha(), **env, "reps": args.reps, "warmup": args.warmup, "cpu_smoke": args.cpu_smoke,
-                    "shapes": {k: vars(s) for k, s in shapes.items()}, "method": METHOD,
-                    "h2d_ceiling_gbps": H2D_CEILING / _GB, "both_ceiling_gbps": BOTH_CEILING / _GB, "checks": {}},
-           "rows": []}
+    meta = harness.run_meta("offload", device, options=args, smoke=args.cpu_smoke,
+                            shapes={k: vars(s) for k, s in shapes.items()}, method=METHOD,
+                            command=" ".join([Path(sys.executable).name, "-m", "bench.bench_offload", *sys.argv[1:]]),
+                            reps=args.reps, warmup=args.warmup, h2d_ceiling_gbps=H2D_CEILING / _GB,
+                            both_ceiling_gbps=BOTH_CEILING / _GB, checks={})
+    out = Path(args.out) if args.out else harness.REPO_ROOT / "bench" / "results" / harness.gpu_slug(str(meta["gpu_name"]))
+    doc = {"meta": meta, "rows": []}
 
     def publish(plot: bool = False):
         # After every case (a run cut short still leaves its rows); the plot once, at the end.
         doc["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        if plot:
-            try:
-                render_png(doc, out / "offload.png")
-            except Exception as exc:  # noqa: BLE001  (the JSON and table still stand)
-                doc["meta"]["png_error"] = common.error_text(exc)
-        write_json(out / "offload.json", doc)
-        (out / "offload.md").write_text(render_markdown(doc))
+        harness.write_report(out, "offload", doc, render_markdown,
+                             plot=(lambda path: render_png(doc, path)) if plot else None)
 
     def case(name: str, fn: Callable[[], List[dict]], need_s: float, shape: Shape, dtype, placement, variant):
         left = args.budget - (time.perf_counter() - t_start)
@@ -397,7 +353,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows = fn()
         except Exception as exc:  # noqa: BLE001  (recorded; the next cases still run)
             row = _row(shape, dtype, placement, variant)
-            row.update(status=common.classify_error(exc), error=common.error_text(exc))
+            row.update(status=common.classify_error(exc), error=harness.error_text(exc))
             rows = [row]
         _free(device)
         for row in rows:
@@ -415,7 +371,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _free(device)
             print(f"copy ceilings: {doc['meta']['ceilings_measured']}", flush=True)
         except Exception as exc:  # noqa: BLE001
-            doc["meta"]["ceilings_error"] = common.error_text(exc)
+            doc["meta"]["ceilings_error"] = harness.error_text(exc)
     losses: Dict[str, float] = {}
     s6, s16, s25 = shapes["xc6M"], shapes["xc6M_16k"], shapes["xc25M"]
 

@@ -12,8 +12,9 @@ Each row records the head's initialization time (on the GPUs, synchronized).
 --huge: a V=50M, D=768 bf16 head (weights + gradients ~154 GB) over all visible GPUs, trained with SGD
 for a few steps: step time and peak memory per GPU.
 
-Timing: each step is bracketed by a synchronize of every device and host clocks (CUDA events on one
-device would not see the other GPUs' work); median after warm-up. Writes placement.json,
+Timing (``bench.harness.measure``, ``clock="host"``): each step is bracketed by a synchronize of every
+device and host clocks (CUDA events on one device would not see the other GPUs' work); median after
+warm-up. Writes placement.json,
 placement.md and placement.png to --out (default bench/results/<gpu>x<count>/).
 """
 from __future__ import annotations
@@ -21,45 +22,27 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import common  # noqa: F401  (selects which hugehead is imported)
-from .common import environment, git_sha, gpu_slug, median, write_json
+from bench import harness  # first: decides which hugehead is imported
 
 import torch
 
 
-def _sync_all() -> None:
-    for i in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(i)
+def _all_devices(devices: List[str]) -> List[torch.device]:
+    """Every device of the placement plus every visible GPU (a step may touch any of them)."""
+    gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return list(dict.fromkeys([torch.device(d) for d in devices] + gpus))
 
 
-def _peak_per_device(devices: List[torch.device]) -> Dict[str, float]:
-    out = {}
-    for dev in dict.fromkeys(devices):
-        if dev.type == "cuda":
-            out[str(dev)] = torch.cuda.max_memory_allocated(dev) / 2**30
-    return out
+def _timed(fn, devices: List[str], repeats: int, warmup: int) -> "harness.Timing":
+    return harness.measure(fn, _all_devices(devices), reps=repeats, warmup=warmup, clock="host")
 
 
-def _reset_peaks() -> None:
-    for i in range(torch.cuda.device_count()):
-        torch.cuda.reset_peak_memory_stats(i)
-
-
-def _timed(fn, repeats: int, warmup: int) -> List[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync_all()
-        t0 = time.perf_counter()
-        fn()
-        _sync_all()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+def _peaks_gib(t: "harness.Timing", devices: List[str]) -> Dict[str, float]:
+    wanted = {str(torch.device(d)) for d in devices}
+    return {k: v / 2**30 for k, v in t.peak_bytes_per_device.items() if k in wanted}
 
 
 def run_scaling(placements: List[List[str]], x_device: str, n: int, d: int, v: int, dtype: torch.dtype,
@@ -68,12 +51,10 @@ def run_scaling(placements: List[List[str]], x_device: str, n: int, d: int, v: i
 
     rows = []
     for devices in placements:
-        _sync_all()
-        t_init = time.perf_counter()
         torch.manual_seed(0)
-        head = hugehead.ChunkedClassifier(d, v, bias=False, devices=devices, dtype=dtype)
-        _sync_all()
-        init_s = time.perf_counter() - t_init
+        init_ms, head = harness.time_call_ms(lambda: hugehead.ChunkedClassifier(
+            d, v, bias=False, devices=devices, dtype=dtype), _all_devices(devices), clock="host")
+        init_s = init_ms / 1e3
         gen = torch.Generator(device=x_device).manual_seed(1)
         x = torch.randn(n, d, device=x_device, dtype=dtype, generator=gen).requires_grad_()
         target = torch.randint(0, v, (n,), device=x_device, generator=gen)
@@ -84,24 +65,24 @@ def run_scaling(placements: List[List[str]], x_device: str, n: int, d: int, v: i
                 s.weight.grad = None
             head(x, target).backward()
 
-        _reset_peaks()
-        times = _timed(step, repeats, warmup)
-        peaks = _peak_per_device([torch.device(dv) for dv in devices] + [torch.device(x_device)])
+        t = _timed(step, devices, repeats, warmup)
+        times = t.ms_all
+        peaks = _peaks_gib(t, devices + [x_device])
         with torch.no_grad():
-            fwd_times = _timed(lambda: head(x, target), repeats, warmup)
-            topk_times = _timed(lambda: head.topk(x, 5), repeats, warmup)
+            fwd_times = _timed(lambda: head(x, target), devices, repeats, warmup).ms_all
+            topk_times = _timed(lambda: head.topk(x, 5), devices, repeats, warmup).ms_all
             top_classes = head.topk(x[:64], 5)[1].cpu()
         loss = float(head(x, target).detach().float())
         grad_w_norm = math.sqrt(sum(float(s.weight.grad.double().square().sum()) for s in head.shards))
         rows.append(dict(
             shape=shape, devices=devices, x_device=x_device, n=n, d=d, v=v, dtype=str(dtype).replace("torch.", ""),
-            init_s=init_s, fwd_bwd_ms=median(times), fwd_ms=median(fwd_times), topk_ms=median(topk_times),
-            all_fwd_bwd_ms=times, tflops=8 * n * d * v / median(times) / 1e9, loss=loss,
+            init_s=init_s, fwd_bwd_ms=harness.median(times), fwd_ms=harness.median(fwd_times), topk_ms=harness.median(topk_times),
+            all_fwd_bwd_ms=times, tflops=8 * n * d * v / harness.median(times) / 1e9, loss=loss,
             grad_x_norm=float(x.grad.double().norm()), grad_w_norm=grad_w_norm,
             top5_first_rows=top_classes.tolist()[:4], peak_gib_per_device=peaks,
         ))
-        print(f"scaling {shape} {devices} (x on {x_device}): init {init_s:.2f} s, fwd+bwd {median(times):.1f} ms, "
-              f"fwd {median(fwd_times):.1f} ms, topk {median(topk_times):.1f} ms, loss {loss:.6g}, "
+        print(f"scaling {shape} {devices} (x on {x_device}): init {init_s:.2f} s, fwd+bwd {harness.median(times):.1f} ms, "
+              f"fwd {harness.median(fwd_times):.1f} ms, topk {harness.median(topk_times):.1f} ms, loss {loss:.6g}, "
               f"|dx| {rows[-1]['grad_x_norm']:.6g}, |dW| {grad_w_norm:.6g}", flush=True)
         del head, x, target
         if torch.cuda.is_available():
@@ -121,12 +102,10 @@ def run_scaling(placements: List[List[str]], x_device: str, n: int, d: int, v: i
 def run_huge(devices: List[str], n: int, d: int, v: int, dtype: torch.dtype, steps: int, warmup: int) -> dict:
     import hugehead
 
-    t_init = time.perf_counter()
     torch.manual_seed(0)
-    head = hugehead.ChunkedClassifier(d, v, bias=False, devices=devices, dtype=dtype)
-    if torch.cuda.is_available():
-        _sync_all()
-    init_s = time.perf_counter() - t_init
+    init_ms, head = harness.time_call_ms(lambda: hugehead.ChunkedClassifier(
+        d, v, bias=False, devices=devices, dtype=dtype), _all_devices(devices), clock="host")
+    init_s = init_ms / 1e3
     optimizer = torch.optim.SGD(head.parameters(), lr=0.1)  # no state: weights + grads fill the GPUs
     x_device = torch.device(devices[0])
     gen = torch.Generator(device=x_device).manual_seed(1)
@@ -141,14 +120,14 @@ def run_huge(devices: List[str], n: int, d: int, v: int, dtype: torch.dtype, ste
         optimizer.step()
         losses.append(loss.detach())
 
-    _reset_peaks()
-    times = _timed(step, steps, warmup)
+    t = _timed(step, devices, steps, warmup)
+    times = t.ms_all
     row = dict(
         devices=devices, n=n, d=d, v=v, dtype=str(dtype).replace("torch.", ""), init_s=init_s,
         weight_gib=v * d * torch.empty((), dtype=dtype).element_size() / 2**30,
-        step_ms=median(times), all_step_ms=times, losses=[float(l.float()) for l in losses],
+        step_ms=harness.median(times), all_step_ms=times, losses=[float(l.float()) for l in losses],
         shard_sizes=list(head.shard_sizes),
-        peak_gib_per_device=_peak_per_device([torch.device(dv) for dv in devices]),
+        peak_gib_per_device=_peaks_gib(t, devices),
     )
     print(f"huge {v:,} classes over {devices}: step {row['step_ms']:.0f} ms, peak GiB {row['peak_gib_per_device']}",
           flush=True)
@@ -156,8 +135,8 @@ def run_huge(devices: List[str], n: int, d: int, v: int, dtype: torch.dtype, ste
 
 
 def render_markdown(doc: dict) -> str:
-    lines = [f"# ChunkedClassifier placements: {doc['env'].get('gpu_name')} x{doc['env'].get('gpu_count')}", "",
-             f"git `{str(doc['git']['git_sha'])[:12]}` · torch {doc['env']['torch']} · {doc['date']}", ""]
+    meta = doc["meta"]
+    lines = [harness.header(f"ChunkedClassifier placements: {meta.get('gpu_name')} x{meta.get('gpu_count')}", meta)]
     if doc.get("scaling"):
         lines += ["## Scaling (x and targets on cuda:0; ratios vs the head on cuda:0 alone)", "",
                   "| shape | head devices | N×D×V | init s | fwd+bwd ms | fwd ms | top-5 ms | fwd+bwd / fwd / top-5 "
@@ -181,35 +160,19 @@ def render_markdown(doc: dict) -> str:
                   f"for its gradient) over {', '.join(h['devices'])} (shards {h['shard_sizes']}), N={h['n']}: "
                   f"step {h['step_ms']:.0f} ms (median of {len(h['all_step_ms'])}), init {h['init_s']:.0f} s, "
                   f"peak GiB per device: {peaks}; losses {['%.4g' % l for l in h['losses']]}.", ""]
-    lines.append(f"Command: `{doc['command']}`")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + harness.footer(meta)
 
 
 def render_png(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """fwd+bwd ms per shape, one bar per placement (the first, second, … placement of each shape)."""
     rows = doc.get("scaling") or []
-    if not rows:
-        return
     shapes = list(dict.fromkeys(r.get("shape", "") for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 3.8), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        group = [r for r in rows if r.get("shape", "") == shape]
-        labels = [" + ".join(r["devices"]) for r in group]
-        ax.bar(labels, [r["fwd_bwd_ms"] for r in group],
-               color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(group)])
-        for i, r in enumerate(group):
-            ax.text(i, r["fwd_bwd_ms"], f"{r['fwd_bwd_ms']:.0f} ms ({r['ratio_vs_first']:.2f}×)", ha="center",
-                    va="bottom")
-        r0 = group[0]
-        ax.set_title(f"{shape}: fwd+bwd, N={r0['n']}, D={r0['d']}, V={r0['v']:,}\nx on {r0.get('x_device', '')}")
-        ax.set_ylabel("ms (median)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    placements = list(dict.fromkeys(" + ".join(r["devices"]) for r in rows))
+    series = {p: [next((r["fwd_bwd_ms"] for r in rows if r.get("shape", "") == s and " + ".join(r["devices"]) == p),
+                       None) for s in shapes] for p in placements}
+    harness.bar_chart(path, shapes, harness.Panel("fwd+bwd ms (median)", series, log=False),
+                      "ChunkedClassifier placements, x on " + (rows[0].get("x_device", "") if rows else ""),
+                      smoke=harness.is_smoke(doc["meta"]))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -248,28 +211,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         n, d, v, huge_v, dtype, warmup = 4096, 768, 6_000_000, args.huge_classes, torch.bfloat16, 2
         shapes = {"xc6M": 4096, "xc6M_16k": 16384}
         device = torch.device("cuda", 0)
-    env = environment(device)
-    doc = dict(
-        git=git_sha(), env=env, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        command="python -m bench.bench_placement " + " ".join(argv if argv is not None else sys.argv[1:]),
-    )
-    out = args.out or Path(__file__).resolve().parent / "results" / f"{gpu_slug(env['gpu_name'])}x{max(1, env['gpu_count'])}"
+    meta = harness.run_meta(
+        "placement", device, options=args, smoke=args.cpu_smoke,
+        shapes={name: dict(n=rows, d=d, v=v) for name, rows in shapes.items()},
+        command="python -m bench.bench_placement " + " ".join(argv if argv is not None else sys.argv[1:]))
+    doc = dict(meta=meta)
+    out = args.out or harness.REPO_ROOT / "bench" / "results" / f"{harness.gpu_slug(meta['gpu_name'])}x{max(1, meta['gpu_count'])}"
+
+    def publish(plot: bool = False):  # after every part: a run cut short still leaves its results
+        harness.write_report(out, "placement", doc, render_markdown,
+                             plot=(lambda path: render_png(doc, path)) if plot and doc.get("scaling") else None)
+
     if args.scaling:
         doc["scaling"] = []
         for shape in args.shapes.split(",") if not args.cpu_smoke else shapes:
             doc["scaling"] += run_scaling(placements, x_device, shapes[shape], d, v, dtype, args.repeats, warmup,
                                           shape)
-            write_json(out / "placement.json", doc)
-        write_json(out / "placement.json", doc)
+            publish()
     if args.huge:
         doc["huge"] = run_huge(placements[-1], 4096 if not args.cpu_smoke else n, d, huge_v, dtype, args.repeats,
                                warmup)
-        write_json(out / "placement.json", doc)
-    (out / "placement.md").write_text(render_markdown(doc))
-    try:
-        render_png(doc, out / "placement.png")
-    except ImportError as exc:
-        print(f"no plot: {exc}", file=sys.stderr)
+    publish(plot=True)
+    if meta.get("png_error"):
+        print(f"no plot: {meta['png_error']}", file=sys.stderr)
     print(render_markdown(doc))
     return 0
 

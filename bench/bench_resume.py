@@ -31,12 +31,10 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from . import common  # noqa: F401  (selects which hugehead is imported)
-from .common import environment, git_sha, gpu_slug, write_json
+from bench import harness  # first: decides which hugehead is imported
 
 import torch
 
@@ -111,20 +109,24 @@ def disk_bandwidth(directory: Path, gib: float) -> Dict[str, object]:
     block = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8).numpy().tobytes()
     count = max(1, int(gib * GIB) // len(block))
     path = directory / "disk_probe.bin"
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(count):
-            f.write(block)
-        os.fsync(f.fileno())
-    write_s = time.perf_counter() - t0
+
+    def write():
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(count):
+                f.write(block)
+            os.fsync(f.fileno())
+
+    buf = bytearray(len(block))
+
+    def read():
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    write_s = harness.time_call_ms(write, clock="host")[0] / 1e3
     nbytes = count * len(block)
     drop_page_cache(path)
-    buf = bytearray(len(block))
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    read_s = time.perf_counter() - t0
+    read_s = harness.time_call_ms(read, clock="host")[0] / 1e3
     path.unlink()
     out: Dict[str, object] = dict(bytes=nbytes, write_s=write_s, write_gbps=nbytes / write_s / 1e9,
                                   read_s=read_s, read_gbps=nbytes / read_s / 1e9)
@@ -193,13 +195,13 @@ def scramble(head, optimizer=None) -> None:
 
 
 def timed(fn: Callable[[], object]) -> Dict[str, float]:
-    sync_all()
+    """One call (a save or a load is measured once, cold): host clock with every GPU synchronized around
+    it, and the host memory peak beyond the resident size at its start."""
+    gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    harness.synchronize(gpus)
     with HostPeak() as peak:
-        t0 = time.perf_counter()
-        fn()
-        sync_all()
-        seconds = time.perf_counter() - t0
-    return dict(seconds=seconds, host_peak_gib=peak.delta_gib)
+        ms, _ = harness.time_call_ms(fn, gpus, clock="host")
+    return dict(seconds=ms / 1e3, host_peak_gib=peak.delta_gib)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,9 +214,9 @@ def run(args, work: Path, doc: Dict[str, object]) -> None:
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     devices = args.devices.split(",")
-    t0 = time.perf_counter()
-    head, optimizer = build(args.classes, args.dim, devices, dtype, args.batch)
-    build_s = time.perf_counter() - t0
+    build_ms, (head, optimizer) = harness.time_call_ms(lambda: build(args.classes, args.dim, devices, dtype, args.batch),
+                                                       clock="host")
+    build_s = build_ms / 1e3
     reference = snapshot(head, optimizer)
     weight_bytes = sum(p.numel() * p.element_size() for p in head.parameters())
     state_bytes = sum(v.numel() * v.element_size() for k, v in reference.items() if k.startswith("state."))
@@ -241,7 +243,7 @@ def run(args, work: Path, doc: Dict[str, object]) -> None:
               f"{row.get('gbps', 0):6.2f} GB/s ({row.get('vs_disk', 0):.2f} of disk)  host peak "
               f"{result['host_peak_gib']:.2f} GiB  {'' if ok is None else ('ok' if ok else 'MISMATCH')} {note}",
               flush=True)
-        write_json(args.out / "resume.json", doc)
+        harness.write_json(args.out / "resume.json", doc)
 
     # safetensors: weights only
     path = work / "head.safetensors"
@@ -312,29 +314,26 @@ def run(args, work: Path, doc: Dict[str, object]) -> None:
 
 
 def render_markdown(doc: Dict[str, object]) -> str:
-    cfg, disk = doc["config"], doc["disk"]
+    cfg, disk, meta = doc["config"], doc["disk"], doc["meta"]
+    rows = [[r["name"], r["op"], f"{r['seconds']:.2f}", f"{(r['bytes'] or 0) / 1e9:.2f}", f"{r.get('gbps', 0):.2f}",
+             f"{r.get('vs_disk', 0):.2f}", f"{r['host_peak_gib']:.2f}",
+             "" if r["ok"] is None else ("bitwise" if r["ok"] else "MISMATCH"), r["note"]] for r in doc["runs"]]
     lines = [
-        "# Checkpoint save / load at the head's scale",
-        "",
+        harness.header("Checkpoint save / load at the head's scale", meta),
         f"{cfg['classes']:,} x {cfg['dim']} {cfg['dtype']} head over {', '.join(cfg['devices'])} with Adam: weights "
-        f"{cfg['weight_bytes'] / 1e9:.2f} GB, Adam state {cfg['optimizer_state_bytes'] / 1e9:.2f} GB. "
-        f"git {doc['git']['git_sha'][:10]}{' (dirty)' if doc['git'].get('git_dirty') else ''}, torch {doc['env']['torch']}.",
+        f"{cfg['weight_bytes'] / 1e9:.2f} GB, Adam state {cfg['optimizer_state_bytes'] / 1e9:.2f} GB.",
         "",
         f"Disk (same file system): write {disk['write_gbps']:.2f} GB/s (64 MiB blocks + fsync), cold read "
         f"{disk['read_gbps']:.2f} GB/s; dd: `{disk.get('dd_write', '-')}` / `{disk.get('dd_read', '-')}`.",
         "",
-        "| format | op | seconds | GB | GB/s | of disk | host peak GiB | check | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        harness.md_table(["format", "op", "seconds", "GB", "GB/s", "of disk", "host peak GiB", "check", "note"], rows,
+                         "llrrrrrll"),
     ]
-    for r in doc["runs"]:
-        check = "" if r["ok"] is None else ("bitwise" if r["ok"] else "MISMATCH")
-        lines.append(f"| {r['name']} | {r['op']} | {r['seconds']:.2f} | {(r['bytes'] or 0) / 1e9:.2f} | "
-                     f"{r.get('gbps', 0):.2f} | {r.get('vs_disk', 0):.2f} | {r['host_peak_gib']:.2f} | {check} | {r['note']} |")
     t = doc.get("target_host_peak")
     if t:
-        lines += ["", f"Target: host peak during a hugehead save <= one shard + 1 GiB = {t['limit_gib']:.2f} GiB; "
-                      f"worst {t['worst_hugehead_save_gib']:.2f} GiB: {'met' if t['met'] else 'NOT met'}."]
-    return "\n".join(lines) + "\n"
+        lines += [f"Target: host peak during a hugehead save <= one shard + 1 GiB = {t['limit_gib']:.2f} GiB; "
+                  f"worst {t['worst_hugehead_save_gib']:.2f} GiB: {'met' if t['met'] else 'NOT met'}."]
+    return "\n".join(lines) + "\n" + harness.footer(meta)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -362,20 +361,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         args.devices = args.devices or "cuda:0,cuda:1"
         device = torch.device(args.devices.split(",")[0])
-    env = environment(device)
-    args.out = args.out or (Path(__file__).resolve().parent / "results"
-                            / f"{gpu_slug(env['gpu_name'])}x{max(1, env['gpu_count'])}")
+    meta = harness.run_meta(
+        "resume", device, options=args, smoke=args.cpu_smoke,
+        shapes={"head": dict(v=args.classes, d=args.dim, n=args.batch, dtype=args.dtype)},
+        command="python -m bench.bench_resume " + " ".join(argv if argv is not None else sys.argv[1:]))
+    args.out = args.out or (harness.REPO_ROOT / "bench" / "results"
+                            / f"{harness.gpu_slug(meta['gpu_name'])}x{max(1, meta['gpu_count'])}")
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.dir or args.out / "resume_tmp"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        doc = dict(git=git_sha(), env=env, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   command="python -m bench.bench_resume " + " ".join(argv if argv is not None else sys.argv[1:]))
+        doc = dict(meta=meta)
         run(args, work, doc)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_json(args.out / "resume.json", doc)
-    (args.out / "resume.md").write_text(render_markdown(doc))
+    harness.write_report(args.out, "resume", doc, render_markdown)
     print(render_markdown(doc))
     return 0 if doc["all_loads_match"] else 1
 

@@ -1,58 +1,22 @@
-"""What every benchmark shares: the benchmark shapes, seeded inputs, timing, the float32 chunked
-reference of linear cross-entropy (never ``[N, V]``), error classification, environment facts and JSON.
-
-Importing this module also decides which ``hugehead`` the benchmark measures (see
-:func:`select_hugehead`), so import it before ``hugehead``.
+"""The linear cross-entropy problem every benchmark shares: the benchmark shapes, seeded inputs, the
+float32 chunked reference (never ``[N, V]``) and error classification. Timing, environment facts and the
+results writer are in :mod:`bench.harness` (imported first here: it decides which ``hugehead`` is measured).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import platform
-import re
-import subprocess
-import sys
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from bench import harness  # noqa: F401  (first: decides which hugehead is imported)
+# Kept importable from here for scripts written before bench/harness.py; new code imports bench.harness.
+from bench.harness import (  # noqa: F401
+    HUGEHEAD_SOURCE, REPO_ROOT, as_float, environment, error_text, git_sha, gpu_slug, median, tensor_bytes,
+    write_json,
+)
 
-
-# --------------------------------------------------------------------------------------------------
-# Which hugehead is measured
-# --------------------------------------------------------------------------------------------------
-def _is_repo_root(entry: str) -> bool:
-    try:
-        return Path(entry or os.getcwd()).resolve() == REPO_ROOT
-    except OSError:
-        return False
-
-
-def select_hugehead() -> str:
-    """Make ``import hugehead`` find the build we mean to measure; returns "tree" or "installed".
-
-    ``python -m bench.<x>`` puts the repository root first on ``sys.path``, and after a plain
-    ``pip install .`` the source tree's ``hugehead/`` has no compiled ``_C`` (or a stale one from an
-    earlier in-place build). ``HUGEHEAD_BENCH_IMPORT=installed`` drops the repository root from
-    ``sys.path`` so the installed package is used; ``tree`` keeps the source tree; ``auto`` (default)
-    uses the tree only when it holds a compiled ``_C``. The ``bench`` package itself is already
-    imported by then, so its submodules still load.
-    """
-    mode = os.environ.get("HUGEHEAD_BENCH_IMPORT", "auto").lower()
-    tree_built = any((REPO_ROOT / "hugehead").glob("_C*.so")) or any((REPO_ROOT / "hugehead").glob("_C*.pyd"))
-    if mode == "tree" or (mode == "auto" and tree_built):
-        return "tree"
-    sys.path[:] = [p for p in sys.path if not _is_repo_root(p)]
-    return "installed"
-
-
-HUGEHEAD_SOURCE = select_hugehead()
-
-import torch  # noqa: E402  (after select_hugehead, which only edits sys.path)
+import torch  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,95 +99,6 @@ def make_inputs(
     weight.mul_(1.0 / math.sqrt(shape.d))
     target = torch.randint(0, shape.v, (shape.n,), generator=g, device=device, dtype=torch.int64)
     return x, weight, target
-
-
-def tensor_bytes(*tensors: Optional[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-# --------------------------------------------------------------------------------------------------
-# Timing and memory
-# --------------------------------------------------------------------------------------------------
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call_ms(fn: Callable[[], object], device: torch.device) -> Tuple[float, object]:
-    """Run ``fn`` once; milliseconds by CUDA events on a GPU (``time.perf_counter`` on CPU) and its
-    result. The events bracket everything ``fn`` queues, host-side work and syncs included."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)), out
-    t0 = time.perf_counter()
-    out = fn()
-    return (time.perf_counter() - t0) * 1e3, out
-
-
-def memory_baseline(device: torch.device) -> Optional[int]:
-    """Reset the peak counter and return the bytes allocated now (None on CPU: not measured)."""
-    if device.type != "cuda":
-        return None
-    import gc
-
-    gc.collect()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def memory_peak(device: torch.device) -> Optional[int]:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device)
-
-
-def cpu_busy_seconds() -> Tuple[Optional[float], float]:
-    """(CPU seconds all processes of this machine have been busy, from /proc/stat; CPU seconds of this
-    process). Their deltas around a timed CPU step tell how much of the machine others used meanwhile."""
-    own = sum(os.times()[:2])
-    try:
-        fields = [float(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None, own
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    return (sum(fields) - idle) / hz, own
-
-
-def foreign_cpu_fraction(before: Tuple[Optional[float], float], after: Tuple[Optional[float], float],
-                         wall_s: float) -> Optional[float]:
-    """The share of this machine's CPUs that other processes kept busy between two
-    :func:`cpu_busy_seconds` readings (0: the measurement had the machine to itself)."""
-    if before[0] is None or after[0] is None or wall_s <= 0:
-        return None
-    foreign = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, foreign / (wall_s * (os.cpu_count() or 1)))
-
-
-def wait_until_idle(max_wait_s: float, busy_limit: float = 0.1, window_s: float = 2.0) -> Tuple[float, Optional[float]]:
-    """Wait (up to ``max_wait_s``) until other processes use less than ``busy_limit`` of the CPUs over a
-    ``window_s`` window (this process sleeping meanwhile). Returns (seconds waited, last busy share)."""
-    t0 = time.perf_counter()
-    share = None
-    while True:
-        before = cpu_busy_seconds()
-        time.sleep(window_s)
-        share = foreign_cpu_fraction(before, cpu_busy_seconds(), window_s)
-        waited = time.perf_counter() - t0
-        if share is None or share < busy_limit or waited >= max_wait_s:
-            return waited, share
-
-
-def median(values: List[float]) -> float:
-    s = sorted(values)
-    k = len(s) // 2
-    return s[k] if len(s) % 2 else 0.5 * (s[k - 1] + s[k])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,12 +251,6 @@ def reference_selfcheck(seed: int = 0) -> Dict[str, float]:
 # --------------------------------------------------------------------------------------------------
 # Failures
 # --------------------------------------------------------------------------------------------------
-def error_text(exc: BaseException, limit: int = 600) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    text = re.sub(r"\s+", " ", text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def classify_error(exc: BaseException) -> str:
     """"oom", "cuda-error" (the CUDA context may be unusable afterwards) or "error"."""
     msg = str(exc).lower()
@@ -408,143 +277,3 @@ def cuda_context_ok(device: torch.device) -> bool:
         return float(torch.ones(1, device=device).add_(1).item()) == 2.0
     except Exception:  # noqa: BLE001  (any failure here means the context is gone)
         return False
-
-
-# --------------------------------------------------------------------------------------------------
-# Environment facts
-# --------------------------------------------------------------------------------------------------
-def git_sha() -> Dict[str, object]:
-    """The ``HUGEHEAD_GIT_SHA`` environment variable when set (the GPU machine's copy of the tree may
-    carry a stale ``.git``: the caller names the commit it sent), else ``git rev-parse HEAD`` of the
-    repository (and whether tracked files differ), else "unknown"."""
-    env = os.environ.get("HUGEHEAD_GIT_SHA")
-    if env:
-        return {"git_sha": env, "git_dirty": None, "git_sha_source": "env HUGEHEAD_GIT_SHA"}
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=20,
-        ).stdout.rstrip("\n")
-        # which tracked files differ from the commit (others' work in progress is measured too)
-        files = [line[3:] for line in dirty.splitlines() if line.strip()][:40]
-        return {"git_sha": sha, "git_dirty": bool(dirty), "git_dirty_files": files, "git_sha_source": "git"}
-    except (OSError, subprocess.SubprocessError):
-        return {"git_sha": "unknown", "git_dirty": None, "git_sha_source": "none"}
-
-
-def gpu_slug(name: str) -> str:
-    """"NVIDIA H200" -> "h200": the results folder name of a device."""
-    slug = re.sub(r"^nvidia\s+", "", name.strip().lower())
-    slug = re.sub(r"[^a-z0-9]+", "-", slug).strip("-")
-    return slug or "unknown"
-
-
-def package_version(dist: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (else ``platform.processor()``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(device: torch.device) -> Dict[str, object]:
-    """Facts that qualify every number: GPU, driver, torch/CUDA/triton, hugehead build, Python."""
-    info: Dict[str, object] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "hostname": platform.node(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "triton": package_version("triton"),
-        "device": str(device),
-        "hugehead_source": HUGEHEAD_SOURCE,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "cpu_count": os.cpu_count(),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(
-            gpu_name=props.name,
-            gpu_capability=f"{props.major}.{props.minor}",
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            gpu_count=torch.cuda.device_count(),
-        )
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=30,
-            ).stdout.strip().splitlines()
-            info["nvidia_smi"] = out[0] if out else None
-        except (OSError, subprocess.SubprocessError) as exc:
-            info["nvidia_smi"] = error_text(exc)
-    else:
-        info.update(gpu_name="cpu", gpu_capability=None, gpu_memory_gib=None, gpu_count=0)
-    info["cpu_model"] = cpu_model()
-    info["niceness"] = os.nice(0) if hasattr(os, "nice") else None  # CPU runs may raise their priority
-    info["torch_threads"] = torch.get_num_threads()
-    info["machine"] = (
-        info["gpu_name"] if device.type == "cuda" else f"{info['cpu_model']}, {os.cpu_count()} cores"
-    )
-    try:
-        import hugehead
-
-        info.update(
-            hugehead_version=hugehead.__version__,
-            hugehead_file=str(Path(hugehead.__file__).parent),
-            hugehead_cuda_built=hugehead.cuda_built(),
-            hugehead_cuda_kernels=hugehead.has_kernel("chunk_stats_", "CUDA"),
-        )
-    except Exception as exc:  # noqa: BLE001  (recorded; the hugehead rows will say the same)
-        info["hugehead_error"] = error_text(exc)
-    return info
-
-
-# --------------------------------------------------------------------------------------------------
-# JSON
-# --------------------------------------------------------------------------------------------------
-def jsonable(obj):
-    """Plain JSON: non-finite floats become the strings "nan"/"inf"/"-inf", tuples lists."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, Shape):
-        return asdict(obj)
-    return obj
-
-
-def write_json(path: Path, obj) -> None:
-    """Write atomically (a killed process leaves the previous file or the new one, never half)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(jsonable(obj), indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def as_float(value) -> Optional[float]:
-    """A JSON number or "nan"/"inf" string back to float; None stays None."""
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None

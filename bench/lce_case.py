@@ -24,22 +24,13 @@ from bench.common import (
     ChunkedRelErr,
     Shape,
     classify_error,
-    cpu_busy_seconds,
     cuda_context_ok,
-    error_text,
-    foreign_cpu_fraction,
     make_inputs,
-    median,
-    memory_baseline,
-    memory_peak,
     reference_chunk_cols,
     reference_lce,
     rel_err,
-    synchronize,
-    tensor_bytes,
-    time_call_ms,
-    write_json,
 )
+from bench.harness import error_text, measure, synchronize, tensor_bytes, time_call_ms, write_json
 from bench.peers import IMPLS, PROBED, PeerUnavailable
 
 import torch  # noqa: E402
@@ -56,43 +47,14 @@ def group_json(json_dir: Path, shape_name: str) -> Path:
     return Path(json_dir) / f"{shape_name}__group.json"
 
 
-def _measure(step: Callable[[], object], device: torch.device, reps: int, warmup: int, budget_s: float):
-    """Warm up, then time ``reps`` calls of ``step`` (fewer when they would exceed ``budget_s``; at least
-    one) with the peak memory over the timed calls. A warm-up call that alone took more than ``budget_s``
-    is the measurement (``first_call_only``; not repeated). Returns (stats, result of the last call)."""
-    warm_ms, out = [], None
-    base = memory_baseline(device)
-    busy0, t0 = cpu_busy_seconds(), time.perf_counter()
-    for _ in range(max(1, warmup)):
-        out = None
-        ms, out = time_call_ms(step, device)
-        warm_ms.append(ms)
-        if ms > SLOW_STEP_MS:
-            break
-    if warm_ms[-1] > budget_s * 1e3:
-        foreign = foreign_cpu_fraction(busy0, cpu_busy_seconds(), time.perf_counter() - t0)
-        stats = {"ms": warm_ms[-1], "ms_min": warm_ms[-1], "ms_all": [warm_ms[-1]], "reps": 0,
-                 "first_call_only": True, "warmup_ms": warm_ms, "peak_bytes": memory_peak(device),
-                 "baseline_bytes": base, "foreign_cpu": foreign if device.type == "cpu" else None}
-        return stats, out
-    out = None
-    n = max(1, min(reps, int(budget_s * 1e3 // max(warm_ms[-1], 1e-3))))
-    base = memory_baseline(device)
-    times = []
-    busy0, t0 = cpu_busy_seconds(), time.perf_counter()
-    for _ in range(n):
-        out = None  # the previous result is freed before the next call, as in a training loop
-        ms, out = time_call_ms(step, device)
-        times.append(ms)
-    foreign = foreign_cpu_fraction(busy0, cpu_busy_seconds(), time.perf_counter() - t0)
-    stats = {
-        "ms": median(times), "ms_min": min(times), "ms_all": times, "reps": n, "warmup_ms": warm_ms,
-        "peak_bytes": memory_peak(device), "baseline_bytes": base,
-        # on the CPU, what other processes took of the machine during the timed calls (timings are
-        # only as good as this is small)
-        "foreign_cpu": foreign if device.type == "cpu" else None,
-    }
-    return stats, out
+def _measure(step: Callable[[], object], device: torch.device, reps: int, warmup: int, budget_s: float,
+             input_bytes: int):
+    """:func:`bench.harness.measure` with the case's budget (a warm-up call that alone exceeds it is the
+    measurement). Returns (the row's fields for this stage, the result of the last call)."""
+    t = measure(step, device, reps=reps, warmup=max(1, warmup), budget_s=budget_s, input_bytes=input_bytes,
+                slow_warmup_ms=SLOW_STEP_MS)
+    out, t.result = t.result, None
+    return t.fields(), out
 
 
 @contextmanager
@@ -201,15 +163,16 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
             if impl.compiles:  # compile + first call, excluded from the warm-up and the medians
                 row["fwd_bwd_compile_ms"], _ = time_call_ms(fwd_bwd, device)
                 _ = None
-            stats, out = _measure(fwd_bwd, device, opts.reps, opts.warmup, 0.5 * opts.case_budget)
+            stats, out = _measure(fwd_bwd, device, opts.reps, opts.warmup, 0.5 * opts.case_budget,
+                                  row["input_bytes"])
         row["fwd_bwd_status"] = "ok"
         row.update({f"fwd_bwd_{k}": v for k, v in stats.items()})
         loss, gx, gw = out
         out = None
-        if stats["peak_bytes"] is not None:
+        if stats["peak_extra_bytes"] is not None:
             # everything but the inputs and the gradients handed back, including what the implementation
             # kept allocated between calls (it was already there when the peak counter was reset)
-            extra = stats["peak_bytes"] - row["input_bytes"] - tensor_bytes(gx, gw)
+            extra = stats["peak_extra_bytes"] - tensor_bytes(gx, gw)
             row["fwd_bwd_peak_extra_bytes"] = extra
             row["fwd_bwd_peak_extra_gib"] = extra / 2**30
         if device.type == "cpu":
@@ -236,13 +199,9 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
             if impl.compiles:  # no_grad is a new graph: compiled again
                 row["fwd_compile_ms"], _ = time_call_ms(fwd, device)
                 _ = None
-            stats, loss = _measure(fwd, device, opts.reps, opts.warmup, 0.25 * opts.case_budget)
+            stats, loss = _measure(fwd, device, opts.reps, opts.warmup, 0.25 * opts.case_budget, row["input_bytes"])
         row["fwd_status"] = "ok"
         row.update({f"fwd_{k}": v for k, v in stats.items()})
-        if stats["peak_bytes"] is not None:
-            extra = stats["peak_bytes"] - row["input_bytes"]
-            row["fwd_peak_extra_bytes"] = extra
-            row["fwd_peak_extra_gib"] = extra / 2**30
         row["fwd_tflops"] = shape.fwd_flops / (stats["ms"] * 1e-3) / 1e12
         row["fwd_loss"] = float(loss.float())
         ref = reference()

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from bench import common  # first: decides which hugehead is imported
+from bench import harness  # first: decides which hugehead is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -139,7 +139,7 @@ def _load_cce(filter_eps=None):
         # filter_eps=None: exact gradients (the library's default "high" skips small softmax entries).
         return (
             lambda x, w, t: linear_cross_entropy(x, w, t, filter_eps=filter_eps),
-            common.package_version("cut-cross-entropy"),
+            harness.package_version("cut-cross-entropy"),
         )
 
     return load
@@ -155,7 +155,7 @@ def _load_liger(accum_dtype=None):
             out = head(w, x, t)
             return out if isinstance(out, Tensor) else out.loss
 
-        return loss_fn, common.package_version("liger-kernel") or common.package_version("liger_kernel")
+        return loss_fn, harness.package_version("liger-kernel") or harness.package_version("liger_kernel")
 
     return load
 

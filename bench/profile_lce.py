@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
-from bench import common  # first: decides which hugehead is imported
-from bench.common import ALL_SHAPES, CPU_SHAPES, make_inputs, median, synchronize, time_call_ms, write_json
+from bench import harness  # first: decides which hugehead is imported
+from bench.common import ALL_SHAPES, CPU_SHAPES, make_inputs
 from bench.peers import IMPLS
 
 import torch  # noqa: E402
@@ -69,16 +68,11 @@ def profile_step(impl: str, shape, device: torch.device, dtype: torch.dtype, rep
         loss = loss_fn(x, w, t)
         return torch.autograd.grad(loss, (x, w))
 
-    time_call_ms(step, device)
-    times, windows = [], []
-    for _ in range(reps):
-        before, t0 = common.cpu_busy_seconds(), time.perf_counter()
-        times.append(time_call_ms(step, device)[0])
-        windows.append((before, common.cpu_busy_seconds(), time.perf_counter() - t0))
+    timing = harness.measure(step, device, reps=reps, warmup=1)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         step()
-        synchronize(device)
+        harness.synchronize(device)
     ops: Dict[str, dict] = {}
     for e in prof.key_averages():
         us = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
@@ -89,20 +83,18 @@ def profile_step(impl: str, shape, device: torch.device, dtype: torch.dtype, rep
     for op in ops.values():
         groups[op["group"]] = groups.get(op["group"], 0.0) + op["self_ms"]
     out = {"impl": impl, "shape": shape.name, "n": shape.n, "d": shape.d, "v": shape.v, "dtype": str(dtype),
-           "step_ms": median(times), "step_ms_all": times, "profiled_total_ms": sum(groups.values()),
+           "step_ms": timing.ms, "step_ms_all": timing.ms_all, "profiled_total_ms": sum(groups.values()),
            "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
            "top_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]["self_ms"])[:12])}
     if plan_fn is not None:
         out["plan"] = plan_fn(shape.n, shape.d, shape.v, dtype, device)
-    busy = [v for v in (common.foreign_cpu_fraction(*w) for w in windows) if v is not None]
-    out["foreign_cpu"] = max(busy) if busy else None
+    out["foreign_cpu"] = timing.foreign_cpu
     return out
 
 
 def render(results: List[dict], meta: dict) -> str:
-    lines = [f"# Profile of one forward+backward step: {meta['machine']} ({meta['dtype']})", "",
-             f"git `{str(meta.get('git_sha'))[:12]}`{' (dirty)' if meta.get('git_dirty') else ''} · torch {meta['torch']} · "
-             f"{meta['threads']} threads · self time per operator group from torch.profiler (one profiled step; "
+    lines = [harness.header(f"Profile of one forward+backward step: {meta['machine']} ({meta['dtype']})", meta),
+             f"{meta['torch_threads']} threads · self time per operator group from torch.profiler (one profiled step; "
              "the step time is the median of unprofiled steps)", ""]
     groups = [g for g, _ in GROUPS] + ["other"]
     lines += ["| shape | impl | step ms | others' CPU | " + " | ".join(groups) + " | plan |",
@@ -116,7 +108,7 @@ def render(results: List[dict], meta: dict) -> str:
     for r in results:
         top = ", ".join(f"{k} {v['self_ms']:.0f} ({v['calls']})" for k, v in list(r["top_ops"].items())[:8])
         lines.append(f"- {r['shape']} / {r['impl']}: {top}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + harness.footer(meta)
 
 
 def main(argv=None) -> int:
@@ -132,10 +124,8 @@ def main(argv=None) -> int:
     device = torch.device(opts.device)
     dtype = getattr(torch, opts.dtype or ("float32" if opts.device == "cpu" else "bfloat16"))
     shapes = [ALL_SHAPES[s] for s in (opts.shapes.split(",") if opts.shapes else CPU_SHAPES)]
-    env = common.environment(device)
-    meta = {**common.git_sha(), "machine": env["machine"], "torch": torch.__version__, "dtype": str(dtype),
-            "threads": torch.get_num_threads(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": " ".join(["python", "-m", "bench.profile_lce", *sys.argv[1:]])}
+    meta = harness.run_meta("profile", device, options=opts, shapes={s.name: vars(s) for s in shapes},
+                            command=" ".join(["python", "-m", "bench.profile_lce", *sys.argv[1:]]), dtype=str(dtype))
     results = []
     for shape in shapes:
         for impl in opts.impls.split(","):
@@ -146,8 +136,7 @@ def main(argv=None) -> int:
     text = render(results, meta)
     print(text)
     if opts.out:
-        write_json(Path(opts.out) / "profile.json", {"meta": meta, "results": results})
-        (Path(opts.out) / "profile.md").write_text(text)
+        harness.write_report(Path(opts.out), "profile", {"meta": meta, "results": results}, text)
     return 0
 
 

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from bench.common import ALL_SHAPES, as_float, write_json
+from bench import harness
+from bench.common import ALL_SHAPES
+from bench.harness import as_float, short_sha as _short_sha
 
 SLOW_REPS = 5  # fewer timed repetitions than this are marked in the table
 SUSPECT_REL_ERR = 2e-2  # bf16 results are ~1e-3 off the float32 reference; far more is shown in bold
@@ -85,11 +87,6 @@ def _accurate(doc: dict, row: dict) -> bool:
     return not any(suspect(_num(row, k), _dtype(doc, row)) for k in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err"))
 
 
-def _short_sha(meta: dict) -> str:
-    sha = str(meta.get("git_sha", "unknown"))
-    return sha if sha.startswith("mixed") else sha[:12]
-
-
 def headline_rows(doc: dict) -> List[dict]:
     """Per shape: hugehead's fwd+bwd ms, the fastest exact peer that ran with plausible errors, the
     speed-up (peer ms / hugehead ms), and what happened to the peers that did not run."""
@@ -119,7 +116,8 @@ def headline_rows(doc: dict) -> List[dict]:
 def render_headline(doc: dict) -> str:
     """The short table for the README: shape, hugehead, the best exact peer, the speed-up."""
     meta = doc.get("meta", {})
-    lines = [
+    lines = [harness.SMOKE_NOTE, ""] if harness.is_smoke(meta) else []
+    lines += [
         f"{_machine(meta)}, {meta.get('dtype', 'bfloat16')}, forward + backward with exact gradients, median ms "
         f"(git `{_short_sha(meta)}`, torch {meta.get('torch')}):",
         "",
@@ -149,20 +147,20 @@ def _mark(row: dict, stage: str, asked_reps: int = SLOW_REPS) -> str:
 def render_markdown(doc: dict) -> str:
     """The results table with a header saying what was measured where, and a note per failed case."""
     meta = doc.get("meta", {})
-    sha = _short_sha(meta) + (" (dirty)" if meta.get("git_dirty") else "")
     imports = meta.get("imports", {})
     peers = ", ".join(
         f"{name} {st.get('version')}" if st.get("ok") else f"{name}: not importable"
         for name, st in imports.items() if name != "hugehead"
     )
+    headline = render_headline(doc)
+    if harness.is_smoke(meta):  # the header already says it
+        headline = headline.replace(harness.SMOKE_NOTE + "\n\n", "", 1)
     lines = [
-        f"# Linear cross-entropy benchmark: {_machine(meta)} ({meta.get('dtype', 'bfloat16')})",
+        harness.header(f"Linear cross-entropy benchmark: {_machine(meta)} ({meta.get('dtype', 'bfloat16')})",
+                       {k: v for k, v in meta.items() if k != "elapsed_s"}).rstrip("\n"),
+        f"triton {meta.get('triton')} · {peers}",
         "",
-        f"git `{sha}` · torch {meta.get('torch')} (CUDA {meta.get('torch_cuda')}) · "
-        f"hugehead {meta.get('hugehead_version')} · triton {meta.get('triton')} · {peers} · "
-        f"{meta.get('created_utc', '')}",
-        "",
-        render_headline(doc),
+        headline,
         "## All implementations",
         "",
         meta.get("method", ""),
@@ -235,7 +233,7 @@ def render_markdown(doc: dict) -> str:
             if r.get("status") != "ok" and r.get("status") != "skipped" or r.get("ref_error"):
                 err = r.get("error") or r.get("ref_error") or ""
                 notes.append(f"- **{shape} / {impl}**: {r.get('status')}: {err}")
-            elif r.get("status") == "skipped" and not meta.get("cpu_smoke"):
+            elif r.get("status") == "skipped" and not harness.is_smoke(meta):
                 notes.append(f"- **{shape} / {impl}**: {r.get('error')}")
     lines += ["", f"Relative errors above {suspect_limit(meta.get('dtype')):g} (far beyond {meta.get('dtype', 'bfloat16')} "
                   "rounding) are in bold."]
@@ -280,72 +278,28 @@ def render_markdown(doc: dict) -> str:
 def render_png(doc: dict, path: Path) -> None:
     """Grouped bars per shape: fwd+bwd ms (log) and, where measured, peak extra GiB (log); a case that
     did not run is labelled with its status instead of a bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shapes, impls = _shape_order(doc), _impl_order(doc)
     by_key = {(r["shape"], r["impl"]): r for r in doc["rows"]}
-    colors = {impl: plt.get_cmap("tab10")(j % 10) for j, impl in enumerate(impls)}
-    panels = [("fwd_bwd_ms", "forward + backward (ms, log)")]
-    if any(_num(r, "fwd_bwd_peak_extra_gib") is not None for r in doc["rows"]):
-        panels.append(("fwd_bwd_peak_extra_gib", "peak extra memory (GiB, log)"))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 0.55 * len(shapes) * len(impls) + 2), 3.8 * len(panels)),
-                             sharex=True, squeeze=False)
-    axes = axes[:, 0]
-    width = 0.8 / max(1, len(impls))
-    for ax, (key, label) in zip(axes, panels):
-        values = [v for r in doc["rows"] if r.get("fwd_bwd_status") == "ok" for v in [_num(r, key)] if v and v > 0]
-        floor = min(values) / 3 if values else 1e-3
-        for j, impl in enumerate(impls):
-            xs, hs = [], []
-            for i, shape in enumerate(shapes):
-                r = by_key.get((shape, impl))
-                if r is None:
-                    continue
-                x = i - 0.4 + width * (j + 0.5)
-                v = _num(r, key) if r.get("fwd_bwd_status") == "ok" else None
-                if v is not None and v > 0:
-                    xs.append(x)
-                    hs.append(v)
-                elif r.get("fwd_bwd_status") != "ok":
-                    word = _status_word(r.get("fwd_bwd_status") or r.get("status"))
-                    ax.text(x, floor * 1.15, word, rotation=90, ha="center", va="bottom", fontsize=7,
-                            color=colors[impl])
-            ax.bar(xs, hs, width=width * 0.95, label=impl, color=colors[impl])
-        ax.set_yscale("log")
-        ax.set_ylim(floor, (max(values) * 2) if values else 1.0)
-        ax.set_ylabel(label)
-        ax.grid(axis="y", which="both", alpha=0.3)
-    from matplotlib.patches import Patch
+    missing = {(impl, shape): _status_word(r.get("fwd_bwd_status") or r.get("status"))
+               for (shape, impl), r in by_key.items() if r.get("fwd_bwd_status") != "ok"}
 
-    axes[0].legend(handles=[Patch(color=colors[i], label=i) for i in impls], ncol=min(4, len(impls)), fontsize=8,
-                   loc="lower left", bbox_to_anchor=(0.0, 1.08), frameon=False)
-    axes[-1].set_xlim(-0.5, len(shapes) - 0.5)
-    axes[-1].set_xticks(range(len(shapes)))
-    axes[-1].set_xticklabels(shapes)
+    def series(key: str) -> Dict[str, List[Optional[float]]]:
+        return {impl: [_num(by_key[(s, impl)], key) if (s, impl) in by_key and
+                       by_key[(s, impl)].get("fwd_bwd_status") == "ok" else None for s in shapes] for impl in impls}
+
+    panels = [harness.Panel("forward + backward (ms, log)", series("fwd_bwd_ms"), missing)]
+    if any(_num(r, "fwd_bwd_peak_extra_gib") is not None for r in doc["rows"]):
+        panels.append(harness.Panel("peak extra memory (GiB, log)", series("fwd_bwd_peak_extra_gib"), missing))
     meta = doc.get("meta", {})
-    axes[0].set_title(f"linear cross-entropy, {meta.get('dtype', 'bf16')}, exact gradients: {_machine(meta)} "
-                      f"(git {'mixed SHAs' if _short_sha(meta).startswith('mixed') else _short_sha(meta)[:8]})",
-                      fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    sha = "mixed SHAs" if _short_sha(meta).startswith("mixed") else _short_sha(meta)[:8]
+    harness.bar_chart(path, shapes, panels, f"linear cross-entropy, {meta.get('dtype', 'bf16')}, exact gradients: "
+                      f"{_machine(meta)} (git {sha})", smoke=harness.is_smoke(meta))
 
 
 def write_reports(doc: dict, out_dir: Path) -> None:
     """Write lce.json, lce.md and lce.png into ``out_dir``; a plotting failure is noted in the JSON."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    doc["meta"].pop("png_error", None)
-    if doc["rows"]:
-        try:
-            render_png(doc, out_dir / "lce.png")
-        except Exception as exc:  # noqa: BLE001  (no matplotlib on the machine: the table still stands)
-            doc["meta"]["png_error"] = f"{type(exc).__name__}: {exc}"
-    write_json(out_dir / "lce.json", doc)
-    (out_dir / "lce.md").write_text(render_markdown(doc))
+    harness.write_report(out_dir, "lce", doc, render_markdown,
+                         plot=(lambda path: render_png(doc, path)) if doc["rows"] else None)
 
 
 def merge(docs: List[dict]) -> dict:

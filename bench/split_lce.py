@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
-from bench import common  # first: decides which hugehead is imported
-from bench.common import SHAPES, find_shape, make_inputs, median, write_json
+from bench import harness  # first: decides which hugehead is imported
+from bench.common import SHAPES, find_shape, make_inputs
 
 import torch  # noqa: E402
 
@@ -36,18 +36,7 @@ TARGETS_MS = {"llama3_4k": 17.0, "llama3": 36.0, "gemma2": 40.0, "xc1M": 60.0, "
 
 def _events_ms(fn: Callable[[], object], reps: int, warmup: int = 1, before: Callable[[], object] = None) -> float:
     """Median CUDA-event time of ``fn`` (``before`` runs outside the timed region each time)."""
-    times = []
-    for i in range(warmup + reps):
-        if before is not None:
-            before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        if i >= warmup:
-            times.append(a.elapsed_time(b))
-    return median(times)
+    return harness.measure(fn, torch.device("cuda"), reps=reps, warmup=warmup, before=before).ms
 
 
 class Stages:
@@ -124,12 +113,10 @@ def _step_ms(x, w, t, reps: int, **kwargs) -> Dict[str, float]:
         loss = hugehead.linear_cross_entropy(xg, wg, t, **kwargs)
         return torch.autograd.grad(loss, (xg, wg))
 
-    base = common.memory_baseline(x.device)
-    ms = _events_ms(step, reps, warmup=2)
-    # beyond the inputs (allocated before the baseline) and the two returned gradients
-    peak = torch.cuda.max_memory_allocated(x.device) - base
-    grads = x.numel() * x.element_size() + w.numel() * w.element_size()
-    return {"ms": ms, "peak_extra_gib": max(0, peak - grads) / 2**30}
+    timing = harness.measure(step, x.device, reps=reps, warmup=2)
+    # beyond what was allocated before the timed calls (the inputs) and the two returned gradients
+    grads = harness.tensor_bytes(x, w)
+    return {"ms": timing.ms, "peak_extra_gib": max(0, timing.peak_extra_bytes - grads) / 2**30}
 
 
 def split_shape(shape, reps: int, widths: List[int]) -> dict:
@@ -236,9 +223,9 @@ def square_gemm_tflops(reps: int) -> float:
 
 def render(doc: dict) -> str:
     m = doc["meta"]
-    lines = [f"# Timing splits of hugehead's chunk loop: {m['machine']} (bfloat16, forward + backward)", "",
-             f"git `{str(m.get('git_sha'))[:12]}`{' (dirty)' if m.get('git_dirty') else ''} · torch {m['torch']} · "
-             f"8192³ bf16 GEMM on this GPU now: {m['square_gemm_tflops']:.0f} TFLOP/s · `{m['command']}`", "",
+    lines = [harness.header(f"Timing splits of hugehead's chunk loop: {m['machine']} (bfloat16, forward + backward)",
+                            m),
+             f"8192³ bf16 GEMM on this GPU now: {m['square_gemm_tflops']:.0f} TFLOP/s.", "",
              "Each stage timed alone over real data (CUDA events, median), summed over the plan's chunks; "
              "step = `linear_cross_entropy` forward + backward (median), with the side-stream overlap on "
              "(default) and off. The GEMM sum is this loop at cuBLAS's speed with no memory-bound work.", "",
@@ -285,7 +272,7 @@ def render(doc: dict) -> str:
                          + (" / ".join(f"{q[k + '_cublaslt']:.3f}" for k in ("logits", "dx", "dw"))
                             if "logits_cublaslt" in q else q.get("cublaslt_error", "-"))
                          + f" | {q['dx'] + q['dw']:.3f} | {q['dx_dw_side_by_side']:.3f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + harness.footer(m)
 
 
 def ncu_one(shape_name: str) -> None:
@@ -321,11 +308,10 @@ def main(argv=None) -> int:
     if opts.ncu:
         ncu_one(opts.ncu)
         return 0
-    env = common.environment(torch.device("cuda"))
-    meta = {**common.git_sha(), "machine": env["machine"], "torch": torch.__version__,
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": " ".join(["python", "-m", "bench.split_lce", *sys.argv[1:]]),
-            "square_gemm_tflops": square_gemm_tflops(opts.reps)}
+    meta = harness.run_meta("split", torch.device("cuda"), options=opts,
+                            shapes={n: vars(find_shape(n)) for n in opts.shapes.split(",")},
+                            command=" ".join(["python", "-m", "bench.split_lce", *sys.argv[1:]]),
+                            square_gemm_tflops=square_gemm_tflops(opts.reps))
     widths = [int(c) for c in opts.widths.split(",") if c]
     results = []
     for name in opts.shapes.split(","):
@@ -338,8 +324,7 @@ def main(argv=None) -> int:
               f"{r['memory_bound_sum_ms']:.2f}; {r['wall_s']} s", flush=True)
         doc = {"meta": meta, "results": results}
         if opts.out:
-            write_json(Path(opts.out) / "split.json", doc)
-            (Path(opts.out) / "split.md").write_text(render(doc))
+            harness.write_report(Path(opts.out), "split", doc, render)
     print(render({"meta": meta, "results": results}))
     return 0
 

@@ -16,6 +16,27 @@ TORCH_LIBRARY(hugehead, m) {
   m.def(
       "chunk_grad_(Tensor(a!) logits, Tensor target, int class_start, int num_classes, Tensor lse, "
       "Tensor grad_rows, float label_smoothing, float z_loss, float softcap, Tensor? grad_lse=None) -> ()");
+  // Sparse [N, V] targets as CSR (crow [N + 1] absolute offsets, col [nnz] int64 class ids sorted within
+  // each row, val [nnz] in the accumulation dtype); a row's entries in the chunk are found by binary search.
+  // Softmax with probability targets, forward: chunk_stats_ with target_logit replaced by target_dot
+  // (+= sum of val * logit over the row's entries in the chunk); class_weight ([C], optional) weights
+  // logit_sum (label smoothing with class weights).
+  m.def(
+      "sparse_chunk_stats_(Tensor logits, Tensor crow, Tensor col, Tensor val, int class_start, float softcap, "
+      "Tensor? class_weight, Tensor(a!) row_max, Tensor(b!) row_sumexp, Tensor(c!) target_dot, "
+      "Tensor(d!) logit_sum) -> ()");
+  // Its gradient in place: g (target_mass softmax - eps/V w_j - (1 - eps) val [entry] + 2 z_loss lse softmax)
+  // + g_lse softmax, through the softcap; target_mass [N] is the row's total (smoothed, weighted) target.
+  m.def(
+      "sparse_chunk_grad_(Tensor(a!) logits, Tensor crow, Tensor col, Tensor val, int class_start, "
+      "int num_classes, Tensor lse, Tensor grad_rows, Tensor target_mass, float label_smoothing, float z_loss, "
+      "float softcap, Tensor? class_weight=None, Tensor? grad_lse=None) -> ()");
+  // One-vs-all binary cross-entropy of a chunk: row_loss (optional) += the chunk's per-logit losses;
+  // with grad_rows, the chunk becomes grad_rows * dLoss/dlogits in place (in the same pass). entry_weight
+  // ([nnz], optional): 1 + (pos_weight - 1) t per entry.
+  m.def(
+      "bce_chunk_(Tensor(a!) logits, Tensor crow, Tensor col, Tensor val, Tensor? entry_weight, int class_start, "
+      "Tensor(b!)? row_loss, Tensor? grad_rows) -> ()");
 }
 
 PYBIND11_MODULE(_C, module) {

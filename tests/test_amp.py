@@ -944,9 +944,9 @@ def test_bench_amp_cpu_smoke(tmp_path, monkeypatch):
     out = tmp_path / "amp.json"
     assert bench_amp.main(["--cpu-smoke", "--out", str(out), "--reps", "2", "--warmup", "1"]) == 0
     doc = json.loads(out.read_text())
-    assert doc["git"]["git_sha"] and doc["env"]["torch"] == torch.__version__
+    assert doc["meta"]["git_sha"] and doc["meta"]["torch"] == torch.__version__ and doc["meta"]["smoke"]
     fb = doc["fwd_bwd"]
-    assert all(fb[k]["status"] == "ok" and fb[k]["ms"] > 0 and len(fb[k]["all_ms"]) == 2
+    assert all(fb[k]["status"] == "ok" and fb[k]["ms"] > 0 and len(fb[k]["ms_all"]) == 2
                for k in ("bf16_head", "fp32_head_autocast"))
     assert fb["time_ratio"] > 0 and fb["fp32_head_autocast"]["weight_dtype"] == "torch.float32"
     same = fb["same_as_bf16_head"]  # a float32 W under autocast computes what its bf16 rounding does

@@ -1,11 +1,91 @@
-"""The placement benchmark's pipeline on CPU shards: one vs two shards agree on loss and gradient norms,
-and it writes its JSON, table and plot (the GPU run uses the same code at xc6M and 50M classes)."""
+"""The benchmark harness (timing logic with a scripted clock, the writer), the placement benchmark's
+pipeline on CPU shards, bench_lce's peers, cases, parent and report. No test here asserts a time: the
+timing logic is checked against a fake clock, the pipelines for what they compute and write."""
 import json
 
 import pytest
 
 pytest.importorskip("matplotlib")
-from bench import bench_placement  # noqa: E402
+import torch  # noqa: E402
+
+from bench import bench_placement, harness  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------------
+# bench/harness.py
+# --------------------------------------------------------------------------------------------------
+def _scripted_clock(monkeypatch, times):
+    """harness.time_call_ms returns the given milliseconds in turn (and still calls the step)."""
+    it = iter(times)
+
+    def fake(fn, devices=None, clock="events"):
+        return next(it), fn()
+
+    monkeypatch.setattr(harness, "time_call_ms", fake)
+
+
+def test_measure_medians_after_warmup(monkeypatch):
+    calls = []
+    _scripted_clock(monkeypatch, [50.0, 3.0, 1.0, 2.0, 9.0])
+    t = harness.measure(lambda: calls.append(1) or len(calls), "cpu", reps=4, warmup=1)
+    assert t.warmup_ms == [50.0] and t.ms_all == [3.0, 1.0, 2.0, 9.0] and t.reps == 4
+    assert t.ms == 2.5 and t.ms_min == 1.0 and not t.first_call_only
+    assert t.result == 5 and len(calls) == 5  # the last call's result; warm-up calls ran too
+    assert t.peak_bytes is None and t.peak_extra_bytes is None  # not measured on the CPU
+    fields = t.fields("fwd_bwd")
+    assert fields["fwd_bwd_ms"] == 2.5 and fields["fwd_bwd_reps"] == 4 and "fwd_bwd_result" not in fields
+
+
+def test_measure_budget_limits_repetitions_and_first_call_only(monkeypatch):
+    _scripted_clock(monkeypatch, [400.0, 410.0, 390.0, 420.0])
+    t = harness.measure(lambda: None, "cpu", reps=10, warmup=1, budget_s=1.0)  # 1000 ms // 400 ms = 2 reps
+    assert t.reps == 2 and t.ms_all == [410.0, 390.0] and t.ms == 400.0
+    _scripted_clock(monkeypatch, [6000.0])  # > slow_warmup_ms: the warm-up stops after one call
+    t = harness.measure(lambda: None, "cpu", reps=10, warmup=2, budget_s=1.0)  # slower than the budget
+    assert t.first_call_only and t.reps == 0 and t.ms_all == [6000.0]
+
+
+def test_measure_before_runs_outside_and_reduce_replaces_times(monkeypatch):
+    order = []
+    _scripted_clock(monkeypatch, [1.0, 2.0, 4.0])
+    t = harness.measure(lambda: order.append("step"), "cpu", reps=2, warmup=1, before=lambda: order.append("before"),
+                        reduce=lambda times: [10 * v for v in times])
+    assert order == ["before", "step"] * 3 and t.ms_all == [20.0, 40.0] and t.ms == 30.0
+    _scripted_clock(monkeypatch, [1.0, 0.0])
+    with pytest.raises(RuntimeError, match="non-positive step time"):
+        harness.measure(lambda: None, "cpu", reps=1, warmup=1)
+    with pytest.raises(ValueError, match="reps >= 1"):
+        harness.measure(lambda: None, "cpu", reps=0)
+
+
+def test_measure_on_the_cpu_really_calls_the_step():
+    box = []
+    t = harness.measure(lambda: box.append(len(box)), "cpu", reps=3, warmup=2)
+    assert box == [0, 1, 2, 3, 4] and t.reps == 3 and len(t.ms_all) == 3 and t.clock == "host"
+    assert all(v > 0 for v in t.ms_all) and t.ms in t.ms_all
+
+
+def test_write_report_json_markdown_plot_and_smoke_note(tmp_path):
+    meta = harness.run_meta("unit", "cpu", options={"reps": 3}, shapes={"tiny": {"n": 2}}, smoke=True,
+                            command="python -m bench.unit")
+    assert meta["git_sha"] and meta["torch"] == torch.__version__ and meta["options"] == {"reps": 3}
+    md = harness.header("Unit", meta) + harness.md_table(["shape", "ms"], [["tiny", harness.fmt(1.234)],
+                                                                            ["a|b", harness.fmt(None)]])
+    assert harness.SMOKE_NOTE in md and "| tiny | 1.23 |" in md and "| a\\|b | - |" in md
+    doc = {"meta": meta, "rows": [{"ms": float("nan"), "dtype": torch.float32}]}
+    written = harness.write_report(tmp_path, "unit", doc, md, plot=lambda path: harness.bar_chart(
+        path, ["tiny", "big"], harness.Panel("ms", {"a": [1.0, None], "b": [2.0, 3.0]}, {("a", "big"): "OOM"}),
+        "unit", smoke=True))
+    assert sorted(written) == ["json", "md", "png"] and (tmp_path / "unit.png").stat().st_size > 0
+    back = json.loads((tmp_path / "unit.json").read_text())
+    assert back["rows"] == [{"ms": "nan", "dtype": "torch.float32"}] and back["meta"]["smoke"] is True
+    assert (tmp_path / "unit.md").read_text() == md
+    # a plot that fails leaves the JSON and the table, and says why
+    harness.write_report(tmp_path, "noplot", doc, md, plot=lambda path: 1 / 0)
+    assert "ZeroDivisionError" in json.loads((tmp_path / "noplot.json").read_text())["meta"]["png_error"]
+    assert harness.SMOKE_NOTE not in harness.header("Unit", {**meta, "smoke": False})
+    with pytest.raises(ValueError, match="3 cells for 2 columns"):
+        harness.md_table(["a", "b"], [[1, 2, 3]])
 
 
 def test_placement_benchmark_cpu_smoke(tmp_path):
@@ -20,7 +100,43 @@ def test_placement_benchmark_cpu_smoke(tmp_path):
     assert two["grad_x_norm_rel_diff_vs_first"] < 1e-5 and two["grad_w_norm_rel_diff_vs_first"] < 1e-5
     assert len(doc["huge"]["losses"]) >= 2 and all(l == l for l in doc["huge"]["losses"])
     assert (tmp_path / "placement.md").read_text().startswith("# ChunkedClassifier placements")
+    assert harness.SMOKE_NOTE in (tmp_path / "placement.md").read_text()
     assert (tmp_path / "placement.png").stat().st_size > 0
+
+
+def test_sanitizer_harness_covers_every_kernel_op_and_checks_them_on_cpu(capsys):
+    """bench/sanitize_case.py (what compute-sanitizer runs on the GPU) has cases for every kernel op the
+    dispatcher holds, and its float64 checks pass on the CPU kernels."""
+    from bench import sanitize_case
+
+    ops = sanitize_case.kernel_ops()
+    assert {"chunk_stats_", "chunk_grad_"} <= set(ops) and not {"linear_cross_entropy_forward"} & set(ops)
+    assert sanitize_case.main(["--list"]) == 0
+    assert sanitize_case.main(["--device", "cpu", "-q"]) == 0
+    assert "results within tolerance" in capsys.readouterr().out
+
+
+def test_sanitizer_harness_refuses_an_op_without_cases(monkeypatch, capsys):
+    from bench import sanitize_case
+
+    monkeypatch.setattr(sanitize_case, "kernel_ops", lambda: ["chunk_stats_", "new_kernel_"])
+    assert sanitize_case.main(["--device", "cpu"]) == 2
+    assert '@kernel_case("new_kernel_")' in capsys.readouterr().out
+
+
+def test_sanitizer_harness_reports_a_wrong_result(monkeypatch, capsys):
+    """A kernel result off its float64 reference fails the run (exit 1), so garbage cannot pass silently."""
+    from bench import sanitize_case
+
+    real = sanitize_case.CASES["chunk_grad_"]
+
+    def off_by_a_bit(device):
+        for label, actual, expected, tol in real(device):
+            yield label, actual.double() * 1.01, expected, tol
+
+    monkeypatch.setitem(sanitize_case.CASES, "chunk_grad_", off_by_a_bit)
+    assert sanitize_case.main(["--device", "cpu", "--ops", "chunk_grad_", "-q"]) == 1
+    assert "BAD chunk_grad_" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -30,7 +146,6 @@ import math  # noqa: E402
 import shutil  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench import lce_case, report  # noqa: E402
@@ -168,7 +283,9 @@ def test_parent_reruns_after_a_crash_and_skips(tmp_path):
     assert rows["selftest_crash_shared"]["status"] == "crash" and "SIGABRT" in rows["selftest_crash_shared"]["error"]
     assert rows["torch_chunked"]["status"] == "skipped" and "--skip" in rows["torch_chunked"]["error"]
     assert rows["selftest_unavailable"]["status"] == "skipped" and "does not exist" in rows["selftest_unavailable"]["error"]
-    assert "| shape | N×D×V | hugehead ms | best exact peer |" in (tmp_path / "lce.md").read_text()
+    md = (tmp_path / "lce.md").read_text()
+    assert "| shape | N×D×V | hugehead ms | best exact peer |" in md
+    assert md.count(harness.SMOKE_NOTE) == 1 and doc["meta"]["smoke"]  # a smoke run's table says so, once
 
 
 def test_resume_runs_only_what_the_earlier_part_left_out(tmp_path, monkeypatch, capsys):

@@ -705,6 +705,6 @@ def test_bench_resume_cpu_smoke(tmp_path):
         ("dcp (io_threads=1)", "load"), ("dcp -> one device", "load"), ("torch.save(state_dict)", "save"),
         ("torch.save(state_dict)", "load")]
     assert doc["all_loads_match"] and doc["target_host_peak"]["met"]
-    assert doc["disk"]["write_gbps"] > 0 and doc["git"]["git_sha"]
+    assert doc["disk"]["write_gbps"] > 0 and doc["meta"]["git_sha"]
     assert (out / "resume.md").read_text().startswith("# Checkpoint save / load")
     assert not work.exists()

@@ -361,11 +361,18 @@ def test_bench_dist_smoke_writes_records(tmp_path):
                   "--cpu-smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "out")],
                  Path(__file__).resolve().parents[1])
     doc = json.loads((tmp_path / "out" / "dist.json").read_text())
-    assert doc["git"]["git_sha"] and [r["world_size"] for r in doc["records"]] == [1, 2]
+    assert doc["meta"]["git_sha"] and [r["world_size"] for r in doc["records"]] == [1, 2]
     for record in doc["records"]:
         assert {"n", "d", "v", "world_size", "fwd_bwd_ms"} <= set(record) and record["fwd_bwd_ms"] > 0
     assert all(v < 1e-5 for v in doc["checks"].values()), doc["checks"]  # float32: the same numbers as one process
     assert (tmp_path / "out" / "dist.md").exists()
+
+
+def test_a_stuck_world_is_killed_at_its_timeout(tmp_path):
+    """Every test that spawns ranks is bounded: a rank stuck outside any collective fails the test with a
+    TimeoutError instead of hanging CI, and its processes are gone."""
+    with pytest.raises(TimeoutError, match=r"2 gloo ranks running \['stuck'\] did not finish within 30 s"):
+        dist_cases.run_world(2, ["stuck"], str(tmp_path), timeout_s=30)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,31 +17,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Fold N values into the thread's online (max, sumexp, sum): the pack's max first, so the running sum is
-// rescaled at most once per pack and each element costs one exp. NaN reaches the sum through exp (or,
-// while the max is still -inf, directly); -inf counts as exp(-inf) = 0; a +inf max makes exp(inf - inf)
-// a NaN, as F.cross_entropy's log_softmax does.
-template <int N, typename acc_t>
-__device__ __forceinline__ void fold_values(const acc_t (&v)[N], acc_t& m, acc_t& s, acc_t& sum) {
-  acc_t pm = v[0];
-#pragma unroll
-  for (int k = 1; k < N; ++k) pm = ::fmax(pm, v[k]);  // NaN-ignoring: NaN is caught below
-  if (pm > m) {
-    // s * 0 (not a literal 0) when m is still -inf: a NaN already in s must survive.
-    s *= m == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(m - pm);
-    m = pm;
-  }
-  if (m == neg_inf<acc_t>()) {  // every value so far is -inf or NaN
-#pragma unroll
-    for (int k = 0; k < N; ++k) s += v[k] != v[k] ? v[k] : acc_t(0);
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) s += cuda::fast_exp(v[k] - m);
-  }
-#pragma unroll
-  for (int k = 0; k < N; ++k) sum += v[k];
-}
-
 template <typename scalar_t, typename acc_t, bool kSoftcap>
 __global__ void __launch_bounds__(kThreads) chunk_stats_kernel(ChunkStatsParams p) {
   const int64_t row = blockIdx.x;
@@ -57,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) chunk_stats_kernel(ChunkStatsParams 
     acc_t v[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = value(pack.v[k]);
-    fold_values(v, m, s, sum);
+    cuda::fold_values(v, m, s, sum);
   });
   if (threadIdx.x == 0 && t >= 0 && t < p.cols) static_cast<acc_t*>(p.target_logit)[row] = value(logits[t]);
   cuda::block_reduce_lse(m, s, sum);

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "hugehead/numerics.h"
 
@@ -54,11 +55,22 @@ struct Vec1 {
   T v[1];
 };
 
+// f(j0, pack) when f takes the pack's first column, else f(pack).
+template <typename F, typename Pack>
+__device__ __forceinline__ void call_pack(F& f, int64_t j0, Pack& pack) {
+  if constexpr (std::is_invocable_v<F&, int64_t, Pack&>) {
+    f(j0, pack);
+  } else {
+    f(pack);
+  }
+}
+
 // Calls f(pack) for the row's elements in packs spread over the block's threads: Vec16 packs (16-byte
 // loads and stores) for the aligned body, each thread holding kUnroll of them in flight before calling
 // f on them in order, and Vec1 packs for the scalar head and tail. f takes the pack by reference and
 // may modify it (written back when Write is true); it reads pack.v[0 .. kSize). Which thread sees which
-// pack, and in what order, is fixed by (row address, cols, blockDim): deterministic.
+// pack, and in what order, is fixed by (row address, cols, blockDim): deterministic. An f taking
+// (int64_t j0, pack&) also gets the column of the pack's first element.
 template <typename scalar_t, bool Write, int kUnroll = 2, typename F>
 __device__ __forceinline__ void for_each_pack_in_row(scalar_t* row, int64_t cols, F&& f) {
   constexpr int V = Vec16<scalar_t>::kSize;
@@ -68,7 +80,7 @@ __device__ __forceinline__ void for_each_pack_in_row(scalar_t* row, int64_t cols
   head = head < cols ? head : cols;
   for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
     Vec1<scalar_t> one{{row[j]}};
-    f(one);
+    call_pack(f, j, one);
     if (Write) row[j] = one.v[0];
   }
   const int64_t body = (cols - head) / V;
@@ -81,18 +93,18 @@ __device__ __forceinline__ void for_each_pack_in_row(scalar_t* row, int64_t cols
     for (int u = 0; u < kUnroll; ++u) packs[u] = vrow[i + u * static_cast<int64_t>(blockDim.x)];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      f(packs[u]);
+      call_pack(f, head + (i + u * static_cast<int64_t>(blockDim.x)) * V, packs[u]);
       if (Write) vrow[i + u * static_cast<int64_t>(blockDim.x)] = packs[u];
     }
   }
   for (; i < body; i += blockDim.x) {
     Vec16<scalar_t> pack = vrow[i];
-    f(pack);
+    call_pack(f, head + i * V, pack);
     if (Write) vrow[i] = pack;
   }
   for (int64_t j = head + body * V + threadIdx.x; j < cols; j += blockDim.x) {
     Vec1<scalar_t> one{{row[j]}};
-    f(one);
+    call_pack(f, j, one);
     if (Write) row[j] = one.v[0];
   }
 }
@@ -130,6 +142,25 @@ __device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum)
   }
 }
 
+// Sum over the block; the result is valid in thread 0. Fixed tree: deterministic. Call it at most once
+// per kernel (its shared buffer is not guarded for reuse) from every thread of the block.
+template <typename acc_t>
+__device__ __forceinline__ acc_t block_sum(acc_t v) {
+  __shared__ acc_t part[kWarp];
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int warps = (blockDim.x + kWarp - 1) / kWarp;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < warps ? part[lane] : acc_t(0);
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
+  }
+  return v;
+}
+
 }  // namespace cuda
 }  // namespace hugehead
 
@@ -140,6 +171,31 @@ namespace cuda {
 // tolerances), the exact one in float64.
 __device__ __forceinline__ float fast_exp(float x) { return __expf(x); }
 __device__ __forceinline__ double fast_exp(double x) { return ::exp(x); }
+
+// Fold N values into the thread's online (max, sumexp, sum): the pack's max first, so the running sum is
+// rescaled at most once per pack and each element costs one exp. NaN reaches the sum through exp (or,
+// while the max is still -inf, directly); -inf counts as exp(-inf) = 0; a +inf max makes exp(inf - inf)
+// a NaN, as F.cross_entropy's log_softmax does.
+template <int N, typename acc_t>
+__device__ __forceinline__ void fold_values(const acc_t (&v)[N], acc_t& m, acc_t& s, acc_t& sum) {
+  acc_t pm = v[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) pm = ::fmax(pm, v[k]);  // NaN-ignoring: NaN is caught below
+  if (pm > m) {
+    // s * 0 (not a literal 0) when m is still -inf: a NaN already in s must survive.
+    s *= m == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(m - pm);
+    m = pm;
+  }
+  if (m == neg_inf<acc_t>()) {  // every value so far is -inf or NaN
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += v[k] != v[k] ? v[k] : acc_t(0);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += cuda::fast_exp(v[k] - m);
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) sum += v[k];
+}
 
 }  // namespace cuda
 }  // namespace hugehead

@@ -1,0 +1,109 @@
+// CUDA kernel of hugehead::sparse_chunk_grad_: one block per row turns a logits chunk into the gradient
+// of the softmax with a CSR probability target, in place, in one pass: a pack of logits finds the row's
+// entries among its columns by binary search (only in rows with entries in the chunk), so every logit is
+// read once and written once (16-byte loads and stores where the row allows).
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <type_traits>
+
+#include "hugehead/common.h"
+#include "hugehead/cuda_utils.cuh"
+#include "hugehead/sparse_target.h"
+
+namespace hugehead {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename scalar_t, typename acc_t, bool kWeighted>
+__global__ void __launch_bounds__(kThreads) sparse_chunk_grad_kernel(SparseChunkGradParams p) {
+  const int64_t row = blockIdx.x;
+  scalar_t* logits = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
+  const acc_t g = static_cast<const acc_t*>(p.grad_rows)[row];
+  const acc_t gl = p.grad_lse == nullptr ? acc_t(0) : static_cast<const acc_t*>(p.grad_lse)[row];
+  if (g == acc_t(0) && gl == acc_t(0)) {  // rows without gradient: exact zeros, whatever the logits hold
+    cuda::for_each_in_row<scalar_t, /*Write=*/true>(logits, p.cols,
+                                                    [&](int64_t, scalar_t& v) { v = scalar_t(0); });
+    return;
+  }
+  const acc_t lse = static_cast<const acc_t*>(p.lse)[row];
+  const acc_t mass = static_cast<const acc_t*>(p.target_mass)[row];
+  const acc_t softcap = static_cast<acc_t>(p.softcap);
+  const acc_t eps = static_cast<acc_t>(p.label_smoothing);
+  const acc_t smooth = eps / static_cast<acc_t>(p.num_classes);
+  const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * lse;
+  const auto* weight = static_cast<const acc_t*>(p.class_weight);
+  const auto* val = static_cast<const acc_t*>(p.target.val);
+  const int64_t* col = p.target.col;
+  const int64_t cs = p.class_start;
+  auto grad = [&](acc_t z, int64_t j, bool is_entry, acc_t entry_value) {
+    const acc_t sm = kWeighted ? smooth * weight[j] : smooth;
+    return sparse_logit_grad(z, is_entry, entry_value, lse, g, gl, mass, z_term, sm, acc_t(1) - eps, softcap);
+  };
+  const EntryRange entries = chunk_entries(p.target.crow, col, row, cs, p.cols);
+  if (entries.end == entries.begin) {  // most rows of most chunks
+    cuda::for_each_pack_in_row<scalar_t, /*Write=*/true>(logits, p.cols, [&](int64_t j0, auto& pack) {
+      constexpr int N = std::decay_t<decltype(pack)>::kSize;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        pack.v[k] = static_cast<scalar_t>(grad(static_cast<acc_t>(pack.v[k]), j0 + k, false, acc_t(0)));
+      }
+    });
+    return;
+  }
+  cuda::for_each_pack_in_row<scalar_t, /*Write=*/true>(logits, p.cols, [&](int64_t j0, auto& pack) {
+    constexpr int N = std::decay_t<decltype(pack)>::kSize;
+    // Columns are distinct and sorted: the pack's entries are consecutive from the first one >= j0.
+    int64_t e = lower_bound(col, entries.begin, entries.end, cs + j0);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const bool is_entry = e < entries.end && col[e] == cs + j0 + k;
+      const acc_t entry_value = is_entry ? val[e] : acc_t(0);
+      e += is_entry;
+      pack.v[k] = static_cast<scalar_t>(grad(static_cast<acc_t>(pack.v[k]), j0 + k, is_entry, entry_value));
+    }
+  });
+}
+
+void sparse_chunk_grad_cuda(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col,
+                            const at::Tensor& val, int64_t class_start, int64_t num_classes, const at::Tensor& lse,
+                            const at::Tensor& grad_rows, const at::Tensor& target_mass, double label_smoothing,
+                            double z_loss, double softcap, const std::optional<at::Tensor>& class_weight,
+                            const std::optional<at::Tensor>& grad_lse) {
+  check_logits_chunk(logits);
+  check_csr_target(logits, crow, col, val);
+  check_row_vectors(logits, {{"lse", &lse}, {"grad_rows", &grad_rows}, {"target_mass", &target_mass}});
+  if (grad_lse.has_value()) check_row_vectors(logits, {{"grad_lse", &*grad_lse}});
+  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
+  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
+  TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  SparseChunkGradParams p{logits.data_ptr(),
+                          {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
+                          class_weight.has_value() ? class_weight->data_ptr() : nullptr,
+                          lse.data_ptr(), grad_rows.data_ptr(), target_mass.data_ptr(),
+                          grad_lse.has_value() ? grad_lse->data_ptr() : nullptr,
+                          logits.size(0), logits.size(1), logits.stride(0), class_start, num_classes,
+                          label_smoothing, z_loss, softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_grad_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    if (p.class_weight != nullptr) {
+      sparse_chunk_grad_kernel<scalar_t, acc_t, true><<<grid, kThreads, 0, stream>>>(p);
+    } else {
+      sparse_chunk_grad_kernel<scalar_t, acc_t, false><<<grid, kThreads, 0, stream>>>(p);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("sparse_chunk_grad_", &sparse_chunk_grad_cuda); }
+
+}  // namespace hugehead
