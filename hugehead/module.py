@@ -137,7 +137,7 @@ class ChunkedClassifier(nn.Module):
             their losses — the objective whose backbone gradients DDP averages. Forward, backward,
             :meth:`topk`, :meth:`log_prob`, ``state_dict()`` (the logical weight, gathered) and
             :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
-            head's Parameters out of DDP (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`).
+            head's Parameters out of DDP (:func:`hugehead.ignore_heads_in_ddp`).
             The same seed on rank 0 gives the same logical weight as any one-process placement.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
