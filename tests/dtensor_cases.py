@@ -420,16 +420,26 @@ def job_hf(ctx, variant: str) -> dict:
         seen.append(type(weight).__name__)
         return real(x, weight, *args, **kwargs)
 
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    real_unshard, unsharded = FSDPParamGroup.unshard, []
+
+    def unshard(group, *args, **kwargs):  # which FSDP2 units gather their weights during the step
+        unsharded.append(group._module_fqn)
+        return real_unshard(group, *args, **kwargs)
+
     hf_integration.linear_cross_entropy = recording
+    FSDPParamGroup.unshard = unshard
     try:
         ids = hf_batch(ctx["rank"])
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
     finally:
         hf_integration.linear_cross_entropy = real
+        FSDPParamGroup.unshard = real_unshard
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()
              for n, p in model.named_parameters()}
-    return dict(loss=out.loss.detach(), logits=out.logits, grads=grads, weight_seen=seen)
+    return dict(loss=out.loss.detach(), logits=out.logits, grads=grads, weight_seen=seen, unsharded=unsharded)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -209,7 +209,8 @@ def test_transformers_patch_on_an_fsdp2_model_matches_the_unpatched_model(gloo2,
     """A tiny Llama under fully_shard (every decoder layer and the root; lm_head its own unit or in the
     root's), then hugehead.integrations.transformers.patch: every rank's loss and every parameter's
     gradient equal the unpatched model's in one process (float64), gradients averaged over the ranks as
-    FSDP2 does. With lm_head its own unit hugehead computes on its Shard(0) DTensor weight."""
+    FSDP2 does. With lm_head its own unit hugehead computes on its Shard(0) DTensor weight and FSDP2 never
+    gathers it."""
     results = gloo2[f"hf:{variant}"]
     if "skipped" in results[0]:
         pytest.skip(results[0]["skipped"])
@@ -228,6 +229,9 @@ def test_transformers_patch_on_an_fsdp2_model_matches_the_unpatched_model(gloo2,
         for name, p in model.named_parameters():
             torch.testing.assert_close(result["grads"][name], p.grad, **CLOSE, msg=f"rank {rank} {name}")
         assert result["weight_seen"] == (["DTensor"] if variant == "head_unit" else ["Parameter"])
+        # lm_head its own unit: FSDP2 never gathers it (patch calls a stand-in, not the sharded module).
+        assert "lm_head" not in result["unsharded"], result["unsharded"]
+        assert set(result["unsharded"]) >= {"model.layers.0", "model.layers.1"}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ def test_cpu_smoke_fit_then_test_with_accuracy_at_k():
     assert result["trainer"].global_step == 12
     assert set(metrics) == {"test_loss", "test_acc@1", "test_acc@5", "test_acc@10"}
     assert math.isfinite(metrics["test_loss"]) and result["last_loss"] < result["first_loss"]
+    assert 0.0 < result["baseline"][1] <= result["baseline"][10] < 1.0
     assert [str(s.device) for s in model.classifier.shards] == ["cpu", "cpu"]
 
     # The same test set, scored from the full logits of the trained (unpatched-equivalent) head.

@@ -102,11 +102,19 @@ class _Recorder:
     """Hooks on the head module for the duration of one forward: record its input, hand the module an
     empty slice of it (so nothing ``[..., V]`` is computed) and return ``placeholder(x)`` in its place."""
 
-    def __init__(self, module: nn.Module, placeholder: Callable[[Tensor], Tensor], who: str):
+    def __init__(self, module: nn.Module, placeholder: Callable[[Tensor], Tensor], who: str,
+                 owner: Optional[nn.Module] = None, name: Optional[str] = None):
         self.module, self.placeholder, self.who = module, placeholder, who
+        self.owner, self.name = owner, name  # where the model holds the head (owner.<name>)
         self.inputs: List[Tensor] = []
 
     def __enter__(self):
+        self.handles = []
+        if _is_fsdp2_unit(self.module) and self.owner is not None:
+            # FSDP2's own pre-forward hook (always first) would all-gather the head's weight for the call;
+            # the forward calls a stand-in instead, so the weight stays the Shard(0) DTensor hugehead uses.
+            setattr(self.owner, self.name, _StandIn(self))
+            return self
         self.handles = [
             self.module.register_forward_pre_hook(self._before, with_kwargs=True),
             self.module.register_forward_hook(self._after, with_kwargs=True),
@@ -116,6 +124,8 @@ class _Recorder:
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
+        if not self.handles and self.owner is not None:
+            setattr(self.owner, self.name, self.module)
         return False
 
     def _before(self, module, args, kwargs):
@@ -137,6 +147,24 @@ class _Recorder:
         if len(self.inputs) != 1:
             raise NotImplementedError(f"hugehead: {self.who}'s forward never called its head")
         return self.inputs[0]
+
+
+def _is_fsdp2_unit(module: nn.Module) -> bool:
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    return fsdp is not None and isinstance(module, fsdp)
+
+
+class _StandIn(nn.Module):
+    """What the forward calls in place of an FSDP2-sharded head while a :class:`_Recorder` records."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.__dict__["recorder"] = recorder  # not a submodule: the head's Parameters stay out of it
+
+    def forward(self, *args, **kwargs):
+        recorder = self.recorder
+        recorder._before(recorder.module, args, kwargs)
+        return recorder._after(recorder.module, args, kwargs, None)
 
 
 def _causal_placeholder(x: Tensor) -> Tensor:
@@ -274,7 +302,8 @@ def _call(model, state, original, args, kwargs, recorder_placeholder) -> Tuple[A
     _set_argument(state, bound, "labels", None)
     _set_argument(state, bound, "return_dict", True)
     who = type(model).__name__
-    with _Recorder(state.head, recorder_placeholder, who) as recorder:
+    owner_path, _, name = state.head_path.rpartition(".")
+    with _Recorder(state.head, recorder_placeholder, who, model.get_submodule(owner_path), name) as recorder:
         output = original(*bound.args, **bound.kwargs)
     if not hasattr(output, "logits") or not hasattr(output, "to_tuple"):
         raise NotImplementedError(f"hugehead: {who}'s forward returned {type(output).__name__}, not a ModelOutput")
