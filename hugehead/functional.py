@@ -17,6 +17,7 @@ from . import ops
 from ._extension import require_kernels
 from .dtensor import is_dtensor
 from .engines.local import shard_oom_guard
+from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     DEFAULT_MEMORY_BUDGET,
     Plan,
@@ -24,13 +25,11 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     RowStats,
     kept_shape,
     merge_row_stats,
-    merge_topk,
     plan_chunks,
     plan_topk_chunks,
     row_losses,
     shard_backward,
     shard_forward_stats,
-    shard_topk,
 )
 
 __all__ = [
