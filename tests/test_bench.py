@@ -254,7 +254,10 @@ def test_cases_share_a_process_and_one_reference(tmp_path):
 def test_case_torch_compile_reports_compile_time_apart(tmp_path):
     (row,) = lce_case.run_cases(["torch_compile"], TINY, CPU, torch.float32, _opts(reps=1), tmp_path)
     assert row["status"] == "ok", row.get("error")
-    assert row["fwd_bwd_compile_ms"] > row["fwd_bwd_ms"] and row["fwd_compile_ms"] > row["fwd_ms"]
+    # compilation + first call are recorded on their own, not among the timed repetitions (no time is
+    # compared: a loaded machine can make any call slow)
+    assert row["fwd_bwd_compile_ms"] > 0 and row["fwd_compile_ms"] > 0
+    assert row["fwd_bwd_reps"] == len(row["fwd_bwd_ms_all"]) == 1 and row["fwd_reps"] == len(row["fwd_ms_all"]) == 1
     assert row["loss_rel_err"] < 1e-5 and row["grad_w_rel_err"] < 1e-5
 
 
