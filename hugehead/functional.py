@@ -15,7 +15,9 @@ from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
+from .dtensor import is_dtensor
 from .engines.local import shard_oom_guard
+from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     DEFAULT_MEMORY_BUDGET,
     Plan,
@@ -23,13 +25,11 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     RowStats,
     kept_shape,
     merge_row_stats,
-    merge_topk,
     plan_chunks,
     plan_topk_chunks,
     row_losses,
     shard_backward,
     shard_forward_stats,
-    shard_topk,
 )
 
 __all__ = [
@@ -319,6 +319,8 @@ def linear_cross_entropy(
     Args:
         x: ``[N, D]`` float16, bfloat16, float32 or float64; any strides.
         weight: ``[V, D]``, same device as ``x``; same dtype outside ``torch.autocast``. bias: ``[V]`` or None.
+            A ``DTensor`` weight (and bias) on a 1-D mesh — ``Shard(0)`` (FSDP2, ``ColwiseParallel``) or
+            ``Replicate()`` — is used where it lies, never gathered: see :mod:`hugehead.dtensor`.
         target: ``[N]`` int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
         ignore_index, reduction, label_smoothing: as in :func:`torch.nn.functional.cross_entropy`
             ("mean" divides by the number of non-ignored rows).
@@ -347,6 +349,12 @@ def linear_cross_entropy(
         raise ValueError(f"hugehead: chunk_size must be >= 1, got {chunk_size}")
     if memory_budget is not None and int(memory_budget) < 1:
         raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
+    if is_dtensor(weight) or is_dtensor(x):  # FSDP2 / tensor parallelism: the weight is used where it lies
+        from .dtensor import linear_cross_entropy as dtensor_linear_cross_entropy
+        return dtensor_linear_cross_entropy(
+            x, weight, target, bias, compute_dtype=compute, ignore_index=int(ignore_index), reduction=reduction,
+            label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=cap, chunk_size=chunk_size,
+            memory_budget=memory_budget, return_lse=return_lse)
     if compute is not None and x.dtype != compute:
         x = x.to(compute)  # differentiable: x.grad comes back in x's own dtype
     target = target.long().contiguous()

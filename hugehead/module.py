@@ -110,6 +110,14 @@ def _parse_shard_sizes(shard_sizes, num_classes: int, num_devices: int) -> List[
     return sizes
 
 
+@torch.compiler.disable
+def _engine_topk(engine, x: Tensor, shards, softcap: float, k: int) -> Tuple[Tensor, Tensor]:
+    # The engines queue work on several devices and streams from Python: under torch.compile this runs
+    # eagerly (a graph break), as the loss's host-side target check does.
+    with no_autocast(x, shards):
+        return engine.topk(x, shards, softcap, k)
+
+
 class ChunkedClassifier(nn.Module):
     """``Linear(in_features, num_classes)`` followed by cross-entropy, never building ``[N, V]`` logits,
     with the weight split by class ranges into shards on one or several devices.
@@ -440,8 +448,7 @@ class ChunkedClassifier(nn.Module):
             raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
         spec = self._spec()
         shards = spec.shards(self._shard_params())
-        with no_autocast(x, shards):
-            return self.engine.topk(x, shards, spec.softcap, int(k))
+        return _engine_topk(self.engine, x, shards, spec.softcap, int(k))
 
     @torch.no_grad()
     def log_prob(self, x: Tensor, target: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..loop import merge_topk
+from ..topk import merge_topk
 from .local import LocalEngine, PlacedInputs, ShardTensors
 
 __all__ = [
