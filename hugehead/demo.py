@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import hugehead  # noqa: E402
+from .plan import workspace_bytes  # noqa: E402
 
 __all__ = ["main", "parse_args", "resolve_devices", "ZipfPrototypes", "Backbone", "estimate_bytes_per_device"]
 
@@ -249,17 +250,16 @@ def estimate_bytes_per_device(args: argparse.Namespace) -> Dict[torch.device, in
     offloaded = getattr(args, "offload", False) is True
     host = torch.device("cpu")
     need: Dict[torch.device, int] = {}
+    on_device: Dict[torch.device, List[int]] = {}
     for dev, v in zip(args.devices, balanced_shard_sizes(args.classes, len(args.devices))):
         params = v * (args.dim + 1) * itemsize * _COPIES_PER_PARAM
-        workspace = min(_WORKSPACE_BUDGET, args.batch * v * itemsize) + 2 * args.batch * args.dim * 4
-        if offloaded:
-            from .engines.offload import GRAD_RING_DEPTH, STREAM_MAX_COLS, WEIGHT_RING_DEPTH
-
-            rings = (WEIGHT_RING_DEPTH + GRAD_RING_DEPTH) * min(v, STREAM_MAX_COLS) * (args.dim + 1) * itemsize
-            need[host] = need.get(host, 0) + params
-            need[dev] = need.get(dev, 0) + workspace + rings
-        else:
-            need[dev] = need.get(dev, 0) + params + workspace
+        where = host if offloaded else dev
+        need[where] = need.get(where, 0) + params
+        on_device.setdefault(dev, []).append(v)
+    # The chunk loops' workspace, kept logits and (offloaded) rings: what the planner will choose.
+    for dev, sizes in on_device.items():
+        need[dev] = need.get(dev, 0) + workspace_bytes(args.batch, args.dim, sizes, args.dtype, dev,
+                                                       memory_budget=_WORKSPACE_BUDGET, offload=offloaded)
     first = args.devices[0]
     backbone_params = args.input_dim * args.hidden + args.hidden * args.hidden + args.hidden * args.dim
     activations = args.batch * (args.input_dim + 2 * args.hidden + 2 * args.dim) * 4 * 3

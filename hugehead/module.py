@@ -244,14 +244,14 @@ class ChunkedClassifier(nn.Module):
 
             placement = check_offload_devices(placement)
             starts = [first_class + sum(sizes[:k]) for k in range(len(sizes))]
-            self.engine = self._offload_engine = OffloadEngine(dict(zip(starts, placement)), chunk_size, memory_budget)
+            self.engine = OffloadEngine(dict(zip(starts, placement)), chunk_size, memory_budget)
             empty = self.engine.allocate_host
             itemsize = torch.empty((), dtype=dtype).element_size()
             host_bytes = sum(sizes) * (self.in_features + int(bool(bias))) * itemsize
             check_host_memory(host_bytes, f"the offloaded head's parameters ({sum(sizes):,} x "
                                           f"{self.in_features} {str(dtype).replace('torch.', '')})")
         else:
-            self.engine, self._offload_engine = LocalEngine(chunk_size, memory_budget), None
+            self.engine = LocalEngine(chunk_size, memory_budget)
         shards, start = [], first_class
         for device, size in zip(placement, sizes):
             if self.offload:
@@ -283,9 +283,7 @@ class ChunkedClassifier(nn.Module):
             probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
             if probe.dtype == t.dtype:
                 return t
-            if self.offload:  # cast into pinned memory again (t.to would land in pageable memory)
-                return self._offload_engine.allocate_host(t.shape, probe.dtype, what="a cast offloaded shard").copy_(t)
-            return t.to(dtype=probe.dtype)
+            return self.engine.cast_parameter(t, probe.dtype)
 
         return super()._apply(keep_device, recurse)
 
@@ -312,7 +310,7 @@ class ChunkedClassifier(nn.Module):
         if not self.offload:
             return {}
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
-        return {"weight_bytes": weight_bytes, "pin_seconds": self._pin_seconds, **self._offload_engine.stats()}
+        return {"weight_bytes": weight_bytes, "pin_seconds": self._pin_seconds, **self.engine.stats()}
 
     def extra_repr(self) -> str:
         layout = ", ".join(f"{s.device} [{s.start}, {s.stop})" for s in self.shards)
@@ -344,8 +342,7 @@ class ChunkedClassifier(nn.Module):
         so ``torch.manual_seed`` makes it reproducible.
         """
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        if hasattr(self.engine, "agree_seed"):  # across ranks: rank 0's seed, one logical weight
-            seed = self.engine.agree_seed(seed)
+        seed = self.engine.agree_seed(seed)  # across ranks: rank 0's seed, one logical weight
         bound = 1.0 / math.sqrt(self.in_features)
         for shard in self.shards:
             # An offloaded shard's values are computed on its GPU (the same integer hash) and copied in.

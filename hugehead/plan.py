@@ -41,6 +41,9 @@ __all__ = [
     "cap_plan",
     "SLOT_BYTES",
     "STREAM_MAX_COLS",
+    "WEIGHT_RING_DEPTH",
+    "GRAD_RING_DEPTH",
+    "workspace_bytes",
     "shard_oom_guard",
 ]
 
@@ -60,6 +63,10 @@ _CHUNK_ELEMS = {"cuda": 1 << 28}
 SLOT_BYTES = 256 << 20
 STREAM_MAX_COLS = 32768
 _MIN_STREAM_COLS = 256
+# Offload rings. Weight slots: the chunk computing, the one before it (still read by the overlapped
+# backward) and two in flight. dW slots: one being written while the two before it are copied out.
+WEIGHT_RING_DEPTH = 4
+GRAD_RING_DEPTH = 3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,6 +327,29 @@ def plan_streamed(n: int, d: int, v: int, dtype: torch.dtype, weight_dtype: torc
     with ``streamed_keep``), its chunks capped to the streaming width (:func:`cap_plan`)."""
     plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype, allow_keep=allow_keep)
     return cap_plan(plan, v, stream_cols(STREAM_MAX_COLS, d, _itemsize(weight_dtype)))
+
+
+def workspace_bytes(n: int, d: int, shard_sizes: Sequence[int], dtype: torch.dtype, device: torch.device,
+                    chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, *,
+                    offload: bool = False, keep: bool = True) -> int:
+    """Bytes of ``device`` that one training step's loops use at their peak, for the shards of
+    ``shard_sizes`` classes computing there (sharing its budget) over ``N`` rows of ``D`` features: each
+    shard's plan's kept logits and workspace(s), one ``dX`` buffer pair, and, offloaded, each shard's
+    rings of weight and gradient slots. What :func:`plan_chunks` plans, for estimates made before a head
+    exists (``hugehead.demo``'s "will it fit")."""
+    itemsize = _itemsize(dtype)
+    budget = resolve_budget(memory_budget, device, shards_on_device=len(shard_sizes), streamed_keep=offload and keep)
+    total = n * d * (itemsize + 4) if shard_sizes else 0
+    for v in shard_sizes:
+        if offload:
+            plan = plan_streamed(n, d, v, dtype, dtype, device, chunk_size, budget, keep)
+            total += (WEIGHT_RING_DEPTH + GRAD_RING_DEPTH) * min(v, plan.cols) * (d + 1) * itemsize
+        else:
+            plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, allow_keep=keep)
+        streaming = 0 if plan.keep_logits and plan.kept_chunks * plan.cols >= v else 1 + int(plan.overlap)
+        total += (plan.kept_chunks if plan.keep_logits else 0) * n * plan.cols * itemsize
+        total += streaming * plan.rows * min(plan.cols, v) * itemsize
+    return total
 
 
 # --------------------------------------------------------------------------------------------------

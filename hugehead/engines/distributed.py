@@ -379,6 +379,12 @@ class DistributedEngine:
                         out[b0:b1].copy_(block)
         return out
 
+    def cast_parameter(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        return self.local.cast_parameter(t, dtype)
+
+    def stats(self) -> dict:
+        return self.local.stats()
+
     def agree_seed(self, seed: int) -> int:
         """Rank 0's ``seed`` on every rank (one broadcast), so all ranks initialize one logical weight."""
         t = torch.tensor([seed], dtype=torch.int64).to(self.comm_device(torch.device("cpu")))

@@ -98,6 +98,19 @@ class LocalEngine:
         self.chunk_size = chunk_size
         self.memory_budget = memory_budget
 
+    # Capabilities the module asks for (each engine answers for its placement) -------------------------
+    def agree_seed(self, seed: int) -> int:
+        """The seed every process holding part of this head initializes with (here: ``seed`` itself)."""
+        return seed
+
+    def cast_parameter(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        """A shard Parameter's data cast to ``dtype`` where the placement keeps it (``Module.to(dtype)``)."""
+        return t.to(dtype=dtype)
+
+    def stats(self) -> Dict[str, float]:
+        """Counters of the placement's own memory (the offload engine's host gradients); empty here."""
+        return {}
+
     # Where a shard computes and how its weight chunks reach the loop (the offload engine overrides) -----
     def compute_device(self, shard: ShardTensors) -> torch.device:
         return shard.weight.device

@@ -42,8 +42,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import pinned
 from ..loop import WeightChunk
 from ..plan import (  # noqa: F401  (SLOT_BYTES, STREAM_MAX_COLS, cap_plan: re-exported, they lived here)
+    GRAD_RING_DEPTH,
     SLOT_BYTES,
     STREAM_MAX_COLS,
+    WEIGHT_RING_DEPTH,
     Budget,
     Plan,
     cap_plan,
@@ -56,12 +58,6 @@ from .local import LocalEngine, ShardTensors
 
 __all__ = ["OffloadEngine", "StreamedChunks", "HostGradPool", "CudaStreams", "InlineStreams", "chunk_bounds",
            "stream_cols", "cap_plan", "check_offload_devices"]
-
-# Weight slots: the chunk computing, the one before it (still read by the overlapped backward) and two
-# in flight.
-WEIGHT_RING_DEPTH = 4
-# dW slots: one being written while the two before it are copied out (slack for jitter).
-GRAD_RING_DEPTH = 3
 
 # Tests set this to let ChunkedClassifier(offload=True) compute on "cpu" devices (InlineStreams).
 _ALLOW_CPU_COMPUTE = False
@@ -495,6 +491,10 @@ class OffloadEngine(LocalEngine):
 
     def compute_device(self, shard: ShardTensors) -> torch.device:
         return self.devices[shard.start]
+
+    def cast_parameter(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        """Cast into pinned host memory again (``t.to`` would land in pageable memory)."""
+        return self.allocate_host(t.shape, dtype, what="a cast offloaded shard").copy_(t)
 
     def source(self, shard: ShardTensors, compute_dtype: torch.dtype) -> StreamedChunks:
         return StreamedChunks(shard.weight, shard.bias, compute_dtype, self.compute_device(shard), self.streams,
