@@ -102,6 +102,20 @@ def test_shards_on_one_device_share_its_budget_and_the_plan_records_it(monkeypat
     assert plan == planner.Plan(plan.rows, plan.cols, plan.keep_logits, plan.kept_chunks, plan.overlap)
 
 
+def test_workspace_estimate_is_what_the_planner_plans():
+    """hugehead.demo's "will it fit" asks the planner: two CPU shards of 3000 classes sharing 1 MiB stream
+    their own plans' workspaces; a budget that holds every logit keeps them all."""
+    cpu = torch.device("cpu")
+    n, d, budget = 64, 16, 1 << 20
+    plan = planner.plan_chunks(n, d, 3000, torch.float32, cpu, None, planner.resolve_budget(budget, cpu, shards_on_device=2))
+    assert not plan.keep_logits or plan.kept_chunks * plan.cols < 3000
+    kept = (plan.kept_chunks if plan.keep_logits else 0) * n * plan.cols * 4
+    want = n * d * 8 + 2 * (kept + plan.rows * plan.cols * 4)
+    assert planner.workspace_bytes(n, d, [3000, 3000], torch.float32, cpu, memory_budget=budget) == want
+    all_kept = planner.workspace_bytes(n, d, [3000], torch.float32, cpu, memory_budget=64 << 20)
+    assert all_kept == n * d * 8 + n * 3000 * 4
+
+
 def test_out_of_memory_message_states_the_budget_used(monkeypatch):
     import hugehead.loop as loop
 
