@@ -253,10 +253,18 @@ def forward_stats_steps(
         target is not in this shard, so shards merge by summing it), and the kept logits
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
-    n = x.shape[0]
-    if plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0:
+    if _overlapped(plan, x, source):
         return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
     return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan)
+
+
+def _overlapped(plan: Plan, x: Tensor, source) -> bool:
+    """Whether the loop runs its side-stream variant: the plan has two workspaces, rows whole, and this is
+    not a graph being traced by torch.compile (a traced head runs one stream; inside the functional's
+    opaque op the loop runs eagerly and overlaps)."""
+    n = x.shape[0]
+    return (plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0
+            and not torch.compiler.is_compiling())
 
 
 def _new_stats(x: Tensor) -> RowStats:
@@ -400,11 +408,9 @@ def backward_steps(
         ``(grad_weight [V_k, D], grad_bias [V_k] or None)`` in the stored dtype, from the source's
         gradient sink, each chunk written once (no atomics: deterministic), or ``(None, None)``.
     """
-    n = x.shape[0]
     args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
             grad_lse)
-    if (plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0
-            and getattr(source, "lookahead", False)):
+    if _overlapped(plan, x, source) and getattr(source, "lookahead", False):
         return _backward_overlapped(*args)
     return _backward_streamed(*args)
 

@@ -274,24 +274,25 @@ def test_second_order_gradients_raise_not_supported(where):
 # torch.compile(fullgraph=True) of a model holding a head
 # --------------------------------------------------------------------------------------------------
 class _Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, device):
         super().__init__()
         torch.manual_seed(2)
-        self.backbone = torch.nn.Linear(6, 8, dtype=torch.float64)
-        self.head = hugehead.ChunkedClassifier(8, 50, devices=["cpu", "cpu", "cpu"], dtype=torch.float64,
+        self.backbone = torch.nn.Linear(6, 8, dtype=torch.float64, device=device)
+        self.head = hugehead.ChunkedClassifier(8, 50, devices=[device] * 3, dtype=torch.float64,
                                                chunk_size=8, label_smoothing=0.1, softcap=4.0)
 
     def forward(self, x, target):
         return self.head(torch.tanh(self.backbone(x)), target)
 
 
-def test_compile_fullgraph_of_a_model_with_a_chunked_head_matches_eager():
+def test_compile_fullgraph_of_a_model_with_a_chunked_head_matches_eager(device):
+    """Three shards (on the CPU, or on one GPU: the multi-stream overlap is an eager-only plan)."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(10, 6, generator=g, dtype=torch.float64)
-    target = torch.randint(0, 50, (10,), generator=g)
+    x = torch.randn(10, 6, generator=g, dtype=torch.float64).to(device)
+    target = torch.randint(0, 50, (10,), generator=g).to(device)
     target[3] = -100
-    eager, compiled_model = _Model(), _Model()
+    eager, compiled_model = _Model(str(device)), _Model(str(device))
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     want = eager(x, target)
     want.backward()
