@@ -334,17 +334,32 @@ def linear_cross_entropy(
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)
     compute = _check_inputs(x, weight, target, bias)
+    shape = target.shape
+    flattened = x.dim() != 2 and not _is_dtensor(x)
+    if flattened:  # [..., D] with target [...]: the rows are the leading dimensions
+        x, target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
     if _is_dtensor(weight) or _is_dtensor(x):  # FSDP2 / tensor parallelism: the weight is used where it lies
         from .dtensor import linear_cross_entropy as dtensor_linear_cross_entropy  # (above this layer: lazily)
-        return dtensor_linear_cross_entropy(
+        out = dtensor_linear_cross_entropy(
             x, weight, target, bias, compute_dtype=compute, options=options, chunk_size=chunk_size,
             memory_budget=memory_budget, return_lse=return_lse)
-    shape = target.shape
-    if x.dim() != 2:  # [..., D] with target [...]: the rows are the leading dimensions
-        x = x.reshape(-1, x.shape[-1])
+        loss, lse = out if return_lse else (out, None)
+    else:
+        loss, lse = _linear_cross_entropy(x, weight, target, bias, compute, options, chunk_size, memory_budget)
+    if flattened and options.reduction == "none":
+        loss = loss.view(shape)
+    if not return_lse:
+        return loss
+    return loss, (lse.view(shape) if flattened else lse)
+
+
+def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                          compute: Optional[torch.dtype], options: LossOptions, chunk_size: Optional[int],
+                          memory_budget: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """The single-device loss of checked inputs ``x [N, D]``, ``target [N]``: ``(loss, lse [N])``."""
     if compute is not None and x.dtype != compute:
         x = x.to(compute)  # differentiable: x.grad comes back in x's own dtype
-    target = target.reshape(-1).long().contiguous()
+    target = target.long().contiguous()
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
@@ -357,8 +372,4 @@ def linear_cross_entropy(
         options.kernel_softcap, int(chunk_size or 0), int(memory_budget or 0), plan.keep_logits,
         _plan_list(plan),
     )
-    loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
-    if options.reduction == "none":
-        loss = loss.view(shape)
-    lse = lse.view(shape)
-    return (loss, lse) if return_lse else loss
+    return reduce_loss(loss_rows, target != options.ignore_index, options.reduction), lse
