@@ -36,6 +36,9 @@ LOSS_CASES: Dict[str, dict] = {
     "tp_rank_without_classes": dict(layout="tp", v=4, rows=[6], bias=False, reduction="sum", chunk_size=1),
     "replicate": dict(layout="replicate", v=17, rows=[5, 7, 3], bias=True, reduction="mean", label_smoothing=0.2,
                       chunk_size=6),
+    # x and target Shard(0) DTensors of the rows (sequence-parallel style): the data-parallel path.
+    "fsdp_sharded_x": dict(layout="fsdp", v=23, rows=[4, 4, 4], bias=True, reduction="mean", chunk_size=5,
+                           sharded_x=True),
     # float32 tensors under CPU autocast: the head computes in bfloat16, float32 gradients and loss.
     "fsdp_autocast_bf16": dict(layout="fsdp", v=23, rows=[7, 4, 5], bias=True, reduction="mean", chunk_size=4,
                                autocast=True),
@@ -96,6 +99,11 @@ def job_loss(ctx, name: str) -> dict:
     x = x.to(dtype)
     if case["layout"] == "tp":
         x = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    elif case.get("sharded_x"):
+        from torch.distributed.tensor import DTensor
+
+        x = DTensor.from_local(x, mesh, [Shard(0)], run_check=False).requires_grad_()
+        target = DTensor.from_local(target, mesh, [Shard(0)], run_check=False)
     else:
         x = x.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(case.get("autocast"))):
