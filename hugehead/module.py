@@ -3,7 +3,6 @@ shards (contiguous class ranges) on several devices. It owns one pair of Paramet
 its loss as one custom autograd op over all shards through a placement engine (``engines/``)."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -12,18 +11,24 @@ import torch
 from torch import Tensor, nn
 
 from ._extension import require_kernels
+from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
 from .engines.local import LocalEngine
-from .functional import autocast_dtype, check_targets, reduce_loss, validate_options
 from .init import hashed_uniform_
+from .options import (
+    FLOAT_DTYPES,
+    LossOptions,
+    autocast_dtype,
+    check_chunk_size,
+    check_memory_budget,
+    check_target_tensor,
+    check_targets,
+    reduce_loss,
+)
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Rows of the logical weight read from a checkpoint at a time: bounds the host memory such a pass needs,
-# independent of the head's size.
-_ROW_BLOCK_ELEMENTS = 1 << 24
-_SAFETENSORS_FORMAT = "hugehead.ChunkedClassifier/1"
+_FLOAT_DTYPES = FLOAT_DTYPES
 
 DeviceLike = Union[str, int, torch.device]
 
@@ -130,8 +135,10 @@ class ChunkedClassifier(nn.Module):
             leave every shard where it is and only apply dtype casts; with ``devices=None`` the head
             moves like ``nn.Linear``.
         dtype: of the Parameters (default: ``torch.get_default_dtype()``); ``x`` must match it.
-        chunk_size, memory_budget: classes per chunk and bytes of workspace per shard, as in
-            :func:`hugehead.linear_cross_entropy` (None: planned).
+        chunk_size, memory_budget: classes per chunk and bytes of workspace per compute device (the
+            shards computing on one device share it), as in :func:`hugehead.linear_cross_entropy` (None:
+            planned; the default is bounded by the device's free memory, on the CPU by the host's
+            available memory: :mod:`hugehead.plan`).
         ignore_index, reduction, label_smoothing, z_loss, softcap: the loss, exactly as in
             :func:`hugehead.linear_cross_entropy`.
         shard_sizes: classes per shard, in device order (default: balanced). With ``process_group``:
@@ -149,7 +156,7 @@ class ChunkedClassifier(nn.Module):
             their losses — the objective whose backbone gradients DDP averages. Forward, backward,
             :meth:`topk`, :meth:`log_prob`, ``state_dict()`` (the logical weight, gathered) and
             :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
-            head's Parameters out of DDP (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`).
+            head's Parameters out of DDP (:func:`hugehead.ignore_heads_in_ddp`).
             The same seed on rank 0 gives the same logical weight as any one-process placement.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
@@ -201,21 +208,20 @@ class ChunkedClassifier(nn.Module):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"hugehead: dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
-        if chunk_size is not None and int(chunk_size) < 1:
-            raise ValueError(f"hugehead: chunk_size must be >= 1, got {chunk_size}")
-        if memory_budget is not None and int(memory_budget) < 1:
-            raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
-        validate_options(reduction, label_smoothing, z_loss, softcap)
+        chunk_size = check_chunk_size(chunk_size)
+        memory_budget = check_memory_budget(memory_budget)
+        options = LossOptions(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                              z_loss=z_loss, softcap=softcap)
 
         self.in_features = int(in_features)
         self.num_classes = int(num_classes)
-        self.ignore_index = int(ignore_index)
-        self.reduction = reduction
-        self.label_smoothing = float(label_smoothing)
-        self.z_loss = float(z_loss)
+        # The loss options stay plain attributes (a user may change one between steps); every call
+        # checks them again as one LossOptions (loss_options()).
+        self.ignore_index = options.ignore_index
+        self.reduction = options.reduction
+        self.label_smoothing = options.label_smoothing
+        self.z_loss = options.z_loss
         self.softcap = softcap
-        chunk_size = None if chunk_size is None else int(chunk_size)
-        memory_budget = None if memory_budget is None else int(memory_budget)
 
         # Explicit placements are pinned: Module.to(device)/.cuda()/.cpu() (which Lightning and most training
         # loops call on the whole model) cast dtypes but leave each shard on its device. Offloaded shards
@@ -263,14 +269,10 @@ class ChunkedClassifier(nn.Module):
         self._pin_seconds = time.perf_counter() - t0
         self.reset_parameters()
 
-        if group is None:
-            self.register_state_dict_post_hook(_logical_state_dict_hook)
-        else:  # the logical weight gathered from every rank (collective)
-            from .engines.distributed import logical_state_dict_hook
-
-            self.register_state_dict_post_hook(logical_state_dict_hook)
-        self.register_load_state_dict_pre_hook(_load_logical_state_dict_hook)
-        self.register_load_state_dict_post_hook(_rename_missing_keys_hook)
+        # Placement-independent state dicts: the logical weight [V, D] and bias [V] (checkpoint/head.py).
+        self.register_state_dict_post_hook(state_dict_hook)
+        self.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
+        self.register_load_state_dict_post_hook(rename_missing_keys_hook)
 
     def _apply(self, fn, recurse=True):
         if not self.placement_pinned:
@@ -360,16 +362,17 @@ class ChunkedClassifier(nn.Module):
             params += [s.bias for s in self.shards]
         return params
 
-    def _check_x(self, x: Tensor) -> Tensor:
+    def _check_x(self, x: Tensor, leading_dims: bool = False) -> Tensor:
         """Check ``x`` and return it in the compute dtype: the autocast dtype under ``torch.autocast`` on
-        ``x``'s device type (a differentiable cast), else ``x`` itself, which must match the head."""
+        ``x``'s device type (a differentiable cast), else ``x`` itself, which must match the head.
+        ``leading_dims``: ``x`` may be ``[..., D]``."""
         if not isinstance(x, Tensor):
             raise TypeError(f"hugehead: x must be a tensor, got {type(x).__name__}")
-        if x.dim() != 2:
+        if x.dim() < 2 or (x.dim() > 2 and not leading_dims):
             raise ValueError(f"hugehead: x must be [N, D] = [N, {self.in_features}], got shape {tuple(x.shape)}")
-        if x.shape[1] != self.in_features:
+        if x.shape[-1] != self.in_features:
             raise ValueError(
-                f"hugehead: x has D={x.shape[1]} features but the head has in_features={self.in_features}"
+                f"hugehead: x has D={x.shape[-1]} features but the head has in_features={self.in_features}"
             )
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"hugehead: x is on {x.device}; ChunkedClassifier takes x on 'cpu' or 'cuda' devices")
@@ -386,47 +389,48 @@ class ChunkedClassifier(nn.Module):
             )
         return x
 
-    def _check_target(self, x: Tensor, target: Tensor) -> Tensor:
-        if not isinstance(target, Tensor):
-            raise TypeError(f"hugehead: target must be a tensor, got {type(target).__name__}")
-        if target.dim() != 1 or target.shape[0] != x.shape[0]:
-            raise ValueError(f"hugehead: target must be [N] = [{x.shape[0]}], got shape {tuple(target.shape)}")
-        if target.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"hugehead: target must be int64 or int32, got {target.dtype}")
-        if target.device != x.device:
-            raise ValueError(f"hugehead: target is on {target.device} but x is on {x.device}")
-        return target.long().contiguous()
+    def loss_options(self) -> LossOptions:
+        """The head's loss options, checked (raises as :class:`~hugehead.options.LossOptions`)."""
+        return LossOptions(reduction=self.reduction, ignore_index=self.ignore_index,
+                           label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap)
 
     def _spec(self) -> LossSpec:
-        softcap = validate_options(self.reduction, self.label_smoothing, self.z_loss, self.softcap)
-        return LossSpec(
-            self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes, self.ignore_index,
-            self.label_smoothing, self.z_loss, softcap,
-        )
+        return LossSpec(self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes,
+                        self.loss_options())
 
     def forward(self, x: Tensor, target: Tensor, *, return_lse: bool = False):
         """Cross-entropy of ``x Wᵀ + b`` against ``target`` over all shards.
 
         Args:
-            x: ``[N, D]`` on any CPU or CUDA device, in the head's dtype — or any float16/bfloat16/float32
-                dtype under ``torch.autocast`` on ``x``'s device type, which computes in the autocast
-                dtype (``x`` cast once, each weight chunk cast in the loop; the Parameters keep their
-                dtype and get gradients in it).
-            target: ``[N]`` int64 or int32 class ids in ``[0, V)`` or ``ignore_index``, on ``x``'s device.
+            x: ``[N, D]`` (or ``[..., D]``, e.g. ``[batch, tokens, D]``) on any CPU or CUDA device, in the
+                head's dtype — or any float16/bfloat16/float32 dtype under ``torch.autocast`` on ``x``'s
+                device type, which computes in the autocast dtype (``x`` cast once, each weight chunk cast
+                in the loop; the Parameters keep their dtype and get gradients in it).
+            target: ``[N]`` (``x``'s leading shape) int64 or int32 class ids in ``[0, V)`` or
+                ``ignore_index``, on ``x``'s device.
             return_lse: also return the per-row log-sum-exp (differentiable).
         Returns:
-            The loss on ``x``'s device — float32 (float64 for a float64 computation) — a scalar, or ``[N]``
-            for ``reduction="none"``; with ``return_lse``, ``(loss, lse [N])``.
+            The loss on ``x``'s device — float32 (float64 for a float64 computation) — a scalar, or
+            ``target``'s shape for ``reduction="none"``; with ``return_lse``, ``(loss, lse)`` (``lse`` in
+            target's shape). First-order gradients only: differentiating them raises ``RuntimeError``.
         Raises:
             ValueError: wrong shapes or D, a target out of range, x on another device type, target on
-                another device than x. TypeError: dtype mismatch outside autocast.
+                another device than x. TypeError: dtype mismatch outside autocast, an option of the wrong
+                type.
         """
-        x = self._check_x(x)
-        target = self._check_target(x, target)
+        x = self._check_x(x, leading_dims=True)
+        shape = tuple(x.shape[:-1])
+        target = check_target_tensor(target, x)
+        if x.dim() != 2:
+            x = x.reshape(-1, self.in_features)
         spec = self._spec()
-        check_targets(target, self.num_classes, self.ignore_index)  # the step's only host synchronization
+        options = spec.options
+        target = check_targets(target, self.num_classes, options.ignore_index)  # the step's one host synchronization
         loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
-        loss = reduce_loss(loss_rows, target != self.ignore_index, self.reduction)
+        loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
+        if options.reduction == "none":
+            loss = loss.view(shape)
+        lse = lse.view(shape)
         return (loss, lse) if return_lse else loss
 
     @torch.no_grad()
@@ -448,7 +452,7 @@ class ChunkedClassifier(nn.Module):
             raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
         spec = self._spec()
         shards = spec.shards(self._shard_params())
-        return _engine_topk(self.engine, x, shards, spec.softcap, int(k))
+        return _engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
 
     @torch.no_grad()
     def log_prob(self, x: Tensor, target: Tensor) -> Tensor:
@@ -462,49 +466,28 @@ class ChunkedClassifier(nn.Module):
             ValueError: a target outside ``[0, V)``, or the checks of :meth:`forward`.
         """
         x = self._check_x(x)
-        target = self._check_target(x, target)
-        bad = (target < 0) | (target >= self.num_classes)
-        if bool(bad.any()):
-            first = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"hugehead: log_prob target {int(target[first])} at row {first} is out of range for "
-                f"{self.num_classes} classes (valid: 0..{self.num_classes - 1})"
-            )
+        target = check_target_tensor(target, x)
+        target = check_targets(target, self.num_classes, None, what="log_prob target")
         spec = self._spec()
         shards = spec.shards(self._shard_params())
         with no_autocast(x, shards):
-            lse, target_logit, _, _ = self.engine.row_stats(x, target, shards, spec.softcap)
+            lse, target_logit, _, _ = self.engine.row_stats(x, target, shards, spec.options)
         return target_logit - lse
 
     # ---------------------------------------------------------------------------------------------
-    # Checkpoints
+    # Checkpoints (hugehead/checkpoint/head.py: one implementation for every placement)
     # ---------------------------------------------------------------------------------------------
     def save_safetensors(self, path: str) -> None:
         """Write the head to a safetensors file, one tensor per shard (``weight.<k>``, ``bias.<k>``) with
         the class ranges in the file's metadata, streamed: each shard is written from where it lives a
         block of rows at a time (host memory within two blocks of 64 MiB, never a shard or the head), to a
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
-        it was). Any placement reads the file back with :meth:`load_safetensors`.
+        it was). Any placement reads the file back with :meth:`load_safetensors`. A head spanning ranks:
+        collective; the logical weight is gathered to group rank 0, which writes one file.
         """
-        if self.engine.name == "distributed":  # collective: one file, written by rank 0
-            from .engines.distributed import save_safetensors
+        from .checkpoint.head import save_safetensors
 
-            return save_safetensors(self, path, _SAFETENSORS_FORMAT)
-        from .checkpoint import write_safetensors
-
-        tensors: List[Tuple[str, Tensor]] = []
-        for k, shard in enumerate(self.shards):
-            tensors.append((f"weight.{k}", shard.weight))
-            if shard.bias is not None:
-                tensors.append((f"bias.{k}", shard.bias))
-        metadata = {
-            "format": "pt",
-            "hugehead.format": _SAFETENSORS_FORMAT,
-            "hugehead.in_features": str(self.in_features),
-            "hugehead.num_classes": str(self.num_classes),
-            "hugehead.class_ranges": json.dumps([[s.start, s.stop] for s in self.shards]),
-        }
-        write_safetensors(path, tensors, metadata)
+        save_safetensors(self, path)
 
     def sharded_state_dict(self, *, for_save: bool = False) -> Dict[str, Tensor]:
         """Like :meth:`state_dict` (logical keys ``weight``, ``bias``), but each value is a
@@ -517,7 +500,6 @@ class ChunkedClassifier(nn.Module):
 
         return sharded_state_dict(self, for_save=for_save)
 
-    @torch.no_grad()
     def load_safetensors(self, path: str, strict: bool = True) -> None:
         """Copy a checkpoint into the shards, reading only the rows each shard needs, a block of rows at
         a time (``safe_open(...).get_slice``).
@@ -529,133 +511,6 @@ class ChunkedClassifier(nn.Module):
             ValueError: the file's classes or features differ from the head's, its pieces do not cover
                 ``[0, V)``, or (``strict``) it has a bias the head lacks or lacks one the head has.
         """
-        from safetensors import safe_open
+        from .checkpoint.head import load_safetensors
 
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            if "weight" in names:
-                pieces = [(0, None, "weight", "bias")]
-            else:
-                ranges = json.loads((f.metadata() or {}).get("hugehead.class_ranges", "null"))
-                if ranges is None:
-                    raise ValueError(
-                        f"hugehead: {path} has neither a 'weight' tensor nor hugehead shard metadata "
-                        f"(tensors: {sorted(names)})"
-                    )
-                pieces = [(start, stop, f"weight.{k}", f"bias.{k}") for k, (start, stop) in enumerate(ranges)]
-            stop = 0
-            for i, (start, _, weight_name, bias_name) in enumerate(pieces):
-                if weight_name not in names:
-                    raise ValueError(f"hugehead: {path} lacks tensor {weight_name!r}")
-                shape = f.get_slice(weight_name).get_shape()
-                if len(shape) != 2 or shape[1] != self.in_features:
-                    raise ValueError(
-                        f"hugehead: {path}: {weight_name} has shape {list(shape)}, but the head has "
-                        f"in_features={self.in_features} (expected [rows, {self.in_features}])"
-                    )
-                if start != stop:
-                    raise ValueError(f"hugehead: {path}: {weight_name} starts at class {start}, expected {stop}")
-                stop = start + shape[0]
-                pieces[i] = (start, stop, weight_name, bias_name)
-                if bias_name in names:
-                    bias_shape = f.get_slice(bias_name).get_shape()
-                    if list(bias_shape) != [shape[0]]:
-                        raise ValueError(
-                            f"hugehead: {path}: {bias_name} has shape {list(bias_shape)}, expected [{shape[0]}]"
-                        )
-            if stop != self.num_classes:
-                raise ValueError(
-                    f"hugehead: {path} holds {stop} classes but the head has num_classes={self.num_classes}"
-                )
-            file_has_bias = all(p[3] in names for p in pieces)
-            if strict and file_has_bias != self.has_bias:
-                raise ValueError(
-                    f"hugehead: {path} {'has' if file_has_bias else 'has no'} bias but the head "
-                    f"{'has' if self.has_bias else 'has no'} bias (pass strict=False to ignore it)"
-                )
-            rows = max(1, _ROW_BLOCK_ELEMENTS // self.in_features)
-            for shard in self.shards:
-                for start, stop, weight_name, bias_name in pieces:
-                    lo, hi = max(start, shard.start), min(stop, shard.stop)
-                    destinations = [(weight_name, shard.weight)]
-                    if self.has_bias and file_has_bias:
-                        destinations.append((bias_name, shard.bias))
-                    for name, param in destinations:
-                        source = f.get_slice(name)
-                        for r0 in range(lo, hi, rows):
-                            r1 = min(r0 + rows, hi)
-                            param[r0 - shard.start:r1 - shard.start].copy_(source[r0 - start:r1 - start])
-
-
-# --------------------------------------------------------------------------------------------------
-# Placement-independent state dicts: logical ``weight [V, D]`` and ``bias [V]``
-# --------------------------------------------------------------------------------------------------
-def _logical_state_dict_hook(module: ChunkedClassifier, state_dict, prefix: str, local_metadata) -> None:
-    from .checkpoint import ShardedRows, sharded_state_dict_requested
-
-    sharded = sharded_state_dict_requested()
-    names = ("weight", "bias") if module.has_bias else ("weight",)
-    for name in names:
-        keys = [f"{prefix}shards.{k}.{name}" for k in range(len(module.shards))]
-        pieces = [state_dict.pop(key) for key in keys]
-        if sharded:  # the shards' own tensors as pieces of the logical one: no copy
-            state_dict[prefix + name] = ShardedRows([(s.start, p) for s, p in zip(module.shards, pieces)],
-                                                    module.num_classes)
-            continue
-        if len(pieces) == 1:  # the logical tensor itself: no copy
-            state_dict[prefix + name] = pieces[0]
-            continue
-        # Several shards are gathered into one host tensor, each copied straight into its rows.
-        logical = torch.empty((module.num_classes, *pieces[0].shape[1:]), dtype=pieces[0].dtype)
-        for shard, piece in zip(module.shards, pieces):
-            logical[shard.start:shard.stop].copy_(piece.detach())
-        state_dict[prefix + name] = logical
-
-
-def _load_logical_state_dict_hook(module: ChunkedClassifier, state_dict, prefix, local_metadata, strict,
-                                  missing_keys, unexpected_keys, error_msgs) -> None:
-    from .checkpoint import ShardedRows
-
-    module._load_prefix = prefix
-    assign = local_metadata.get("assign_to_params_buffers", False)
-    names = ("weight", "bias") if module.has_bias else ("weight",)
-    expected = {"weight": (module.num_classes, module.in_features), "bias": (module.num_classes,)}
-    for name in names:
-        if prefix + name not in state_dict:
-            continue
-        logical = state_dict.pop(prefix + name)
-        if tuple(logical.shape) != expected[name]:
-            error_msgs.append(
-                f"size mismatch for {prefix}{name}: copying a param with shape {tuple(logical.shape)} from "
-                f"checkpoint, the shape in current model is {expected[name]} (in_features={module.in_features}, "
-                f"num_classes={module.num_classes})."
-            )
-            continue
-        for k, shard in enumerate(module.shards):
-            if isinstance(logical, ShardedRows):
-                # Only this shard's rows, built on its device from the overlapping pieces (or the piece
-                # itself when it already is this shard's tensor, e.g. after dcp.load in place).
-                state_dict[f"{prefix}shards.{k}.{name}"] = logical.rows(shard.start, shard.stop, shard.device)
-                continue
-            piece = logical[shard.start:shard.stop]
-            if assign and len(module.shards) > 1:
-                # Assigned shards must not be views of one tensor (that would keep the whole logical
-                # tensor alive, possibly on another device, and make shards share storage).
-                piece = piece.to(shard.device, copy=True)
-            elif assign:
-                piece = piece.to(shard.device)
-            state_dict[f"{prefix}shards.{k}.{name}"] = piece
-
-
-def _rename_missing_keys_hook(module: ChunkedClassifier, incompatible_keys) -> None:
-    # Report a missing logical key, not the per-shard keys it would have filled.
-    prefix = getattr(module, "_load_prefix", "")
-    missing = incompatible_keys.missing_keys
-    renamed = []
-    for key in missing:
-        for name in ("weight", "bias"):
-            if key.startswith(prefix + "shards.") and key.endswith("." + name):
-                key = prefix + name
-        if key not in renamed:
-            renamed.append(key)
-    missing[:] = renamed
+        load_safetensors(self, path, strict)
