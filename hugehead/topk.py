@@ -20,33 +20,9 @@ from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
-from .loop import Plan, ResidentChunks, _logits_into, _Overlap, _workspace_view, plan_topk_chunks, run_steps
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-
-# Until the loss's rules and the planner have their own modules (options.py, plan.py), their two helpers
-# come from the layers that hold them today, imported when called (those layers import this one).
-def _autocast_dtype(*args):
-    from .functional import autocast_dtype
-    return autocast_dtype(*args)
-
-
-def _oom_guard(*args):
-    from .engines.local import shard_oom_guard
-    return shard_oom_guard(*args)
-
-
-def _positive_int(name: str, value) -> Optional[int]:
-    """``value`` as an int >= 1, or None. TypeError for a non-integer, ValueError below 1."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"hugehead: {name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"hugehead: {name} must be >= 1, got {value}")
-    return int(value)
+from .loop import ResidentChunks, _logits_into, _Overlap, _workspace_view, run_steps
+from .options import FLOAT_DTYPES, autocast_dtype, check_chunk_size, check_memory_budget
+from .plan import Plan, plan_topk_chunks, shard_oom_guard
 
 __all__ = ["linear_topk", "topk_state", "topk_steps", "shard_topk", "merge_topk", "check_k", "CUDA_MAX_K"]
 
@@ -175,7 +151,7 @@ def _check_inputs(x, weight, bias) -> Optional[torch.dtype]:
             raise TypeError(f"hugehead: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
         if t is not None and t.device != x.device:
             raise ValueError(f"hugehead: {name} is on {t.device} but x is on {x.device}")
-    compute = _autocast_dtype(x.device.type, x.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+    compute = autocast_dtype(x.device.type, x.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
     if compute is None:
         for name, t in (("weight", weight), ("bias", bias)):
             if t is not None and t.dtype != x.dtype:
@@ -208,7 +184,7 @@ def _linear_topk(x: Tensor, weight: Tensor, bias: Optional[Tensor], k: int, soft
     plan = _plan(x, weight, chunk_size, memory_budget)
     v = weight.shape[0]
     # The loop issues its GEMMs with out= in the dtypes it chose: autocast must not recast inside it.
-    with torch.autocast(x.device.type, enabled=False), _oom_guard(0, 0, v, x.device, plan,
+    with torch.autocast(x.device.type, enabled=False), shard_oom_guard(0, 0, v, x.device, plan,
                                                                          memory_budget or None):
         return shard_topk(x, ResidentChunks(weight, bias, x.dtype), 0, softcap, k, plan)
 
@@ -254,8 +230,8 @@ def linear_topk(
     compute = _check_inputs(x, weight, bias)
     k = check_k(k, weight.shape[0], x.device)
     cap = _check_softcap(softcap)
-    chunk_size = _positive_int("chunk_size", chunk_size)
-    memory_budget = _positive_int("memory_budget", memory_budget)
+    chunk_size = check_chunk_size(chunk_size)
+    memory_budget = check_memory_budget(memory_budget)
     if compute is not None and x.dtype != compute:
         x = x.to(compute)
     with torch.no_grad():
