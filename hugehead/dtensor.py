@@ -176,6 +176,28 @@ def _local_rows(x: Tensor, target: Tensor, mesh) -> Tuple[Tensor, Tensor, bool]:
     return x, target, replicated
 
 
+def _check_targets_on_every_rank(engine: DistributedEngine, target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """Raise on every rank when any rank has a target outside ``[0, V)`` (one tiny all-gather of a flag):
+    the rank with the bad target names it, the others name that rank; nobody is left waiting in a
+    collective the failing rank never reaches.
+
+    Raises:
+        ValueError: on every rank of the group.
+    """
+    from .functional import check_targets
+
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    device = engine.comm_device(target.device)
+    flags = torch.empty(engine.world_size, dtype=torch.int64, device=device)
+    _all_gather_single(flags, bad.any().to(device=device, dtype=torch.int64).view(1), group=engine.group)
+    ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if not ranks:
+        return
+    check_targets(target, num_classes, ignore_index)  # raises on a rank whose own targets are bad
+    raise ValueError(f"hugehead: a target out of range for {num_classes} classes on rank(s) {ranks} of the "
+                     f"weight's device mesh (their error names it)")
+
+
 # --------------------------------------------------------------------------------------------------
 # The loss
 # --------------------------------------------------------------------------------------------------
@@ -208,11 +230,10 @@ def linear_cross_entropy(
         This rank's loss (``reduction`` over its own rows; with replicated rows the same on every rank),
         a plain tensor; with ``return_lse``, ``(loss, lse [N_r])``.
     Raises:
-        ValueError: a placement or mesh that is not supported (named in the message), a target out of
-            range on this rank (the other ranks then wait in their next collective until the group's
-            timeout). TypeError: a plain-tensor bias beside a DTensor weight.
+        ValueError: a placement or mesh that is not supported (named in the message); a target out of
+            range on any rank (raised on every rank). TypeError: a plain-tensor bias beside a DTensor weight.
     """
-    from .functional import check_targets, linear_cross_entropy as local_linear_cross_entropy, reduce_loss
+    from .functional import linear_cross_entropy as local_linear_cross_entropy, reduce_loss
 
     if not is_dtensor(weight):
         raise TypeError("hugehead: x is a DTensor but weight is not; pass the weight as a DTensor on the same mesh "
@@ -235,7 +256,7 @@ def linear_cross_entropy(
     engine = engine_type(LocalEngine(chunk_size, memory_budget), group, ranges)
     spec = LossSpec(engine, [start], bias is not None, num_classes, int(ignore_index), float(label_smoothing),
                     float(z_loss), float(softcap))
-    check_targets(target, num_classes, ignore_index)
+    _check_targets_on_every_rank(engine, target, num_classes, ignore_index)
     # to_local() is differentiable: the local gradients come back as DTensors of the weight's placement.
     params = [weight.to_local()] + ([] if bias is None else [bias.to_local()])
     loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *params)
