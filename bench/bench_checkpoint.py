@@ -96,8 +96,11 @@ def checksums(head, optimizer) -> Dict[str, float]:
     for i, state in optimizer.state_dict()["state"].items():
         tensors.update({f"state.{i}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
     for name, t in tensors.items():
-        t64 = t.double()
-        out[name] = (float(t64.sum()), float((t64 * t64).sum()))
+        total = squares = torch.zeros((), dtype=torch.float64, device=t.device)
+        for block in t.reshape(-1).split(1 << 26):  # 512 MiB of float64 at a time, not a copy of the head
+            block = block.double()
+            total, squares = total + block.sum(), squares + (block * block).sum()
+        out[name] = (float(total), float(squares))
     return out
 
 
