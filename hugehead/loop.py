@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .targets import as_chunk_target
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -404,6 +405,7 @@ def forward_stats_steps(
     n = x.shape[0]
     v = source.num_rows
     acc = ops.acc_dtype(x.dtype)
+    target = as_chunk_target(target)
     stats = RowStats(
         torch.full((n,), -math.inf, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
@@ -427,7 +429,7 @@ def forward_stats_steps(
                 z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
             rows = RowStats(*(s[r0:r1] for s in stats))
-            ops.chunk_stats_(z, target[r0:r1], class_start + chunk.c0, softcap, *rows)
+            target.rows(r0, r1).stats_(z, class_start + chunk.c0, softcap, rows)
         yield
     return stats, kept
 
@@ -446,7 +448,7 @@ def _forward_overlapped(x, source, target, class_start, softcap, plan, stats, ke
             z = lanes.workspace(j, n, width)
         _logits_into(x, chunk, z)
         with lanes.on_side(j):
-            ops.chunk_stats_(z, target, class_start + chunk.c0, softcap, *stats)
+            target.stats_(z, class_start + chunk.c0, softcap, stats)
         lanes.side_finished(j)
         yield
     lanes.join()
@@ -560,6 +562,7 @@ def backward_steps(
     n, d = x.shape
     v = source.num_rows
     acc = ops.acc_dtype(x.dtype)
+    target = as_chunk_target(target)
     if need_weight:
         source.start_grads(need_bias=True)
     if n == 0 or v == 0:
@@ -595,8 +598,8 @@ def backward_steps(
                 g = kept[c0 // plan.cols, :, : c1 - c0]
             else:
                 g = _logits_into(xr, chunk, _workspace_view(workspace, r1 - r0, c1 - c0))
-            ops.chunk_grad_(
-                g, target[r0:r1], class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
+            target.rows(r0, r1).grad_(
+                g, class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
                 label_smoothing, z_loss, softcap,
                 None if grad_lse is None else grad_lse[r0:r1],
             )
@@ -646,8 +649,8 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
             g = _logits_into(x, chunk, lanes.workspace(j, n, width))
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            ops.chunk_grad_(g, target, class_start + chunk.c0, num_classes, lse, grad_rows, label_smoothing, z_loss,
-                            softcap, grad_lse)
+            target.grad_(g, class_start + chunk.c0, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap,
+                         grad_lse)
         done = torch.cuda.Event()
         done.record(side)
         if lanes is not None and chunk.c0 >= kept_classes:
