@@ -6,10 +6,11 @@ chunks with our own kernels; ``ChunkedClassifier`` keeps the weight as shards on
 from ._extension import cuda_built, has_kernel
 from . import ops
 from .functional import linear_cross_entropy
+from .multilabel import linear_binary_cross_entropy
 from .module import ChunkedClassifier
 from . import checkpoint
 from .checkpoint import keep_optimizer_state_on_shards, place_optimizer_state
 
 __version__ = "0.1.0"
-__all__ = ["linear_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
+__all__ = ["linear_cross_entropy", "linear_binary_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
            "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state"]

@@ -16,6 +16,7 @@ from torch import Tensor
 from . import ops
 from ._extension import require_kernels
 from .engines.local import shard_oom_guard
+from .sparse import is_sparse_target
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     DEFAULT_MEMORY_BUDGET,
     Plan,
@@ -313,6 +314,7 @@ def linear_cross_entropy(
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
     return_lse: bool = False,
+    class_weight: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``F.cross_entropy(F.linear(x, weight, bias), target, ...)`` without the ``[N, V]`` logits.
 
@@ -328,6 +330,14 @@ def linear_cross_entropy(
             ``N × V`` logits between forward and backward when they fit it: no recompute).
         memory_budget: bytes of workspace the planner may use (default 4 GiB).
         return_lse: also return the per-row log-sum-exp of the (softcapped) logits.
+        class_weight: ``[V]`` floating weights of the classes, as ``F.cross_entropy``'s ``weight`` (for
+            index targets ``"mean"`` divides by the weights of the rows not ignored; for sparse targets
+            each term ``t_ij log p_ij`` is weighted by ``w_j`` and ``"mean"`` divides by N).
+
+    ``target`` may also be a sparse ``[N, V]`` tensor (``torch.sparse_csr`` or ``torch.sparse_coo``) of
+    non-negative probabilities: ``F.cross_entropy(F.linear(x, weight, bias), target.to_dense(), ...)``
+    (label smoothing as PyTorch applies it to probability targets, ``"mean"`` over N rows, rows need not
+    sum to 1; ``ignore_index`` does not apply). See :mod:`hugehead.sparse` for the format.
 
     Under ``torch.autocast`` (CUDA or CPU) the GEMMs run in the autocast dtype: ``x`` is cast once and
     the weight and bias a chunk at a time (never a full low-precision copy); ``weight.grad`` has the
@@ -341,6 +351,11 @@ def linear_cross_entropy(
         ValueError: shape or device mismatch, a target out of range, bad options.
         TypeError: unsupported or mismatched dtypes.
     """
+    if is_sparse_target(target) or class_weight is not None:
+        return _linear_cross_entropy_weighted(
+            x, weight, target, bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            z_loss=z_loss, softcap=softcap, chunk_size=chunk_size, memory_budget=memory_budget,
+            return_lse=return_lse, class_weight=class_weight)
     compute = _check_inputs(x, weight, target, bias)
     cap = validate_options(reduction, label_smoothing, z_loss, softcap)
     if chunk_size is not None and int(chunk_size) < 1:
@@ -364,4 +379,34 @@ def linear_cross_entropy(
     loss = reduce_loss(loss_rows, target != ignore_index, reduction)
     return (loss, lse) if return_lse else loss
 
+
+# Under torch.compile the sparse/weighted loss runs eagerly, as one graph break: its target preparation
+# reads the data (checks, sizes that depend on it) and dynamo cannot carry a sparse tensor across the
+# breaks that would cause. The registered ops inside it are the same either way.
+@torch.compiler.disable
+def _linear_cross_entropy_weighted(x, weight, target, bias, *, ignore_index, reduction, label_smoothing, z_loss,
+                                   softcap, chunk_size, memory_budget, return_lse, class_weight):
+    """:func:`linear_cross_entropy` with a sparse target or class weights (:mod:`hugehead.multilabel`)."""
+    from .multilabel import check_head_inputs, linear_softmax_csr
+
+    compute = check_head_inputs(x, weight, bias)
+    cap = validate_options(reduction, label_smoothing, z_loss, softcap)
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"hugehead: chunk_size must be >= 1, got {chunk_size}")
+    if memory_budget is not None and int(memory_budget) < 1:
+        raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
+    if not is_sparse_target(target):
+        if not isinstance(target, Tensor) or target.dim() != 1 or target.shape[0] != x.shape[0]:
+            raise ValueError(f"hugehead: target must be [N]=[{x.shape[0]}] class ids or a sparse [N, V] tensor, got "
+                             f"{tuple(getattr(target, 'shape', ()))}")
+        if target.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"hugehead: target must be int64 or int32, got {target.dtype}")
+        if target.device != x.device:
+            raise ValueError(f"hugehead: target is on {target.device} but x is on {x.device}")
+        target = target.long().contiguous()
+        check_targets(target, weight.shape[0], ignore_index)
+    return linear_softmax_csr(
+        x, weight, target, bias, class_weight=class_weight, ignore_index=int(ignore_index), reduction=reduction,
+        label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=cap, chunk_size=chunk_size,
+        memory_budget=memory_budget, return_lse=return_lse, compute=compute)
 

@@ -494,6 +494,8 @@ def _bce_fused_backward(ctx, grad_loss, *unused):
 _bce_fused.register_autograd(_bce_fused_backward, setup_context=_bce_fused_setup_context)
 
 
+# Under torch.compile this runs eagerly, as one graph break (see functional._linear_cross_entropy_weighted).
+@torch.compiler.disable
 def linear_binary_cross_entropy(
     x: Tensor,
     weight: Tensor,
@@ -519,7 +521,8 @@ def linear_binary_cross_entropy(
             over the classes (not PyTorch's elementwise ``[N, V]``, which this function exists to avoid).
         chunk_size, memory_budget: as for :func:`hugehead.linear_cross_entropy`.
 
-    With ``"mean"``/``"sum"`` and gradients wanted (outside ``torch.compile``) the gradients are produced
+    Under ``torch.compile`` it runs eagerly, as one graph break (the target's preparation reads the data).
+    With ``"mean"``/``"sum"`` and gradients wanted the gradients are produced
     in the forward, in the same pass as the loss, and the backward only scales them: the step costs three
     GEMMs instead of four, and ``weight``'s gradient (its size) lives from the forward to the backward.
 
