@@ -24,6 +24,8 @@ from . import ops, sparse
 from .targets import BinaryCsrTarget, SoftmaxCsrTarget
 
 __all__ = [
+    "PreparedTarget",
+    "prepare_target",
     "softmax_target",
     "binary_target",
     "softmax_row_losses",
@@ -136,6 +138,54 @@ def reduce_binary(loss_rows: Tensor, num_classes: int, reduction: str) -> Tensor
         return loss_rows
     total = loss_rows.sum()
     return total if reduction == "sum" else total / (loss_rows.shape[0] * num_classes)
+
+
+class PreparedTarget:
+    """A head's target for the multi-label / weighted losses, prepared once per step: the loop's chunk
+    target, and the rules that turn the merged per-row statistics into losses and the incoming gradient
+    into the rows' gradients (what :class:`hugehead.sharded_loss.ShardedLinearCrossEntropy` needs)."""
+
+    def __init__(self, chunk, kind: str, rows: Optional[SoftmaxRows], num_classes: int):
+        self.chunk, self.kind, self.rows, self.num_classes = chunk, kind, rows, num_classes
+
+    @property
+    def valid(self) -> Optional[Tensor]:
+        return None if self.rows is None else self.rows.valid
+
+    def row_losses(self, lse: Tensor, target_logit: Tensor, logit_sum: Tensor, label_smoothing: float,
+                   z_loss: float) -> Tensor:
+        if self.kind == "binary":
+            return target_logit  # the one-vs-all row sums
+        return softmax_row_losses(lse, target_logit, logit_sum, self.rows, self.num_classes, label_smoothing, z_loss)
+
+    def grad_rows(self, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
+        g = grad_loss.to(dtype)
+        if self.valid is not None:
+            g = torch.where(self.valid, g, torch.zeros((), dtype=dtype, device=g.device))
+        return g.contiguous()
+
+    def reduce(self, loss_rows: Tensor, reduction: str) -> Tensor:
+        if self.kind == "binary":
+            return reduce_binary(loss_rows, self.num_classes, reduction)
+        return reduce_softmax(loss_rows, self.rows, reduction)
+
+
+def prepare_target(target: Tensor, num_rows: int, num_classes: int, *, loss: str, class_weight: Optional[Tensor],
+                   label_smoothing: float, ignore_index: int, dtype: torch.dtype,
+                   device: torch.device) -> PreparedTarget:
+    """:class:`PreparedTarget` of a head's loss ``"cross_entropy"`` (sparse probability target, or index
+    targets with ``class_weight``) or ``"binary_cross_entropy"`` (sparse target in [0, 1]).
+
+    Raises:
+        TypeError, ValueError: as :func:`hugehead.sparse.prepare` and :func:`hugehead.sparse.check_class_weight`.
+    """
+    if loss == "binary_cross_entropy":
+        return PreparedTarget(binary_target(target, num_rows, num_classes, None, dtype, device), "binary", None,
+                              num_classes)
+    sparse.check_class_weight(class_weight, num_classes, class_weight.device if class_weight is not None else device)
+    chunk, rows = softmax_target(target, num_rows, num_classes, class_weight=class_weight,
+                                 label_smoothing=label_smoothing, ignore_index=ignore_index, dtype=dtype, device=device)
+    return PreparedTarget(chunk, "softmax", rows, num_classes)
 
 
 # --------------------------------------------------------------------------------------------------

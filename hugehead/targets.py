@@ -15,7 +15,7 @@ A chunk target also knows how to move to another device (:meth:`to`), to keep on
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -23,13 +23,14 @@ from torch import Tensor
 from . import ops
 from .sparse import CsrTarget
 
-__all__ = ["IndexTarget", "SoftmaxCsrTarget", "BinaryCsrTarget", "ChunkTarget", "as_chunk_target"]
+__all__ = ["IndexTarget", "SoftmaxCsrTarget", "BinaryCsrTarget", "ChunkTarget", "as_chunk_target", "gather_csr",
+           "gather_chunk_target"]
 
 
-def _to(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+def _to(t: Optional[Tensor], device: torch.device, non_blocking: bool = False) -> Optional[Tensor]:
     if t is None or t.device == device:
         return t
-    return t.to(device, non_blocking=device.type == "cuda")
+    return t.to(device, non_blocking=non_blocking)
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class IndexTarget:
     def device(self) -> torch.device:
         return self.target.device
 
-    def to(self, device: torch.device) -> "IndexTarget":
-        return self if self.target.device == device else IndexTarget(_to(self.target, device))
+    def to(self, device: torch.device, non_blocking: bool = False) -> "IndexTarget":
+        return self if self.target.device == device else IndexTarget(_to(self.target, device, non_blocking))
 
     def columns(self, start: int, stop: int) -> "IndexTarget":
         return self
@@ -83,11 +84,11 @@ class SoftmaxCsrTarget:
     def device(self) -> torch.device:
         return self.mass.device
 
-    def to(self, device: torch.device) -> "SoftmaxCsrTarget":
+    def to(self, device: torch.device, non_blocking: bool = False) -> "SoftmaxCsrTarget":
         if self.device == device:
             return self
-        return SoftmaxCsrTarget(self.stats.to(device), _to(self.grad_val, device), _to(self.mass, device),
-                                _to(self.class_weight, device))
+        return SoftmaxCsrTarget(self.stats.to(device, non_blocking), _to(self.grad_val, device, non_blocking),
+                                _to(self.mass, device, non_blocking), _to(self.class_weight, device, non_blocking))
 
     def columns(self, start: int, stop: int) -> "SoftmaxCsrTarget":
         keep = (self.stats.col >= start) & (self.stats.col < stop)
@@ -128,10 +129,10 @@ class BinaryCsrTarget:
     def device(self) -> torch.device:
         return self.target.crow.device
 
-    def to(self, device: torch.device) -> "BinaryCsrTarget":
+    def to(self, device: torch.device, non_blocking: bool = False) -> "BinaryCsrTarget":
         if self.device == device:
             return self
-        return BinaryCsrTarget(self.target.to(device), _to(self.entry_weight, device))
+        return BinaryCsrTarget(self.target.to(device, non_blocking), _to(self.entry_weight, device, non_blocking))
 
     def columns(self, start: int, stop: int) -> "BinaryCsrTarget":
         if self.entry_weight is None:
@@ -159,6 +160,46 @@ class BinaryCsrTarget:
 
 
 ChunkTarget = Union[IndexTarget, SoftmaxCsrTarget, BinaryCsrTarget]
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed: every rank's rows (the distributed engine all-gathers x and the targets)
+# --------------------------------------------------------------------------------------------------
+def gather_csr(engine, csr: CsrTarget, rows: int, *per_entry: Tensor) -> Tuple[CsrTarget, List[Tensor]]:
+    """The CSR targets of every rank's rows, each rank's padded to ``rows`` rows (as
+    ``engine.gather_rows`` pads ``x``), in rank order, and per-entry tensors ``[nnz]`` gathered alike.
+    Entries differ in number between ranks: their counts are all-gathered first (one host read), then
+    the entries padded to the largest count, all-gathered and trimmed."""
+    device = csr.crow.device
+    counts = csr.crow[1:] - csr.crow[:-1]
+    counts_all = engine.gather_rows(counts, rows, 0)
+    crow = torch.zeros(counts_all.shape[0] + 1, dtype=torch.int64, device=device)
+    torch.cumsum(counts_all, 0, out=crow[1:])
+    nnz = engine.gather_rows(torch.tensor([csr.col.shape[0]], dtype=torch.int64, device=device), 1, 0).tolist()
+    most = max(nnz) if nnz else 0
+    keep = torch.cat([torch.arange(r * most, r * most + k, device=device) for r, k in enumerate(nnz)]) if nnz else (
+        torch.zeros(0, dtype=torch.int64, device=device))
+
+    def gather_entries(t: Tensor, fill) -> Tensor:
+        return engine.gather_rows(t, most, fill)[keep]
+
+    rank_of_entry = torch.repeat_interleave(torch.arange(len(nnz), device=device),
+                                            torch.tensor(nnz, dtype=torch.int64, device=device))
+    row = gather_entries(csr.row, 0) + rank_of_entry * rows
+    out = CsrTarget(crow, gather_entries(csr.col, 0), gather_entries(csr.val, 0), row, csr.num_classes)
+    return out, [gather_entries(t, 0) for t in per_entry]
+
+
+def gather_chunk_target(engine, target: ChunkTarget, rows: int) -> ChunkTarget:
+    """``target`` of this rank's rows -> the target of every rank's rows (see :func:`gather_csr`)."""
+    if isinstance(target, IndexTarget):
+        return IndexTarget(engine.gather_rows(target.target, rows, -1))
+    if isinstance(target, SoftmaxCsrTarget):
+        stats, (grad_val,) = gather_csr(engine, target.stats, rows, target.grad_val)
+        return SoftmaxCsrTarget(stats, grad_val, engine.gather_rows(target.mass, rows, 0), target.class_weight)
+    extra = () if target.entry_weight is None else (target.entry_weight,)
+    csr, gathered = gather_csr(engine, target.target, rows, *extra)
+    return BinaryCsrTarget(csr, gathered[0] if gathered else None)
 
 
 def as_chunk_target(target) -> ChunkTarget:
