@@ -15,7 +15,10 @@ from ._extension import require_kernels
 from .engines.local import LocalEngine
 from .functional import autocast_dtype, check_targets, reduce_loss, validate_options
 from .init import hashed_uniform_
+from .multilabel import prepare_target
+from .ops import acc_dtype
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
+from .sparse import check_class_weight, is_sparse_target
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
@@ -110,6 +113,34 @@ def _parse_shard_sizes(shard_sizes, num_classes: int, num_devices: int) -> List[
     return sizes
 
 
+LOSS_KINDS = ("cross_entropy", "binary_cross_entropy")
+
+
+def _check_loss_kind(loss: str, class_weight: Optional[Tensor], num_classes: int, label_smoothing: float,
+                     z_loss: float, softcap: Optional[float]) -> Tuple[str, Optional[Tensor]]:
+    """The head's ``loss`` and a detached copy of ``class_weight``.
+
+    Raises:
+        ValueError: an unknown loss; options one-vs-all does not have (label smoothing, z-loss, softcap,
+            class weights). TypeError/ValueError: a class_weight that is not a floating ``[V]`` tensor.
+    """
+    if loss not in LOSS_KINDS:
+        raise ValueError(f"hugehead: unknown loss {loss!r}; expected one of {LOSS_KINDS}")
+    if loss == "binary_cross_entropy":
+        extra = {"label_smoothing": label_smoothing, "z_loss": z_loss, "softcap": softcap,
+                 "class_weight": class_weight}
+        given = [k for k, v in extra.items() if v not in (None, 0, 0.0)]
+        if given:
+            raise ValueError(f"hugehead: loss='binary_cross_entropy' does not take {', '.join(given)}")
+    if class_weight is None:
+        return loss, None
+    if isinstance(class_weight, Tensor):
+        check_class_weight(class_weight, num_classes, class_weight.device)
+    else:
+        check_class_weight(class_weight, num_classes, torch.device("cpu"))
+    return loss, class_weight.detach().clone()
+
+
 class ChunkedClassifier(nn.Module):
     """``Linear(in_features, num_classes)`` followed by cross-entropy, never building ``[N, V]`` logits,
     with the weight split by class ranges into shards on one or several devices.
@@ -142,6 +173,12 @@ class ChunkedClassifier(nn.Module):
             :meth:`topk`, :meth:`log_prob`, ``state_dict()`` (the logical weight, gathered) and
             :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
             head's Parameters out of DDP (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`).
+        loss: ``"cross_entropy"`` (softmax; ``head(x, target)`` takes ``[N]`` class ids or a sparse ``[N, V]``
+            probability target, as :func:`hugehead.linear_cross_entropy`) or ``"binary_cross_entropy"``
+            (one-vs-all, a sparse ``[N, V]`` target in [0, 1], as :func:`hugehead.linear_binary_cross_entropy`;
+            no label smoothing, z-loss, softcap or class weights).
+        class_weight: ``[V]`` floating class weights for ``"cross_entropy"`` (``F.cross_entropy``'s
+            ``weight``); kept as a plain tensor (not in ``state_dict()``), copied to ``x``'s device once.
             The same seed on rank 0 gives the same logical weight as any one-process placement.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
@@ -179,6 +216,8 @@ class ChunkedClassifier(nn.Module):
         shard_sizes: Optional[Sequence[int]] = None,
         offload: bool = False,
         process_group=None,
+        loss: str = "cross_entropy",
+        class_weight: Optional[Tensor] = None,
     ):
         super().__init__()
         group = None
@@ -198,6 +237,9 @@ class ChunkedClassifier(nn.Module):
         if memory_budget is not None and int(memory_budget) < 1:
             raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
         validate_options(reduction, label_smoothing, z_loss, softcap)
+        self.loss, self.class_weight = _check_loss_kind(loss, class_weight, int(num_classes), label_smoothing, z_loss,
+                                                        softcap)
+        self._class_weight_on: Dict[torch.device, Tensor] = {}
 
         self.in_features = int(in_features)
         self.num_classes = int(num_classes)
@@ -413,6 +455,8 @@ class ChunkedClassifier(nn.Module):
             ValueError: wrong shapes or D, a target out of range, x on another device type, target on
                 another device than x. TypeError: dtype mismatch outside autocast.
         """
+        if self.loss != "cross_entropy" or self.class_weight is not None or is_sparse_target(target):
+            return self._forward_prepared(x, target, return_lse)
         x = self._check_x(x)
         target = self._check_target(x, target)
         spec = self._spec()
@@ -420,6 +464,38 @@ class ChunkedClassifier(nn.Module):
         loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
         loss = reduce_loss(loss_rows, target != self.ignore_index, self.reduction)
         return (loss, lse) if return_lse else loss
+
+    @torch.compiler.disable
+    def _forward_prepared(self, x: Tensor, target: Tensor, return_lse: bool):
+        """:meth:`forward` for a sparse target, class weights or one-vs-all (:mod:`hugehead.multilabel`).
+        Under torch.compile it runs eagerly (one graph break): preparing the target reads the data."""
+        x = self._check_x(x)
+        if is_sparse_target(target):
+            if target.device != x.device:
+                target = target.to(x.device)
+        elif self.loss == "binary_cross_entropy":
+            raise TypeError("hugehead: a one-vs-all head (loss='binary_cross_entropy') takes a sparse [N, V] target "
+                            "(torch.sparse_csr or torch.sparse_coo)")
+        else:
+            target = self._check_target(x, target)
+            check_targets(target, self.num_classes, self.ignore_index)
+        if return_lse and self.loss == "binary_cross_entropy":
+            raise ValueError("hugehead: return_lse needs a softmax head; one-vs-all has no log-sum-exp")
+        prepared = prepare_target(
+            target, x.shape[0], self.num_classes, loss=self.loss, class_weight=self._class_weight_for(x.device),
+            label_smoothing=self.label_smoothing, ignore_index=self.ignore_index, dtype=acc_dtype(x.dtype),
+            device=x.device)
+        loss_rows, lse = ShardedLinearCrossEntropy.apply(self._spec(), x, prepared, *self._shard_params())
+        loss = prepared.reduce(loss_rows, self.reduction)
+        return (loss, lse) if return_lse else loss
+
+    def _class_weight_for(self, device: torch.device) -> Optional[Tensor]:
+        """The class weights on ``device`` (copied there once)."""
+        if self.class_weight is None:
+            return None
+        if device not in self._class_weight_on:
+            self._class_weight_on[device] = self.class_weight.to(device)
+        return self._class_weight_on[device]
 
     @torch.no_grad()
     def topk(self, x: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import hugehead
 from hugehead import multilabel
 
-from conftest import rel_err, requires_cuda
+from conftest import rel_err, requires_cuda, requires_multigpu
 
 N, D, V = 13, 16, 700
 
@@ -334,3 +334,112 @@ def test_opcheck_multilabel_ops(device):
     row_loss, kept = torch.ops.hugehead.linear_bce_csr_forward(*args, 128, 0, False)
     torch.library.opcheck(torch.ops.hugehead.linear_bce_csr_backward.default,
                           (torch.ones(N, device=device), *args[:3], *args[3:], kept, 128, 0, True, True))
+
+
+# --------------------------------------------------------------------------------------------------
+# ChunkedClassifier(loss=..., class_weight=...) in every placement
+# --------------------------------------------------------------------------------------------------
+def _placements():
+    out = [pytest.param(dict(devices=["cpu"]), id="cpu"), pytest.param(dict(devices=["cpu", "cpu"]), id="cpu_x2")]
+    out += [pytest.param(dict(devices=["cuda"]), id="cuda", marks=requires_cuda),
+            pytest.param(dict(devices=["cuda:0", "cpu"]), id="cuda_cpu", marks=requires_cuda),
+            pytest.param(dict(devices=["cuda:0", "cuda:1"]), id="cuda_x2", marks=requires_multigpu),
+            pytest.param(dict(devices=["cuda"], offload=True), id="offload", marks=requires_cuda)]
+    return out
+
+
+def _logical(head):
+    w = torch.cat([s.weight.detach().cpu() for s in head.shards])
+    b = torch.cat([s.bias.detach().cpu() for s in head.shards]) if head.shards[0].bias is not None else None
+    return w, b
+
+
+def _head_grads(head):
+    w = torch.cat([s.weight.grad.cpu() for s in head.shards])
+    b = torch.cat([s.bias.grad.cpu() for s in head.shards]) if head.shards[0].bias is not None else None
+    return w, b
+
+
+@pytest.mark.parametrize("placement", _placements())
+@pytest.mark.parametrize("kind", ["sparse", "sparse_weighted", "index_weighted", "binary"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_head_multilabel_losses_match_dense_pytorch(placement, kind, reduction):
+    device = torch.device(placement["devices"][0])
+    kwargs = dict(reduction=reduction, chunk_size=64)
+    cw = torch.rand(V, generator=torch.Generator().manual_seed(5), dtype=torch.float64) + 0.5
+    if kind == "binary":
+        kwargs["loss"] = "binary_cross_entropy"
+    else:
+        kwargs.update(label_smoothing=0.1)
+        if kind != "sparse":
+            kwargs["class_weight"] = cw
+        if kind == "sparse":
+            kwargs["z_loss"] = 1e-3
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(D, V, dtype=torch.float64, **placement, **kwargs)
+    x = torch.randn(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+    t = make_target(binary=kind == "binary")
+    if kind == "binary":
+        t = t.clamp(max=1.0)
+    y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(2))
+    y[[3, 8]] = -100
+    target = y.to(device) if kind == "index_weighted" else unsorted_coo(t, device)
+    loss = head(x, target)
+    (loss * torch.linspace(0.5, 1.5, N, dtype=torch.float64, device=device) if reduction == "none" else loss).sum().backward()
+
+    w, b = (p.requires_grad_() for p in _logical(head))
+    xr = x.detach().cpu().requires_grad_()
+    z = F.linear(xr, w, b)
+    if kind == "binary":
+        ref = F.binary_cross_entropy_with_logits(z, t, reduction=reduction)
+        ref = ref.sum(1) if reduction == "none" else ref
+    elif kind == "index_weighted":
+        ref = F.cross_entropy(z, y, weight=cw, label_smoothing=0.1, reduction=reduction)
+    else:
+        ref = reference_softmax(xr, w, b, t, class_weight=None if kind == "sparse" else cw, reduction=reduction,
+                                label_smoothing=0.1, z_loss=kwargs.get("z_loss", 0.0))
+    (ref * torch.linspace(0.5, 1.5, N, dtype=torch.float64) if reduction == "none" else ref).sum().backward()
+    assert rel_err(loss, ref) <= 1e-10
+    gw, gb = _head_grads(head)
+    for got, want in ((x.grad, xr.grad), (gw, w.grad), (gb, b.grad)):
+        assert rel_err(got, want) <= 1e-10
+
+
+def test_head_rejects_bad_loss_options():
+    with pytest.raises(ValueError, match="unknown loss"):
+        hugehead.ChunkedClassifier(D, V, loss="hinge")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        hugehead.ChunkedClassifier(D, V, loss="binary_cross_entropy", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="class_weight"):
+        hugehead.ChunkedClassifier(D, V, class_weight=torch.ones(V - 1))
+    with pytest.raises(TypeError, match="class_weight"):
+        hugehead.ChunkedClassifier(D, V, class_weight=torch.ones(V, dtype=torch.int64))
+    head = hugehead.ChunkedClassifier(D, V, dtype=torch.float64, loss="binary_cross_entropy", devices=["cpu"])
+    x = torch.randn(N, D, dtype=torch.float64)
+    with pytest.raises(TypeError, match="sparse"):
+        head(x, torch.zeros(N, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        head(x, _coo([[0], [1]], [2.0]))
+
+
+def test_head_autocast_and_compile_with_sparse_target():
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(D, V, devices=["cpu", "cpu"], chunk_size=100)
+    x = torch.randn(N, D, requires_grad=True)
+    t = make_target().float().to_sparse_csr()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = head(x, t)
+    loss.backward()
+    assert loss.dtype == torch.float32 and head.shards[0].weight.grad.dtype == torch.float32
+    w, b = (p.double().requires_grad_() for p in _logical(head))
+    ref = F.cross_entropy(F.linear(x.detach().double(), w, b), make_target())
+    assert rel_err(loss, ref) < 2e-2
+
+    head.zero_grad()
+    compiled = torch.compile(lambda x, t: head(x, t))
+    loss_c = compiled(x, t)
+    loss_c.backward()
+    eager_w = head.shards[0].weight.grad.clone()
+    head.zero_grad()
+    head(x, t).backward()
+    assert rel_err(loss_c, ref) < 1e-5 and rel_err(eager_w, head.shards[0].weight.grad) < 1e-6
