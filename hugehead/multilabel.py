@@ -200,6 +200,8 @@ def check_head_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Opti
     """
     from .functional import _check_inputs
 
+    if isinstance(x, Tensor) and x.dim() != 2:
+        raise ValueError(f"hugehead: x must be [N, D] with a sparse [N, V] target, got shape {tuple(x.shape)}")
     placeholder = torch.zeros(x.shape[0] if isinstance(x, Tensor) and x.dim() >= 1 else 0, dtype=torch.int64,
                               device=x.device if isinstance(x, Tensor) else None)
     return _check_inputs(x, weight, placeholder, bias)
@@ -219,6 +221,12 @@ def _wants_grad(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
 
 
+def _options(label_smoothing: float, z_loss: float, softcap: float):
+    from .options import LossOptions
+
+    return LossOptions(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap if softcap > 0 else None)
+
+
 def _no_autocast(device: torch.device):
     # The loop issues its GEMMs with out= in the dtypes it chose; autocast must not recast inside it.
     return torch.autocast(device.type, enabled=False)
@@ -227,8 +235,8 @@ def _no_autocast(device: torch.device):
 def _backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, label_smoothing, z_loss, softcap,
                            chunk_size, memory_budget, need_x, need_weight, grad_lse):
     """``(dX, dW, db)`` of one device's loss, recomputing the logits chunk by chunk (or from ``kept``)."""
-    from .engines.local import shard_oom_guard
     from .loop import ResidentChunks, kept_plan, shard_backward
+    from .plan import shard_oom_guard
 
     acc = ops.acc_dtype(x.dtype)
     keep = kept.numel() > 0
@@ -238,7 +246,7 @@ def _backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, 
         grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if (need_x and not direct) else None
         grad_w, grad_b = shard_backward(
             x, ResidentChunks(weight, bias, x.dtype), chunk_target, 0, weight.shape[0], lse, grad_rows,
-            label_smoothing, z_loss, softcap, plan, grad_x, need_weight, kept=kept if keep else None,
+            _options(label_smoothing, z_loss, softcap), plan, grad_x, need_weight, kept=kept if keep else None,
             grad_lse=grad_lse,
         )
         if need_x and direct:
@@ -252,13 +260,14 @@ def _backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, 
 
 def _forward_through_loop(x, weight, bias, chunk_target, softcap, chunk_size, memory_budget, keep_logits):
     """Merged row statistics ``(lse, target_logit, logit_sum)`` of one device and the kept logits."""
-    from .engines.local import shard_oom_guard
     from .loop import ResidentChunks, merge_row_stats, shard_forward_stats
+    from .plan import shard_oom_guard
 
     v = weight.shape[0]
     plan = _plan(x, weight, chunk_size, memory_budget, keep_logits)
     with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, plan, memory_budget or None):
-        stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), chunk_target, 0, softcap, plan)
+        stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), chunk_target, 0,
+                                          _options(0.0, 0.0, softcap), plan)
         lse, target_logit, logit_sum = merge_row_stats([stats])
     return lse, target_logit, logit_sum, (x.new_empty(0) if kept is None else kept)
 
@@ -485,8 +494,8 @@ def _bce_fused(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``scale * Σ`` of the one-vs-all losses (0-d, accumulation dtype) and its gradients ``(dX [N, D] in the
     accumulation dtype, dW, db)`` for an incoming gradient of 1, in one streaming pass."""
-    from .engines.local import shard_oom_guard
     from .loop import ResidentChunks, shard_backward
+    from .plan import shard_oom_guard
 
     acc = ops.acc_dtype(x.dtype)
     n, v = x.shape[0], weight.shape[0]
@@ -498,7 +507,7 @@ def _bce_fused(
         grad_w, grad_b = shard_backward(
             x, ResidentChunks(weight, bias, x.dtype), _LossAndGrad(target, row_loss), 0, v,
             torch.zeros(n, dtype=acc, device=x.device), torch.full((n,), scale, dtype=acc, device=x.device),
-            0.0, 0.0, 0.0, plan, grad_x, need_weight,
+            _options(0.0, 0.0, 0.0), plan, grad_x, need_weight,
         )
     return (
         row_loss.sum() * scale,
@@ -582,14 +591,11 @@ def linear_binary_cross_entropy(
         ValueError: shape or device mismatch, target values outside [0, 1] or class ids outside [0, V),
             bad options. TypeError: unsupported dtypes, a target that is not sparse.
     """
-    from .functional import validate_options
+    from .options import LossOptions, check_chunk_size, check_memory_budget
 
     compute = check_head_inputs(x, weight, bias)
-    validate_options(reduction, 0.0, 0.0, None)
-    if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"hugehead: chunk_size must be >= 1, got {chunk_size}")
-    if memory_budget is not None and int(memory_budget) < 1:
-        raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
+    LossOptions(reduction=reduction)
+    chunk_size, memory_budget = check_chunk_size(chunk_size), check_memory_budget(memory_budget)
     n, v = x.shape[0], weight.shape[0]
     sparse.check_pos_weight(pos_weight, v, x.device)
     if compute is not None and x.dtype != compute:
