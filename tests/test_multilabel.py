@@ -443,3 +443,24 @@ def test_head_autocast_and_compile_with_sparse_target():
     head.zero_grad()
     head(x, t).backward()
     assert rel_err(loss_c, ref) < 1e-5 and rel_err(eager_w, head.shards[0].weight.grad) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# The demo's multi-label option
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss", ["softmax", "ova"])
+def test_demo_multilabel_trains_and_reports_precision(tmp_path, loss):
+    import json
+
+    from hugehead import demo
+
+    args = ["--devices", "cpu,cpu", "--classes", "3000", "--dim", "16", "--input-dim", "16", "--hidden", "32",
+            "--batch", "64", "--steps", "40", "--epochs", "1", "--eval-size", "128", "--labels", "3",
+            "--multilabel-loss", loss, "--no-progress", "--out", str(tmp_path)]
+    assert demo.main(args) == 0
+    final = json.loads((tmp_path / "summary.json").read_text())["final"]
+    assert final["labels"] == 3 and final["multilabel_loss"] == loss
+    for key in ("eval_precision_at_1", "eval_precision_at_5", "eval_ndcg_at_5"):
+        assert 0.0 <= final[key] <= 1.0
+    if loss == "softmax":  # learned within 40 steps: above always-most-frequent at precision@1
+        assert final["eval_precision_at_1"] > final["chance_most_frequent"]
