@@ -1,8 +1,11 @@
 # Drives CMakeLists.txt (the one real build) with Ninja and puts hugehead/_C*.so inside the package.
 # Build switches (environment): HUGEHEAD_CUDA=AUTO|ON|OFF, HUGEHEAD_CUDA_ARCHS="90" (CMake style),
-# HUGEHEAD_BUILD_DIR (default build/cmake-<python tag>: kept, so a rebuild is incremental),
+# HUGEHEAD_BUILD_DIR (default build/cmake-<python tag>: kept, so a rebuild is incremental; wiped and
+# configured again when it was configured for another Python or torch, see fresh_build_dir),
 # MAX_JOBS (parallel compile jobs; default: all cores), HUGEHEAD_BUILD_TYPE (default Release).
+import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -29,6 +32,73 @@ def _find_cmake() -> str:
         raise RuntimeError("hugehead's build needs CMake >= 3.18: pip install cmake") from exc
 
 
+STAMP = "hugehead-build-stamp.json"
+
+
+def build_key() -> dict:
+    """What a configured CMake tree depends on outside this repository: the Python that builds (its
+    executable, version, ABI tag) and the torch it compiles and links against (its location, version,
+    CUDA). A tree configured with other values points at another environment's files (its torch's
+    libc10.so may be gone with a deleted virtual environment, or silently be the wrong one)."""
+    import torch
+
+    return {
+        "python_executable": sys.executable,  # not resolved: a venv's python links to the base one
+        "python_prefix": sys.prefix,
+        "python_version": sys.version.split()[0],
+        "soabi": sysconfig.get_config_var("SOABI"),
+        "torch_dir": str(Path(torch.__file__).resolve().parent),
+        "torch_version": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+
+
+def _cache_mismatch(build_dir: Path, key: dict):
+    """For a tree without a stamp (configured before stamps existed): what its CMakeCache.txt names that
+    differs from ``key``, or None."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return None
+    entries = {}
+    for line in cache.read_text(errors="replace").splitlines():
+        name, sep, value = line.partition("=")
+        if sep and ":" in name and not line.startswith(("#", "//")):
+            entries[name.split(":", 1)[0]] = value
+    python = entries.get("Python_EXECUTABLE") or entries.get("_Python_EXECUTABLE")
+    torch_dir = entries.get("Torch_DIR")
+    if python and python != sys.executable:
+        return f"Python {python} (building with {sys.executable})"
+    if torch_dir and not os.path.realpath(torch_dir).startswith(os.path.realpath(key["torch_dir"]) + os.sep):
+        return f"torch at {torch_dir} (building with torch at {key['torch_dir']})"
+    return None
+
+
+def fresh_build_dir(build_dir: Path, key: dict, log=print) -> bool:
+    """Make ``build_dir`` safe to build in with ``key`` (:func:`build_key`): a tree configured for
+    another Python or torch is removed (CMake keeps the old paths in its cache and Ninja would link the
+    old torch, or fail on its missing files); the tree then gets ``key``'s stamp. Returns True when a tree
+    was removed."""
+    stamp = build_dir / STAMP
+    why = None
+    if stamp.exists():
+        try:
+            old = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            old = {}
+        changed = [k for k in key if old.get(k) != key[k]]
+        if changed:
+            why = "; ".join(f"{k}: {old.get(k)} -> {key[k]}" for k in changed)
+    else:
+        why = _cache_mismatch(build_dir, key)
+    if why:
+        log(f"hugehead: {build_dir} was configured for another environment ({why}); removing it and configuring "
+            "again (a full rebuild)")
+        shutil.rmtree(build_dir)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(key, indent=1) + "\n")
+    return bool(why)
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -39,7 +109,7 @@ class CMakeBuild(build_ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         tag = sysconfig.get_config_var("SOABI") or f"py{sys.version_info[0]}{sys.version_info[1]}"
         build_dir = Path(os.environ.get("HUGEHEAD_BUILD_DIR", ROOT / "build" / f"cmake-{tag}"))
-        build_dir.mkdir(parents=True, exist_ok=True)
+        fresh_build_dir(build_dir, build_key())
         cmake = _find_cmake()
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",

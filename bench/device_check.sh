@@ -13,13 +13,14 @@
 #                the test, sanitizer and bench steps get what is left.
 #   TEST_ARGS    pytest arguments (default "tests -x -q -rs"); TEST_TIMEOUT caps pytest (default 360 s).
 #   MAX_JOBS     parallel compile jobs (default 16). HUGEHEAD_CUDA defaults to ON here.
-#   SANITIZER_TOOLS  compute-sanitizer tools to run in turn (default "memcheck"); SANITIZER_TIMEOUT
-#                caps each (default 240 s).
+#   SANITIZER_TOOLS  compute-sanitizer tools to run in turn over bench/sanitize_case.py (default
+#                "memcheck racecheck initcheck synccheck"); SANITIZER_TIMEOUT caps each (default 150 s);
+#                SANITIZER_FILTER overrides the kernel filter (default: our kernels only, by name).
 #   EXTRA        extra steps after the others, "name=command|name=command" (each logged as a step and
 #                given what is left of the deadline), e.g. "amp=python3 -m bench.bench_amp --out $OUT/amp".
 #   HUGEHEAD_GIT_SHA recorded in the benchmark JSON when the copy has no .git.
-# What comes back under $OUT (at most 8 files): check.log (every step's command, time, status and
-# output tail), logs.tar.gz (full logs), junit.xml, results/lce.{json,md,png}.
+# What comes back under $OUT: check.log (every step's command, time, status and output tail),
+# logs.tar.gz (full logs), junit.xml, results/lce.{json,md,png}, sanitizer/{version.txt,<tool>.log}.
 # shellcheck disable=SC2317  # the step functions are called through "step NAME FUNCTION"
 set -u
 set -o pipefail
@@ -32,7 +33,7 @@ DEADLINE_S=${DEADLINE_S:-570}
 TEST_ARGS=${TEST_ARGS:-"tests -x -q -rs"}
 export MAX_JOBS=${MAX_JOBS:-16}
 export HUGEHEAD_CUDA=${HUGEHEAD_CUDA:-ON}
-SANITIZER_TOOLS=${SANITIZER_TOOLS:-memcheck}
+SANITIZER_TOOLS=${SANITIZER_TOOLS:-"memcheck racecheck initcheck synccheck"}
 PY=${PYTHON:-python3}
 SITE=/tmp/site
 
@@ -154,15 +155,44 @@ run_tests() {
 }
 
 sanitize() {
-    local left=$1 tool rc=0 san
-    [ "$left" -gt "${SANITIZER_TIMEOUT:-240}" ] && left=${SANITIZER_TIMEOUT:-240}
+    # Every tool over bench/sanitize_case.py (each hugehead kernel op on host-made inputs, checked against
+    # float64), restricted to our kernels by name; one log per tool in $OUT/sanitizer/ (committed as is).
+    local left=$1 tool rc=0 san per n filter
     san=$(command -v compute-sanitizer || true)
     [ -z "$san" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ] && san="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
     if [ -z "$san" ]; then echo "compute-sanitizer not found"; return 1; fi
-    for tool in $SANITIZER_TOOLS; do
-        echo "--- compute-sanitizer --tool $tool"
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$left" "$san" --tool "$tool" --error-exitcode 1 \
-            --print-limit 30 "$PY" -P bench/sanitize_case.py || rc=1
+    mkdir -p "$OUT/sanitizer"
+    # The kernel filter's option was --filter in old releases and is --kernel-name now; kns= matches a
+    # substring of the (mangled) kernel name, and all of ours live in namespace hugehead.
+    if [ -n "${SANITIZER_FILTER+set}" ]; then
+        filter=$SANITIZER_FILTER
+    elif "$san" --help 2>&1 | grep -q -- "--kernel-name "; then
+        filter="--kernel-name kns=hugehead"
+    elif "$san" --help 2>&1 | grep -q -- "--filter "; then
+        filter="--filter kns=hugehead"
+    else
+        filter=""
+    fi
+    { "$san" --version; echo "filter: ${filter:-none (this compute-sanitizer has no kernel filter)}"; } \
+        | tee "$OUT/sanitizer/version.txt"
+    read -r -a tools <<<"$SANITIZER_TOOLS"
+    n=${#tools[@]}
+    per=$(( left / n ))
+    [ "$per" -gt "${SANITIZER_TIMEOUT:-150}" ] && per=${SANITIZER_TIMEOUT:-150}
+    for tool in "${tools[@]}"; do
+        local opts=()
+        case $tool in
+            racecheck) opts=(--racecheck-report all) ;;
+            initcheck) opts=(--track-unused-memory no) ;;
+        esac
+        echo "--- compute-sanitizer --tool $tool $filter ${opts[*]} (at most $per s) -> sanitizer/$tool.log"
+        # shellcheck disable=SC2086  # $filter is two words
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$per" "$san" --tool "$tool" $filter "${opts[@]}" \
+            --error-exitcode 1 --print-limit 50 "$PY" -P bench/sanitize_case.py -q >"$OUT/sanitizer/$tool.log" 2>&1
+        local trc=$?
+        [ "$trc" -eq 124 ] && echo "    TIMED OUT after $per s"
+        tail -n 3 "$OUT/sanitizer/$tool.log" | sed 's/^/    /'
+        [ "$trc" -ne 0 ] && rc=1
     done
     return "$rc"
 }

@@ -1,84 +1,354 @@
-"""A few small hugehead.linear_cross_entropy problems (forward + backward) to run under compute-sanitizer;
-each result is also checked against the float64 plain-PyTorch reference so garbage cannot pass silently.
+"""The compute-sanitizer harness: every kernel op of ``torch.ops.hugehead`` (discovered from the dispatcher)
+called directly on inputs made by PyTorch on the host and copied to the device, each result checked
+against a float64 reference computed on the host. Nothing else runs on the GPU between the copies: no
+cuBLAS, no PyTorch kernel, so the only kernels compute-sanitizer sees are ours (``bench/device_check.sh``
+also filters on the ``hugehead`` namespace), and every byte a kernel reads was written by a host-to-device
+copy (what initcheck counts as initialized) or by our own kernels.
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python3 bench/sanitize_case.py            # --device cpu runs the same checks without a GPU
+    python -m bench.sanitize_case --device cpu     # the same cases and checks on the CPU kernels (CI runs it)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --kernel-name kns=hugehead \\
+        --error-exitcode 1 python -P bench/sanitize_case.py -q       # what device_check.sh's sanitizer stage runs
+    python -m bench.sanitize_case --list           # the kernel ops found and the cases each has
 
-The shapes cross every chunk edge the kernels have: N and D not multiples of anything, V not a multiple
-of the chunk width (a partial last chunk), the row-split path (a tiny memory budget), ignored rows,
-every option, bias, and all three floating dtypes. PyTorch's caching allocator would hide an
-out-of-bounds access inside a cached block from memcheck, hence PYTORCH_NO_CUDA_MEMORY_CACHING=1.
-Exit status 1 when a result is off.
+PyTorch's caching allocator would hide an out-of-bounds access inside a cached block from memcheck, hence
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor its own cudaMalloc). Exit status: 0 when every case is within
+tolerance, 1 when one is off, 2 when a kernel op has no case here.
+
+Adding an op: one function under ``@kernel_case("op_name_")`` that yields ``(label, actual, expected, tol)``
+for each result (see the two below). The shapes cross every edge the kernels have: N, C not multiples of
+the block size, a chunk that is a strided column slice of a wider buffer (as the chunk loop passes kept
+logits), targets inside and outside the chunk, ignored rows, every option, every floating dtype.
 """
+from __future__ import annotations
+
 import argparse
+import math
 import sys
 import zlib
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-import hugehead
-from hugehead import reference
+import hugehead  # noqa: F401  (loads hugehead._C: registers torch.ops.hugehead.*)
 
-# (name, N, D, V, dtype, options)
-CASES = [
-    ("bf16 chunks+tail", 37, 40, 1000, torch.bfloat16, dict(chunk_size=256)),
-    ("fp32 rows split", 37, 40, 1000, torch.float32, dict(chunk_size=256, memory_budget=20_000)),
-    ("fp16 all options", 29, 24, 777, torch.float16,
-     dict(chunk_size=128, bias=True, label_smoothing=0.1, z_loss=1e-3, softcap=30.0, ignore=True)),
-    ("bf16 sum, planned", 5, 16, 70_001, torch.bfloat16, dict(reduction="sum", ignore=True)),
-    ("fp32 none, bias", 64, 8, 300, torch.float32, dict(chunk_size=64, bias=True, reduction="none")),
+Result = Tuple[str, torch.Tensor, torch.Tensor, float]  # (label, actual, expected float64, tolerance)
+CASES: Dict[str, Callable[[torch.device], Iterator[Result]]] = {}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# Results rounded to the logits' dtype (chunk_grad_) are checked against its rounding; statistics that
+# are accumulated in float32 / float64 from the (already rounded) inputs against that precision.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+ACC_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+IGNORE = -100
+
+
+def kernel_case(op: str):
+    """Register the cases of ``torch.ops.hugehead.<op>``: a generator of (label, actual, expected, tol)."""
+    def register(fn: Callable[[torch.device], Iterator[Result]]):
+        CASES[op] = fn
+        return fn
+    return register
+
+
+def kernel_ops() -> List[str]:
+    """Every op of the hugehead namespace with a compiled kernel (CPU or CUDA) in this build: the ops the
+    sanitizer must see. The Python-level ops (linear_cross_entropy_forward/backward) compose these with
+    cuBLAS and are left out."""
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("hugehead::"))
+    return [n.split("::", 1)[1] for n in names
+            if any(torch._C._dispatch_has_kernel_for_dispatch_key(n, k) for k in ("CPU", "CUDA"))]
+
+
+def _gen(label: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(label.encode()))
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_on(device, full: torch.Tensor, c0: int, c1: int, pad: int) -> torch.Tensor:
+    """``full[:, c0:c1]`` on ``device`` as a column slice of a wider buffer (row stride ``c1 - c0 + pad``):
+    the kernels must stay inside the slice. Built on the host, then one host-to-device copy."""
+    n = full.shape[0]
+    wide = torch.full((n, c1 - c0 + pad), 1e4, dtype=full.dtype)  # out-of-slice canaries
+    wide[:, :c1 - c0] = full[:, c0:c1]
+    return wide.to(device)[:, :c1 - c0]
+
+
+def _softcapped(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(z / softcap) if softcap > 0 else z
+
+
+# (label, N, V, chunk [c0, c1), row padding, softcap, ignore every k-th row)
+STATS_SHAPES = [
+    ("one block", 3, 50, (0, 50), 0, 0.0, 0),
+    ("tail chunk, strided", 37, 1000, (768, 1000), 13, 0.0, 3),
+    ("mid chunk, softcap", 29, 777, (128, 384), 5, 30.0, 4),
+    ("wide rows", 5, 70_001, (0, 70_001), 0, 0.0, 2),
 ]
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+@kernel_case("chunk_stats_")
+def stats_cases(device: torch.device) -> Iterator[Result]:
+    """Fold a chunk into running (max, sum-exp, target logit, logit sum) that start from earlier values."""
+    for dtype in DTYPES:
+        for label, n, v, (c0, c1), pad, softcap, ignore in STATS_SHAPES:
+            name = f"{label} {str(dtype)[6:]}"
+            g = _gen(name)
+            full = (3 * torch.randn(n, v, generator=g, dtype=torch.float64)).to(dtype)
+            target = torch.randint(0, v, (n,), generator=g)
+            target[::2] = torch.randint(c0, c1, (n,), generator=g)[::2]  # half the rows hit this chunk
+            if ignore:
+                target[::ignore] = IGNORE
+            acc = _acc(dtype)
+            # running stats as after an earlier chunk (or the start values for row 0)
+            row_max = torch.randn(n, generator=g, dtype=torch.float64).to(acc)
+            row_max[0] = -math.inf
+            row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).to(acc)
+            row_sumexp[0] = 0.0
+            target_logit = torch.randn(n, generator=g, dtype=torch.float64).to(acc)
+            logit_sum = torch.randn(n, generator=g, dtype=torch.float64).to(acc)
+            # copy=True: on the CPU .to() would alias the reference's inputs, which the op updates in place
+            state = [t.to(device, copy=True) for t in (row_max, row_sumexp, target_logit, logit_sum)]
+            logits = _chunk_on(device, full, c0, c1, pad)
+            torch.ops.hugehead.chunk_stats_.default(logits, target.to(device), c0, softcap, *state)
+
+            z = _softcapped(full[:, c0:c1].double(), softcap)
+            m_old, s_old = row_max.double(), row_sumexp.double()
+            m_new = torch.maximum(m_old, z.max(dim=1).values)
+            s_new = s_old * torch.exp(m_old - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+            inside = (target >= c0) & (target < c1)
+            picked = z.gather(1, (target - c0).clamp(0, c1 - c0 - 1)[:, None]).squeeze(1)
+            t_new = torch.where(inside, picked, target_logit.double())  # set (a row's target is in one chunk)
+            sums = logit_sum.double() + z.sum(dim=1)
+            got = [t.cpu() for t in state]
+            tol = ACC_TOLERANCE[acc]
+            yield f"{name}: row_max", got[0], m_new, tol
+            # compare sum-exp at the kernel's own max (the pair means exp(max) * sumexp)
+            yield f"{name}: lse", got[0].double() + got[1].double().log(), m_new + s_new.log(), tol
+            yield f"{name}: target_logit", got[2], t_new, tol
+            yield f"{name}: logit_sum", got[3], sums, 10 * tol  # a sum of +-3 values: some cancellation
 
 
-def run(name, n, d, v, dtype, opts, device) -> bool:
-    g = torch.Generator(device="cpu").manual_seed(zlib.crc32(name.encode()))
-    x = torch.randn(n, d, generator=g).to(device, dtype)
-    w = (torch.randn(v, d, generator=g) / d**0.5).to(device, dtype)
-    b = (0.1 * torch.randn(v, generator=g)).to(device, dtype) if opts.get("bias") else None
-    t = torch.randint(0, v, (n,), generator=g).to(device)
-    if opts.get("ignore"):
-        t[::3] = -100
-    kw = {k: opts[k] for k in ("label_smoothing", "z_loss", "softcap") if k in opts}
-    reduction = opts.get("reduction", "mean")
-    leaves = [x, w] + ([b] if b is not None else [])
-    for tensor in leaves:
-        tensor.requires_grad_(True)
-
-    loss = hugehead.linear_cross_entropy(x, w, t, b, reduction=reduction, chunk_size=opts.get("chunk_size"),
-                                         memory_budget=opts.get("memory_budget"), **kw)
-    seed = torch.randn(loss.shape, generator=g).to(device, torch.float32) if reduction == "none" else None
-    grads = torch.autograd.grad(loss, leaves, grad_outputs=None if seed is None else seed.to(loss.dtype))
-
-    leaves64 = [p.detach().double().requires_grad_(True) for p in leaves]
-    b64 = leaves64[2] if b is not None else None
-    loss64 = reference.linear_cross_entropy(leaves64[0], leaves64[1], t, b64, reduction=reduction, **kw)
-    grads64 = torch.autograd.grad(loss64, leaves64, grad_outputs=None if seed is None else seed.double())
-
-    errs = [rel(loss, loss64)] + [rel(a, r) for a, r in zip(grads, grads64)]
-    ok = all(e <= TOLERANCE[dtype] for e in errs)
-    labels = ["loss", "dx", "dW", "db"][: len(errs)]
-    print(f"{'ok  ' if ok else 'BAD '} {name:<20} N={n} D={d} V={v} {str(dtype):<15} "
-          + " ".join(f"{k} {e:.1e}" for k, e in zip(labels, errs)), flush=True)
-    return ok
+# (label, N, V, chunk [c0, c1), row padding, label_smoothing, z_loss, softcap, with grad_lse, ignore every k)
+GRAD_SHAPES = [
+    ("plain", 7, 300, (0, 300), 0, 0.0, 0.0, 0.0, False, 0),
+    ("tail chunk, strided, ignored", 37, 1000, (768, 1000), 11, 0.0, 0.0, 0.0, False, 3),
+    ("all options", 29, 777, (128, 384), 3, 0.1, 1e-3, 30.0, True, 4),
+    ("grad_lse only on ignored rows", 6, 513, (256, 513), 0, 0.0, 0.0, 0.0, True, 2),
+]
 
 
-def main() -> int:
+@kernel_case("chunk_grad_")
+def grad_cases(device: torch.device) -> Iterator[Result]:
+    """Replace a chunk by dLoss/dlogits; the reference is float64 autograd of the whole row's loss."""
+    for dtype in DTYPES:
+        for label, n, v, (c0, c1), pad, eps, z_loss, softcap, with_lse, ignore in GRAD_SHAPES:
+            name = f"{label} {str(dtype)[6:]}"
+            g = _gen(name)
+            full = (3 * torch.randn(n, v, generator=g, dtype=torch.float64)).to(dtype)
+            target = torch.randint(0, v, (n,), generator=g)
+            target[::2] = torch.randint(c0, c1, (n,), generator=g)[::2]
+            if ignore:
+                target[::ignore] = IGNORE
+            valid = target != IGNORE
+            grad_rows = torch.where(valid, torch.rand(n, generator=g, dtype=torch.float64) + 0.5, 0.0)
+            grad_lse = torch.randn(n, generator=g, dtype=torch.float64) if with_lse else None
+
+            z = full.double().requires_grad_(True)
+            c = _softcapped(z, softcap)
+            lse = torch.logsumexp(c, dim=1)
+            tgt = torch.where(valid, target, 0)
+            row = lse - (1 - eps) * c.gather(1, tgt[:, None]).squeeze(1) - eps / v * c.sum(dim=1) + z_loss * lse**2
+            total = (grad_rows * torch.where(valid, row, 0.0)).sum()
+            if grad_lse is not None:
+                total = total + (grad_lse * lse).sum()
+            (expected,) = torch.autograd.grad(total, z)
+
+            acc = _acc(dtype)
+            logits = _chunk_on(device, full, c0, c1, pad)
+            torch.ops.hugehead.chunk_grad_.default(
+                logits, target.to(device), c0, v, lse.detach().to(acc).to(device), grad_rows.to(acc).to(device),
+                eps, z_loss, softcap, None if grad_lse is None else grad_lse.to(acc).to(device))
+            got = logits.cpu()
+            ref = expected[:, c0:c1]
+            if ignore and not with_lse:
+                # ignored rows with no lse gradient are exact zeros
+                yield f"{name}: ignored rows are 0", got[~valid].double().abs().max().reshape(1), \
+                    torch.zeros(1, dtype=torch.float64), 0.0
+            yield f"{name}: dlogits", got, ref, TOLERANCE[dtype]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sparse targets (issue 22): CSR probability / binary targets
+# --------------------------------------------------------------------------------------------------
+SPARSE_CHUNKS = [(0, 211), (211, 212), (212, 530)]  # a one-class chunk in the middle
+SPARSE_N, SPARSE_V = 9, 530
+
+
+def _sparse_target(label: str, kind: str, acc: torch.dtype):
+    """A dense float64 target ``[9, 530]`` (row 0 empty, row 1 every label, entries at every chunk edge
+    in row 2) and its CSR form made on the host by hugehead.sparse.prepare."""
+    from hugehead import sparse
+
+    g = _gen("target " + label)
+    n, v = SPARSE_N, SPARSE_V
+    t = (torch.rand(n, v, generator=g, dtype=torch.float64) < 0.03) * torch.rand(n, v, generator=g, dtype=torch.float64)
+    t[0] = 0
+    t[1] = 1.0 if kind == "binary" else torch.rand(v, generator=g, dtype=torch.float64)
+    t[2, [0, 210, 211, 212, v - 1]] = 0.5
+    target = sparse.prepare(t.to_sparse_coo(), n, v, kind=kind, dtype=acc, device=torch.device("cpu"))
+    return t, target
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device, copy=True) for t in tensors]
+
+
+@kernel_case("sparse_chunk_stats_")
+def sparse_stats_cases(device: torch.device) -> Iterator[Result]:
+    for dtype in DTYPES:
+        for softcap, weighted in ((0.0, False), (4.0, True)):
+            name = f"softcap {softcap:g}{', class weights' if weighted else ''} {str(dtype)[6:]}"
+            acc = _acc(dtype)
+            t, target = _sparse_target(name, "probability", acc)
+            full = (3 * torch.randn(SPARSE_N, SPARSE_V, generator=_gen(name), dtype=torch.float64)).to(dtype)
+            w = torch.rand(SPARSE_V, generator=_gen("w " + name), dtype=torch.float64) + 0.5
+            crow, col, val = _on(device, target.crow, target.col, target.val)
+            stats = _on(device, torch.full((SPARSE_N,), -math.inf, dtype=acc),
+                        *[torch.zeros(SPARSE_N, dtype=acc) for _ in range(3)])
+            for k, (a, b) in enumerate(SPARSE_CHUNKS):
+                (cw,) = _on(device, w[a:b].to(acc) if weighted else None)
+                torch.ops.hugehead.sparse_chunk_stats_.default(_chunk_on(device, full, a, b, 3 * k), crow, col, val,
+                                                               a, softcap, cw, *stats)
+            c = _softcapped(full.double(), softcap)
+            tv = t.to(acc).double()
+            ww = w.to(acc).double() if weighted else torch.ones(SPARSE_V, dtype=torch.float64)
+            row_max, row_sumexp, target_dot, logit_sum = (x.cpu().double() for x in stats)
+            tol = ACC_TOLERANCE[acc]
+            yield f"{name}: lse", row_max + row_sumexp.log(), torch.logsumexp(c, 1), tol
+            yield f"{name}: target_dot", target_dot, (tv * c).sum(1), 10 * tol
+            yield f"{name}: logit_sum", logit_sum, (ww * c).sum(1), 10 * tol
+
+
+@kernel_case("sparse_chunk_grad_")
+def sparse_grad_cases(device: torch.device) -> Iterator[Result]:
+    import torch.nn.functional as F
+
+    for dtype in DTYPES:
+        for eps, z_loss, softcap, weighted, with_lse in ((0.0, 0.0, 0.0, False, False), (0.2, 1e-3, 5.0, True, True)):
+            name = f"eps {eps:g} z {z_loss:g} softcap {softcap:g}{' weighted' if weighted else ''}" \
+                   f"{' grad_lse' if with_lse else ''} {str(dtype)[6:]}"
+            acc = _acc(dtype)
+            t, target = _sparse_target(name, "probability", acc)
+            n, v = SPARSE_N, SPARSE_V
+            full = (3 * torch.randn(n, v, generator=_gen(name), dtype=torch.float64)).to(dtype)
+            w = torch.rand(v, generator=_gen("w " + name), dtype=torch.float64) + 0.5
+            tv = t.to(acc).double()
+            wv = w.to(acc).double() if weighted else torch.ones(v, dtype=torch.float64)
+            z = full.double().requires_grad_(True)
+            c = _softcapped(z, softcap)
+            rows = F.cross_entropy(c, tv, weight=wv if weighted else None, label_smoothing=eps, reduction="none")
+            rows = rows + z_loss * torch.logsumexp(c, 1) ** 2
+            g = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+            g[4] = 0.0  # a row without gradient
+            gl = torch.linspace(-1, 1, n, dtype=torch.float64) if with_lse else None
+            total = (rows * g).sum() + ((torch.logsumexp(c, 1) * gl).sum() if with_lse else 0.0)
+            (expected,) = torch.autograd.grad(total, z)
+            lse = torch.logsumexp(c.detach(), 1)
+            mass = (1 - eps) * (tv * wv).sum(1) + eps / v * wv.sum()
+            weighted_val = target.val * wv.to(acc)[target.col]
+            crow, col, val, lse_d, g_d, mass_d, gl_d = _on(device, target.crow, target.col, weighted_val, lse.to(acc),
+                                                           g.to(acc), mass.to(acc),
+                                                           None if gl is None else gl.to(acc))
+            for k, (a, b) in enumerate(SPARSE_CHUNKS):
+                (cw,) = _on(device, wv[a:b].to(acc) if weighted else None)
+                chunk = _chunk_on(device, full, a, b, 2 * k + 1)
+                torch.ops.hugehead.sparse_chunk_grad_.default(chunk, crow, col, val, a, v, lse_d, g_d, mass_d, eps,
+                                                              z_loss, softcap, cw, gl_d)
+                yield f"{name} [{a}, {b}): dlogits", chunk.cpu(), expected[:, a:b], TOLERANCE[dtype]
+
+
+@kernel_case("bce_chunk_")
+def bce_cases(device: torch.device) -> Iterator[Result]:
+    import torch.nn.functional as F
+
+    for dtype in DTYPES:
+        for pos_weighted, mode in ((False, "both"), (True, "loss"), (True, "grad")):
+            name = f"{mode}{' pos_weight' if pos_weighted else ''} {str(dtype)[6:]}"
+            acc = _acc(dtype)
+            t, target = _sparse_target(name, "binary", acc)
+            n, v = SPARSE_N, SPARSE_V
+            full = 6 * torch.randn(n, v, generator=_gen(name), dtype=torch.float64)
+            full[3, :8] = torch.tensor([30.0, -30.0, 80.0, -80.0, 0.0, 1e-3, -1e-3, 15.0], dtype=torch.float64)
+            full = full.to(dtype)
+            tv = t.to(acc).double()
+            pw = (torch.rand(v, generator=_gen("pw " + name), dtype=torch.float64) * 3).to(acc) if pos_weighted else None
+            entry_weight = (1 + (pw[target.col] - 1) * target.val).contiguous() if pos_weighted else None
+            z = full.double().requires_grad_(True)
+            ref_rows = F.binary_cross_entropy_with_logits(z, tv, pos_weight=None if pw is None else pw.double(),
+                                                          reduction="none").sum(1)
+            g = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+            (expected,) = torch.autograd.grad((ref_rows * g).sum(), z)
+            crow, col, val, ew = _on(device, target.crow, target.col, target.val, entry_weight)
+            (row_loss,) = _on(device, torch.zeros(n, dtype=acc) if mode != "grad" else None)
+            (grad_rows,) = _on(device, g.to(acc) if mode != "loss" else None)
+            for k, (a, b) in enumerate(SPARSE_CHUNKS):
+                chunk = _chunk_on(device, full, a, b, k)
+                torch.ops.hugehead.bce_chunk_.default(chunk, crow, col, val, ew, a, row_loss, grad_rows)
+                if grad_rows is not None:
+                    yield f"{name} [{a}, {b}): dlogits", chunk.cpu(), expected[:, a:b], TOLERANCE[dtype]
+                else:  # loss only: the chunk is read, not written
+                    yield f"{name} [{a}, {b}): chunk unchanged", chunk.cpu(), full[:, a:b].double(), 0.0
+            if row_loss is not None:
+                yield f"{name}: row_loss", row_loss.cpu(), ref_rows.detach(), 10 * ACC_TOLERANCE[acc]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return math.inf
+    denom = float(e.norm())
+    return float((a - e).norm()) / (denom if denom > 0 else 1.0)
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    device = torch.device(p.parse_args().device)
+    p.add_argument("--ops", default=None, help="comma list of ops (default: every kernel op found)")
+    p.add_argument("--list", action="store_true", help="print the kernel ops and whether each has cases")
+    p.add_argument("-q", "--quiet", action="store_true", help="print failures and the summary only")
+    opts = p.parse_args(argv)
+    found = kernel_ops()
+    missing = [op for op in found if op not in CASES]
+    if opts.list:
+        for op in found:
+            print(f"{op:<24} {'cases: ' + CASES[op].__name__ if op in CASES else 'NO CASES'}")
+        return 2 if missing else 0
+    if missing:
+        print(f"kernel op(s) without a sanitizer case: {', '.join(missing)}: add a function under "
+              f"@kernel_case(\"{missing[0]}\") in bench/sanitize_case.py", flush=True)
+        return 2
+    device = torch.device(opts.device)
+    ops = opts.ops.split(",") if opts.ops else found
     print(f"hugehead {hugehead.__version__} from {hugehead.__file__}; device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""), flush=True)
-    results = [run(*case, device) for case in CASES]
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          + f"; kernel ops: {', '.join(ops)}", flush=True)
+    bad, count = [], 0
+    for op in ops:
+        for label, actual, expected, tol in CASES[op](device):
+            count += 1
+            err = rel_err(actual, expected)
+            ok = err <= tol
+            if not ok:
+                bad.append(f"{op} {label}")
+            if not ok or not opts.quiet:
+                print(f"{'ok ' if ok else 'BAD'} {op:<14} {label:<48} rel err {err:.1e} (tol {tol:.0e})", flush=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    print(f"{sum(results)}/{len(results)} cases within tolerance", flush=True)
-    return 0 if all(results) else 1
+    print(f"{count - len(bad)}/{count} results within tolerance" + (f"; off: {', '.join(bad)}" if bad else ""),
+          flush=True)
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ wrapped after :func:`hugehead.engines.distributed.ignore_heads_in_ddp`, which li
 Parameters in DDP's ignore list (equivalently, keep the head outside the DDP wrapper).
 
 The data: class ``c`` has a random prototype in input space, an input is its prototype plus noise, and
-classes are Zipf-distributed, so the frequent ones are learnable within a short run. At the end, top-1
-accuracy on held-out inputs (``head.topk``), every rank's checks (backbones identical, shards disjoint),
+classes are Zipf-distributed, so the frequent ones are learnable within a short run. At the end, top-1 and
+top-5 accuracy on held-out inputs (:func:`hugehead.predict_topk_chunks` over the head's streaming top-k,
+:class:`hugehead.metrics.AccuracyAtK` summed over the ranks) beside the always-most-frequent baseline
+(the training set's most frequent classes), every rank's checks (backbones identical, shards disjoint),
 and with ``--save`` a safetensors file of the head that loads into any world size or one process.
 """
 from __future__ import annotations
@@ -35,6 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hugehead
 from hugehead.engines.distributed import ignore_heads_in_ddp
+from hugehead.metrics import AccuracyAtK, most_frequent_topk
+
+TOP_K = (1, 5)
 
 
 def prototypes(classes: Tensor, in_dim: int, data_seed: int = 1234) -> Tensor:
@@ -99,7 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit("launch with torchrun, e.g. torchrun --nproc_per_node 2 examples/ddp_train.py")
@@ -129,9 +134,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own data
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     first = last = None
+    train_counts = torch.zeros(args.classes, dtype=torch.int64, device=device)  # for the baseline
     t0 = time.perf_counter()
     for step in range(args.steps):
         inputs, target = synthetic_batch(batch, args.classes, args.in_dim, args.zipf, args.noise, gen, device)
+        train_counts += torch.bincount(target, minlength=args.classes)
         with autocast:
             loss = ddp(inputs, target)
         optimizer.zero_grad(set_to_none=True)
@@ -149,18 +156,25 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
 
-    # Held-out accuracy: every rank scores its own rows against all classes (streamed top-1).
+    # Held-out accuracy: every rank ranks its own rows against all classes (the head's streamed top-k is
+    # collective: each rank takes the same number of batches); the metrics' sums are added over the ranks.
     model.eval()
     eval_gen = torch.Generator().manual_seed(10_000 + args.seed + rank)
     inputs, target = synthetic_batch(args.eval, args.classes, args.in_dim, args.zipf, args.noise, eval_gen, device)
-    correct = torch.zeros(2, device=device)
-    with torch.no_grad(), autocast:
-        for i in range(0, args.eval, args.batch):  # the same number of topk calls on every rank
-            _, top = head.topk(model.backbone(inputs[i:i + args.batch]), 1)
-            correct[0] += (top[:, 0] == target[i:i + args.batch]).sum()
-            correct[1] += top.shape[0]
-    dist.all_reduce(correct)
-    accuracy = float(correct[0] / correct[1])
+    batches = [(inputs[i:i + args.batch], target[i:i + args.batch]) for i in range(0, args.eval, args.batch)]
+    ks = [k for k in TOP_K if k <= args.classes]
+    accuracy = {k: AccuracyAtK(k).to(device) for k in ks}
+    baseline = {k: AccuracyAtK(k).to(device) for k in ks}
+    dist.all_reduce(train_counts)  # the whole training set's class frequencies
+    frequent = most_frequent_topk(train_counts, max(ks), args.batch)
+    for chunk in hugehead.predict_topk_chunks(head, batches, max(ks), features=lambda b: model.backbone(b[0]),
+                                              autocast=torch.bfloat16 if device.type == "cuda" else None,
+                                              progress=False):
+        for k in ks:
+            accuracy[k].update(chunk.indices, chunk.target)
+            baseline[k].update(frequent[: chunk.target.shape[0]], chunk.target)
+    accuracy = {k: float(m.compute()) for k, m in accuracy.items()}  # compute() sums the states over ranks
+    baseline = {k: float(m.compute()) for k, m in baseline.items()}
 
     # Checks: DDP kept the backbones identical; the heads hold disjoint class ranges covering [0, V).
     flat = torch.cat([p.detach().flatten().float() for p in model.backbone.parameters()])
@@ -175,14 +189,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
         head.save_safetensors(args.save)  # collective; rank 0 writes one file
     if rank == 0:
         print(f"trained {args.steps} steps in {seconds:.1f} s; loss {first:.4f} -> {last:.4f}; "
-              f"held-out top-1 {accuracy:.4f} (uniform chance {1 / args.classes:.1e})")
+              + ", ".join(f"held-out top-{k} {accuracy[k]:.4f}" for k in ks)
+              + " (always-most-frequent " + ", ".join(f"top-{k} {baseline[k]:.4f}" for k in ks)
+              + f"; uniform chance {1 / args.classes:.1e})")
         print(f"backbones identical on all ranks: {in_sync}; class ranges {ranges} cover [0, {args.classes}): {covered}")
         if args.save:
             print(f"head written to {args.save}")
     dist.destroy_process_group()
     if not (in_sync and covered):
         raise SystemExit("check failed")
-    return dict(first_loss=first, last_loss=last, accuracy=accuracy, seconds=seconds)
+    return dict(first_loss=first, last_loss=last, accuracy=accuracy, baseline=baseline, seconds=seconds)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """A 6,000,000-class classifier in PyTorch Lightning, in ONE process: a small transformer backbone on the
 first GPU and a :class:`hugehead.ChunkedClassifier` whose weight is split over the GPUs of ``--head-devices``
 (default: all visible), trained with one Lightning device (no DDP, no FairScale/DeepSpeed), then
-``trainer.test`` with only a test dataloader.
+``trainer.test`` with only a test dataloader, which reports accuracy@1 and accuracy@5 from the head's
+streaming top-k (``head.topk``: no ``[N, V]`` logits) through :mod:`hugehead.metrics`' streaming metrics,
+printed beside the always-most-frequent baseline.
 
     python examples/lightning_6m.py                    # GPUs: 6M classes, D=768, bf16-mixed, head over all GPUs
     python examples/lightning_6m.py --classes 1000000 --steps 100 --head-devices cuda:0,cuda:1
@@ -52,6 +54,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hugehead
+from hugehead.metrics import AccuracyAtK, accuracy_at_k, most_frequent_topk
 
 try:
     import lightning as L
@@ -65,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
     ) from None
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "32-true")
+TOP_K = (1, 5)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -133,6 +137,8 @@ class HugeHeadModule(L.LightningModule):
         self.head = hugehead.ChunkedClassifier(dim, num_classes, devices=head_devices, dtype=head_dtype,
                                                offload=offload)
         self.lr = lr
+        # Streaming accuracy@k (sums of hits and rows; non-persistent states, so checkpoints hold none).
+        self.test_accuracy = nn.ModuleDict({str(k): AccuracyAtK(k) for k in TOP_K if k <= num_classes})
 
     def _loss_and_features(self, batch):
         tokens, target = batch
@@ -148,10 +154,12 @@ class HugeHeadModule(L.LightningModule):
 
     def test_step(self, batch, batch_idx):
         loss, features, target = self._loss_and_features(batch)
-        _, top = self.head.topk(features, 1)
-        accuracy = (top[:, 0] == target).float().mean()
+        # One streamed top-k over all classes (every shard, chunk by chunk) serves every k.
+        _, top = self.head.topk(features, max(int(k) for k in self.test_accuracy))
         self.log("test_loss", loss.float(), batch_size=target.shape[0])
-        self.log("test_acc", accuracy, batch_size=target.shape[0])
+        for k, accuracy in self.test_accuracy.items():
+            accuracy.update(top, target)
+            self.log(f"test_acc@{k}", accuracy)  # Lightning computes and resets it at the epoch's end
 
     def configure_optimizers(self):
         # The shard Parameters live on their own devices; Adam steps each where it is (ShardPlacementCallback
@@ -221,7 +229,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     """Fit (or resume fitting), then test with only a test dataloader. Returns ``{"trainer", "model",
-    "test_metrics", "chance_most_frequent", "fit_seconds", "test_seconds", "last_checkpoint"}``."""
+    "test_metrics"`` (``test_loss``, ``test_acc@1``, ``test_acc@5``), ``"chance_most_frequent"`` (the
+    baseline's accuracy@1), ``"baseline"`` (``{k: accuracy@k}`` of always answering the k most frequent
+    training classes), ``"fit_seconds", "test_seconds", "last_checkpoint"}``."""
     args = parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
@@ -274,16 +284,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     print(f"fit: {trainer.global_step} steps in {fit_seconds:.1f} s; test: {test_seconds:.1f} s"
           + (f" (from {last})" if last else ""))
     print("test metrics: " + ", ".join(f"{k}={float(v):.4f}" for k, v in test_metrics.items()))
-    # An honest baseline under Zipf-distributed classes: always answer the most frequent training class.
-    most_frequent = int(torch.bincount(train_set.tensors[1], minlength=args.classes).argmax())
-    majority = float((test_set.tensors[1] == most_frequent).double().mean())
-    print(f"chance: always-most-frequent {majority:.4f}, uniform {1 / args.classes:.2e}; "
-          f"shards stayed on {moved}")
+    # An honest baseline under Zipf-distributed classes: always answer the k most frequent training classes.
+    frequencies = torch.bincount(train_set.tensors[1], minlength=args.classes)
+    test_target = test_set.tensors[1]
+    ks = [int(k) for k in model.test_accuracy]
+    baseline = dict(zip(ks, accuracy_at_k(most_frequent_topk(frequencies, max(ks), len(test_target)), test_target,
+                                          ks).tolist()))
+    print("test accuracy " + ", ".join(f"@{k} {float(test_metrics[f'test_acc@{k}']):.4f}" for k in ks)
+          + "; always-most-frequent " + ", ".join(f"@{k} {baseline[k]:.4f}" for k in ks)
+          + f"; uniform @1 {1 / args.classes:.2e}")
+    print(f"shards stayed on {moved}")
     if torch.cuda.is_available() and not args.cpu:
         for i in range(torch.cuda.device_count()):
             print(f"  cuda:{i} peak {torch.cuda.max_memory_allocated(i) / 2**30:.2f} GiB")
     return dict(trainer=trainer, model=model, test_metrics={k: float(v) for k, v in test_metrics.items()},
-                chance_most_frequent=majority, fit_seconds=fit_seconds, test_seconds=test_seconds,
+                chance_most_frequent=baseline[1], baseline=baseline, fit_seconds=fit_seconds, test_seconds=test_seconds,
                 last_checkpoint=last)
 
 

@@ -1,6 +1,8 @@
 """A vocabulary-parallel head under PyTorch Lightning's DDP strategy: ``Trainer(strategy="ddp",
 devices=2)`` replicates the backbone, and a :class:`hugehead.ChunkedClassifier` built with
-``process_group=`` splits the classes over the DDP ranks; then ``trainer.test``.
+``process_group=`` splits the classes over the DDP ranks; then ``trainer.test``, which reports accuracy@1
+and accuracy@5 from the head's streaming top-k (:class:`hugehead.metrics.AccuracyAtK`, summed over the ranks
+by torchmetrics) beside the always-most-frequent baseline.
 
     python examples/lightning_ddp.py                 # 2 GPUs: 6M classes, D=768, bf16-mixed
     python examples/lightning_ddp.py --cpu           # tiny, 2 CPU processes (gloo)
@@ -49,6 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hugehead
 from hugehead.engines.distributed import ignore_heads_in_ddp
+from hugehead.metrics import AccuracyAtK, accuracy_at_k, most_frequent_topk
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_train import synthetic_batch  # noqa: E402  (the same synthetic classes)
@@ -60,6 +63,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
 
 from hugehead.lightning import ShardedHeadDDPStrategy  # noqa: E402  (needs lightning)
 
+TOP_K = (1, 5)
+
 
 class HugeHeadDDP(L.LightningModule):
     """An MLP backbone (replicated by DDP) and a head whose classes are split over the DDP ranks."""
@@ -69,6 +74,8 @@ class HugeHeadDDP(L.LightningModule):
         self.save_hyperparameters()
         self.backbone = nn.Sequential(nn.Linear(in_dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim), nn.LayerNorm(dim))
         self.head: Optional[hugehead.ChunkedClassifier] = None
+        # Streaming accuracy@k: sums of hits and rows, added over the ranks when Lightning computes them.
+        self.test_accuracy = nn.ModuleDict({str(k): AccuracyAtK(k) for k in TOP_K if k <= num_classes})
 
     def configure_model(self) -> None:
         if self.head is not None:  # called again by trainer.test
@@ -88,9 +95,11 @@ class HugeHeadDDP(L.LightningModule):
         inputs, target = batch
         features = self.backbone(inputs)
         loss = self.head(features, target)
-        _, top = self.head.topk(features, 1)
+        _, top = self.head.topk(features, max(int(k) for k in self.test_accuracy))  # collective, like the loss
         self.log("test_loss", loss, sync_dist=True, batch_size=target.shape[0])
-        self.log("test_acc", (top[:, 0] == target).float().mean(), sync_dist=True, batch_size=target.shape[0])
+        for k, accuracy in self.test_accuracy.items():
+            accuracy.update(top, target)
+            self.log(f"test_acc@{k}", accuracy)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
@@ -129,7 +138,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     L.seed_everything(args.seed, verbose=False)
@@ -168,15 +177,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     t0 = time.perf_counter()
     metrics = trainer.test(model, DataLoader(test, batch_size=args.batch), ckpt_path=last, verbose=False)[0]
     test_seconds = time.perf_counter() - t0
+    # The baseline: always answer the k most frequent classes of the training set (every rank holds it).
+    ks = [int(k) for k in model.test_accuracy]
+    frequencies = torch.bincount(train.tensors[1], minlength=args.classes)
+    baseline = dict(zip(ks, accuracy_at_k(most_frequent_topk(frequencies, max(ks), len(test)), test.tensors[1],
+                                          ks).tolist()))
     if shard_fingerprint(head) != before:
         raise RuntimeError("trainer.test changed this rank's head shard (was the head left on DDP's ignore list?)")
     print(f"rank {rank}: classes [{head.shards[0].start:,}, {head.shards[-1].stop:,}) on {head.shards[0].device}; "
           f"head shard sum {before!r}", flush=True)
     if rank == 0:
         print(f"fit: {trainer.global_step} steps in {fit_seconds:.1f} s on {world} ranks; test: {test_seconds:.1f} s")
-        print(f"test_loss={metrics['test_loss']:.4f} test_acc={metrics['test_acc']:.4f} "
-              f"(log V = {math.log(args.classes):.2f}, uniform chance {1 / args.classes:.1e})", flush=True)
-    return dict(test_loss=float(metrics["test_loss"]), test_acc=float(metrics["test_acc"]),
+        print(f"test_loss={metrics['test_loss']:.4f} "
+              + " ".join(f"test_acc@{k}={metrics[f'test_acc@{k}']:.4f}" for k in ks)
+              + " (always-most-frequent " + " ".join(f"@{k} {baseline[k]:.4f}" for k in ks)
+              + f"; log V = {math.log(args.classes):.2f}, uniform chance {1 / args.classes:.1e})", flush=True)
+    return dict(test_loss=float(metrics["test_loss"]), test_acc={k: float(metrics[f"test_acc@{k}"]) for k in ks},
+                baseline=baseline,
                 fit_seconds=fit_seconds, test_seconds=test_seconds, global_step=trainer.global_step)
 
 

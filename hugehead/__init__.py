@@ -7,10 +7,22 @@ from ._extension import cuda_built, has_kernel
 from . import ops
 from .functional import linear_cross_entropy
 from .multilabel import linear_binary_cross_entropy
+from .topk import linear_topk
 from .module import ChunkedClassifier
 from . import checkpoint
 from .checkpoint import keep_optimizer_state_on_shards, place_optimizer_state
+from .predict import predict_topk, predict_topk_chunks
 
 __version__ = "0.1.0"
-__all__ = ["linear_cross_entropy", "linear_binary_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
-           "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state"]
+__all__ = ["linear_cross_entropy", "linear_topk", "linear_binary_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
+           "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "predict_topk",
+           "predict_topk_chunks", "metrics"]
+
+
+def __getattr__(name):
+    # hugehead.metrics imports torchmetrics (seconds): loaded on first use, not with the package.
+    if name == "metrics":
+        import importlib
+
+        return importlib.import_module(".metrics", __name__)
+    raise AttributeError(f"module 'hugehead' has no attribute {name!r}")

@@ -1,5 +1,7 @@
 """Loads hugehead._C (which registers torch.ops.hugehead.*) with an actionable error when it is missing."""
 import importlib
+from pathlib import Path
+from typing import Optional
 
 _REBUILD = (
     "Rebuild it from the repository root with:\n"
@@ -8,17 +10,46 @@ _REBUILD = (
 )
 
 
+def _installed_copy(package_dir: Path) -> Optional[Path]:
+    """Where pip installed hugehead (its package folder) when that is not ``package_dir``, else None."""
+    try:
+        from importlib import metadata
+
+        dist = metadata.distribution("hugehead")
+        located = Path(str(dist.locate_file("hugehead/__init__.py"))).resolve().parent
+    except Exception:  # noqa: BLE001  (no installed distribution, or an unusual installer: say nothing)
+        return None
+    if located != package_dir and any(located.glob("_C*")):
+        return located
+    return None
+
+
+def missing_extension_message(package_dir: Path) -> str:
+    """What to say when hugehead._C is not next to ``package_dir``'s ``__init__.py``."""
+    package_dir = Path(package_dir).resolve()
+    source_tree = (package_dir.parent / "setup.py").exists() and (package_dir.parent / "csrc").is_dir()
+    if not source_tree:
+        return "hugehead's compiled extension hugehead._C is not built. " + _REBUILD
+    installed = _installed_copy(package_dir)
+    where = f" (it is at {installed})" if installed else ""
+    return (
+        f"hugehead was imported from the source tree {package_dir}, not from the installed package{where}: "
+        "Python puts the current directory (or the script's) first on sys.path, and this tree has no compiled "
+        "hugehead._C, because a plain `pip install .` builds _C into the installed copy only. Two ways out:\n"
+        f"  1. run from another directory than {package_dir.parent} (the installed hugehead is then imported), or\n"
+        "  2. build into this tree: pip install --no-build-isolation -e .   (editable; or python setup.py "
+        "build_ext --inplace)"
+    )
+
+
 def load():
-    """Import hugehead._C; raise ImportError saying what failed and how to rebuild."""
+    """Import hugehead._C; raise ImportError saying what failed and how to get out of it."""
     try:
         return importlib.import_module("hugehead._C")
     except ModuleNotFoundError as exc:
         if exc.name != "hugehead._C":
             raise
-        raise ImportError(
-            "hugehead's compiled extension hugehead._C is not built (are you importing the source tree "
-            "without installing it?). " + _REBUILD
-        ) from exc
+        raise ImportError(missing_extension_message(Path(__file__).parent)) from exc
     except ImportError as exc:
         raise ImportError(
             f"hugehead._C exists but failed to load: {exc}. This usually means it was built against "

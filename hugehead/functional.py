@@ -9,6 +9,7 @@ moment).
 """
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -17,14 +18,13 @@ from torch import Tensor
 from . import ops
 from ._extension import require_kernels
 from .sparse import is_sparse_target
+from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     ResidentChunks,
     RowStats,
     merge_row_stats,
-    merge_topk,
     shard_backward,
     shard_forward_stats,
-    shard_topk,
 )
 from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
     FLOAT_DTYPES,
@@ -99,6 +99,12 @@ def _check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
             raise ValueError(f"hugehead: {name} is on {t.device} but x is on {x.device}")
     require_kernels(x.device)
     return compute
+
+
+def _is_dtensor(t) -> bool:
+    # As hugehead.dtensor.is_dtensor, without importing that module (it sits above this layer).
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _no_autocast(device: torch.device):
@@ -298,6 +304,8 @@ def linear_cross_entropy(
         x: ``[N, D]`` (or ``[..., D]``, e.g. ``[batch, tokens, D]``) float16, bfloat16, float32 or float64;
             any strides.
         weight: ``[V, D]``, same device as ``x``; same dtype outside ``torch.autocast``. bias: ``[V]`` or None.
+            A ``DTensor`` weight (and bias) on a 1-D mesh — ``Shard(0)`` (FSDP2, ``ColwiseParallel``) or
+            ``Replicate()`` — is used where it lies, never gathered: see :mod:`hugehead.dtensor`.
         target: ``[N]`` (``x``'s leading shape) int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
         ignore_index, reduction, label_smoothing: as in :func:`torch.nn.functional.cross_entropy`
             ("mean" divides by the number of non-ignored rows).
@@ -339,6 +347,11 @@ def linear_cross_entropy(
         return _linear_cross_entropy_weighted(x, weight, target, bias, options, chunk_size, memory_budget, return_lse,
                                               class_weight)
     compute = _check_inputs(x, weight, target, bias)
+    if _is_dtensor(weight) or _is_dtensor(x):  # FSDP2 / tensor parallelism: the weight is used where it lies
+        from .dtensor import linear_cross_entropy as dtensor_linear_cross_entropy  # (above this layer: lazily)
+        return dtensor_linear_cross_entropy(
+            x, weight, target, bias, compute_dtype=compute, options=options, chunk_size=chunk_size,
+            memory_budget=memory_budget, return_lse=return_lse)
     shape = target.shape
     if x.dim() != 2:  # [..., D] with target [...]: the rows are the leading dimensions
         x = x.reshape(-1, x.shape[-1])

@@ -44,11 +44,8 @@ __all__ = [
     "shard_forward_stats",
     "merge_row_stats",
     "shard_backward",
-    "shard_topk",
-    "merge_topk",
     "forward_stats_steps",
     "backward_steps",
-    "topk_steps",
     "run_steps",
     "step_result",
 ]
@@ -231,11 +228,6 @@ def shard_forward_stats(*args, **kwargs) -> Tuple[RowStats, Optional[Tensor]]:
 def shard_backward(*args, **kwargs) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """:func:`backward_steps` run to its end."""
     return run_steps(backward_steps(*args, **kwargs))
-
-
-def shard_topk(*args, **kwargs) -> Tuple[Tensor, Tensor]:
-    """:func:`topk_steps` run to its end."""
-    return run_steps(topk_steps(*args, **kwargs))
 
 
 def forward_stats_steps(
@@ -554,85 +546,3 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
     if need_weight:
         return source.finish_grads()
     return None, None
-
-
-# --------------------------------------------------------------------------------------------------
-# Streaming top-k: inference over all classes without the [N, V] logits
-# --------------------------------------------------------------------------------------------------
-def merge_topk(values: Tensor, indices: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """The ``k`` best of candidate sets ``values, indices [N, M]`` (class ids distinct within a row),
-    sorted by value descending with ties to the lower class id (NaN counts as largest, as in
-    :func:`torch.topk`). Returns ``(values [N, k], indices [N, k])``."""
-    by_index = indices.argsort(dim=1)
-    values, indices = values.gather(1, by_index), indices.gather(1, by_index)
-    by_value = values.argsort(dim=1, descending=True, stable=True)[:, :k]
-    return values.gather(1, by_value), indices.gather(1, by_value)
-
-
-def _chunk_topk(z: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """The exact top ``k`` columns of ``z [R, C]`` by (value descending, column ascending), unsorted.
-
-    :func:`torch.topk` picks among values tied with the k-th largest arbitrarily; here every column
-    above the k-th value is kept and the tied ones are taken lowest column first, through a second
-    top-k over distinct integer ranks.
-    """
-    c = z.shape[1]
-    if k >= c:
-        cols = torch.arange(c, device=z.device).expand(z.shape[0], c)
-        return z.clone(), cols
-    kth = torch.topk(z, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    col = torch.arange(c, device=z.device, dtype=torch.int32)
-    rank = torch.where(z > kth, 2 * c - col, torch.where(z == kth, c - col, -1))
-    cols = torch.topk(rank, k, dim=1, sorted=False).indices
-    return z.gather(1, cols), cols
-
-
-def topk_steps(
-    x: Tensor,
-    source: ResidentChunks,
-    class_start: int,
-    softcap: float,
-    k: int,
-    plan: Plan,
-) -> Generator[None, None, Tuple[Tensor, Tensor]]:
-    """Top ``min(k, V_k)`` logits of one shard's classes, chunk by chunk (no ``[N, V_k]`` tensor); a
-    generator that yields after each weight chunk (see :func:`forward_stats_steps`).
-
-    Args:
-        x: ``[N, D]`` compute dtype on the compute device. source: the shard's weight chunks.
-        softcap: ``<= 0`` for none; otherwise logits become ``softcap * tanh(z / softcap)`` (computed
-            in the accumulation dtype, returned in ``x``'s dtype).
-        plan: from :func:`plan_topk_chunks`.
-    Returns:
-        ``(values [N, min(k, V_k)]`` in ``x``'s dtype, ``indices`` int64 global class ids``)``, sorted by
-        value descending, ties to the lower class id.
-    """
-    n, v = x.shape[0], source.num_rows
-    k = min(int(k), v)
-    values = x.new_empty(n, k)
-    indices = torch.empty(n, k, dtype=torch.int64, device=x.device)
-    if n == 0 or k == 0:
-        return values, indices
-    acc = ops.acc_dtype(x.dtype)
-    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
-    best: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(range(0, n, plan.rows))
-    for chunk in source.chunks(plan.cols):
-        for b, r0 in enumerate(range(0, n, plan.rows)):
-            r1 = min(r0 + plan.rows, n)
-            z = _logits_into(x[r0:r1], chunk, _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0))
-            if softcap > 0:
-                if z.dtype == acc:
-                    z.div_(softcap).tanh_().mul_(softcap)
-                else:
-                    z.copy_(z.to(acc).div_(softcap).tanh_().mul_(softcap))
-            chunk_values, chunk_cols = _chunk_topk(z, k)
-            chunk_ids = chunk_cols.to(torch.int64) + (class_start + chunk.c0)
-            if best[b] is not None:
-                chunk_values = torch.cat([best[b][0], chunk_values], dim=1)
-                chunk_ids = torch.cat([best[b][1], chunk_ids], dim=1)
-            best[b] = merge_topk(chunk_values, chunk_ids, k)
-        yield
-    for b, r0 in enumerate(range(0, n, plan.rows)):
-        r1 = min(r0 + plan.rows, n)
-        values[r0:r1], indices[r0:r1] = best[b]
-    return values, indices

@@ -136,9 +136,9 @@ def _check_loss_kind(loss: str, class_weight: Optional[Tensor], num_classes: int
     if loss not in LOSS_KINDS:
         raise ValueError(f"hugehead: unknown loss {loss!r}; expected one of {LOSS_KINDS}")
     if loss == "binary_cross_entropy":
-        extra = {"label_smoothing": label_smoothing, "z_loss": z_loss, "softcap": softcap,
-                 "class_weight": class_weight}
+        extra = {"label_smoothing": label_smoothing, "z_loss": z_loss, "softcap": softcap}
         given = [k for k, v in extra.items() if v not in (None, 0, 0.0)]
+        given += ["class_weight"] if class_weight is not None else []
         if given:
             raise ValueError(f"hugehead: loss='binary_cross_entropy' does not take {', '.join(given)}")
     if class_weight is None:
@@ -148,6 +148,14 @@ def _check_loss_kind(loss: str, class_weight: Optional[Tensor], num_classes: int
     else:
         check_class_weight(class_weight, num_classes, torch.device("cpu"))
     return loss, class_weight.detach().clone()
+
+
+@torch.compiler.disable
+def _engine_topk(engine, x: Tensor, shards, softcap: float, k: int) -> Tuple[Tensor, Tensor]:
+    # The engines queue work on several devices and streams from Python: under torch.compile this runs
+    # eagerly (a graph break), as the loss's host-side target check does.
+    with no_autocast(x, shards):
+        return engine.topk(x, shards, softcap, k)
 
 
 class ChunkedClassifier(nn.Module):
@@ -537,8 +545,7 @@ class ChunkedClassifier(nn.Module):
             raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
         spec = self._spec()
         shards = spec.shards(self._shard_params())
-        with no_autocast(x, shards):
-            return self.engine.topk(x, shards, spec.options.kernel_softcap, int(k))
+        return _engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
 
     @torch.no_grad()
     def log_prob(self, x: Tensor, target: Tensor) -> Tensor:

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
-__all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_"]
+__all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
+           "chunk_topk_"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -196,6 +197,28 @@ def _bce_chunk_fake(logits, crow, col, val, entry_weight, class_start, row_loss,
     return None
 
 
+def chunk_topk_(logits: Tensor, class_start: int, softcap: float, values: Tensor, indices: Tensor) -> None:
+    """Fold a logits chunk into a running per-row top-k, in place (no host synchronization).
+
+    Args:
+        logits: ``[N, C]`` float16/bfloat16/float32/float64, unit column stride; the logits of classes
+            ``[class_start, class_start + C)``, all above every id already in ``indices`` (chunks come in
+            ascending class order).
+        softcap: ``> 0`` ranks and returns ``softcap * tanh(z / softcap)`` (computed in float32, float64
+            for float64, rounded to the logits' dtype); ``<= 0`` means none.
+        values: ``[N, k]`` in the logits' dtype, contiguous; indices: ``[N, k]`` int64 global class ids,
+            contiguous. Each row is sorted by value descending (NaN above everything, ``-0 == +0``), ties
+            to the lower class id; index ``-1`` marks an empty slot (start from all ``-1``; values there
+            are ignored). Only values strictly above a full row's k-th can enter: a later class loses a tie.
+
+    CUDA takes ``k <= 4096``.
+
+    Raises:
+        RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
+    """
+    torch.ops.hugehead.chunk_topk_.default(logits, class_start, softcap, values, indices)
+
+
 @torch.library.register_fake("hugehead::chunk_stats_")
 def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
@@ -208,4 +231,12 @@ def _chunk_grad_fake(logits, target, class_start, num_classes, lse, grad_rows, l
                      grad_lse=None):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
+    return None
+
+
+@torch.library.register_fake("hugehead::chunk_topk_")
+def _chunk_topk_fake(logits, class_start, softcap, values, indices):
+    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
+    torch._check(values.dim() == 2 and values.shape[0] == logits.shape[0], lambda: "values must be [N, k]")
+    torch._check(indices.shape == values.shape, lambda: "indices must have the shape of values")
     return None

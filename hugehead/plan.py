@@ -272,11 +272,6 @@ def plan_chunks(
     return Plan(rows=min(rows, n), cols=max(cols, 1), overlap=overlap, **chosen)
 
 
-# Bytes per logit that the exact selection of a chunk holds beyond the workspace: two bool masks and
-# two int32 rank tensors.
-_TOPK_TEMP_BYTES = 10
-
-
 def plan_topk_chunks(
     n: int,
     d: int,
@@ -286,16 +281,9 @@ def plan_topk_chunks(
     chunk_size: Optional[int] = None,
     memory_budget=None,
 ) -> Plan:
-    """:func:`plan_chunks` for a streaming top-k (never keeps logits): the same budget also covers the
-    selection's temporaries (about 10 bytes per logit besides the logit itself)."""
-    if chunk_size is not None:
-        return plan_chunks(n, d, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
-    itemsize = _itemsize(dtype)
-    budget = _as_budget(memory_budget, device)
-    scaled = Budget(max(1, budget.bytes * itemsize // (itemsize + _TOPK_TEMP_BYTES)),
-                    f"{budget.reason}, less the top-k selection's temporaries")
-    # As plan_chunks, with (itemsize + temporaries) bytes per logit and no dX buffers.
-    return plan_chunks(n, 0, v, dtype, device, None, scaled, allow_keep=False)
+    """:func:`plan_chunks` for :func:`hugehead.topk.topk_steps`: always streaming, the normal chunk width
+    (the top-k kernel needs no temporaries beyond the workspace) and no ``dX`` buffers."""
+    return plan_chunks(n, 0, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
 
 
 # --------------------------------------------------------------------------------------------------

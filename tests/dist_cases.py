@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import traceback
 from typing import Dict, List, Optional
 
@@ -364,7 +365,16 @@ def job_mismatch(ctx) -> dict:
     return dict(errors=errors)
 
 
+def job_stuck(ctx):
+    """Rank 1 waits forever outside any collective (what the world timeout is for)."""
+    if ctx["rank"] == 1:
+        while True:
+            time.sleep(1)
+    return {}
+
+
 JOBS = {
+    "stuck": (job_stuck, ()),
     **{f"loss:{name}": (job_loss, (name,)) for name in LOSS_CASES},
     **{f"offload:{name}": (job_loss, (name, True)) for name in LOSS_CASES},
     "topk": (job_topk, ()),
@@ -409,13 +419,30 @@ def _rank_main(rank: int, world: int, backend: str, store_path: str, out: str, j
     os._exit(0)
 
 
-def run_world(world: int, jobs: List[str], out: str, backend: str = "gloo") -> Dict[str, List[dict]]:
-    """Run ``jobs`` on ``world`` spawned ranks; returns ``{job: [result of rank 0, rank 1, ...]}``."""
+# A world that has not finished by then is stuck (a rank waiting outside any collective, which the
+# process group's own 60 s timeout does not cover): its ranks are killed and the test fails. Generous,
+# because CI may share its 2 cores with other work.
+WORLD_TIMEOUT_S = float(os.environ.get("HUGEHEAD_TEST_WORLD_TIMEOUT", "900"))
+
+
+def run_world(world: int, jobs: List[str], out: str, backend: str = "gloo",
+              timeout_s: float = WORLD_TIMEOUT_S) -> Dict[str, List[dict]]:
+    """Run ``jobs`` on ``world`` spawned ranks; returns ``{job: [result of rank 0, rank 1, ...]}``.
+    Raises TimeoutError (after killing the ranks) when they have not all finished within ``timeout_s``."""
     os.makedirs(out, exist_ok=True)
     store = os.path.join(out, f"store.{world}.{backend}")
     if os.path.exists(store):
         os.unlink(store)
-    mp.start_processes(_rank_main, args=(world, backend, store, out, jobs), nprocs=world, join=True,
-                       start_method="spawn")
+    ctx = mp.start_processes(_rank_main, args=(world, backend, store, out, jobs), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=5.0):  # raises when a rank failed
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in ctx.processes:
+                proc.join(30)
+            raise TimeoutError(f"{world} {backend} ranks running {jobs} did not finish within {timeout_s:.0f} s")
     return {name: [torch.load(os.path.join(out, f"{name.replace(':', '-')}.{r}.pt"), weights_only=False)
                    for r in range(world)] for name in jobs}

@@ -104,6 +104,41 @@ def test_placement_benchmark_cpu_smoke(tmp_path):
     assert (tmp_path / "placement.png").stat().st_size > 0
 
 
+def test_sanitizer_harness_covers_every_kernel_op_and_checks_them_on_cpu(capsys):
+    """bench/sanitize_case.py (what compute-sanitizer runs on the GPU) has cases for every kernel op the
+    dispatcher holds, and its float64 checks pass on the CPU kernels."""
+    from bench import sanitize_case
+
+    ops = sanitize_case.kernel_ops()
+    assert {"chunk_stats_", "chunk_grad_"} <= set(ops) and not {"linear_cross_entropy_forward"} & set(ops)
+    assert sanitize_case.main(["--list"]) == 0
+    assert sanitize_case.main(["--device", "cpu", "-q"]) == 0
+    assert "results within tolerance" in capsys.readouterr().out
+
+
+def test_sanitizer_harness_refuses_an_op_without_cases(monkeypatch, capsys):
+    from bench import sanitize_case
+
+    monkeypatch.setattr(sanitize_case, "kernel_ops", lambda: ["chunk_stats_", "new_kernel_"])
+    assert sanitize_case.main(["--device", "cpu"]) == 2
+    assert '@kernel_case("new_kernel_")' in capsys.readouterr().out
+
+
+def test_sanitizer_harness_reports_a_wrong_result(monkeypatch, capsys):
+    """A kernel result off its float64 reference fails the run (exit 1), so garbage cannot pass silently."""
+    from bench import sanitize_case
+
+    real = sanitize_case.CASES["chunk_grad_"]
+
+    def off_by_a_bit(device):
+        for label, actual, expected, tol in real(device):
+            yield label, actual.double() * 1.01, expected, tol
+
+    monkeypatch.setitem(sanitize_case.CASES, "chunk_grad_", off_by_a_bit)
+    assert sanitize_case.main(["--device", "cpu", "--ops", "chunk_grad_", "-q"]) == 1
+    assert "BAD chunk_grad_" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------------------
 # bench_lce's peers and report (tiny CPU problems; the GPU run uses the same code)
 # --------------------------------------------------------------------------------------------------

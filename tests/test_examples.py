@@ -1,10 +1,12 @@
 """examples/lightning_6m.py in its CPU smoke mode: fit and test (with only a test dataloader) both run,
-the head keeps its two shards, Lightning-style moves of the module leave the head's shards in place, the
+the test reports accuracy@1 and @5 from the head's top-k (checked against the float64 dense ranking of the
+trained model) beside the always-most-frequent baseline, the head keeps its two shards, Lightning-style moves of the module leave the head's shards in place, the
 precisions build the head in the right dtype, and a fit resumed from a checkpoint (sharded directory or
 Lightning file) ends bitwise where an uninterrupted fit does."""
 import importlib.util
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -29,17 +31,48 @@ def example():
     return _load_example()
 
 
-def test_cpu_smoke_fit_then_test(example):
+def test_cpu_smoke_fit_then_test(example, capsys):
     steps = 25
-    result = example.main(["--cpu", "--classes", "3000", "--dim", "32", "--steps", str(steps), "--batch", "64",
-                           "--test-size", "256", "--no-progress"])
+    args = ["--cpu", "--classes", "3000", "--dim", "32", "--steps", str(steps), "--batch", "64", "--test-size", "256",
+            "--no-progress"]
+    result = example.main(args)
+    out = capsys.readouterr().out
     trainer, model, metrics = result["trainer"], result["model"], result["test_metrics"]
     assert trainer.global_step == steps  # fit ran every step
-    assert set(metrics) == {"test_loss", "test_acc"}  # test ran, with only a test dataloader
+    assert set(metrics) == {"test_loss", "test_acc@1", "test_acc@5"}  # test ran, with only a test dataloader
     assert math.isfinite(metrics["test_loss"])
     assert metrics["test_loss"] < math.log(3000)  # it learned something
     assert [str(s.device) for s in model.head.shards] == ["cpu", "cpu"]
     assert [(s.start, s.stop) for s in model.head.shards] == [(0, 1500), (1500, 3000)]
+
+    # The accuracies are those of the trained model's dense float64 ranking (value descending, ties to the
+    # lower class id) on the test set, and the baseline that of the k most frequent training classes.
+    args_ns = example.parse_args(args)
+    test = example.synthetic_sequences(256, 3000, args_ns.seq_len, args_ns.token_vocab, args_ns.zipf,
+                                       args_ns.corrupt, seed=args_ns.seed + 2)
+    train = example.synthetic_sequences(steps * 64, 3000, args_ns.seq_len, args_ns.token_vocab, args_ns.zipf,
+                                        args_ns.corrupt, seed=args_ns.seed + 1)
+    tokens, target = test.tensors
+    with torch.no_grad():
+        features = model.backbone(tokens).double()
+    weight = torch.cat([s.weight.detach() for s in model.head.shards]).double()
+    bias = torch.cat([s.bias.detach() for s in model.head.shards]).double()
+    logits = features @ weight.T + bias
+    order = torch.stack([torch.tensor(sorted(range(3000), key=lambda c, row=row: (-row[c], c))[:5])
+                         for row in logits.tolist()])
+    for k in (1, 5):
+        expected = float((order[:, :k] == target[:, None]).any(1).double().mean())
+        assert metrics[f"test_acc@{k}"] == pytest.approx(expected, abs=1.5 / 256), k  # float32 vs float64 near-ties
+    counts = torch.bincount(train.tensors[1], minlength=3000).tolist()
+    frequent = sorted(range(3000), key=lambda c: (-counts[c], c))[:5]
+    baseline = {k: sum(int(t) in frequent[:k] for t in target) / 256 for k in (1, 5)}
+    assert result["baseline"] == pytest.approx(baseline) and result["chance_most_frequent"] == baseline[1]
+    line = re.search(r"test accuracy @1 ([\d.]+), @5 ([\d.]+); always-most-frequent @1 ([\d.]+), @5 ([\d.]+)", out)
+    assert line, out
+    acc1, acc5, base1, base5 = map(float, line.groups())
+    assert (acc1, acc5) == (round(metrics["test_acc@1"], 4), round(metrics["test_acc@5"], 4))
+    assert (base1, base5) == (round(baseline[1], 4), round(baseline[5], 4))
+    assert acc5 >= acc1 and base5 >= base1
 
 
 def test_lightning_style_moves_leave_the_head_in_place(example):

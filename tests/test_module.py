@@ -606,7 +606,7 @@ class _FakeDevice:
 @pytest.mark.parametrize("phase", ["forward", "backward", "topk"])
 def test_local_engine_queues_every_input_before_any_loop_and_interleaves_gpu_loops(monkeypatch, phase):
     from hugehead.engines import local
-    from hugehead import loop
+    from hugehead import loop, topk
 
     events = []
     real_to = local._to
@@ -633,7 +633,7 @@ def test_local_engine_queues_every_input_before_any_loop_and_interleaves_gpu_loo
     monkeypatch.setattr(local, "_to", logging_to)
     monkeypatch.setattr(local, "forward_stats_steps", logged(loop.forward_stats_steps))
     monkeypatch.setattr(local, "backward_steps", logged(loop.backward_steps))
-    monkeypatch.setattr(local, "topk_steps", logged(loop.topk_steps))
+    monkeypatch.setattr(local, "topk_steps", logged(topk.topk_steps))
 
     head = make_head([20, 30, 10], chunk_size=5)
     head.engine = _FakeGpuEngine(chunk_size=5)

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..loop import merge_topk
 from ..options import LossOptions
+from ..topk import merge_topk
 from ..targets import gather_chunk_target
 from .local import LocalEngine, PlacedInputs, ShardTensors
 

@@ -31,15 +31,14 @@ from ..loop import (
     backward_steps,
     forward_stats_steps,
     merge_row_stats,
-    merge_topk,
     run_steps,
     step_result,
-    topk_steps,
 )
 from ..ops import acc_dtype
 from ..options import LossOptions
 from ..plan import Budget, Plan, device_budgets, plan_chunks, plan_topk_chunks, resolve_budget
 from ..plan import shard_oom_guard  # noqa: F401  (re-exported: it lived here before plan.py)
+from ..topk import CUDA_MAX_K, merge_topk, topk_steps
 
 __all__ = ["ShardTensors", "PlacedInputs", "LocalEngine", "shard_oom_guard"]
 
@@ -289,6 +288,9 @@ class LocalEngine:
             ``(values [N, k] in x's dtype, indices [N, k] int64)`` sorted by value descending, ties by the
             lower class id.
         """
+        for shard in shards:
+            if self.compute_device(shard).type == "cuda" and min(k, shard.weight.shape[0]) > CUDA_MAX_K:
+                raise ValueError(f"hugehead: k must be at most {CUDA_MAX_K} for a shard on CUDA, got {k}")
         by_device = self._place([x], shards)
         budgets = self.budgets(shards, keep=False)
         tasks = []
@@ -300,6 +302,8 @@ class LocalEngine:
             tasks.append((i, shard, plan, topk_steps(xk, self.source(shard, x.dtype), shard.start, softcap, k, plan)))
         results = self._interleave(tasks)
         parts = [results[i] for i in range(len(shards))]
+        if len(parts) == 1:  # one shard's top-k is already in order
+            return _to(parts[0][0], x.device), _to(parts[0][1], x.device)
         values = torch.cat([_to(v, x.device) for v, _ in parts], dim=1)
         indices = torch.cat([_to(ix, x.device) for _, ix in parts], dim=1)
         return merge_topk(values, indices, k)

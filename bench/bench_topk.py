@@ -1,0 +1,163 @@
+"""Top-k benchmark: hugehead.linear_topk against the forward-only loss of the same shape (GPU), and against
+``torch.topk(x @ W.T + b, k)`` over the full logits (CPU).
+
+    python -m bench.bench_topk                              # one GPU, bf16: xc6M and xc1M, k = 1, 5, 100
+    python -m bench.bench_topk --device cpu                 # float32 CPU shapes vs torch.topk (~3 min, 2 cores)
+    python -m bench.bench_topk --cpu-smoke --out /tmp/topk  # the pipeline, tiny
+
+GPU (issue 20's targets): top-5 within 1.25x and top-100 within 1.5x of ``linear_cross_entropy``'s
+forward (no grad) at the same shape, measured in the same run (CUDA events, median of ``--reps``). Each
+row also checks its answer on the first 256 rows against ``torch.topk`` of those rows' logits computed
+the same way (bf16 GEMM): ``check`` is the share of rows whose top-k ids agree exactly (a different GEMM
+kernel may round a near-tie differently, so a little under 1.0 is possible; far under is a bug).
+
+CPU: float32 with a bias; ``torch.topk`` needs the whole ``[N, V]`` logits (skipped when they would not
+fit ``--cpu-logits-gib``); target: hugehead at least as fast.
+
+Writes topk.json (rows: ``shape``, ``n``, ``d``, ``v``, ``k``, ``topk_ms``, ``fwd_ms`` or
+``torch_topk_ms``, ...; git SHA in ``meta``), topk.md and topk.png to --out (default
+bench/results/<gpu>/ or bench/results/cpu/).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Dict, List
+
+from bench import harness  # first: decides which hugehead is imported
+from bench import common
+from bench.common import Shape
+
+import torch
+
+import hugehead
+
+GPU_SHAPES = {s: common.SHAPES[s] for s in ("xc6M", "xc1M")}
+SMOKE_SHAPES = {"tiny": Shape("tiny", 64, 32, 5003, "smoke"), "tiny_wide": Shape("tiny_wide", 16, 16, 40000, "smoke")}
+TARGETS = {1: 1.25, 5: 1.25, 100: 1.5}
+CHECK_ROWS = 256
+
+
+def _agreement(x, w, b, k: int, indices: torch.Tensor) -> float:
+    """Share of the first rows whose top-k ids equal torch.topk's over their full logits (same dtype)."""
+    rows = min(CHECK_ROWS, x.shape[0])
+    z = torch.nn.functional.linear(x[:rows], w, b).float()
+    ref = torch.sort(z, dim=1, descending=True, stable=True).indices[:, :k]
+    return float((ref == indices[:rows]).all(dim=1).float().mean())
+
+
+def run_gpu(shapes: Dict[str, Shape], ks: List[int], device: torch.device, dtype: torch.dtype, args) -> List[dict]:
+    rows = []
+    for shape in shapes.values():
+        x, w, target = common.make_inputs(shape, device, dtype)
+        fwd = harness.measure(lambda: hugehead.linear_cross_entropy(x, w, target), device, reps=args.reps,
+                              warmup=args.warmup, input_bytes=harness.tensor_bytes(x, w, target))
+        print(f"{shape.name}: forward (loss, no grad) {fwd.ms:.1f} ms", flush=True)
+        for k in ks:
+            t = harness.measure(lambda: hugehead.linear_topk(x, w, k), device, reps=args.reps, warmup=args.warmup,
+                                input_bytes=harness.tensor_bytes(x, w, target))
+            check = _agreement(x, w, None, k, t.result[1])
+            ratio = t.ms / fwd.ms
+            target_ratio = TARGETS.get(k)
+            rows.append(dict(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, k=k, dtype=str(dtype).replace("torch.", ""),
+                             topk_ms=t.ms, fwd_ms=fwd.ms, ratio=ratio, target_ratio=target_ratio,
+                             meets_target=None if target_ratio is None else ratio <= target_ratio, check=check,
+                             **{f"topk_{key}": v for key, v in t.fields().items() if key != "ms"},
+                             fwd_all_ms=fwd.ms_all))
+            print(f"  top-{k}: {t.ms:.1f} ms = {ratio:.2f}x forward (target {target_ratio}), check {check:.3f}",
+                  flush=True)
+        del x, w, target
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_cpu(shapes: Dict[str, Shape], ks: List[int], args) -> List[dict]:
+    rows = []
+    device = torch.device("cpu")
+    for shape in shapes.values():
+        x, w, _ = common.make_inputs(shape, device, torch.float32)
+        b = torch.randn(shape.v, generator=torch.Generator().manual_seed(1)) * 0.1
+        logits_gib = shape.n * shape.v * 4 / 2**30
+        for k in ks:
+            t = harness.measure(lambda: hugehead.linear_topk(x, w, k, b), device, reps=args.reps, warmup=args.warmup,
+                                clock="host")
+            row = dict(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, k=k, dtype="float32", topk_ms=t.ms,
+                       topk_all_ms=t.ms_all, foreign_cpu=t.foreign_cpu, torch_topk_ms=None, speedup=None, check=None)
+            if logits_gib <= args.cpu_logits_gib:
+                ref = harness.measure(lambda: torch.topk(torch.addmm(b, x, w.t()), k, dim=1), device, reps=args.reps,
+                                      warmup=args.warmup, clock="host")
+                row.update(torch_topk_ms=ref.ms, torch_topk_all_ms=ref.ms_all, speedup=ref.ms / t.ms,
+                           check=float(torch.allclose(ref.result[0], t.result[0])))
+            rows.append(row)
+            print(f"{shape.name} top-{k}: hugehead {t.ms:.0f} ms, torch.topk {harness.fmt(row['torch_topk_ms'], '.0f')} ms",
+                  flush=True)
+    return rows
+
+
+def markdown(doc: dict) -> str:
+    meta, rows = doc["meta"], doc["rows"]
+    if meta["mode"] == "gpu":
+        md = harness.header("Streaming top-k vs the forward-only loss", meta)
+        md += ("`hugehead.linear_topk(x, W, k)` against `hugehead.linear_cross_entropy(x, W, target)` under no "
+               "grad at the same shape (no bias), CUDA events, median of "
+               f"{meta['options']['reps']}. Target: top-1/top-5 within 1.25x, top-100 within 1.5x.\n\n")
+        md += harness.md_table(
+            ["shape", "N × D × V", "k", "top-k ms", "forward ms", "ratio", "target", "met", "check"],
+            [[r["shape"], f"{r['n']} × {r['d']} × {r['v']:,}", r["k"], harness.fmt(r["topk_ms"], ".1f"),
+              harness.fmt(r["fwd_ms"], ".1f"), harness.fmt(r["ratio"], ".2f") + "×",
+              harness.fmt(r["target_ratio"], ".2f") + "×", {True: "yes", False: "**no**", None: "-"}[r["meets_target"]],
+              harness.fmt(r["check"], ".3f")] for r in rows])
+    else:
+        md = harness.header("Streaming top-k on the CPU vs torch.topk over the full logits", meta)
+        md += ("float32 with a bias: `hugehead.linear_topk(x, W, k, b)` against `torch.topk(torch.addmm(b, x, W.T), k)`"
+               f", host clock, median of {meta['options']['reps']}. Target: hugehead at least as fast.\n\n")
+        md += harness.md_table(
+            ["shape", "N × D × V", "k", "hugehead ms", "torch.topk ms", "speed-up", "values equal", "others' CPU"],
+            [[r["shape"], f"{r['n']} × {r['d']} × {r['v']:,}", r["k"], harness.fmt(r["topk_ms"], ".0f"),
+              harness.fmt(r["torch_topk_ms"], ".0f"), harness.fmt(r["speedup"], ".2f") + "×",
+              {1.0: "yes", 0.0: "**no**", None: "-"}[r["check"]], harness.fmt(r["foreign_cpu"], ".2f")] for r in rows])
+    return md + harness.footer(meta)
+
+
+def plot(doc: dict, path: Path) -> None:
+    rows = doc["rows"]
+    cats = [f"{r['shape']} k={r['k']}" for r in rows]
+    if doc["meta"]["mode"] == "gpu":
+        series = {"top-k": [r["topk_ms"] for r in rows], "forward (loss)": [r["fwd_ms"] for r in rows]}
+    else:
+        series = {"hugehead": [r["topk_ms"] for r in rows], "torch.topk(x @ W.T + b)": [r["torch_topk_ms"] for r in rows]}
+    harness.bar_chart(path, cats, harness.Panel("ms (median)", series), title="Streaming top-k",
+                      smoke=doc["meta"].get("smoke", False))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the pipeline)")
+    p.add_argument("--ks", default="1,5,100", help="comma list of k")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5 GPU, 3 CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2 GPU, 1 CPU)")
+    p.add_argument("--cpu-logits-gib", type=float, default=4.0, help="largest [N, V] float32 logits torch.topk gets")
+    p.add_argument("--out", type=Path, help="output folder")
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.cpu_smoke else args.device)
+    gpu = device.type == "cuda"
+    args.reps = args.reps or (5 if gpu else 3)
+    args.warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
+    ks = [int(k) for k in args.ks.split(",")]
+    shapes = SMOKE_SHAPES if args.cpu_smoke else (GPU_SHAPES if gpu else common.CPU_SHAPES)
+    meta = harness.run_meta("topk", device, options=args, smoke=args.cpu_smoke, mode="gpu" if gpu else "cpu",
+                            shapes={s.name: dict(n=s.n, d=s.d, v=s.v) for s in shapes.values()})
+    start = time.perf_counter()
+    rows = run_gpu(shapes, ks, device, torch.bfloat16, args) if gpu else run_cpu(shapes, ks, args)
+    meta["elapsed_s"] = time.perf_counter() - start
+    doc = {"meta": meta, "rows": rows}
+    out = args.out or harness.REPO_ROOT / "bench" / "results" / (
+        harness.gpu_slug(str(meta["gpu_name"])) if gpu else "cpu")
+    written = harness.write_report(out, "topk", doc, markdown, plot=lambda path: plot(doc, path))
+    print("wrote", ", ".join(str(v) for v in written.values()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+"""Thin adapters from other frameworks onto hugehead's public API (one module per framework, each
+importing its framework only when used): :mod:`hugehead.integrations.transformers`."""
