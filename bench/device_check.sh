@@ -15,7 +15,8 @@
 #   MAX_JOBS     parallel compile jobs (default 16). HUGEHEAD_CUDA defaults to ON here.
 #   SANITIZER_TOOLS  compute-sanitizer tools to run in turn over bench/sanitize_case.py (default
 #                "memcheck racecheck initcheck synccheck"); SANITIZER_TIMEOUT caps each (default 150 s);
-#                SANITIZER_FILTER overrides the kernel filter (default: our kernels only, by name).
+#                SANITIZER_FILTER overrides the kernel filter (default: our kernels only, by name);
+#                SANITIZE_ARGS the harness's arguments (default "-q").
 #   EXTRA        extra steps after the others, "name=command|name=command" (each logged as a step and
 #                given what is left of the deadline), e.g. "amp=python3 -m bench.bench_amp --out $OUT/amp".
 #   HUGEHEAD_GIT_SHA recorded in the benchmark JSON when the copy has no .git.
@@ -180,15 +181,12 @@ sanitize() {
     per=$(( left / n ))
     [ "$per" -gt "${SANITIZER_TIMEOUT:-150}" ] && per=${SANITIZER_TIMEOUT:-150}
     for tool in "${tools[@]}"; do
-        local opts=()
-        case $tool in
-            racecheck) opts=(--racecheck-report all) ;;
-            initcheck) opts=(--track-unused-memory no) ;;
-        esac
-        echo "--- compute-sanitizer --tool $tool $filter ${opts[*]} (at most $per s) -> sanitizer/$tool.log"
-        # shellcheck disable=SC2086  # $filter is two words
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$per" "$san" --tool "$tool" $filter "${opts[@]}" \
-            --error-exitcode 1 --print-limit 50 "$PY" -P bench/sanitize_case.py -q >"$OUT/sanitizer/$tool.log" 2>&1
+        # each tool with its defaults (SANITIZER_OPTS adds options to every one, e.g. "--racecheck-report all")
+        echo "--- compute-sanitizer --tool $tool $filter ${SANITIZER_OPTS:-} (at most $per s) -> sanitizer/$tool.log"
+        # shellcheck disable=SC2086  # $filter and $SANITIZER_OPTS are several words
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$per" "$san" --tool "$tool" $filter ${SANITIZER_OPTS:-} \
+            --error-exitcode 1 --print-limit 50 "$PY" -P bench/sanitize_case.py ${SANITIZE_ARGS:--q} \
+            >"$OUT/sanitizer/$tool.log" 2>&1
         local trc=$?
         [ "$trc" -eq 124 ] && echo "    TIMED OUT after $per s"
         tail -n 3 "$OUT/sanitizer/$tool.log" | sed 's/^/    /'

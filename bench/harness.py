@@ -268,12 +268,16 @@ def measure(
     cuda = _cuda(devices)
     warm_ms: List[float] = []
     out = None
-    base = _reset_peaks(cuda)  # a first-call-only measurement reads its peak from here
-    for _ in range(warmup):
+
+    def call():
         if before is not None:
             before()
-        out = None
-        ms, out = time_call_ms(fn, devices, clock)
+        return time_call_ms(fn, devices, clock)
+
+    base = _reset_peaks(cuda)  # a first-call-only measurement reads its peak from here
+    for _ in range(warmup):
+        out = None  # the previous result is freed before the next call, as in a training loop
+        ms, out = call()
         warm_ms.append(ms)
         if ms > slow_warmup_ms:
             break
@@ -288,10 +292,8 @@ def measure(
         times = []
         busy0, t0 = cpu_busy_seconds(), time.perf_counter()
         for _ in range(n):
-            if before is not None:
-                before()
             out = None
-            ms, out = time_call_ms(fn, devices, clock)
+            ms, out = call()
             times.append(ms)
         busy = foreign_cpu_fraction(busy0, cpu_busy_seconds(), time.perf_counter() - t0)
         synchronize(cuda)

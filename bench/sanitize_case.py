@@ -179,6 +179,38 @@ def grad_cases(device: torch.device) -> Iterator[Result]:
             yield f"{name}: dlogits", got, ref, TOLERANCE[dtype]
 
 
+# (label, N, V, chunks, k, softcap, row padding)
+TOPK_SHAPES = [
+    ("k=1", 5, 300, [(0, 300)], 1, 0.0, 0),
+    ("k=5, three chunks, strided", 17, 1000, [(0, 256), (256, 257), (257, 1000)], 5, 0.0, 7),
+    ("k=37, softcap", 9, 777, [(0, 400), (400, 777)], 37, 30.0, 3),
+    ("k > V: empty slots stay -1", 4, 20, [(0, 7), (7, 20)], 25, 0.0, 1),
+]
+
+
+@kernel_case("chunk_topk_")
+def topk_cases(device: torch.device) -> Iterator[Result]:
+    """Fold chunks (ascending classes) into a running top-k; the reference is a stable descending sort of
+    the whole row (ties to the lower class id)."""
+    for dtype in DTYPES:
+        for label, n, v, chunks, k, softcap, pad in TOPK_SHAPES:
+            name = f"{label} {str(dtype)[6:]}"
+            full = (3 * torch.randn(n, v, generator=_gen(name), dtype=torch.float64)).to(dtype)
+            values, indices = _on(device, torch.zeros(n, k, dtype=dtype), torch.full((n, k), -1, dtype=torch.int64))
+            for j, (a, b) in enumerate(chunks):
+                torch.ops.hugehead.chunk_topk_.default(_chunk_on(device, full, a, b, pad + j), a, softcap, values,
+                                                       indices)
+            c = _softcapped(full.to(_acc(dtype)), softcap).to(dtype).double()
+            order = torch.sort(c, dim=1, descending=True, stable=True)
+            kk = min(k, v)
+            got_values, got_indices = values.cpu().double(), indices.cpu()
+            yield f"{name}: values", got_values[:, :kk], order.values[:, :kk], 0.0 if not softcap else TOLERANCE[dtype]
+            if not softcap:  # with a softcap, tanh's last bit may differ between backends and reorder near-ties
+                yield f"{name}: indices", got_indices[:, :kk].double(), order.indices[:, :kk].double(), 0.0
+            if k > v:
+                yield f"{name}: empty slots", got_indices[:, kk:].double(), torch.full((n, k - kk), -1.0), 0.0
+
+
 # --------------------------------------------------------------------------------------------------
 # Sparse targets (issue 22): CSR probability / binary targets
 # --------------------------------------------------------------------------------------------------

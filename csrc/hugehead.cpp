@@ -16,11 +16,13 @@ TORCH_LIBRARY(hugehead, m) {
   m.def(
       "chunk_grad_(Tensor(a!) logits, Tensor target, int class_start, int num_classes, Tensor lse, "
       "Tensor grad_rows, float label_smoothing, float z_loss, float softcap, Tensor? grad_lse=None) -> ()");
-  // Fold a logits chunk [N, C] holding classes [class_start, class_start + C) into a running per-row
-  // top-k: values [N, k] (the logits' dtype, softcapped) and indices [N, k] int64, sorted by value
-  // descending, NaN first, ties to the lower class id; index -1 marks a still empty slot. Every class of
-  // the chunk must be above every id already held (chunks come in ascending class order).
-  m.def("chunk_topk_(Tensor logits, int class_start, float softcap, Tensor(a!) values, Tensor(b!) indices) -> ()");
+  // Fold a logits chunk [N, C] holding classes [class_start, class_start + C) (bias [C], optional, added
+  // first) into a running per-row top-k: values [N, k] (the logits' dtype, softcapped) and indices [N, k]
+  // int64, sorted by value descending, NaN first, ties to the lower class id; index -1 marks a still empty
+  // slot. Every class of the chunk must be above every id already held (chunks come in ascending order).
+  m.def(
+      "chunk_topk_(Tensor logits, Tensor? bias, int class_start, float softcap, Tensor(a!) values, "
+      "Tensor(b!) indices) -> ()");
   // Sparse [N, V] targets as CSR (crow [N + 1] absolute offsets, col [nnz] int64 class ids sorted within
   // each row, val [nnz] in the accumulation dtype); a row's entries in the chunk are found by binary search.
   // Softmax with probability targets, forward: chunk_stats_ with target_logit replaced by target_dot

@@ -12,7 +12,7 @@ Each rank draws its own batches (rank-dependent seed; ``--uneven`` gives the ran
 sizes). Rank r's loss is the mean over its own rows; DDP averages the backbone's gradients over the
 ranks, and the head's shard gradients are those of the same mean of the ranks' losses, so the whole model
 follows one objective. DDP must not touch the head (its ranks hold different classes): the model is
-wrapped after :func:`hugehead.engines.distributed.ignore_heads_in_ddp`, which lists the head's
+wrapped after :func:`hugehead.ignore_heads_in_ddp`, which lists the head's
 Parameters in DDP's ignore list (equivalently, keep the head outside the DDP wrapper).
 
 The data: class ``c`` has a random prototype in input space, an input is its prototype plus noise, and
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hugehead
-from hugehead.engines.distributed import ignore_heads_in_ddp
+from hugehead import ignore_heads_in_ddp
 from hugehead.metrics import AccuracyAtK, most_frequent_topk
 
 TOP_K = (1, 5)

@@ -12,7 +12,7 @@ What matters for the head (see ``HugeHeadDDP.configure_model``):
 
 - it is built in ``configure_model``, which Lightning calls once the process group exists, with the
   rank's own device (an explicit placement is pinned: Lightning's ``.to(device)`` leaves it alone);
-- its Parameters are put on DDP's ignore list (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`)
+- its Parameters are put on DDP's ignore list (:func:`hugehead.ignore_heads_in_ddp`)
   before Lightning wraps the module: DDP must neither broadcast rank 0's shard over the others' at
   construction — nor, for ``trainer.test``, in Lightning's module-state sync, which honours the same list —
   nor all-reduce the head's gradients, which are already those of the mean of the ranks' losses (the
@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hugehead
-from hugehead.engines.distributed import ignore_heads_in_ddp
+from hugehead import ignore_heads_in_ddp
 from hugehead.metrics import AccuracyAtK, accuracy_at_k, most_frequent_topk
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

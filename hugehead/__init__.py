@@ -11,12 +11,13 @@ from .topk import linear_topk
 from .module import ChunkedClassifier
 from . import checkpoint
 from .checkpoint import keep_optimizer_state_on_shards, place_optimizer_state
+from .ddp import ignore_heads_in_ddp
 from .predict import predict_topk, predict_topk_chunks
 
 __version__ = "0.1.0"
 __all__ = ["linear_cross_entropy", "linear_topk", "linear_binary_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
-           "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "predict_topk",
-           "predict_topk_chunks", "metrics"]
+           "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "ignore_heads_in_ddp",
+           "predict_topk", "predict_topk_chunks", "metrics"]
 
 
 def __getattr__(name):

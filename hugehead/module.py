@@ -3,7 +3,6 @@ shards (contiguous class ranges) on several devices. It owns one pair of Paramet
 its loss as one custom autograd op over all shards through a placement engine (``engines/``)."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -12,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ._extension import require_kernels
+from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
 from .engines.local import LocalEngine
 from .init import hashed_uniform_
 from .multilabel import prepare_target
@@ -32,10 +32,6 @@ from .sparse import check_class_weight, is_sparse_target
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
 _FLOAT_DTYPES = FLOAT_DTYPES
-# Rows of the logical weight read from a checkpoint at a time: bounds the host memory such a pass needs,
-# independent of the head's size.
-_ROW_BLOCK_ELEMENTS = 1 << 24
-_SAFETENSORS_FORMAT = "hugehead.ChunkedClassifier/1"
 
 DeviceLike = Union[str, int, torch.device]
 
@@ -191,14 +187,14 @@ class ChunkedClassifier(nn.Module):
             their losses — the objective whose backbone gradients DDP averages. Forward, backward,
             :meth:`topk`, :meth:`log_prob`, ``state_dict()`` (the logical weight, gathered) and
             :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
-            head's Parameters out of DDP (:func:`hugehead.engines.distributed.ignore_heads_in_ddp`).
+            head's Parameters out of DDP (:func:`hugehead.ignore_heads_in_ddp`).
+            The same seed on rank 0 gives the same logical weight as any one-process placement.
         loss: ``"cross_entropy"`` (softmax; ``head(x, target)`` takes ``[N]`` class ids or a sparse ``[N, V]``
             probability target, as :func:`hugehead.linear_cross_entropy`) or ``"binary_cross_entropy"``
             (one-vs-all, a sparse ``[N, V]`` target in [0, 1], as :func:`hugehead.linear_binary_cross_entropy`;
             no label smoothing, z-loss, softcap or class weights).
         class_weight: ``[V]`` floating class weights for ``"cross_entropy"`` (``F.cross_entropy``'s
             ``weight``); kept as a plain tensor (not in ``state_dict()``), copied to ``x``'s device once.
-            The same seed on rank 0 gives the same logical weight as any one-process placement.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
     shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
@@ -315,14 +311,10 @@ class ChunkedClassifier(nn.Module):
         self._pin_seconds = time.perf_counter() - t0
         self.reset_parameters()
 
-        if group is None:
-            self.register_state_dict_post_hook(_logical_state_dict_hook)
-        else:  # the logical weight gathered from every rank (collective)
-            from .engines.distributed import logical_state_dict_hook
-
-            self.register_state_dict_post_hook(logical_state_dict_hook)
-        self.register_load_state_dict_pre_hook(_load_logical_state_dict_hook)
-        self.register_load_state_dict_post_hook(_rename_missing_keys_hook)
+        # Placement-independent state dicts: the logical weight [V, D] and bias [V] (checkpoint/head.py).
+        self.register_state_dict_post_hook(state_dict_hook)
+        self.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
+        self.register_load_state_dict_post_hook(rename_missing_keys_hook)
 
     def _apply(self, fn, recurse=True):
         if not self.placement_pinned:
@@ -568,34 +560,19 @@ class ChunkedClassifier(nn.Module):
         return target_logit - lse
 
     # ---------------------------------------------------------------------------------------------
-    # Checkpoints
+    # Checkpoints (hugehead/checkpoint/head.py: one implementation for every placement)
     # ---------------------------------------------------------------------------------------------
     def save_safetensors(self, path: str) -> None:
         """Write the head to a safetensors file, one tensor per shard (``weight.<k>``, ``bias.<k>``) with
         the class ranges in the file's metadata, streamed: each shard is written from where it lives a
         block of rows at a time (host memory within two blocks of 64 MiB, never a shard or the head), to a
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
-        it was). Any placement reads the file back with :meth:`load_safetensors`.
+        it was). Any placement reads the file back with :meth:`load_safetensors`. A head spanning ranks:
+        collective; the logical weight is gathered to group rank 0, which writes one file.
         """
-        if self.engine.name == "distributed":  # collective: one file, written by rank 0
-            from .engines.distributed import save_safetensors
+        from .checkpoint.head import save_safetensors
 
-            return save_safetensors(self, path, _SAFETENSORS_FORMAT)
-        from .checkpoint import write_safetensors
-
-        tensors: List[Tuple[str, Tensor]] = []
-        for k, shard in enumerate(self.shards):
-            tensors.append((f"weight.{k}", shard.weight))
-            if shard.bias is not None:
-                tensors.append((f"bias.{k}", shard.bias))
-        metadata = {
-            "format": "pt",
-            "hugehead.format": _SAFETENSORS_FORMAT,
-            "hugehead.in_features": str(self.in_features),
-            "hugehead.num_classes": str(self.num_classes),
-            "hugehead.class_ranges": json.dumps([[s.start, s.stop] for s in self.shards]),
-        }
-        write_safetensors(path, tensors, metadata)
+        save_safetensors(self, path)
 
     def sharded_state_dict(self, *, for_save: bool = False) -> Dict[str, Tensor]:
         """Like :meth:`state_dict` (logical keys ``weight``, ``bias``), but each value is a
@@ -608,7 +585,6 @@ class ChunkedClassifier(nn.Module):
 
         return sharded_state_dict(self, for_save=for_save)
 
-    @torch.no_grad()
     def load_safetensors(self, path: str, strict: bool = True) -> None:
         """Copy a checkpoint into the shards, reading only the rows each shard needs, a block of rows at
         a time (``safe_open(...).get_slice``).
@@ -620,133 +596,6 @@ class ChunkedClassifier(nn.Module):
             ValueError: the file's classes or features differ from the head's, its pieces do not cover
                 ``[0, V)``, or (``strict``) it has a bias the head lacks or lacks one the head has.
         """
-        from safetensors import safe_open
+        from .checkpoint.head import load_safetensors
 
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            if "weight" in names:
-                pieces = [(0, None, "weight", "bias")]
-            else:
-                ranges = json.loads((f.metadata() or {}).get("hugehead.class_ranges", "null"))
-                if ranges is None:
-                    raise ValueError(
-                        f"hugehead: {path} has neither a 'weight' tensor nor hugehead shard metadata "
-                        f"(tensors: {sorted(names)})"
-                    )
-                pieces = [(start, stop, f"weight.{k}", f"bias.{k}") for k, (start, stop) in enumerate(ranges)]
-            stop = 0
-            for i, (start, _, weight_name, bias_name) in enumerate(pieces):
-                if weight_name not in names:
-                    raise ValueError(f"hugehead: {path} lacks tensor {weight_name!r}")
-                shape = f.get_slice(weight_name).get_shape()
-                if len(shape) != 2 or shape[1] != self.in_features:
-                    raise ValueError(
-                        f"hugehead: {path}: {weight_name} has shape {list(shape)}, but the head has "
-                        f"in_features={self.in_features} (expected [rows, {self.in_features}])"
-                    )
-                if start != stop:
-                    raise ValueError(f"hugehead: {path}: {weight_name} starts at class {start}, expected {stop}")
-                stop = start + shape[0]
-                pieces[i] = (start, stop, weight_name, bias_name)
-                if bias_name in names:
-                    bias_shape = f.get_slice(bias_name).get_shape()
-                    if list(bias_shape) != [shape[0]]:
-                        raise ValueError(
-                            f"hugehead: {path}: {bias_name} has shape {list(bias_shape)}, expected [{shape[0]}]"
-                        )
-            if stop != self.num_classes:
-                raise ValueError(
-                    f"hugehead: {path} holds {stop} classes but the head has num_classes={self.num_classes}"
-                )
-            file_has_bias = all(p[3] in names for p in pieces)
-            if strict and file_has_bias != self.has_bias:
-                raise ValueError(
-                    f"hugehead: {path} {'has' if file_has_bias else 'has no'} bias but the head "
-                    f"{'has' if self.has_bias else 'has no'} bias (pass strict=False to ignore it)"
-                )
-            rows = max(1, _ROW_BLOCK_ELEMENTS // self.in_features)
-            for shard in self.shards:
-                for start, stop, weight_name, bias_name in pieces:
-                    lo, hi = max(start, shard.start), min(stop, shard.stop)
-                    destinations = [(weight_name, shard.weight)]
-                    if self.has_bias and file_has_bias:
-                        destinations.append((bias_name, shard.bias))
-                    for name, param in destinations:
-                        source = f.get_slice(name)
-                        for r0 in range(lo, hi, rows):
-                            r1 = min(r0 + rows, hi)
-                            param[r0 - shard.start:r1 - shard.start].copy_(source[r0 - start:r1 - start])
-
-
-# --------------------------------------------------------------------------------------------------
-# Placement-independent state dicts: logical ``weight [V, D]`` and ``bias [V]``
-# --------------------------------------------------------------------------------------------------
-def _logical_state_dict_hook(module: ChunkedClassifier, state_dict, prefix: str, local_metadata) -> None:
-    from .checkpoint import ShardedRows, sharded_state_dict_requested
-
-    sharded = sharded_state_dict_requested()
-    names = ("weight", "bias") if module.has_bias else ("weight",)
-    for name in names:
-        keys = [f"{prefix}shards.{k}.{name}" for k in range(len(module.shards))]
-        pieces = [state_dict.pop(key) for key in keys]
-        if sharded:  # the shards' own tensors as pieces of the logical one: no copy
-            state_dict[prefix + name] = ShardedRows([(s.start, p) for s, p in zip(module.shards, pieces)],
-                                                    module.num_classes)
-            continue
-        if len(pieces) == 1:  # the logical tensor itself: no copy
-            state_dict[prefix + name] = pieces[0]
-            continue
-        # Several shards are gathered into one host tensor, each copied straight into its rows.
-        logical = torch.empty((module.num_classes, *pieces[0].shape[1:]), dtype=pieces[0].dtype)
-        for shard, piece in zip(module.shards, pieces):
-            logical[shard.start:shard.stop].copy_(piece.detach())
-        state_dict[prefix + name] = logical
-
-
-def _load_logical_state_dict_hook(module: ChunkedClassifier, state_dict, prefix, local_metadata, strict,
-                                  missing_keys, unexpected_keys, error_msgs) -> None:
-    from .checkpoint import ShardedRows
-
-    module._load_prefix = prefix
-    assign = local_metadata.get("assign_to_params_buffers", False)
-    names = ("weight", "bias") if module.has_bias else ("weight",)
-    expected = {"weight": (module.num_classes, module.in_features), "bias": (module.num_classes,)}
-    for name in names:
-        if prefix + name not in state_dict:
-            continue
-        logical = state_dict.pop(prefix + name)
-        if tuple(logical.shape) != expected[name]:
-            error_msgs.append(
-                f"size mismatch for {prefix}{name}: copying a param with shape {tuple(logical.shape)} from "
-                f"checkpoint, the shape in current model is {expected[name]} (in_features={module.in_features}, "
-                f"num_classes={module.num_classes})."
-            )
-            continue
-        for k, shard in enumerate(module.shards):
-            if isinstance(logical, ShardedRows):
-                # Only this shard's rows, built on its device from the overlapping pieces (or the piece
-                # itself when it already is this shard's tensor, e.g. after dcp.load in place).
-                state_dict[f"{prefix}shards.{k}.{name}"] = logical.rows(shard.start, shard.stop, shard.device)
-                continue
-            piece = logical[shard.start:shard.stop]
-            if assign and len(module.shards) > 1:
-                # Assigned shards must not be views of one tensor (that would keep the whole logical
-                # tensor alive, possibly on another device, and make shards share storage).
-                piece = piece.to(shard.device, copy=True)
-            elif assign:
-                piece = piece.to(shard.device)
-            state_dict[f"{prefix}shards.{k}.{name}"] = piece
-
-
-def _rename_missing_keys_hook(module: ChunkedClassifier, incompatible_keys) -> None:
-    # Report a missing logical key, not the per-shard keys it would have filled.
-    prefix = getattr(module, "_load_prefix", "")
-    missing = incompatible_keys.missing_keys
-    renamed = []
-    for key in missing:
-        for name in ("weight", "bias"):
-            if key.startswith(prefix + "shards.") and key.endswith("." + name):
-                key = prefix + name
-        if key not in renamed:
-            renamed.append(key)
-    missing[:] = renamed
+        load_safetensors(self, path, strict)

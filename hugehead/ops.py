@@ -197,13 +197,16 @@ def _bce_chunk_fake(logits, crow, col, val, entry_weight, class_start, row_loss,
     return None
 
 
-def chunk_topk_(logits: Tensor, class_start: int, softcap: float, values: Tensor, indices: Tensor) -> None:
+def chunk_topk_(logits: Tensor, bias: Optional[Tensor], class_start: int, softcap: float, values: Tensor,
+                indices: Tensor) -> None:
     """Fold a logits chunk into a running per-row top-k, in place (no host synchronization).
 
     Args:
         logits: ``[N, C]`` float16/bfloat16/float32/float64, unit column stride; the logits of classes
             ``[class_start, class_start + C)``, all above every id already in ``indices`` (chunks come in
             ascending class order).
+        bias: ``[C]`` in the logits' dtype, contiguous, added to every row first (rounded once with the
+            softcap), or None (a GEMM already added it).
         softcap: ``> 0`` ranks and returns ``softcap * tanh(z / softcap)`` (computed in float32, float64
             for float64, rounded to the logits' dtype); ``<= 0`` means none.
         values: ``[N, k]`` in the logits' dtype, contiguous; indices: ``[N, k]`` int64 global class ids,
@@ -216,7 +219,7 @@ def chunk_topk_(logits: Tensor, class_start: int, softcap: float, values: Tensor
     Raises:
         RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
     """
-    torch.ops.hugehead.chunk_topk_.default(logits, class_start, softcap, values, indices)
+    torch.ops.hugehead.chunk_topk_.default(logits, bias, class_start, softcap, values, indices)
 
 
 @torch.library.register_fake("hugehead::chunk_stats_")
@@ -235,7 +238,7 @@ def _chunk_grad_fake(logits, target, class_start, num_classes, lse, grad_rows, l
 
 
 @torch.library.register_fake("hugehead::chunk_topk_")
-def _chunk_topk_fake(logits, class_start, softcap, values, indices):
+def _chunk_topk_fake(logits, bias, class_start, softcap, values, indices):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(values.dim() == 2 and values.shape[0] == logits.shape[0], lambda: "values must be [N, k]")
     torch._check(indices.shape == values.shape, lambda: "indices must have the shape of values")

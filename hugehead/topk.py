@@ -114,23 +114,29 @@ def topk_steps(
         return values, indices
     if plan.overlap and x.is_cuda and plan.rows >= n:
         # The kernel of chunk j (side stream) overlaps chunk j + 1's GEMM (main stream); the running
-        # top-k is only touched on the side stream, in chunk order.
+        # top-k is only touched on the side stream, in chunk order. The GEMM adds the bias (cuBLAS fuses it).
         lanes = _Overlap(x, n, min(plan.cols, v))
         for j, chunk in enumerate(source.chunks(plan.cols)):
             z = _logits_into(x, chunk, lanes.workspace(j, n, chunk.c1 - chunk.c0))
             with lanes.on_side(j):
-                ops.chunk_topk_(z, class_start + chunk.c0, softcap, values, indices)
+                ops.chunk_topk_(z, None, class_start + chunk.c0, softcap, values, indices)
             lanes.side_finished(j)
             yield
         lanes.join()
         return values, indices
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+    # The CPU BLAS adds a bias as a separate pass over the chunk (addmm with out=): the kernel adds it
+    # while it reads the chunk anyway. On CUDA the GEMM's epilogue does.
+    kernel_bias = not x.is_cuda
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     for chunk in source.chunks(plan.cols):
+        bias = None
+        if kernel_bias and chunk.bias is not None:
+            bias, chunk = chunk.bias.contiguous(), chunk._replace(bias=None)
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             z = _logits_into(x[r0:r1], chunk, _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0))
-            ops.chunk_topk_(z, class_start + chunk.c0, softcap, values[r0:r1], indices[r0:r1])
+            ops.chunk_topk_(z, bias, class_start + chunk.c0, softcap, values[r0:r1], indices[r0:r1])
         yield
     return values, indices
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import hugehead
 from hugehead.checkpoint import sharded_state_dict
-from hugehead.engines.distributed import ignore_heads_in_ddp
+from hugehead import ignore_heads_in_ddp
 
 D = 6
 

@@ -36,6 +36,13 @@ LOSS_CASES: Dict[str, dict] = {
     "tp_rank_without_classes": dict(layout="tp", v=4, rows=[6], bias=False, reduction="sum", chunk_size=1),
     "replicate": dict(layout="replicate", v=17, rows=[5, 7, 3], bias=True, reduction="mean", label_smoothing=0.2,
                       chunk_size=6),
+    # x and target Shard(0) DTensors of the rows (sequence-parallel style): the data-parallel path.
+    "fsdp_sharded_x": dict(layout="fsdp", v=23, rows=[4, 4, 4], bias=True, reduction="mean", chunk_size=5,
+                           sharded_x=True),
+    # float32 tensors under CPU autocast: the head computes in bfloat16, float32 gradients and loss.
+    "fsdp_autocast_bf16": dict(layout="fsdp", v=23, rows=[7, 4, 5], bias=True, reduction="mean", chunk_size=4,
+                               autocast=True),
+    "tp_autocast_bf16": dict(layout="tp", v=23, rows=[9], bias=True, reduction="mean", autocast=True),
 }
 
 
@@ -84,14 +91,23 @@ def job_loss(ctx, name: str) -> dict:
     mesh = _mesh(ctx)
     placement = Replicate() if case["layout"] == "replicate" else Shard(0)
     w, b = case_weights(case)
+    dtype = torch.float32 if case.get("autocast") else torch.float64
+    w, b = w.to(dtype), None if b is None else b.to(dtype)
     weight = distribute_tensor(w, mesh, [placement]).requires_grad_()
     bias = None if b is None else distribute_tensor(b, mesh, [placement]).requires_grad_()
     x, target, c, e = case_inputs(case, ctx["rank"])
+    x = x.to(dtype)
     if case["layout"] == "tp":
         x = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    elif case.get("sharded_x"):
+        from torch.distributed.tensor import DTensor
+
+        x = DTensor.from_local(x, mesh, [Shard(0)], run_check=False).requires_grad_()
+        target = DTensor.from_local(target, mesh, [Shard(0)], run_check=False)
     else:
         x = x.requires_grad_()
-    out = hugehead.linear_cross_entropy(x, weight, target, bias, **loss_options(case))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(case.get("autocast"))):
+        out = hugehead.linear_cross_entropy(x, weight, target, bias, **loss_options(case))
     loss, lse = out if case.get("return_lse") else (out, None)
     objective = (loss * c).sum()
     if lse is not None:

@@ -223,7 +223,8 @@ def test_torch_chunked_bfloat16_at_most_twice_plain_torch_error():
 
 
 def _opts(**kw):
-    return SimpleNamespace(**{"reps": 2, "warmup": 1, "case_budget": 20.0, "seed": 0, "ref_chunk": 300, **kw})
+    # a budget no loaded machine exhausts: the cases then run exactly the repetitions asked for
+    return SimpleNamespace(**{"reps": 2, "warmup": 1, "case_budget": 600.0, "seed": 0, "ref_chunk": 300, **kw})
 
 
 TINY = Shape("tiny_test", 48, 16, 700, "test")
@@ -254,7 +255,10 @@ def test_cases_share_a_process_and_one_reference(tmp_path):
 def test_case_torch_compile_reports_compile_time_apart(tmp_path):
     (row,) = lce_case.run_cases(["torch_compile"], TINY, CPU, torch.float32, _opts(reps=1), tmp_path)
     assert row["status"] == "ok", row.get("error")
-    assert row["fwd_bwd_compile_ms"] > row["fwd_bwd_ms"] and row["fwd_compile_ms"] > row["fwd_ms"]
+    # compilation + first call are recorded on their own, not among the timed repetitions (no time is
+    # compared: a loaded machine can make any call slow)
+    assert row["fwd_bwd_compile_ms"] > 0 and row["fwd_compile_ms"] > 0
+    assert row["fwd_bwd_reps"] == len(row["fwd_bwd_ms_all"]) == 1 and row["fwd_reps"] == len(row["fwd_ms_all"]) == 1
     assert row["loss_rel_err"] < 1e-5 and row["grad_w_rel_err"] < 1e-5
 
 

@@ -30,6 +30,11 @@ def logical(head):
     return {k: v.clone() for k, v in head.state_dict().items()}
 
 
+def this_tree_env():
+    """The environment of a child Python that imports this tree's hugehead (not an installed one)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def no_temporaries(directory):
     return [n for n in os.listdir(directory) if ".hugehead-tmp." in n] == []
 
@@ -266,6 +271,29 @@ def test_load_state_dict_takes_sharded_rows_of_another_placement():
     assert all(torch.equal(b.state_dict()[k], v) for k, v in logical(a).items())
 
 
+@pytest.mark.parametrize("placement", [[37], [5, 20, 12]], ids=["one_shard", "three_shards"])
+def test_state_dict_of_the_wrong_size_names_the_shape_expected(placement):
+    head = make_head(placement)
+    before = logical(head)
+    wrong = make_head([40]).state_dict()  # 40 classes into a head of 37
+    with pytest.raises(RuntimeError) as info:
+        head.load_state_dict(wrong)
+    message = str(info.value)
+    assert "size mismatch for weight: copying a param with shape (40, 8) from checkpoint, the shape in current " \
+           "model is (37, 8)" in message
+    assert "size mismatch for bias" in message and "(37,)" in message
+    assert "Missing key" not in message  # the keys were there, with the wrong shape
+    # Wrong features, inside a model (prefixed keys), strict=False: still a size mismatch, never silent.
+    model = nn.ModuleDict({"head": make_head(placement)})
+    wide = {"head.weight": torch.zeros(37, 9, dtype=torch.float64), "head.bias": torch.zeros(37, dtype=torch.float64)}
+    with pytest.raises(RuntimeError, match=r"size mismatch for head\.weight: .*shape \(37, 9\).* is \(37, 8\)"):
+        model.load_state_dict(wide, strict=False)
+    # A key that really is missing is still reported as the logical key.
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "bias"'):
+        head.load_state_dict({"weight": before["weight"]})
+    assert all(torch.equal(head.state_dict()[k], v) for k, v in before.items())  # the failed loads changed nothing
+
+
 def test_checkpoint_errors(tmp_path):
     model = Model([5, 20, 12], seed=1)
     opt = torch.optim.Adam(model.parameters())
@@ -363,7 +391,8 @@ print(json.dumps({"streamed_kib": streamed, "gathered_kib": gathered,
 def test_safetensors_save_host_memory_stays_within_blocks(tmp_path):
     script = tmp_path / "peak.py"
     script.write_text(HOST_PEAK_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            env=this_tree_env())
     assert result.returncode == 0, result.stderr
     peak = json.loads(result.stdout.strip().splitlines()[-1])
     head_mib = peak["head_bytes"] / 2**20
@@ -386,7 +415,7 @@ def test_failed_saves_leave_previous_checkpoint_and_no_temporaries(tmp_path, mon
     before = sorted(os.listdir(tmp_path))
 
     calls = {"n": 0}
-    real = ck._write_tensor_bytes
+    real = ck.safetensors._write_tensor_bytes
 
     def fail_on_third(*args, **kwargs):
         calls["n"] += 1
@@ -394,7 +423,7 @@ def test_failed_saves_leave_previous_checkpoint_and_no_temporaries(tmp_path, mon
             raise OSError(28, "No space left on device (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "_write_tensor_bytes", fail_on_third)
+    monkeypatch.setattr(ck.safetensors, "_write_tensor_bytes", fail_on_third)
     with pytest.raises(OSError, match="simulated"):
         new.save_safetensors(str(tmp_path / "h.safetensors"))
     real_write_item = dcp_fs._write_item
@@ -415,7 +444,7 @@ def test_failed_saves_leave_previous_checkpoint_and_no_temporaries(tmp_path, mon
 
 
 def test_directory_swap_without_renameat2(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(ck.atomic, "_exchange", lambda a, b: False)
     for seed in (1, 2):
         ck.save_checkpoint(tmp_path / "c", make_head([5, 32], seed=seed))
     back = make_head([37], seed=9)
@@ -486,10 +515,11 @@ current = 0
 # 1. Deterministic kill points: mid-data, before the fsync, before the rename, after the rename (and, for
 #    a directory, after the swap but before the previous checkpoint is deleted).
 if fmt == "safetensors":
-    points = [(ck, "_write_tensor_bytes", 3), (ck, "_fsync_path", 1), (ck, "_commit", 1), (ck, "_fsync_dir", 1)]
+    points = [(ck.safetensors, "_write_tensor_bytes", 3), (ck.atomic, "_fsync_path", 1), (ck.atomic, "_commit", 1),
+              (ck.atomic, "_fsync_dir", 1)]
 else:  # _fsync_path fsyncs the directory itself first: the parent's fsync is the second _fsync_dir
-    points = [(ck, "_remove_path", 1), (dcp_fs, "_write_item", 5), (ck, "_fsync_path", 1), (ck, "_commit", 1),
-              (ck, "_fsync_dir", 2)]
+    points = [(ck.atomic, "_remove_path", 1), (dcp_fs, "_write_item", 5), (ck.atomic, "_fsync_path", 1),
+              (ck.atomic, "_commit", 1), (ck.atomic, "_fsync_dir", 2)]
 for i, (module, name, n) in enumerate(points):
     version = 1 + i
     pid = run_child(lambda: (kill_on_call(module, name, n), save(heads[version]), sys.stdout.flush()))
@@ -529,7 +559,7 @@ def test_killed_saves_leave_a_complete_checkpoint(tmp_path):
     for fmt in ("safetensors", "dcp"):
         (tmp_path / fmt).mkdir()
         procs[fmt] = subprocess.Popen([sys.executable, str(driver), fmt, str(tmp_path / fmt), "0"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=this_tree_env())
     for fmt, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0 and out.strip().endswith("ok"), f"{fmt}:\n{out}\n{err}"

@@ -73,7 +73,7 @@ def fold(z: torch.Tensor, k: int, chunk: int, softcap: float = 0.0):
     """Run chunk_topk_ over ``z``'s columns in chunks of ``chunk``."""
     values, indices = topk_state(z.shape[0], k, z.dtype, z.device)
     for c0 in range(0, z.shape[1], chunk):
-        ops.chunk_topk_(z[:, c0:c0 + chunk], c0, softcap, values, indices)
+        ops.chunk_topk_(z[:, c0:c0 + chunk], None, c0, softcap, values, indices)
     return values, indices
 
 
@@ -117,10 +117,22 @@ def test_op_random_chunk_boundaries(device):
         c0 = 0
         while c0 < v:
             c1 = min(v, c0 + int(torch.randint(1, 900, (1,), generator=g)))
-            ops.chunk_topk_(z[:, c0:c1], c0, 0.0, values, indices)
+            ops.chunk_topk_(z[:, c0:c1], None, c0, 0.0, values, indices)
             c0 = c1
         kept = min(k, v)
         assert_topk_equal(values[:, :kept], indices[:, :kept], z, kept)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_op_bias(device, dtype):
+    # The bias is added in the accumulation dtype and rounded once: the reference ranks the same sums.
+    z = hard_rows(16, 2000, dtype, seed=9).to(device)
+    b = torch.randint(-3, 4, (2000,)).to(dtype).to(device)
+    values, indices = topk_state(16, 40, dtype, device)
+    for c0 in range(0, 2000, 300):
+        ops.chunk_topk_(z[:, c0:c0 + 300], b[c0:c0 + 300], c0, 0.0, values, indices)
+    acc = ops.acc_dtype(dtype)
+    assert_topk_equal(values, indices, (z.to(acc) + b.to(acc)).to(dtype), 40)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -142,12 +154,12 @@ def test_op_strided_and_offset_chunks(device):
     z = hard_rows(10, 1203, torch.bfloat16, seed=4).to(device)
     values, indices = topk_state(10, 20, z.dtype, z.device)
     for c0 in range(0, 1203, 401):
-        ops.chunk_topk_(z[:, c0:c0 + 401], 1000 + c0, 0.0, values, indices)
+        ops.chunk_topk_(z[:, c0:c0 + 401], None, 1000 + c0, 0.0, values, indices)
     ref_values, ref_indices = reference_topk(z, 20)
     assert torch.equal(indices.cpu() - 1000, ref_indices)
     transposed = z[:, :300].t().contiguous().t()  # column stride != 1: the op reads a contiguous copy
     values, indices = topk_state(10, 7, z.dtype, z.device)
-    ops.chunk_topk_(transposed, 0, 0.0, values, indices)
+    ops.chunk_topk_(transposed, None, 0, 0.0, values, indices)
     assert_topk_equal(values, indices, z[:, :300], 7)
 
 
@@ -155,17 +167,21 @@ def test_op_rejects_bad_arguments():
     z = torch.randn(4, 10)
     values, indices = topk_state(4, 3, torch.float32, z.device)
     with pytest.raises(RuntimeError, match="values must be Float like the logits, got Double"):
-        ops.chunk_topk_(z, 0, 0.0, values.double(), indices)
+        ops.chunk_topk_(z, None, 0, 0.0, values.double(), indices)
     with pytest.raises(RuntimeError, match="indices must be int64"):
-        ops.chunk_topk_(z, 0, 0.0, values, indices.int())
+        ops.chunk_topk_(z, None, 0, 0.0, values, indices.int())
     with pytest.raises(RuntimeError, match=r"values must have shape \[4, k >= 1\]"):
-        ops.chunk_topk_(z, 0, 0.0, values[:3], indices[:3])
+        ops.chunk_topk_(z, None, 0, 0.0, values[:3], indices[:3])
     with pytest.raises(RuntimeError, match="indices must have the shape of values"):
-        ops.chunk_topk_(z, 0, 0.0, values, indices[:, :2])
+        ops.chunk_topk_(z, None, 0, 0.0, values, indices[:, :2])
     with pytest.raises(RuntimeError, match="class_start must be >= 0"):
-        ops.chunk_topk_(z, -1, 0.0, values, indices)
+        ops.chunk_topk_(z, None, -1, 0.0, values, indices)
     with pytest.raises(RuntimeError, match="contiguous"):
-        ops.chunk_topk_(z, 0, 0.0, torch.empty(3, 4).t(), torch.empty(3, 4, dtype=torch.long).t())
+        ops.chunk_topk_(z, None, 0, 0.0, torch.empty(3, 4).t(), torch.empty(3, 4, dtype=torch.long).t())
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[10\]"):
+        ops.chunk_topk_(z, torch.zeros(9), 0, 0.0, values, indices)
+    with pytest.raises(RuntimeError, match="bias must be Float like the logits"):
+        ops.chunk_topk_(z, torch.zeros(10, dtype=torch.float64), 0, 0.0, values, indices)
 
 
 def sample_inputs_chunk_topk(device):
@@ -174,10 +190,11 @@ def sample_inputs_chunk_topk(device):
     for dtype in ALL_DTYPES:
         for softcap, class_start in ((0.0, 0), (5.0, 40)):
             z = torch.randn(9, 33, device=device, dtype=dtype)
-            yield [z, class_start, softcap, *topk_state(9, 4, dtype, device)]
+            bias = torch.randn(33, device=device, dtype=dtype) if softcap else None
+            yield [z, bias, class_start, softcap, *topk_state(9, 4, dtype, device)]
     values, indices = fold(torch.randn(5, 30, device=device), 8, 30)
-    yield [torch.randn(5, 17, device=device), 30, 0.0, values, indices]
-    yield [torch.randn(0, 7, device=device), 0, 0.0, *topk_state(0, 3, torch.float32, device)]
+    yield [torch.randn(5, 17, device=device), None, 30, 0.0, values, indices]
+    yield [torch.randn(0, 7, device=device), None, 0, 0.0, *topk_state(0, 3, torch.float32, device)]
 
 
 @pytest.mark.parametrize("args", list(sample_inputs_chunk_topk("cpu")), ids=lambda _: "")
@@ -316,7 +333,7 @@ def test_cuda_64bit_offsets():
     z[-3:, 12345] = 5.0
     z[-3:, 777] = 5.0
     values, indices = topk_state(n, 3, z.dtype, z.device)
-    ops.chunk_topk_(z, 0, 0.0, values, indices)
+    ops.chunk_topk_(z, None, 0, 0.0, values, indices)
     assert indices[-3:].tolist() == [[777, 12345, 0]] * 3
     assert indices[0].tolist() == [0, 1, 2]
 
@@ -331,7 +348,7 @@ def test_merge_topk_by_candidates():
     for a, b in ((0, 30), (30, 31), (31, 90)):
         values, indices = topk_state(16, min(10, b - a), z.dtype, z.device)
         for c0 in range(a, b, 7):
-            ops.chunk_topk_(z[:, c0:min(b, c0 + 7)], c0, 0.0, values, indices)
+            ops.chunk_topk_(z[:, c0:min(b, c0 + 7)], None, c0, 0.0, values, indices)
         parts.append((values, indices))
     values, indices = merge_topk(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), 10)
     assert_topk_equal(values, indices, z, 10)

@@ -151,7 +151,9 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
   const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
   auto* values = static_cast<scalar_t*>(p.values) + row * p.k;
   int64_t* ids = p.indices + row * p.k;
-  auto key_of = [&](scalar_t raw) { return topk_key(topk_value<scalar_t, acc_t, kSoftcap>(raw, softcap)); };
+  const auto* bias = static_cast<const scalar_t*>(p.bias);  // hugehead's loop lets the GEMM add it on CUDA
+  auto value_of = [&](scalar_t raw, int64_t col) { return topk_value<scalar_t, acc_t, kSoftcap>(raw, bias, col, softcap); };
+  auto key_of = [&](scalar_t raw, int64_t col) { return topk_key(value_of(raw, col)); };
 
   const key_t bar = topk_threshold(values, ids, p.k);
   if (bar == kNaN) return;  // the k-th is NaN: nothing can rank above it
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
       unsigned pass = 0;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        keys[e] = key_of(v[e]);
+        keys[e] = key_of(v[e], col0 + e);
         pass |= (e < n && keys[e] > bar) ? (1u << e) : 0u;
       }
       if (!__any_sync(kFull, pass != 0)) return;
@@ -196,10 +198,10 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
     for (int shift = kKeyBits - 8; shift >= 0; shift -= 8) {
       for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
       __syncthreads();
-      sweep_row<scalar_t, kUnroll>(z, p.cols, [&](const scalar_t* v, int64_t, int n) {
+      sweep_row<scalar_t, kUnroll>(z, p.cols, [&](const scalar_t* v, int64_t col0, int n) {
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          const key_t key = key_of(v[e]);
+          const key_t key = key_of(v[e], col0 + e);
           const bool in = e < n && key > bar && (key & mask) == prefix;
           const int digit = in ? static_cast<int>((key >> shift) & 255) : -1;
           // Lanes with the same digit add once (the first chunk's keys crowd a few bins).
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
       unsigned above = 0, tie = 0;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        keys[e] = key_of(v[e]);
+        keys[e] = key_of(v[e], col0 + e);
         above |= (e < n && keys[e] > kth) ? (1u << e) : 0u;
         tie |= (e < n && keys[e] == kth) ? (1u << e) : 0u;
       }
@@ -325,7 +327,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
   for (int q = threadIdx.x; q < survivors; q += blockDim.x) {
     const int rank = q + count_leading<false>(run_key, k, cand_key[q]);
     if (rank < k) {
-      out_val[rank - first] = topk_value<scalar_t, acc_t, kSoftcap>(z[cand_col[q]], softcap);
+      out_val[rank - first] = value_of(z[cand_col[q]], cand_col[q]);
       out_id[rank - first] = p.class_start + cand_col[q];
     }
   }
@@ -349,7 +351,9 @@ void launch(const ChunkTopkParams& p, cudaStream_t stream) {
   const int64_t cap = candidate_capacity(p.k);
   const size_t bytes = shared_bytes<scalar_t>(p.k, cap);
   auto* kernel = &chunk_topk_kernel<scalar_t, acc_t, kSoftcap>;
-  if (bytes > 48 * 1024) {
+  // The opt-in is needed once static + dynamic shared memory passes 48 KiB (the kernel's static
+  // arrays take ~1 KiB: k = 1024 in float64 needs exactly 48 KiB of dynamic memory and failed to launch).
+  if (bytes > 32 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(bytes)));
   }
@@ -357,19 +361,19 @@ void launch(const ChunkTopkParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void chunk_topk_cuda(const at::Tensor& logits_in, int64_t class_start, double softcap, const at::Tensor& values,
-                     const at::Tensor& indices) {
+void chunk_topk_cuda(const at::Tensor& logits_in, const c10::optional<at::Tensor>& bias, int64_t class_start,
+                     double softcap, const at::Tensor& values, const at::Tensor& indices) {
   const at::Tensor logits = logits_in.dim() == 2 && logits_in.size(1) > 1 && logits_in.stride(1) != 1
                                 ? logits_in.contiguous()
                                 : logits_in;
-  check_chunk_topk(logits, values, indices, class_start);
+  check_chunk_topk(logits, bias, values, indices, class_start);
   TORCH_CHECK(values.size(1) <= kMaxK, "hugehead: the CUDA top-k kernel takes k <= ", kMaxK, ", got k = ",
               values.size(1));
   TORCH_CHECK(logits.size(1) < std::numeric_limits<int32_t>::max(), "hugehead: a top-k chunk holds fewer than 2^31 "
               "classes, got ", logits.size(1));
   TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
   const c10::cuda::CUDAGuard guard(logits.device());
-  ChunkTopkParams p{logits.data_ptr(), values.data_ptr(), indices.data_ptr<int64_t>(), logits.size(0),
+  ChunkTopkParams p{logits.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr, values.data_ptr(), indices.data_ptr<int64_t>(), logits.size(0),
                     logits.size(1), logits.stride(0), values.size(1), class_start, softcap};
   if (p.rows == 0 || p.cols == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();

@@ -17,8 +17,8 @@ collective has equal sizes on every rank, as NCCL's all-gather and reduce-scatte
 Gradient convention: rank ``r``'s loss ``L_r`` is the reduction over its own rows; ``dX_r = dL_r/dx_r``;
 each shard's gradient is that of ``(1/W) Σ_r L_r``, the objective whose backbone gradients DDP averages.
 
-Also here: the collective pieces of a distributed head's checkpoints (the logical weight gathered from
-all ranks) and :func:`ignore_heads_in_ddp`.
+The engine also answers the checkpoint questions of :mod:`hugehead.checkpoint.head` (the logical weight
+gathered from all ranks); the DDP helpers live in :mod:`hugehead.ddp`.
 """
 from __future__ import annotations
 
@@ -28,21 +28,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..options import LossOptions
 from ..topk import merge_topk
 from ..targets import gather_chunk_target
 from .local import LocalEngine, PlacedInputs, ShardTensors
 
-__all__ = [
-    "DistributedEngine",
-    "rank_class_ranges",
-    "resolve_group",
-    "ignore_heads_in_ddp",
-    "distributed_head_parameter_names",
-    "gather_logical",
-]
+__all__ = ["DistributedEngine", "rank_class_ranges", "resolve_group"]
 
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; 2.11 has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -354,6 +347,44 @@ class DistributedEngine:
                 f"must pass the same shard_sizes"
             )
 
+    # Checkpoints (hugehead.checkpoint.head asks) --------------------------------------------------------
+    def checkpoint_group(self):
+        """The process group a checkpoint of the head is collective over: every rank holds other classes."""
+        return self.group
+
+    def logical_rows(self, pieces: Sequence[Tuple[int, Tensor]], rows: int, dst: Optional[int] = None,
+                     block_bytes: int = GATHER_BLOCK_BYTES) -> Optional[Tensor]:
+        """The logical ``[rows, ...]`` tensor (a head's ``weight`` or ``bias``) as one host tensor, from this
+        rank's ``(first_class, tensor)`` pieces and those of every other rank. Collective: each rank
+        broadcasts its classes in blocks of at most ``block_bytes`` from where its shards live; the
+        receiving ranks copy each block into their host tensor.
+
+        Args:
+            dst: the group rank that gets the tensor (the others return None); None: every rank.
+        """
+        first = pieces[0][1]
+        tail, dtype = tuple(first.shape[1:]), first.dtype
+        keep = dst is None or dst == self.rank
+        out = torch.empty((rows, *tail), dtype=dtype, device="cpu") if keep else None
+        device = self.comm_device(first.device)
+        row_bytes = max(1, math.prod(tail) * first.element_size())
+        step = max(1, block_bytes // row_bytes)
+        with torch.no_grad():
+            for r, (start, stop) in enumerate(self.class_ranges):
+                src = dist.get_global_rank(self.group, r)
+                for b0 in range(start, stop, step):
+                    b1 = min(b0 + step, stop)
+                    block = torch.empty((b1 - b0, *tail), dtype=dtype, device=device)
+                    if r == self.rank:
+                        for piece_start, piece in pieces:
+                            lo, hi = max(b0, piece_start), min(b1, piece_start + piece.shape[0])
+                            if lo < hi:
+                                block[lo - b0:hi - b0].copy_(piece[lo - piece_start:hi - piece_start])
+                    dist.broadcast(block, src=src, group=self.group)
+                    if keep:
+                        out[b0:b1].copy_(block)
+        return out
+
     def agree_seed(self, seed: int) -> int:
         """Rank 0's ``seed`` on every rank (one broadcast), so all ranks initialize one logical weight."""
         t = torch.tensor([seed], dtype=torch.int64).to(self.comm_device(torch.device("cpu")))
@@ -361,111 +392,10 @@ class DistributedEngine:
         return int(t.item())
 
 
-# --------------------------------------------------------------------------------------------------
-# Checkpoints: the logical weight of a distributed head, gathered from its ranks
-# --------------------------------------------------------------------------------------------------
-def gather_logical(head, name: str, dst: Optional[int] = None, block_bytes: int = GATHER_BLOCK_BYTES
-                   ) -> Optional[Tensor]:
-    """The logical ``weight [V, D]`` (``name="weight"``) or ``bias [V]`` of a distributed head, as one
-    host tensor. Collective: each rank broadcasts its classes in blocks of at most ``block_bytes`` from
-    where its shards live; the receiving ranks copy each block into their host tensor.
+def __getattr__(name: str):
+    # The DDP helpers' old address: they live in hugehead.ddp (imported lazily: ddp.py sits above engines).
+    if name in ("ignore_heads_in_ddp", "distributed_head_parameter_names"):
+        from .. import ddp
 
-    Args:
-        head: a :class:`~hugehead.ChunkedClassifier` built with ``process_group``.
-        dst: the group rank that gets the tensor (the others return None); None: every rank.
-    """
-    engine: DistributedEngine = head.engine
-    first = getattr(head.shards[0], name)
-    tail, dtype = tuple(first.shape[1:]), first.dtype
-    keep = dst is None or dst == engine.rank
-    out = torch.empty((head.num_classes, *tail), dtype=dtype, device="cpu") if keep else None
-    device = engine.comm_device(first.device)
-    row_bytes = max(1, math.prod(tail) * first.element_size())
-    step = max(1, block_bytes // row_bytes)
-    with torch.no_grad():
-        for r, (start, stop) in enumerate(engine.class_ranges):
-            src = dist.get_global_rank(engine.group, r)
-            for b0 in range(start, stop, step):
-                b1 = min(b0 + step, stop)
-                block = torch.empty((b1 - b0, *tail), dtype=dtype, device=device)
-                if r == engine.rank:
-                    for shard in head.shards:
-                        lo, hi = max(b0, shard.start), min(b1, shard.stop)
-                        if lo < hi:
-                            block[lo - b0:hi - b0].copy_(getattr(shard, name)[lo - shard.start:hi - shard.start])
-                dist.broadcast(block, src=src, group=engine.group)
-                if keep:
-                    out[b0:b1].copy_(block)
-    return out
-
-
-def logical_state_dict_hook(module, state_dict, prefix: str, local_metadata) -> None:
-    """State-dict post-hook of a distributed head: the per-shard entries of this rank are replaced by the
-    logical ``weight`` and ``bias`` gathered from all ranks (:func:`gather_logical`), the same on every
-    rank; any placement or world size loads them. Collective: every rank must call ``state_dict()``.
-    Inside :func:`hugehead.checkpoint.sharded_state_dict` they are this rank's pieces instead
-    (:class:`~hugehead.checkpoint.ShardedRows` with ``local=True``): nothing gathered, nothing collective."""
-    from ..checkpoint import ShardedRows, sharded_state_dict_requested
-
-    sharded = sharded_state_dict_requested()
-    names = ("weight", "bias") if module.has_bias else ("weight",)
-    for name in names:
-        pieces = [(shard.start, state_dict.pop(f"{prefix}shards.{k}.{name}")) for k, shard in enumerate(module.shards)]
-        if sharded:
-            # This rank's shards as its pieces of the logical tensor (global class offsets, no copy, no
-            # collective): torch.distributed.checkpoint saves and loads every rank's rows where they live.
-            state_dict[prefix + name] = ShardedRows(pieces, module.num_classes, local=True)
-        else:
-            state_dict[prefix + name] = gather_logical(module, name)
-
-
-def save_safetensors(head, path: str, file_format: str) -> None:
-    """Write a distributed head to one safetensors file from group rank 0: the logical ``weight`` (and
-    ``bias``) gathered there (:func:`gather_logical`), which :meth:`ChunkedClassifier.load_safetensors`
-    reads into any placement, reading only each shard's rows. Collective; returns on every rank once
-    the file is complete (a barrier)."""
-    from ..checkpoint import write_safetensors
-
-    engine: DistributedEngine = head.engine
-    names = ("weight", "bias") if head.has_bias else ("weight",)
-    tensors = [(name, gather_logical(head, name, dst=0)) for name in names]
-    if engine.rank == 0:
-        metadata = {
-            "format": "pt",
-            "hugehead.format": file_format,
-            "hugehead.in_features": str(head.in_features),
-            "hugehead.num_classes": str(head.num_classes),
-            "hugehead.saved_world_size": str(engine.world_size),
-        }
-        write_safetensors(path, tensors, metadata)
-    dist.barrier(group=engine.group)
-
-
-# --------------------------------------------------------------------------------------------------
-# DDP
-# --------------------------------------------------------------------------------------------------
-def distributed_head_parameter_names(model: nn.Module) -> List[str]:
-    """Fully qualified names of the Parameters of every head in ``model`` that spans ranks."""
-    names = []
-    for prefix, module in model.named_modules():
-        if isinstance(getattr(module, "engine", None), DistributedEngine):
-            names += [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters()]
-    return names
-
-
-def ignore_heads_in_ddp(model: nn.Module) -> List[str]:
-    """Make ``DistributedDataParallel(model)`` leave the Parameters of ``model``'s distributed heads
-    alone: no broadcast from rank 0 at construction (each rank holds other classes) and no gradient
-    all-reduce (the head's gradients are already those of the mean of the ranks' losses). Call it before
-    wrapping ``model`` (with Lightning: in ``__init__`` or ``configure_model`` of the LightningModule).
-
-    Returns:
-        The names now ignored (added to any names ignored before).
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    names = distributed_head_parameter_names(model)
-    before = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    ignored = before + [n for n in names if n not in before]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    return ignored
+        return getattr(ddp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

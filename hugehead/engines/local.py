@@ -132,6 +132,23 @@ class LocalEngine:
         return plan_topk_chunks(x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, device, self.chunk_size,
                                 resolve_budget(self.memory_budget, device) if budget is None else budget)
 
+    # Checkpoints (hugehead.checkpoint.head asks) --------------------------------------------------------
+    def checkpoint_group(self):
+        """The process group a checkpoint of the head is collective over: None (this process holds it)."""
+        return None
+
+    def logical_rows(self, pieces: Sequence[Tuple[int, Tensor]], rows: int, dst: Optional[int] = None) -> Tensor:
+        """The logical ``[rows, ...]`` tensor of the shards' ``(first_row, tensor)`` pieces: the piece itself
+        when one piece holds every row (no copy), else one host tensor, each piece copied into its rows.
+        ``dst`` (the rank that gets it, for heads spanning ranks) is this process."""
+        if len(pieces) == 1 and pieces[0][1].shape[0] == rows:
+            return pieces[0][1]
+        first = pieces[0][1]
+        out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype)
+        for start, piece in pieces:
+            out[start:start + piece.shape[0]].copy_(piece.detach())
+        return out
+
     def _launch_order(self, shards: Sequence[ShardTensors]) -> List[int]:
         """Shard indices with the GPU shards first: their work is queued asynchronously, so it overlaps
         the host computing the CPU shards that follow."""

@@ -22,6 +22,7 @@ namespace hugehead {
 // the running top-k) into the running per-row top-k, in place.
 struct ChunkTopkParams {
   const void* logits;  // [N, C] scalar_t, row stride row_stride elements, column stride 1
+  const void* bias;    // [C] scalar_t added to every row first, or nullptr
   void* values;        // [N, k] scalar_t, contiguous: sorted, best first
   int64_t* indices;    // [N, k] int64 global class ids; -1 marks an empty slot (a suffix of the row)
   int64_t rows;
@@ -75,11 +76,14 @@ C10_HOST_DEVICE inline topk_key_t<scalar_t> topk_key(scalar_t v) {
   return topk_key_from_bits<U>(bits, TopkKey<scalar_t>::kInfBits);
 }
 
-// The value a logit ranks by and is returned as: softcap (in acc_t) rounded back to scalar_t.
+// The value a logit ranks by and is returned as: the bias added and the softcap applied in acc_t, rounded
+// back to scalar_t once (as a GEMM's bias epilogue rounds).
 template <typename scalar_t, typename acc_t, bool kSoftcap>
-C10_HOST_DEVICE inline scalar_t topk_value(scalar_t raw, acc_t softcap) {
-  if (!kSoftcap) return raw;
-  return static_cast<scalar_t>(apply_softcap(static_cast<acc_t>(raw), softcap));
+C10_HOST_DEVICE inline scalar_t topk_value(scalar_t raw, const scalar_t* bias, int64_t col, acc_t softcap) {
+  if (!kSoftcap && bias == nullptr) return raw;
+  acc_t v = static_cast<acc_t>(raw);
+  if (bias != nullptr) v += static_cast<acc_t>(bias[col]);
+  return static_cast<scalar_t>(kSoftcap ? apply_softcap(v, softcap) : v);
 }
 
 // The k-th running value's key, the bar a later chunk's value must pass strictly (ties go to the
@@ -98,8 +102,8 @@ C10_HOST_DEVICE inline topk_key_t<scalar_t> topk_threshold(const scalar_t* value
 namespace hugehead {
 
 // Argument checks of chunk_topk_ shared by both backends (logits: unit column stride already ensured).
-inline void check_chunk_topk(const at::Tensor& logits, const at::Tensor& values, const at::Tensor& indices,
-                             int64_t class_start) {
+inline void check_chunk_topk(const at::Tensor& logits, const c10::optional<at::Tensor>& bias,
+                             const at::Tensor& values, const at::Tensor& indices, int64_t class_start) {
   TORCH_CHECK(logits.dim() == 2, "hugehead: logits must have 2 dims, got shape ", logits.sizes());
   TORCH_CHECK(at::isFloatingType(logits.scalar_type()), "hugehead: logits must be floating point, got ",
               logits.scalar_type());
@@ -117,6 +121,15 @@ inline void check_chunk_topk(const at::Tensor& logits, const at::Tensor& values,
               values.device(), " and ", indices.device());
   TORCH_CHECK(values.is_contiguous() && indices.is_contiguous(), "hugehead: values and indices must be contiguous");
   TORCH_CHECK(class_start >= 0, "hugehead: class_start must be >= 0, got ", class_start);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == logits.size(1), "hugehead: bias must have shape [",
+                logits.size(1), "], got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == logits.scalar_type(), "hugehead: bias must be ", logits.scalar_type(),
+                " like the logits, got ", bias->scalar_type());
+    TORCH_CHECK(bias->device() == logits.device(), "hugehead: bias is on ", bias->device(), " but the logits on ",
+                logits.device());
+    TORCH_CHECK(bias->is_contiguous(), "hugehead: bias must be contiguous");
+  }
 }
 
 }  // namespace hugehead

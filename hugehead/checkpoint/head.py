@@ -1,0 +1,224 @@
+"""How a :class:`~hugehead.ChunkedClassifier` is saved and loaded in every placement: its state-dict hooks
+(the logical ``weight [V, D]`` and ``bias [V]`` in and out, whatever the shards), and its safetensors
+file (one writer for every placement, streamed shard by shard; read into any placement).
+
+The head's engine answers the two placement questions: ``checkpoint_group()`` (the process group a
+checkpoint of the head is collective over, None for one process) and ``logical_rows(pieces, rows,
+dst)`` (the logical tensor from this process's shards: a view, a host gather, or a gather over ranks).
+Nothing here tests which engine it holds.
+"""
+from __future__ import annotations
+
+import json
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .sharded import ShardedRows, sharded_state_dict_requested
+
+__all__ = ["save_safetensors", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
+           "rename_missing_keys_hook", "SAFETENSORS_FORMAT"]
+
+SAFETENSORS_FORMAT = "hugehead.ChunkedClassifier/1"
+# Rows of the logical weight read from a checkpoint at a time: bounds the host memory such a pass needs,
+# independent of the head's size.
+_ROW_BLOCK_ELEMENTS = 1 << 24
+
+
+def _names(head) -> Tuple[str, ...]:
+    return ("weight", "bias") if head.has_bias else ("weight",)
+
+
+def _rank(group) -> int:
+    if group is None:
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors
+# --------------------------------------------------------------------------------------------------
+def save_safetensors(head, path: str) -> None:
+    """Write ``head`` to a safetensors file; see :meth:`hugehead.ChunkedClassifier.save_safetensors`.
+
+    One process: one tensor per shard (``weight.<k>``, ``bias.<k>``) with the class ranges in the file's
+    metadata, each written from where it lives a block of rows at a time. A head spanning ranks
+    (collective): the logical ``weight`` (and ``bias``) gathered to group rank 0, which writes the file;
+    every rank returns once it is complete (a barrier).
+    """
+    from .safetensors import write_safetensors
+
+    engine = head.engine
+    group = engine.checkpoint_group()
+    metadata = {
+        "format": "pt",
+        "hugehead.format": SAFETENSORS_FORMAT,
+        "hugehead.in_features": str(head.in_features),
+        "hugehead.num_classes": str(head.num_classes),
+    }
+    tensors: List[Tuple[str, Tensor]] = []
+    if group is None:  # every shard streamed from its own memory: nothing gathered
+        for k, shard in enumerate(head.shards):
+            tensors += [(f"{name}.{k}", getattr(shard, name)) for name in _names(head)]
+        metadata["hugehead.class_ranges"] = json.dumps([[s.start, s.stop] for s in head.shards])
+    else:
+        for name in _names(head):
+            pieces = [(s.start, getattr(s, name)) for s in head.shards]
+            tensors.append((name, engine.logical_rows(pieces, head.num_classes, dst=0)))
+        metadata["hugehead.saved_world_size"] = str(group.size())
+    if _rank(group) == 0:
+        write_safetensors(path, tensors, metadata)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+
+
+@torch.no_grad()
+def load_safetensors(head, path: str, strict: bool = True) -> None:
+    """Copy a safetensors file into ``head``'s shards; see :meth:`hugehead.ChunkedClassifier.load_safetensors`."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        names = set(f.keys())
+        if "weight" in names:
+            pieces = [(0, None, "weight", "bias")]
+        else:
+            ranges = json.loads((f.metadata() or {}).get("hugehead.class_ranges", "null"))
+            if ranges is None:
+                raise ValueError(
+                    f"hugehead: {path} has neither a 'weight' tensor nor hugehead shard metadata "
+                    f"(tensors: {sorted(names)})"
+                )
+            pieces = [(start, stop, f"weight.{k}", f"bias.{k}") for k, (start, stop) in enumerate(ranges)]
+        stop = 0
+        for i, (start, _, weight_name, bias_name) in enumerate(pieces):
+            if weight_name not in names:
+                raise ValueError(f"hugehead: {path} lacks tensor {weight_name!r}")
+            shape = f.get_slice(weight_name).get_shape()
+            if len(shape) != 2 or shape[1] != head.in_features:
+                raise ValueError(
+                    f"hugehead: {path}: {weight_name} has shape {list(shape)}, but the head has "
+                    f"in_features={head.in_features} (expected [rows, {head.in_features}])"
+                )
+            if start != stop:
+                raise ValueError(f"hugehead: {path}: {weight_name} starts at class {start}, expected {stop}")
+            stop = start + shape[0]
+            pieces[i] = (start, stop, weight_name, bias_name)
+            if bias_name in names:
+                bias_shape = f.get_slice(bias_name).get_shape()
+                if list(bias_shape) != [shape[0]]:
+                    raise ValueError(
+                        f"hugehead: {path}: {bias_name} has shape {list(bias_shape)}, expected [{shape[0]}]"
+                    )
+        if stop != head.num_classes:
+            raise ValueError(
+                f"hugehead: {path} holds {stop} classes but the head has num_classes={head.num_classes}"
+            )
+        file_has_bias = all(p[3] in names for p in pieces)
+        if strict and file_has_bias != head.has_bias:
+            raise ValueError(
+                f"hugehead: {path} {'has' if file_has_bias else 'has no'} bias but the head "
+                f"{'has' if head.has_bias else 'has no'} bias (pass strict=False to ignore it)"
+            )
+        rows = max(1, _ROW_BLOCK_ELEMENTS // head.in_features)
+        for shard in head.shards:
+            for start, stop, weight_name, bias_name in pieces:
+                lo, hi = max(start, shard.start), min(stop, shard.stop)
+                destinations = [(weight_name, shard.weight)]
+                if head.has_bias and file_has_bias:
+                    destinations.append((bias_name, shard.bias))
+                for name, param in destinations:
+                    source = f.get_slice(name)
+                    for r0 in range(lo, hi, rows):
+                        r1 = min(r0 + rows, hi)
+                        param[r0 - shard.start:r1 - shard.start].copy_(source[r0 - start:r1 - start])
+
+
+# --------------------------------------------------------------------------------------------------
+# Placement-independent state dicts: logical ``weight [V, D]`` and ``bias [V]``
+# --------------------------------------------------------------------------------------------------
+def state_dict_hook(head, state_dict, prefix: str, local_metadata) -> None:
+    """State-dict post-hook: the per-shard entries replaced by the logical ``weight`` and ``bias``.
+
+    Inside :func:`hugehead.checkpoint.sharded_state_dict` they are :class:`ShardedRows` over this
+    process's shards (no copy, nothing collective; ``local=True`` for a head spanning ranks). Otherwise
+    the engine's ``logical_rows``: the shard itself when one shard holds every class, else one host
+    tensor gathered from the shards (from every rank, collectively, for a head spanning ranks).
+    """
+    sharded = sharded_state_dict_requested()
+    engine = head.engine
+    spans_ranks = engine.checkpoint_group() is not None
+    for name in _names(head):
+        pieces = [(s.start, state_dict.pop(f"{prefix}shards.{k}.{name}")) for k, s in enumerate(head.shards)]
+        if sharded:
+            state_dict[prefix + name] = ShardedRows(pieces, head.num_classes, local=spans_ranks)
+        else:
+            state_dict[prefix + name] = engine.logical_rows(pieces, head.num_classes)
+
+
+def load_state_dict_pre_hook(head, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                             error_msgs) -> None:
+    """Load-state-dict pre-hook: the logical ``weight``/``bias`` (a tensor or :class:`ShardedRows` of any
+    placement) split into this head's per-shard entries. A logical tensor of the wrong shape is reported
+    as a size mismatch naming the shape expected (and not as a missing key)."""
+    head._load_prefix = prefix
+    head._load_mismatched = set()
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    expected = {"weight": (head.num_classes, head.in_features), "bias": (head.num_classes,)}
+    for name in _names(head):
+        if prefix + name not in state_dict:
+            continue
+        logical = state_dict.pop(prefix + name)
+        if not isinstance(logical, Tensor):
+            error_msgs.append(f"hugehead: {prefix}{name} must be a tensor of shape {expected[name]}, got "
+                              f"{type(logical).__name__}")
+            head._load_mismatched.add(name)
+            continue
+        if tuple(logical.shape) != expected[name]:
+            error_msgs.append(
+                f"size mismatch for {prefix}{name}: copying a param with shape {tuple(logical.shape)} from "
+                f"checkpoint, the shape in current model is {expected[name]} (in_features={head.in_features}, "
+                f"num_classes={head.num_classes})."
+            )
+            head._load_mismatched.add(name)
+            continue
+        for k, shard in enumerate(head.shards):
+            if isinstance(logical, ShardedRows):
+                # Only this shard's rows, built on its device from the overlapping pieces (or the piece
+                # itself when it already is this shard's tensor, e.g. after dcp.load in place).
+                state_dict[f"{prefix}shards.{k}.{name}"] = logical.rows(shard.start, shard.stop, shard.device)
+                continue
+            piece = logical[shard.start:shard.stop]
+            if assign and len(head.shards) > 1:
+                # Assigned shards must not be views of one tensor (that would keep the whole logical
+                # tensor alive, possibly on another device, and make shards share storage).
+                piece = piece.to(shard.device, copy=True)
+            elif assign:
+                piece = piece.to(shard.device)
+            state_dict[f"{prefix}shards.{k}.{name}"] = piece
+
+
+def rename_missing_keys_hook(head, incompatible_keys) -> None:
+    """Load-state-dict post-hook: a missing logical key is reported as itself, not as the per-shard keys it
+    would have filled; a key that was present with the wrong shape is not reported missing (its size
+    mismatch is)."""
+    prefix = getattr(head, "_load_prefix", "")
+    mismatched = getattr(head, "_load_mismatched", set())
+    missing = incompatible_keys.missing_keys
+    renamed: List[str] = []
+    for key in missing:
+        logical: Optional[str] = None
+        for name in ("weight", "bias"):
+            if key.startswith(prefix + "shards.") and key.endswith("." + name):
+                logical = name
+        if logical is not None:
+            if logical in mismatched:
+                continue
+            key = prefix + logical
+        if key not in renamed:
+            renamed.append(key)
+    missing[:] = renamed

@@ -1,0 +1,111 @@
+"""The streamed safetensors writer: the header, then each tensor's bytes a block at a time from where
+the tensor lives (a GPU tensor staged through two pinned host buffers), written atomically."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .atomic import PathLike, atomic_path
+
+# Bytes of a tensor handled at a time: the host staging of a streamed safetensors write.
+BLOCK_BYTES = 1 << 26
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+
+
+def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int, staged: Optional[bool] = None) -> None:
+    """Write ``tensor``'s bytes (row-major) a block of rows at a time. A CPU tensor is written from its
+    own memory (a non-contiguous block is copied first); a GPU tensor is staged through two pinned host
+    buffers, the copy of block b+1 (queued on the current stream of the tensor's device, after whatever
+    wrote the tensor) overlapping the file write of block b. ``staged`` forces staging (tests)."""
+    tensor = tensor.detach()
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    if tensor.numel() == 0:
+        return
+    rows = tensor.shape[0]
+    row_bytes = tensor[:1].numel() * tensor.element_size()
+    step = max(1, block_bytes // row_bytes)
+    cuda = tensor.device.type == "cuda"
+
+    def as_bytes(block: Tensor) -> memoryview:
+        return memoryview(block.reshape(-1).view(torch.uint8).numpy())
+
+    if not (cuda if staged is None else staged):
+        for r in range(0, rows, step):
+            f.write(as_bytes(tensor[r:r + step].contiguous()))
+        return
+    buffers = [torch.empty((min(step, rows), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=cuda)
+               for _ in range(2)]
+    pending: List[Tuple[Tensor, Any]] = []  # (block, event) copies queued, not yet written
+
+    def write_oldest() -> None:
+        block, event = pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        f.write(as_bytes(block))
+
+    with torch.cuda.device(tensor.device) if cuda else contextlib.nullcontext():
+        for i, r in enumerate(range(0, rows, step)):
+            block = buffers[i % 2][:min(step, rows - r)]  # the other buffer's block was queued just before
+            block.copy_(tensor[r:r + step], non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            pending.append((block, event))
+            if len(pending) == 2:  # write the previous block while this one copies
+                write_oldest()
+        while pending:
+            write_oldest()
+
+
+def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], metadata: Optional[Mapping[str, str]] = None,
+                      *, block_bytes: int = BLOCK_BYTES) -> None:
+    """Write a safetensors file (readable by ``safetensors.safe_open`` / ``load_file``) without holding
+    the tensors in host memory: the header first, then each tensor's bytes in blocks of at most
+    ``block_bytes`` — host memory stays within two blocks whatever the size. Written atomically
+    (:func:`atomic_path`).
+
+    Args:
+        tensors: ``(name, tensor)`` in file order, on any devices; any strides.
+        metadata: string to string, stored as the file's ``__metadata__``.
+    Raises:
+        TypeError: a dtype safetensors has no code for, or non-string metadata.
+    """
+    header: Dict[str, Any] = {}
+    offset = 0
+    for name, tensor in tensors:
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"hugehead: safetensors cannot store {name!r} of dtype {tensor.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("hugehead: safetensors metadata must map strings to strings")
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, tensor in tensors:
+                _write_tensor_bytes(f, tensor, block_bytes)
+            f.flush()
+            os.fsync(f.fileno())
