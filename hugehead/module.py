@@ -562,17 +562,25 @@ class ChunkedClassifier(nn.Module):
     # ---------------------------------------------------------------------------------------------
     # Checkpoints (hugehead/checkpoint/head.py: one implementation for every placement)
     # ---------------------------------------------------------------------------------------------
-    def save_safetensors(self, path: str) -> None:
+    def save_safetensors(self, path: str, *, keep_previous: bool = True) -> None:
         """Write the head to a safetensors file, one tensor per shard (``weight.<k>``, ``bias.<k>``) with
         the class ranges in the file's metadata, streamed: each shard is written from where it lives a
         block of rows at a time (host memory within two blocks of 64 MiB, never a shard or the head), to a
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
         it was). Any placement reads the file back with :meth:`load_safetensors`. A head spanning ranks:
         collective; the logical weight is gathered to group rank 0, which writes one file.
+
+        Before writing, the file system must have room for the new file beside the previous one.
+        ``keep_previous=False`` removes the previous file first (room for one file; **risk**: no file on
+        disk until the new one is complete, so a crash or failed write in that window loses it).
+
+        Raises:
+            hugehead.checkpoint.CheckpointSpaceError (an ``OSError``): no room, found before writing, or a
+                write that ran out of space; the previous file is then unchanged and no temporary remains.
         """
         from .checkpoint.head import save_safetensors
 
-        save_safetensors(self, path)
+        save_safetensors(self, path, keep_previous=keep_previous)
 
     def sharded_state_dict(self, *, for_save: bool = False) -> Dict[str, Tensor]:
         """Like :meth:`state_dict` (logical keys ``weight``, ``bias``), but each value is a
