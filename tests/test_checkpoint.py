@@ -232,6 +232,14 @@ def test_saves_hand_dcp_host_copies_of_pieces_off_the_cpu():
     assert rows.__get_tensor_shard__(MetadataIndex("w", torch.Size([4, 0]))) is elsewhere  # a load target
     staged = ck._for_dcp(rows, 1 << 20, saving=True)
     assert staged.__get_tensor_shard__(MetadataIndex("w", torch.Size([0, 0]))).data_ptr() == on_cpu.data_ptr()
+    # A row block of a CPU shard is handed over as its own memory with a storage of exactly its bytes, so
+    # DCP's writer does not copy it (it copies a tensor whose storage is larger).
+    shard = torch.arange(40.0).reshape(10, 4)
+    blocks = ck._for_dcp(ck.ShardedRows([(0, shard)], 10), 3 * 4 * 4, saving=True)
+    for start, _ in blocks.pieces:
+        handed = blocks.__get_tensor_shard__(MetadataIndex("w", torch.Size([start, 0])))
+        assert handed.data_ptr() == shard[start].data_ptr() and torch.equal(handed, shard[start:start + 3])
+        assert handed.untyped_storage().nbytes() == handed.numel() * 4
     with pytest.raises(NotImplementedError, match="meta"):  # i.e. it tried piece.to("cpu")
         staged.__get_tensor_shard__(MetadataIndex("w", torch.Size([4, 0])))
     plain = ck._for_dcp(torch.empty(5, device="meta"), 1 << 20, saving=True)
