@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .engines.distributed import DistributedEngine, _all_gather_single
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
+from .options import LossOptions, check_targets
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
 
 __all__ = ["is_dtensor", "linear_cross_entropy", "shard_class_ranges", "TensorParallelEngine"]
@@ -63,9 +64,9 @@ class TensorParallelEngine(DistributedEngine):
     name = "tensor_parallel"
 
     def row_stats(
-        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], softcap: float, keep: bool = False
+        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], options: LossOptions, keep: bool = False
     ) -> Tuple[Tensor, Tensor, Tensor, List[PlacedInputs]]:
-        lse, target_logit, logit_sum, placed = self.local.row_stats(x, target, shards, softcap, keep)
+        lse, target_logit, logit_sum, placed = self.local.row_stats(x, target, shards, options, keep)
         device = self.comm_device(x.device)
         mine = torch.stack([lse, target_logit, logit_sum]).to(device)
         every = mine.new_empty(self.world_size * 3, mine.shape[1])
@@ -73,11 +74,10 @@ class TensorParallelEngine(DistributedEngine):
         every = every.view(self.world_size, 3, -1).to(x.device)
         return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(dim=0), every[:, 2].sum(dim=0), placed
 
-    def backward(self, placed, shards, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, need_x,
-                 need_weight, x_like, grad_lse=None):
+    def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
+                 grad_lse=None):
         grad_x, grad_w, grad_b = self.local.backward(
-            placed, shards, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, need_x, need_weight,
-            x_like, grad_lse=grad_lse,
+            placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like, grad_lse=grad_lse,
         )
         if need_x:  # partials in the accumulation dtype, summed before the one rounding to x's dtype
             device = self.comm_device(x_like.device)
@@ -176,6 +176,30 @@ def _local_rows(x: Tensor, target: Tensor, mesh) -> Tuple[Tensor, Tensor, bool]:
     return x, target, replicated
 
 
+def _check_targets_on_every_rank(engine: DistributedEngine, target: Tensor, num_classes: int,
+                                 ignore_index: Optional[int]) -> Tensor:
+    """``target`` checked on every rank at once (one tiny all-gather of a flag): when any rank has a target
+    outside ``[0, V)``, every rank raises — the rank with the bad target naming it, the others naming that
+    rank — so nobody is left waiting in a collective the failing rank never reaches. Returns the checked
+    int64 targets (as :func:`hugehead.options.check_targets`).
+
+    Raises:
+        ValueError: on every rank of the group.
+    """
+    bad = (target < 0) | (target >= num_classes)
+    if ignore_index is not None:
+        bad &= target != ignore_index
+    device = engine.comm_device(target.device)
+    flags = torch.empty(engine.world_size, dtype=torch.int64, device=device)
+    _all_gather_single(flags, bad.any().to(device=device, dtype=torch.int64).view(1), group=engine.group)
+    ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+    target = check_targets(target, num_classes, ignore_index)  # raises on a rank whose own targets are bad
+    if ranks:
+        raise ValueError(f"hugehead: a target out of range for {num_classes} classes on rank(s) {ranks} of the "
+                         f"weight's device mesh (their error names it)")
+    return target
+
+
 # --------------------------------------------------------------------------------------------------
 # The loss
 # --------------------------------------------------------------------------------------------------
@@ -186,11 +210,7 @@ def linear_cross_entropy(
     bias: Optional[Tensor],
     *,
     compute_dtype: Optional[torch.dtype],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
+    options: LossOptions,
     chunk_size: Optional[int],
     memory_budget: Optional[int],
     return_lse: bool,
@@ -202,28 +222,28 @@ def linear_cross_entropy(
         x: ``[N_r, D]`` this rank's rows (plain tensor or ``Shard(0)`` DTensor), or a ``Replicate()``
             DTensor ``[N, D]`` of the rows every rank shares. target: ``[N_r]`` int64 (plain tensor, or a
             DTensor of ``x``'s placement).
-        compute_dtype: the autocast dtype, or None (the inputs' dtype). softcap: 0.0 for none.
+        compute_dtype: the autocast dtype, or None (the inputs' dtype). options: the loss, checked.
         Others: as :func:`hugehead.linear_cross_entropy`, already validated.
     Returns:
         This rank's loss (``reduction`` over its own rows; with replicated rows the same on every rank),
         a plain tensor; with ``return_lse``, ``(loss, lse [N_r])``.
     Raises:
-        ValueError: a placement or mesh that is not supported (named in the message), a target out of
-            range on this rank (the other ranks then wait in their next collective until the group's
-            timeout). TypeError: a plain-tensor bias beside a DTensor weight.
+        ValueError: a placement or mesh that is not supported (named in the message); a target out of
+            range on any rank (raised on every rank). TypeError: a plain-tensor bias beside a DTensor weight.
     """
-    from .functional import check_targets, linear_cross_entropy as local_linear_cross_entropy, reduce_loss
+    from .functional import linear_cross_entropy as local_linear_cross_entropy, reduce_loss
 
     if not is_dtensor(weight):
         raise TypeError("hugehead: x is a DTensor but weight is not; pass the weight as a DTensor on the same mesh "
                         "(or x.to_local() beside a plain weight)")
     mesh, kind = _weight_placement(weight, bias)
     x, target, replicated = _local_rows(x, target, mesh)
-    options = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
-                   chunk_size=chunk_size, memory_budget=memory_budget, return_lse=return_lse)
     if kind == "replicate":
         bias_local = None if bias is None else bias.to_local()
-        return local_linear_cross_entropy(x, weight.to_local(), target, bias_local, softcap=softcap or None, **options)
+        return local_linear_cross_entropy(
+            x, weight.to_local(), target, bias_local, ignore_index=options.ignore_index, reduction=options.reduction,
+            label_smoothing=options.label_smoothing, z_loss=options.z_loss, softcap=options.softcap,
+            chunk_size=chunk_size, memory_budget=memory_budget, return_lse=return_lse)
     if compute_dtype is not None and x.dtype != compute_dtype:
         x = x.to(compute_dtype)  # differentiable: x.grad comes back in x's own dtype
     target = target.long().contiguous()
@@ -233,11 +253,10 @@ def linear_cross_entropy(
     start = ranges[mesh.get_local_rank()][0]
     engine_type = TensorParallelEngine if replicated else DistributedEngine
     engine = engine_type(LocalEngine(chunk_size, memory_budget), group, ranges)
-    spec = LossSpec(engine, [start], bias is not None, num_classes, int(ignore_index), float(label_smoothing),
-                    float(z_loss), float(softcap))
-    check_targets(target, num_classes, ignore_index)
+    spec = LossSpec(engine, [start], bias is not None, num_classes, options)
+    target = _check_targets_on_every_rank(engine, target, num_classes, options.ignore_index)
     # to_local() is differentiable: the local gradients come back as DTensors of the weight's placement.
     params = [weight.to_local()] + ([] if bias is None else [bias.to_local()])
     loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *params)
-    loss = reduce_loss(loss_rows, target != ignore_index, reduction)
+    loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
     return (loss, lse) if return_lse else loss

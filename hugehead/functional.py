@@ -1,35 +1,52 @@
-"""linear_cross_entropy: input checks, the mixed-precision policy, the single-device registered op over
-the chunk loop of :mod:`hugehead.loop`, and the reductions.
+"""linear_cross_entropy: the public functional API and its single-device registered op over the chunk
+loop of :mod:`hugehead.loop`.
 
-Mixed precision (DESIGN.md): under ``torch.autocast`` the head computes in the autocast dtype — ``x`` is
-cast once, the weight and bias chunk by chunk inside the loop — with float32 accumulation; Parameters
-keep their dtype and get gradients in it. The loss is float32 for 16-bit inputs (float64 for float64).
+The loss's rules (options, checks, dtypes, per-row loss, reductions) live in :mod:`hugehead.options`,
+every workspace decision in :mod:`hugehead.plan`; this file ties them to one ``torch.library`` op pair,
+so ``torch.compile`` sees the whole chunk loop as one node. The plan is made once per call, here, and
+travels to the backward as an argument of the op (never planned again with the free memory of that
+moment).
 """
 from __future__ import annotations
 
-import math
-from typing import Optional, Tuple, Union
+import sys
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
-from .dtensor import is_dtensor
-from .engines.local import shard_oom_guard
 from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
-    DEFAULT_MEMORY_BUDGET,
-    Plan,
     ResidentChunks,
     RowStats,
-    kept_shape,
     merge_row_stats,
-    plan_chunks,
-    plan_topk_chunks,
-    row_losses,
     shard_backward,
     shard_forward_stats,
+)
+from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
+    FLOAT_DTYPES,
+    LossOptions,
+    autocast_dtype,
+    check_chunk_size,
+    check_memory_budget,
+    check_target_tensor,
+    check_targets,
+    loss_dtype,
+    no_second_order,
+    reduce_loss,
+    row_losses,
+    validate_options,
+)
+from .plan import (  # noqa: F401  (re-exported: the planner's names were public here before plan.py)
+    DEFAULT_MEMORY_BUDGET,
+    Plan,
+    kept_plan,
+    kept_shape,
+    plan_chunks,
+    plan_topk_chunks,
+    shard_oom_guard,
 )
 
 __all__ = [
@@ -41,83 +58,26 @@ __all__ = [
     "reduce_loss",
 ]
 
-_REDUCTIONS = ("mean", "sum", "none")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def autocast_dtype(device_type: str, *dtypes: torch.dtype) -> Optional[torch.dtype]:
-    """The dtype the head computes in under ``torch.autocast`` on ``device_type``, or None when autocast
-    is off there (or, as for ``F.linear``, when an input is float64, which autocast leaves alone)."""
-    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return None
-    if not all(dt in _AUTOCAST_ELIGIBLE for dt in dtypes):
-        return None
-    return torch.get_autocast_dtype(device_type)
-
-
-def loss_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    """float32 for float16/bfloat16/float32 computations, float64 for float64 (as ``F.cross_entropy``
-    under autocast, Cut Cross-Entropy and Liger-Kernel return a float32 loss for 16-bit logits)."""
-    return ops.acc_dtype(compute_dtype)
-
-
-# --------------------------------------------------------------------------------------------------
-# Checks shared by the functional API and the module
-# --------------------------------------------------------------------------------------------------
-def validate_options(reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float]) -> float:
-    """Check the loss options; returns softcap as the kernels take it (0.0 for none).
-
-    Raises:
-        ValueError: unknown reduction, label_smoothing outside [0, 1], negative or non-finite z_loss,
-            non-finite or non-positive softcap.
-    """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"hugehead: unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
-    if not (0.0 <= float(label_smoothing) <= 1.0):
-        raise ValueError(f"hugehead: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not (math.isfinite(float(z_loss)) and float(z_loss) >= 0.0):
-        raise ValueError(f"hugehead: z_loss must be finite and >= 0, got {z_loss}")
-    if softcap is None:
-        return 0.0
-    if not (math.isfinite(float(softcap)) and float(softcap) > 0.0):
-        raise ValueError(f"hugehead: softcap must be a finite positive number or None, got {softcap}")
-    return float(softcap)
-
-
-def check_targets(target: Tensor, num_classes: int, ignore_index: int) -> None:
-    """Raise ``ValueError`` naming the first target outside ``[0, num_classes)`` that is not
-    ``ignore_index``. One small device-to-host read; runs before any kernel sees the targets."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
-    if bool(bad.any()):
-        first = int(bad.nonzero()[0, 0])
-        value = int(target[first])
-        raise ValueError(
-            f"hugehead: target {value} at row {first} is out of range for {num_classes} classes "
-            f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index})"
-        )
-
 
 def _check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]) -> Optional[torch.dtype]:
-    """Check the inputs; returns the autocast compute dtype, or None when the inputs' dtype decides."""
+    """Check the inputs (``x [..., D]``, ``target [...]``); returns the autocast compute dtype, or None
+    when the inputs' dtype decides."""
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
         raise TypeError("hugehead: x, weight and target must be tensors")
-    if x.dim() != 2:
-        raise ValueError(f"hugehead: x must be [N, D], got shape {tuple(x.shape)}")
+    if x.dim() < 2:
+        raise ValueError(f"hugehead: x must be [N, D] (or [..., D]), got shape {tuple(x.shape)}")
     if weight.dim() != 2:
         raise ValueError(f"hugehead: weight must be [V, D], got shape {tuple(weight.shape)}")
-    if weight.shape[1] != x.shape[1]:
+    if weight.shape[1] != x.shape[-1]:
         raise ValueError(
-            f"hugehead: x has D={x.shape[1]} features but weight is {tuple(weight.shape)} (expected [V, {x.shape[1]}])"
+            f"hugehead: x has D={x.shape[-1]} features but weight is {tuple(weight.shape)} "
+            f"(expected [V, {x.shape[-1]}])"
         )
     if weight.shape[0] == 0:
         raise ValueError("hugehead: weight has no classes (V=0)")
-    if target.dim() != 1 or target.shape[0] != x.shape[0]:
-        raise ValueError(f"hugehead: target must be [N]=[{x.shape[0]}], got shape {tuple(target.shape)}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"hugehead: target must be int64 or int32, got {target.dtype}")
+    check_target_tensor(target, x)
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        if t is not None and t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"hugehead: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"hugehead: bias must be [V]=[{weight.shape[0]}], got shape {tuple(bias.shape)}")
@@ -130,7 +90,7 @@ def _check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
             )
         if bias is not None and bias.dtype != x.dtype:
             raise TypeError(f"hugehead: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
-    tensors = {"weight": weight, "target": target}
+    tensors = {"weight": weight}
     if bias is not None:
         tensors["bias"] = bias
     for name, t in tensors.items():
@@ -140,16 +100,41 @@ def _check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     return compute
 
 
+def _is_dtensor(t) -> bool:
+    # As hugehead.dtensor.is_dtensor, without importing that module (it sits above this layer).
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _no_autocast(device: torch.device):
     # The loop issues its GEMMs with out= in the dtypes it chose; autocast must not recast inside it.
     return torch.autocast(device.type, enabled=False)
 
 
 def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: bool) -> Plan:
+    """The op's plan (chunk_size/memory_budget 0: planned/default)."""
     return plan_chunks(
         x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size or None, memory_budget or None,
         weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
     )
+
+
+def _given_plan(plan: Optional[List[int]]) -> Optional[Plan]:
+    """The plan that travelled with the call (``[rows, cols, kept_chunks, overlap, budget]``), or None."""
+    if not plan:
+        return None
+    out = Plan.from_list(plan[:4])
+    return Plan(out.rows, out.cols, out.keep_logits, out.kept_chunks, out.overlap, budget=int(plan[4]),
+                budget_reason=f"a budget of {int(plan[4])} bytes")
+
+
+def _plan_list(plan: Plan) -> List[int]:
+    return [*plan.as_list(), plan.budget]
+
+
+def _options(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> LossOptions:
+    return LossOptions(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                       softcap=softcap if softcap > 0 else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,27 +153,30 @@ def _lce_forward(
     chunk_size: int,
     memory_budget: int,
     keep_logits: bool,
+    plan: Optional[List[int]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Per-row losses ``[N]``, lse ``[N]`` (accumulation dtype) and the kept logits
     ``[kept_chunks, N, cols]`` (empty unless ``keep_logits`` and the plan keeps some). ``x`` is in the
     compute dtype; weight and bias may be stored in another float dtype (autocast), cast chunk by chunk.
-    chunk_size/memory_budget 0: planned."""
+    chunk_size/memory_budget 0: planned. ``plan``: ``[rows, cols, kept_chunks, overlap, budget]`` made by
+    the caller (None: planned here from chunk_size/memory_budget)."""
     v = weight.shape[0]
+    options = _options(ignore_index, label_smoothing, z_loss, softcap)
     check_targets(target, v, ignore_index)
-    plan = _plan(x, weight, chunk_size, memory_budget, keep_logits)
-    with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, plan, memory_budget or None):
-        stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, softcap, plan)
+    step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, step_plan, memory_budget or None):
+        stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, options, step_plan)
         lse, target_logit, logit_sum = merge_row_stats([stats])
-        loss = row_losses(lse, target_logit, logit_sum, target != ignore_index, v, label_smoothing, z_loss)
+        loss = row_losses(lse, target_logit, logit_sum, target != ignore_index, v, options)
     return loss, lse, (x.new_empty(0) if kept is None else kept)
 
 
 @_lce_forward.register_fake
 def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget,
-      keep_logits):
+      keep_logits, plan=None):
     acc = ops.acc_dtype(x.dtype)
-    plan = _plan(x, weight, chunk_size, memory_budget, keep_logits)
-    kept = x.new_empty(kept_shape(plan, x.shape[0])) if plan.keep_logits else x.new_empty(0)
+    step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    kept = x.new_empty(kept_shape(step_plan, x.shape[0])) if step_plan.keep_logits else x.new_empty(0)
     return x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc), kept
 
 
@@ -210,21 +198,26 @@ def _lce_backward(
     memory_budget: int,
     need_x: bool,
     need_weight: bool,
+    plan: Optional[List[int]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dX [N, D], dW [V, D], db [V])``; a gradient not asked for (or db without bias) is empty.
-    Non-empty ``kept`` logits are overwritten by their gradient (no recompute)."""
+    Non-empty ``kept`` logits are overwritten by their gradient (no recompute). ``plan``: the forward's
+    (None: derived from the kept logits, or planned again from chunk_size/memory_budget)."""
     acc = ops.acc_dtype(x.dtype)
+    options = _options(ignore_index, label_smoothing, z_loss, softcap)
     keep = kept.numel() > 0
-    plan = _plan(x, weight, chunk_size, memory_budget, keep)
-    with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, memory_budget or None):
+    step_plan = _given_plan(plan)
+    if step_plan is None:
+        step_plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
+    with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, step_plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
         # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
         # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
         direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
         grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if (need_x and not direct) else None
         grad_w, grad_b = shard_backward(
-            x, ResidentChunks(weight, bias, x.dtype), target, 0, weight.shape[0], lse, grad_rows, label_smoothing,
-            z_loss, softcap, plan, grad_x, need_weight, kept=kept if keep else None,
+            x, ResidentChunks(weight, bias, x.dtype), target, 0, weight.shape[0], lse, grad_rows, options,
+            step_plan, grad_x, need_weight, kept=kept if keep else None,
             grad_lse=None if grad_lse is None else grad_lse.to(acc).contiguous(),
         )
         if need_x and direct:
@@ -239,7 +232,7 @@ def _lce_backward(
 
 @_lce_backward.register_fake
 def _(grad_loss, grad_lse, x, weight, bias, target, lse, kept, ignore_index, label_smoothing, z_loss, softcap,
-      chunk_size, memory_budget, need_x, need_weight):
+      chunk_size, memory_budget, need_x, need_weight, plan=None):
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0),
         torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty(0),
@@ -249,10 +242,12 @@ def _(grad_loss, grad_lse, x, weight, bias, target, lse, kept, ignore_index, lab
 
 def _lce_setup_context(ctx, inputs, output):
     x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget, keep_logits = (
-        inputs)
+        inputs[:11])
     _, lse, kept = output
     ctx.save_for_backward(x, weight, bias, target, lse)
     ctx.options = (ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget)
+    # The forward's plan goes with the saved inputs: the backward never plans again.
+    ctx.plan = inputs[11] if len(inputs) > 11 else None
     ctx.mark_non_differentiable(kept)
     # Not saved for backward: the backward turns the kept logits into their gradient in place and drops
     # them, so a second backward (retain_graph=True) finds none and recomputes instead.
@@ -273,30 +268,17 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
     need_x = ctx.needs_input_grad[0]
     need_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     grad_x, grad_w, grad_b = torch.ops.hugehead.linear_cross_entropy_backward(
-        grad_loss, grad_lse, x, weight, bias, target, lse, kept, *ctx.options, need_x, need_weight
+        grad_loss, grad_lse, x, weight, bias, target, lse, kept, *ctx.options, need_x, need_weight, ctx.plan
     )
-    return (
+    grad_x, grad_w, grad_b = no_second_order("linear_cross_entropy", (x, weight, bias), (
         grad_x if need_x else None,
         grad_w if ctx.needs_input_grad[1] else None,
         grad_b if (bias is not None and ctx.needs_input_grad[2]) else None,
-        None, None, None, None, None, None, None, None,
-    )
+    ))
+    return (grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None)
 
 
 _lce_forward.register_autograd(_lce_backward_autograd, setup_context=_lce_setup_context)
-
-
-def reduce_loss(loss_rows: Tensor, valid: Tensor, reduction: str, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """Apply ``reduction`` to per-row losses as F.cross_entropy does ("mean" over non-ignored rows,
-    NaN when there are none). The per-row losses are already in :func:`loss_dtype`; ``dtype``, when
-    given, casts the result."""
-    if reduction == "none":
-        out = loss_rows
-    elif reduction == "sum":
-        out = loss_rows.sum()
-    else:
-        out = loss_rows.sum() / valid.sum()
-    return out if dtype is None else out.to(dtype)
 
 
 def linear_cross_entropy(
@@ -317,18 +299,20 @@ def linear_cross_entropy(
     """``F.cross_entropy(F.linear(x, weight, bias), target, ...)`` without the ``[N, V]`` logits.
 
     Args:
-        x: ``[N, D]`` float16, bfloat16, float32 or float64; any strides.
+        x: ``[N, D]`` (or ``[..., D]``, e.g. ``[batch, tokens, D]``) float16, bfloat16, float32 or float64;
+            any strides.
         weight: ``[V, D]``, same device as ``x``; same dtype outside ``torch.autocast``. bias: ``[V]`` or None.
             A ``DTensor`` weight (and bias) on a 1-D mesh — ``Shard(0)`` (FSDP2, ``ColwiseParallel``) or
             ``Replicate()`` — is used where it lies, never gathered: see :mod:`hugehead.dtensor`.
-        target: ``[N]`` int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
+        target: ``[N]`` (``x``'s leading shape) int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
         ignore_index, reduction, label_smoothing: as in :func:`torch.nn.functional.cross_entropy`
             ("mean" divides by the number of non-ignored rows).
         z_loss: adds ``z_loss * lse**2`` per non-ignored row (PaLM).
         softcap: maps logits (bias included) through ``softcap * tanh(z / softcap)`` first (Gemma 2).
         chunk_size: classes per chunk; None plans it from the shapes and ``memory_budget`` (and keeps the
             ``N × V`` logits between forward and backward when they fit it: no recompute).
-        memory_budget: bytes of workspace the planner may use (default 4 GiB).
+        memory_budget: bytes of workspace the planner may use (default: 4 GiB, at most a quarter of the
+            device's free memory, or of the host's available memory on the CPU; :mod:`hugehead.plan`).
         return_lse: also return the per-row log-sum-exp of the (softcapped) logits.
 
     Under ``torch.autocast`` (CUDA or CPU) the GEMMs run in the autocast dtype: ``x`` is cast once and
@@ -337,39 +321,44 @@ def linear_cross_entropy(
 
     Returns:
         The loss — float32 for float16/bfloat16/float32 computations, float64 for float64 — a scalar, or
-        ``[N]`` for ``reduction="none"``; with ``return_lse``, ``(loss, lse [N])`` where ``lse`` (same
-        dtype as the loss) is differentiable, for a z-loss or distillation term of your own.
+        ``target``'s shape for ``reduction="none"``; with ``return_lse``, ``(loss, lse)`` where ``lse``
+        (target's shape, same dtype as the loss) is differentiable, for a z-loss or distillation term of
+        your own. First-order gradients only: differentiating the gradients raises ``RuntimeError``.
     Raises:
-        ValueError: shape or device mismatch, a target out of range, bad options.
-        TypeError: unsupported or mismatched dtypes.
+        ValueError: shape or device mismatch, a target out of range, an option out of range.
+        TypeError: unsupported or mismatched dtypes, an option of the wrong type (``softcap="2"``,
+            ``chunk_size=2.5`` is a ValueError, ``chunk_size=True`` a TypeError).
     """
+    options = LossOptions(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          z_loss=z_loss, softcap=softcap)
+    chunk_size = check_chunk_size(chunk_size)
+    memory_budget = check_memory_budget(memory_budget)
     compute = _check_inputs(x, weight, target, bias)
-    cap = validate_options(reduction, label_smoothing, z_loss, softcap)
-    if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"hugehead: chunk_size must be >= 1, got {chunk_size}")
-    if memory_budget is not None and int(memory_budget) < 1:
-        raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
-    if is_dtensor(weight) or is_dtensor(x):  # FSDP2 / tensor parallelism: the weight is used where it lies
-        from .dtensor import linear_cross_entropy as dtensor_linear_cross_entropy
+    if _is_dtensor(weight) or _is_dtensor(x):  # FSDP2 / tensor parallelism: the weight is used where it lies
+        from .dtensor import linear_cross_entropy as dtensor_linear_cross_entropy  # (above this layer: lazily)
         return dtensor_linear_cross_entropy(
-            x, weight, target, bias, compute_dtype=compute, ignore_index=int(ignore_index), reduction=reduction,
-            label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=cap, chunk_size=chunk_size,
+            x, weight, target, bias, compute_dtype=compute, options=options, chunk_size=chunk_size,
             memory_budget=memory_budget, return_lse=return_lse)
+    shape = target.shape
+    if x.dim() != 2:  # [..., D] with target [...]: the rows are the leading dimensions
+        x = x.reshape(-1, x.shape[-1])
     if compute is not None and x.dtype != compute:
         x = x.to(compute)  # differentiable: x.grad comes back in x's own dtype
-    target = target.long().contiguous()
-    keep = False
-    if not torch.compiler.is_compiling() and (torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
-        keep = plan_chunks(
-            x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
-            weight_dtype=weight.dtype, direct_dx=True,
-        ).keep_logits
+    target = target.reshape(-1).long().contiguous()
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
+    keep = wants_grad and not torch.compiler.is_compiling()
+    # The one plan of this step: the forward follows it, and it travels to the backward with the op's inputs.
+    plan = plan_chunks(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
+                       weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True)
     loss_rows, lse, _ = torch.ops.hugehead.linear_cross_entropy_forward(
-        x, weight, bias, target, int(ignore_index), float(label_smoothing), float(z_loss), cap,
-        int(chunk_size or 0), int(memory_budget or 0), keep,
+        x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
+        options.kernel_softcap, int(chunk_size or 0), int(memory_budget or 0), plan.keep_logits,
+        _plan_list(plan),
     )
-    loss = reduce_loss(loss_rows, target != ignore_index, reduction)
+    loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
+    if options.reduction == "none":
+        loss = loss.view(shape)
+    lse = lse.view(shape)
     return (loss, lse) if return_lse else loss
-
-

@@ -14,14 +14,22 @@ does not know which.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 from typing import Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
 
 from . import ops
+from .options import LossOptions
+from .plan import (  # noqa: F401  (re-exported: the planner's names were public here before plan.py)
+    _MAX_COLS,
+    DEFAULT_MEMORY_BUDGET,
+    Plan,
+    kept_plan,
+    kept_shape,
+    plan_chunks,
+    plan_topk_chunks,
+)
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -35,157 +43,14 @@ __all__ = [
     "ResidentChunks",
     "shard_forward_stats",
     "merge_row_stats",
-    "row_losses",
     "shard_backward",
     "forward_stats_steps",
     "backward_steps",
     "run_steps",
+    "step_result",
 ]
 
 T = TypeVar("T")
-DEFAULT_MEMORY_BUDGET = 4 << 30
-_MAX_COLS = {"cuda": 65536, "cpu": 8192}
-_MIN_COLS = 256
-# CUDA: a streamed chunk of about 2**28 logits (512 MiB in bf16), i.e. 65536 / 32768 / 16384 classes at
-# N = 4096 / 8192 / 16384 rows. Measured for the four GEMMs of a chunk at D = 768 on an H200 (three
-# bench/split_lce.py runs, bench/NOTES.md): 65536 beat 32768 by 3-6% at N = 4096 and 32768 was best at
-# N = 8192 in every run; at N = 16384 the three widths were within 5% with no consistent winner.
-_CHUNK_ELEMS = {"cuda": 1 << 28}
-
-
-# --------------------------------------------------------------------------------------------------
-# Planning
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Plan:
-    """Workspace shape of one shard's chunk loop: ``rows`` × ``cols`` logits at a time.
-
-    ``keep_logits``: the forward writes its first ``kept_chunks`` chunks into a kept
-    ``[kept_chunks, N, cols]`` tensor (:func:`kept_shape`) that the backward turns into their gradient in
-    place, skipping their recompute (6·N·D·V FLOPs instead of 8 for the kept classes); the other chunks
-    stream through the workspace as usual.
-
-    ``overlap`` (CUDA): two workspaces, and each chunk's memory-bound kernel (statistics, gradient) runs
-    on a side stream while the main stream's GEMMs go on with the next chunk.
-    """
-
-    rows: int
-    cols: int
-    keep_logits: bool = False
-    kept_chunks: int = 0
-    overlap: bool = False
-
-
-def kept_plan(kept: Tensor) -> Plan:
-    """The plan of a backward over kept logits ``[kept_chunks, N, cols]`` (chunk widths must match the
-    forward's, whatever the planner would choose now)."""
-    return Plan(rows=kept.shape[1], cols=kept.shape[2], keep_logits=True, kept_chunks=kept.shape[0],
-                overlap=kept.device.type == "cuda" and _overlap_enabled())
-
-
-def _overlap_enabled() -> bool:
-    # HUGEHEAD_OVERLAP=0 turns the side-stream overlap off (A/B measurements, debugging).
-    return os.environ.get("HUGEHEAD_OVERLAP", "1") != "0"
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def resolve_budget(memory_budget: Optional[int], device: torch.device) -> int:
-    """``memory_budget``, or the default: 4 GiB, and at most a quarter of a CUDA device's free memory."""
-    if memory_budget is not None:
-        return int(memory_budget)
-    if device.type == "cuda":
-        return min(DEFAULT_MEMORY_BUDGET, torch.cuda.mem_get_info(device)[0] // 4)
-    return DEFAULT_MEMORY_BUDGET
-
-
-def plan_chunks(
-    n: int,
-    d: int,
-    v: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    *,
-    weight_dtype: Optional[torch.dtype] = None,
-    allow_keep: bool = True,
-    direct_dx: bool = False,
-) -> Plan:
-    """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
-
-    The workspace is one ``rows × cols`` logits chunk in ``dtype`` (the compute dtype) plus, in the
-    backward, two ``rows × D`` buffers for ``dX``. ``chunk_size`` pins ``cols`` (and streams);
-    ``memory_budget`` (bytes, default 4 GiB, and at most a quarter of the free memory of a CUDA device)
-    bounds the rest. When all ``N × V`` logits fit the budget (and ``allow_keep``), they are kept
-    (:attr:`Plan.keep_logits`); a weight stored in another dtype than ``dtype`` (autocast) is still cast
-    a chunk at a time. Rows are split only when even a ``_MIN_COLS``-wide chunk of all rows would not fit.
-    ``direct_dx``: the caller computes the ``dX`` of a plan that keeps all logits in one chunk as one GEMM
-    straight into the gradient (the single-device op), so that plan needs no ``dX`` buffers.
-    """
-    itemsize = _itemsize(dtype)
-    weight_dtype = dtype if weight_dtype is None else weight_dtype
-    memory_budget = resolve_budget(memory_budget, device)
-    n, v = max(n, 1), max(v, 1)
-    max_cols = _MAX_COLS.get(device.type, _MAX_COLS["cpu"])
-    dx_bytes = n * d * (itemsize + 4)
-    if weight_dtype != dtype:
-        # Under autocast a cast weight chunk, the next one and a dW chunk in the compute dtype also live:
-        # count them (at the widest chunk) against the budget.
-        memory_budget = max(1, memory_budget - 3 * min(v, max_cols) * d * itemsize)
-    keep = chunk_size is None and allow_keep
-    if keep and direct_dx and weight_dtype == dtype and n * v * itemsize <= memory_budget:
-        return Plan(rows=n, cols=v, keep_logits=True, kept_chunks=1)
-    if keep and n * v * itemsize + dx_bytes <= memory_budget:
-        # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the
-        # streaming width; a weight already in the compute dtype is used whole (one GEMM each way).
-        cols = v if weight_dtype == dtype else min(v, max_cols)
-        return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=-(-v // cols))
-    if chunk_size is not None:
-        cols = min(int(chunk_size), v)
-    else:
-        cols = (memory_budget - dx_bytes) // (n * itemsize)
-        if device.type in _CHUNK_ELEMS:
-            cols = min(cols, max(_MIN_COLS, _CHUNK_ELEMS[device.type] // n))
-        cols = max(_MIN_COLS, min(max_cols, cols))
-        if cols < v:  # round down to a multiple of 256 columns: aligned rows, GEMM-friendly widths
-            cols = max(_MIN_COLS, cols // _MIN_COLS * _MIN_COLS)
-        cols = min(cols, v)
-    rows = n
-    if rows * cols * itemsize + rows * d * (itemsize + 4) > memory_budget:
-        rows = max(1, memory_budget // (cols * itemsize + d * (itemsize + 4)))
-    chunk_bytes = n * cols * itemsize
-    # A second workspace lets the memory-bound kernels overlap the next chunk's GEMMs (CUDA, rows whole).
-    overlap = (device.type == "cuda" and rows >= n and cols < v and _overlap_enabled()
-               and dx_bytes + 2 * chunk_bytes <= memory_budget)
-    if keep and rows >= n:
-        # Keep as many leading chunks as the budget holds beyond the streaming workspace(s).
-        kept_chunks = (memory_budget - dx_bytes - (2 if overlap else 1) * chunk_bytes) // chunk_bytes
-        kept_chunks = min(kept_chunks, -(-v // cols) - 1)
-        if kept_chunks >= 1:
-            return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks), overlap=overlap)
-    return Plan(rows=min(rows, n), cols=max(cols, 1), overlap=overlap)
-
-
-def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
-    """Shape of the kept logits of a plan that keeps them: ``[kept_chunks, N, cols]``."""
-    return (plan.kept_chunks, n, plan.cols)
-
-
-def plan_topk_chunks(
-    n: int,
-    d: int,
-    v: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-) -> Plan:
-    """:func:`plan_chunks` for :func:`hugehead.topk.topk_steps`: always streaming, the normal chunk width
-    (the top-k kernel needs no temporaries beyond the workspace) and no ``dX`` buffers."""
-    return plan_chunks(n, 0, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -339,13 +204,20 @@ class _Overlap:
         self.main.wait_stream(self.side)
 
 
+def step_result(done: StopIteration):
+    """The value a finished chunk-loop generator returned. Read from ``args``: dynamo (torch.compile)
+    traces that, not ``StopIteration.value`` (nor the value of a ``yield from``, so the loops below pick
+    their variant in a plain function and hand back its generator instead of delegating to it)."""
+    return done.args[0] if done.args else None
+
+
 def run_steps(steps: Generator[None, None, T]) -> T:
     """Run a chunk-loop generator to its end and return its result."""
     while True:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value
+            return step_result(done)
 
 
 def shard_forward_stats(*args, **kwargs) -> Tuple[RowStats, Optional[Tensor]]:
@@ -363,7 +235,7 @@ def forward_stats_steps(
     source: ResidentChunks,
     target: Tensor,
     class_start: int,
-    softcap: float,
+    options: LossOptions,
     plan: Plan,
 ) -> Generator[None, None, Tuple[RowStats, Optional[Tensor]]]:
     """Row statistics of one shard's classes ``[class_start, class_start + V_k)``.
@@ -371,7 +243,8 @@ def forward_stats_steps(
     Args:
         x: ``[N, D]`` in the compute dtype on the shard's compute device.
         source: the shard's weight chunks (:class:`ResidentChunks` or the offload engine's source).
-        target: ``[N]`` int64 global class ids on the compute device. softcap: ``<= 0`` for none.
+        target: ``[N]`` int64 global class ids on the compute device. options: the loss (its softcap).
+        plan: the step's plan for this shard (its backward gets the same one).
     A generator that yields after queueing each weight chunk's work, so an engine can interleave the
     loops of several devices (:func:`run_steps` runs one alone).
 
@@ -381,20 +254,30 @@ def forward_stats_steps(
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
     n = x.shape[0]
-    v = source.num_rows
-    acc = ops.acc_dtype(x.dtype)
-    stats = RowStats(
+    if plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0:
+        return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
+    return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan)
+
+
+def _new_stats(x: Tensor) -> RowStats:
+    n, acc = x.shape[0], ops.acc_dtype(x.dtype)
+    return RowStats(
         torch.full((n,), -math.inf, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
     )
-    if n == 0 or v == 0:
-        return stats, (x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None)
+
+
+def _forward_streamed(x, source, target, class_start, softcap, plan):
+    """:func:`forward_stats_steps` on one stream (any rows split)."""
+    n = x.shape[0]
+    v = source.num_rows
+    stats = _new_stats(x)
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
+    if n == 0 or v == 0:
+        return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    if plan.overlap and x.is_cuda and plan.rows >= n:
-        return (yield from _forward_overlapped(x, source, target, class_start, softcap, plan, stats, kept))
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     for chunk in source.chunks(plan.cols):
@@ -411,10 +294,12 @@ def forward_stats_steps(
     return stats, kept
 
 
-def _forward_overlapped(x, source, target, class_start, softcap, plan, stats, kept):
+def _forward_overlapped(x, source, target, class_start, softcap, plan):
     """:func:`forward_stats_steps` with the statistics kernel of chunk ``j`` on the side stream while the
     main stream computes chunk ``j + 1``'s logits (rows whole)."""
     n = x.shape[0]
+    stats = _new_stats(x)
+    kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows))
     for j, chunk in enumerate(source.chunks(plan.cols)):
@@ -446,27 +331,6 @@ def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
     target_logit = torch.stack([p.target_logit for p in parts]).sum(dim=0)
     logit_sum = torch.stack([p.logit_sum for p in parts]).sum(dim=0)
     return lse, target_logit, logit_sum
-
-
-def row_losses(
-    lse: Tensor,
-    target_logit: Tensor,
-    logit_sum: Tensor,
-    valid: Tensor,
-    num_classes: int,
-    label_smoothing: float,
-    z_loss: float,
-) -> Tensor:
-    """Per-row loss ``lse - (1-eps) c_y - eps/V sum_j c_j + z_loss lse^2``, 0 on ignored rows."""
-    # Differences first, as F.cross_entropy does: (1-eps)(lse - c_y) + eps(lse - mean_j c_j). Scaling
-    # lse and c_y before subtracting would leave a rounding error of order |c_y| on a loss that may be
-    # far smaller (a confident row; a single class).
-    loss = lse - target_logit
-    if label_smoothing:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / num_classes)
-    if z_loss:
-        loss = loss + z_loss * lse.square()
-    return torch.where(valid, loss, torch.zeros_like(loss))
 
 
 def _add_dx(grad_x: Tensor, g: Tensor, weight: Tensor, dx_partial: Optional[Tensor]) -> None:
@@ -511,9 +375,7 @@ def backward_steps(
     num_classes: int,
     lse: Tensor,
     grad_rows: Tensor,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
+    options: LossOptions,
     plan: Plan,
     grad_x: Optional[Tensor],
     need_weight: bool,
@@ -528,14 +390,28 @@ def backward_steps(
         lse, grad_rows: ``[N]`` accumulation dtype, on the compute device; ``grad_rows`` is
             ``dLoss/dloss_row`` and zero on ignored rows. grad_lse: ``[N]`` gradient reaching a returned
             lse, or None.
+        options: the loss. plan: the forward's plan of this shard (never planned again here: the chunk
+            widths, and with them the order of the dX sums, are the forward's).
         grad_x: ``[N, D]`` accumulation-dtype buffer that ``dX`` of this shard is added into, or None.
         need_weight: compute ``dW`` (and ``db`` when the shard has a bias).
-        kept: the kept logits ``[kept_chunks, N, cols]`` from :func:`forward_stats_steps`; they fix the
-            chunk width, and are overwritten by their gradient.
+        kept: the kept logits ``[kept_chunks, N, cols]`` from :func:`forward_stats_steps` (None: a second
+            backward, or nothing was kept: every chunk is recomputed); overwritten by their gradient.
     Returns:
         ``(grad_weight [V_k, D], grad_bias [V_k] or None)`` in the stored dtype, from the source's
         gradient sink, each chunk written once (no atomics: deterministic), or ``(None, None)``.
     """
+    n = x.shape[0]
+    args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
+            grad_lse)
+    if (plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0
+            and getattr(source, "lookahead", False)):
+        return _backward_overlapped(*args)
+    return _backward_streamed(*args)
+
+
+def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
+                       need_weight, kept, grad_lse):
+    """:func:`backward_steps` on one stream (any rows split)."""
     n, d = x.shape
     v = source.num_rows
     acc = ops.acc_dtype(x.dtype)
@@ -550,14 +426,7 @@ def backward_steps(
             return grad_w, grad_b
         return None, None
     rows_split = plan.rows < n
-    if kept is not None:
-        plan = kept_plan(kept)
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    if plan.overlap and x.is_cuda and plan.rows >= n and getattr(source, "lookahead", False):
-        return (yield from _backward_overlapped(
-            x, source, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, plan,
-            grad_x, need_weight, kept, grad_lse,
-        ))
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     dx_partial = None
     if grad_x is not None and grad_x.dtype != x.dtype:
@@ -576,7 +445,7 @@ def backward_steps(
                 g = _logits_into(xr, chunk, _workspace_view(workspace, r1 - r0, c1 - c0))
             ops.chunk_grad_(
                 g, target[r0:r1], class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
-                label_smoothing, z_loss, softcap,
+                options.label_smoothing, options.z_loss, options.kernel_softcap,
                 None if grad_lse is None else grad_lse[r0:r1],
             )
             if grad_x is not None:
@@ -601,14 +470,16 @@ def backward_steps(
     return None, None
 
 
-def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss,
-                         softcap, plan, grad_x, need_weight, kept, grad_lse):
+def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
+                         need_weight, kept, grad_lse):
     """:func:`backward_steps` (rows whole) as a two-stage pipeline: chunk ``j``'s logits (main stream)
     and gradient kernel (side stream) are queued before chunk ``j - 1``'s dX and dW GEMMs (main stream),
     so the gradient kernel runs beside those GEMMs. Needs a source whose chunk ``j - 1`` stays valid
     while chunk ``j`` is fetched (``source.lookahead``)."""
     n, d = x.shape
     acc = ops.acc_dtype(x.dtype)
+    if need_weight:
+        source.start_grads(need_bias=True)
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows)) if kept_classes < source.num_rows else None
     dx_partial = x.new_empty(n, d) if (grad_x is not None and grad_x.dtype != x.dtype) else None
@@ -625,8 +496,8 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
             g = _logits_into(x, chunk, lanes.workspace(j, n, width))
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            ops.chunk_grad_(g, target, class_start + chunk.c0, num_classes, lse, grad_rows, label_smoothing, z_loss,
-                            softcap, grad_lse)
+            ops.chunk_grad_(g, target, class_start + chunk.c0, num_classes, lse, grad_rows, options.label_smoothing,
+                            options.z_loss, options.kernel_softcap, grad_lse)
         done = torch.cuda.Event()
         done.record(side)
         if lanes is not None and chunk.c0 >= kept_classes:

@@ -13,13 +13,22 @@ from torch import Tensor, nn
 from ._extension import require_kernels
 from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
 from .engines.local import LocalEngine
-from .functional import autocast_dtype, check_targets, reduce_loss, validate_options
 from .init import hashed_uniform_
+from .options import (
+    FLOAT_DTYPES,
+    LossOptions,
+    autocast_dtype,
+    check_chunk_size,
+    check_memory_budget,
+    check_target_tensor,
+    check_targets,
+    reduce_loss,
+)
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPES = FLOAT_DTYPES
 
 DeviceLike = Union[str, int, torch.device]
 
@@ -126,8 +135,10 @@ class ChunkedClassifier(nn.Module):
             leave every shard where it is and only apply dtype casts; with ``devices=None`` the head
             moves like ``nn.Linear``.
         dtype: of the Parameters (default: ``torch.get_default_dtype()``); ``x`` must match it.
-        chunk_size, memory_budget: classes per chunk and bytes of workspace per shard, as in
-            :func:`hugehead.linear_cross_entropy` (None: planned).
+        chunk_size, memory_budget: classes per chunk and bytes of workspace per compute device (the
+            shards computing on one device share it), as in :func:`hugehead.linear_cross_entropy` (None:
+            planned; the default is bounded by the device's free memory, on the CPU by the host's
+            available memory: :mod:`hugehead.plan`).
         ignore_index, reduction, label_smoothing, z_loss, softcap: the loss, exactly as in
             :func:`hugehead.linear_cross_entropy`.
         shard_sizes: classes per shard, in device order (default: balanced). With ``process_group``:
@@ -197,21 +208,20 @@ class ChunkedClassifier(nn.Module):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"hugehead: dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
-        if chunk_size is not None and int(chunk_size) < 1:
-            raise ValueError(f"hugehead: chunk_size must be >= 1, got {chunk_size}")
-        if memory_budget is not None and int(memory_budget) < 1:
-            raise ValueError(f"hugehead: memory_budget must be >= 1 byte, got {memory_budget}")
-        validate_options(reduction, label_smoothing, z_loss, softcap)
+        chunk_size = check_chunk_size(chunk_size)
+        memory_budget = check_memory_budget(memory_budget)
+        options = LossOptions(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                              z_loss=z_loss, softcap=softcap)
 
         self.in_features = int(in_features)
         self.num_classes = int(num_classes)
-        self.ignore_index = int(ignore_index)
-        self.reduction = reduction
-        self.label_smoothing = float(label_smoothing)
-        self.z_loss = float(z_loss)
+        # The loss options stay plain attributes (a user may change one between steps); every call
+        # checks them again as one LossOptions (loss_options()).
+        self.ignore_index = options.ignore_index
+        self.reduction = options.reduction
+        self.label_smoothing = options.label_smoothing
+        self.z_loss = options.z_loss
         self.softcap = softcap
-        chunk_size = None if chunk_size is None else int(chunk_size)
-        memory_budget = None if memory_budget is None else int(memory_budget)
 
         # Explicit placements are pinned: Module.to(device)/.cuda()/.cpu() (which Lightning and most training
         # loops call on the whole model) cast dtypes but leave each shard on its device. Offloaded shards
@@ -352,16 +362,17 @@ class ChunkedClassifier(nn.Module):
             params += [s.bias for s in self.shards]
         return params
 
-    def _check_x(self, x: Tensor) -> Tensor:
+    def _check_x(self, x: Tensor, leading_dims: bool = False) -> Tensor:
         """Check ``x`` and return it in the compute dtype: the autocast dtype under ``torch.autocast`` on
-        ``x``'s device type (a differentiable cast), else ``x`` itself, which must match the head."""
+        ``x``'s device type (a differentiable cast), else ``x`` itself, which must match the head.
+        ``leading_dims``: ``x`` may be ``[..., D]``."""
         if not isinstance(x, Tensor):
             raise TypeError(f"hugehead: x must be a tensor, got {type(x).__name__}")
-        if x.dim() != 2:
+        if x.dim() < 2 or (x.dim() > 2 and not leading_dims):
             raise ValueError(f"hugehead: x must be [N, D] = [N, {self.in_features}], got shape {tuple(x.shape)}")
-        if x.shape[1] != self.in_features:
+        if x.shape[-1] != self.in_features:
             raise ValueError(
-                f"hugehead: x has D={x.shape[1]} features but the head has in_features={self.in_features}"
+                f"hugehead: x has D={x.shape[-1]} features but the head has in_features={self.in_features}"
             )
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"hugehead: x is on {x.device}; ChunkedClassifier takes x on 'cpu' or 'cuda' devices")
@@ -378,47 +389,48 @@ class ChunkedClassifier(nn.Module):
             )
         return x
 
-    def _check_target(self, x: Tensor, target: Tensor) -> Tensor:
-        if not isinstance(target, Tensor):
-            raise TypeError(f"hugehead: target must be a tensor, got {type(target).__name__}")
-        if target.dim() != 1 or target.shape[0] != x.shape[0]:
-            raise ValueError(f"hugehead: target must be [N] = [{x.shape[0]}], got shape {tuple(target.shape)}")
-        if target.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"hugehead: target must be int64 or int32, got {target.dtype}")
-        if target.device != x.device:
-            raise ValueError(f"hugehead: target is on {target.device} but x is on {x.device}")
-        return target.long().contiguous()
+    def loss_options(self) -> LossOptions:
+        """The head's loss options, checked (raises as :class:`~hugehead.options.LossOptions`)."""
+        return LossOptions(reduction=self.reduction, ignore_index=self.ignore_index,
+                           label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap)
 
     def _spec(self) -> LossSpec:
-        softcap = validate_options(self.reduction, self.label_smoothing, self.z_loss, self.softcap)
-        return LossSpec(
-            self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes, self.ignore_index,
-            self.label_smoothing, self.z_loss, softcap,
-        )
+        return LossSpec(self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes,
+                        self.loss_options())
 
     def forward(self, x: Tensor, target: Tensor, *, return_lse: bool = False):
         """Cross-entropy of ``x Wᵀ + b`` against ``target`` over all shards.
 
         Args:
-            x: ``[N, D]`` on any CPU or CUDA device, in the head's dtype — or any float16/bfloat16/float32
-                dtype under ``torch.autocast`` on ``x``'s device type, which computes in the autocast
-                dtype (``x`` cast once, each weight chunk cast in the loop; the Parameters keep their
-                dtype and get gradients in it).
-            target: ``[N]`` int64 or int32 class ids in ``[0, V)`` or ``ignore_index``, on ``x``'s device.
+            x: ``[N, D]`` (or ``[..., D]``, e.g. ``[batch, tokens, D]``) on any CPU or CUDA device, in the
+                head's dtype — or any float16/bfloat16/float32 dtype under ``torch.autocast`` on ``x``'s
+                device type, which computes in the autocast dtype (``x`` cast once, each weight chunk cast
+                in the loop; the Parameters keep their dtype and get gradients in it).
+            target: ``[N]`` (``x``'s leading shape) int64 or int32 class ids in ``[0, V)`` or
+                ``ignore_index``, on ``x``'s device.
             return_lse: also return the per-row log-sum-exp (differentiable).
         Returns:
-            The loss on ``x``'s device — float32 (float64 for a float64 computation) — a scalar, or ``[N]``
-            for ``reduction="none"``; with ``return_lse``, ``(loss, lse [N])``.
+            The loss on ``x``'s device — float32 (float64 for a float64 computation) — a scalar, or
+            ``target``'s shape for ``reduction="none"``; with ``return_lse``, ``(loss, lse)`` (``lse`` in
+            target's shape). First-order gradients only: differentiating them raises ``RuntimeError``.
         Raises:
             ValueError: wrong shapes or D, a target out of range, x on another device type, target on
-                another device than x. TypeError: dtype mismatch outside autocast.
+                another device than x. TypeError: dtype mismatch outside autocast, an option of the wrong
+                type.
         """
-        x = self._check_x(x)
-        target = self._check_target(x, target)
+        x = self._check_x(x, leading_dims=True)
+        shape = tuple(x.shape[:-1])
+        target = check_target_tensor(target, x)
+        if x.dim() != 2:
+            x = x.reshape(-1, self.in_features)
         spec = self._spec()
-        check_targets(target, self.num_classes, self.ignore_index)  # the step's only host synchronization
+        options = spec.options
+        target = check_targets(target, self.num_classes, options.ignore_index)  # the step's one host synchronization
         loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
-        loss = reduce_loss(loss_rows, target != self.ignore_index, self.reduction)
+        loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
+        if options.reduction == "none":
+            loss = loss.view(shape)
+        lse = lse.view(shape)
         return (loss, lse) if return_lse else loss
 
     @torch.no_grad()
@@ -440,7 +452,7 @@ class ChunkedClassifier(nn.Module):
             raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
         spec = self._spec()
         shards = spec.shards(self._shard_params())
-        return _engine_topk(self.engine, x, shards, spec.softcap, int(k))
+        return _engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
 
     @torch.no_grad()
     def log_prob(self, x: Tensor, target: Tensor) -> Tensor:
@@ -454,34 +466,36 @@ class ChunkedClassifier(nn.Module):
             ValueError: a target outside ``[0, V)``, or the checks of :meth:`forward`.
         """
         x = self._check_x(x)
-        target = self._check_target(x, target)
-        bad = (target < 0) | (target >= self.num_classes)
-        if bool(bad.any()):
-            first = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"hugehead: log_prob target {int(target[first])} at row {first} is out of range for "
-                f"{self.num_classes} classes (valid: 0..{self.num_classes - 1})"
-            )
+        target = check_target_tensor(target, x)
+        target = check_targets(target, self.num_classes, None, what="log_prob target")
         spec = self._spec()
         shards = spec.shards(self._shard_params())
         with no_autocast(x, shards):
-            lse, target_logit, _, _ = self.engine.row_stats(x, target, shards, spec.softcap)
+            lse, target_logit, _, _ = self.engine.row_stats(x, target, shards, spec.options)
         return target_logit - lse
 
     # ---------------------------------------------------------------------------------------------
     # Checkpoints (hugehead/checkpoint/head.py: one implementation for every placement)
     # ---------------------------------------------------------------------------------------------
-    def save_safetensors(self, path: str) -> None:
+    def save_safetensors(self, path: str, *, keep_previous: bool = True) -> None:
         """Write the head to a safetensors file, one tensor per shard (``weight.<k>``, ``bias.<k>``) with
         the class ranges in the file's metadata, streamed: each shard is written from where it lives a
         block of rows at a time (host memory within two blocks of 64 MiB, never a shard or the head), to a
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
         it was). Any placement reads the file back with :meth:`load_safetensors`. A head spanning ranks:
         collective; the logical weight is gathered to group rank 0, which writes one file.
+
+        Before writing, the file system must have room for the new file beside the previous one.
+        ``keep_previous=False`` removes the previous file first (room for one file; **risk**: no file on
+        disk until the new one is complete, so a crash or failed write in that window loses it).
+
+        Raises:
+            hugehead.checkpoint.CheckpointSpaceError (an ``OSError``): no room, found before writing, or a
+                write that ran out of space; the previous file is then unchanged and no temporary remains.
         """
         from .checkpoint.head import save_safetensors
 
-        save_safetensors(self, path)
+        save_safetensors(self, path, keep_previous=keep_previous)
 
     def sharded_state_dict(self, *, for_save: bool = False) -> Dict[str, Tensor]:
         """Like :meth:`state_dict` (logical keys ``weight``, ``bias``), but each value is a

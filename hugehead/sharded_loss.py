@@ -4,6 +4,7 @@ returns each shard's gradients on its device in its Parameters' dtype."""
 from __future__ import annotations
 
 import contextlib
+
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -11,9 +12,10 @@ import torch
 from torch import Tensor
 
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
-from .loop import row_losses
+from .options import LossOptions, no_second_order, row_losses
 
 __all__ = ["LossSpec", "ShardedLinearCrossEntropy", "no_autocast"]
+
 
 @dataclass(frozen=True)
 class LossSpec:
@@ -23,10 +25,7 @@ class LossSpec:
     starts: List[int]
     has_bias: bool
     num_classes: int
-    ignore_index: int
-    label_smoothing: float
-    z_loss: float
-    softcap: float  # 0.0: none
+    options: LossOptions
 
     def shards(self, params: Sequence[Tensor]) -> List[ShardTensors]:
         k = len(self.starts)
@@ -46,19 +45,20 @@ class ShardedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: LossSpec, x: Tensor, target: Tensor, *params: Tensor) -> Tuple[Tensor, Tensor]:
         shards = spec.shards(params)
-        with no_autocast(x, shards):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             lse, target_logit, logit_sum, placed = spec.engine.row_stats(
-                x, target, shards, spec.softcap, keep=any(ctx.needs_input_grad)
+                x, target, shards, spec.options, keep=any(ctx.needs_input_grad)
             )
-            valid = target != spec.ignore_index
-            loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.label_smoothing,
-                              spec.z_loss)
+            valid = target != spec.options.ignore_index
+            loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.options)
         ctx.spec = spec
         ctx.num_params = len(params)
         ctx.save_for_backward(x, target, lse, *params, *(p.x for p in placed), *(p.target for p in placed))
         # Not saved for backward: the backward turns kept logits into their gradient in place and drops
         # them, so a second backward (retain_graph=True) finds none and recomputes instead.
         ctx.kept = [p.kept for p in placed]
+        # The forward's plan of every shard: the backward follows it instead of planning again.
+        ctx.plans = [p.plan for p in placed]
         ctx.set_materialize_grads(False)
         return loss, lse
 
@@ -79,23 +79,28 @@ class ShardedLinearCrossEntropy(torch.autograd.Function):
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         if grad_loss is None:
             grad_loss = zero.expand(lse.shape)
-        grad_rows = torch.where(target != spec.ignore_index, grad_loss.to(lse.dtype), zero)
+        grad_rows = torch.where(target != spec.options.ignore_index, grad_loss.to(lse.dtype), zero)
         shards = spec.shards(params)
-        with no_autocast(x, shards):
+        placed = [PlacedInputs(px, pt, pk, plan)
+                  for px, pt, pk, plan in zip(placed_x, placed_target, placed_kept, ctx.plans)]
+        # No graph of the backward itself (create_graph=True would record the loop's out= GEMMs):
+        # no_second_order below makes differentiating these gradients a clear error instead.
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False), torch.no_grad():
             grad_x, grad_w, grad_b = spec.engine.backward(
-                [PlacedInputs(px, pt, pk) for px, pt, pk in zip(placed_x, placed_target, placed_kept)],
-                shards, spec.num_classes, lse, grad_rows, spec.label_smoothing, spec.z_loss,
-                spec.softcap, need_x, [w or b for w, b in zip(need_w, need_b)], x,
+                placed, shards, spec.num_classes, lse, grad_rows, spec.options, need_x,
+                [w or b for w, b in zip(need_w, need_b)], x,
                 grad_lse=None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(),
             )
         grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
         grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
-        return (None, grad_x if need_x else None, None, *grads_w, *grads_b)
+        grads = no_second_order("ChunkedClassifier", [x, *params], [grad_x if need_x else None, *grads_w, *grads_b])
+        return (None, grads[0], None, *grads[1:])
 
 
 def no_autocast(x: Tensor, shards: Sequence[ShardTensors]):
     """Autocast off on every device type involved: the loop picks its own dtypes (x's compute dtype,
-    weight chunks cast to it) and issues GEMMs with out= that autocast must not recast."""
+    weight chunks cast to it) and issues GEMMs with out= that autocast must not recast. (The autograd
+    op below writes the two contexts out instead: dynamo traces a ``with torch.autocast`` only there.)"""
     types = {x.device.type} | {s.weight.device.type for s in shards}
     stack = contextlib.ExitStack()
     for device_type in sorted(types & {"cuda", "cpu"}):

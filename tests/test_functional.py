@@ -477,7 +477,7 @@ BAD_INPUTS = {
     "weight_dtype": (lambda x, w, t, b: ((x, w.double(), t), {}), TypeError, r"weight dtype torch.float64 differs"),
     "bias_dtype": (lambda x, w, t, b: ((x, w, t, b.half()), {}), TypeError, r"bias dtype torch.float16 differs"),
     "float_target": (lambda x, w, t, b: ((x, w, t.float()), {}), TypeError, r"target must be int64 or int32"),
-    "target_shape": (lambda x, w, t, b: ((x, w, t[:3]), {}), ValueError, r"target must be \[N\]=\[4\]"),
+    "target_shape": (lambda x, w, t, b: ((x, w, t[:3]), {}), ValueError, r"target must be \[N\] = \[4\]"),
     "target_2d": (lambda x, w, t, b: ((x, w, t[:, None]), {}), ValueError, r"target must be \[N\]"),
     "d_mismatch": (lambda x, w, t, b: ((x, w[:, :4], t), {}), ValueError, r"x has D=5 features"),
     "x_3d": (lambda x, w, t, b: ((x[None], w, t), {}), ValueError, r"x must be \[N, D\]"),

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..options import LossOptions
 from ..topk import merge_topk
 from .local import LocalEngine, PlacedInputs, ShardTensors
 
@@ -191,13 +192,13 @@ class DistributedEngine:
 
     # The engine interface -----------------------------------------------------------------------------
     def row_stats(
-        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], softcap: float, keep: bool = False
+        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], options: LossOptions, keep: bool = False
     ) -> Tuple[Tensor, Tensor, Tensor, List[PlacedInputs]]:
         """Per-row statistics of this rank's rows over the classes of all ranks.
 
         Args:
             x: ``[N_r, D]`` this rank's rows in the compute dtype; target: ``[N_r]`` int64, validated.
-            shards: this rank's shards. softcap: ``<= 0`` for none. keep: as :meth:`LocalEngine.row_stats`.
+            shards: this rank's shards. options: the loss. keep: as :meth:`LocalEngine.row_stats`.
         Returns:
             ``(lse, target_logit, logit_sum)``, each ``[N_r]`` in the accumulation dtype on ``x``'s device,
             and the local engine's placed inputs for the backward: the rows of all ranks, ``[W·n, D]``.
@@ -208,7 +209,7 @@ class DistributedEngine:
         # Zero rows pad: their logits are finite and their gradient rows are exactly zero.
         x_all = self.gather_rows(x.to(device), n, 0)
         target_all = self.gather_rows(target.to(device), n, -1)
-        lse, target_logit, logit_sum, placed = self.local.row_stats(x_all, target_all, shards, softcap, keep)
+        lse, target_logit, logit_sum, placed = self.local.row_stats(x_all, target_all, shards, options, keep)
         if n == 0:
             return lse.to(x.device), target_logit.to(x.device), logit_sum.to(x.device), placed
         stats = torch.stack([lse, target_logit, logit_sum]).view(3, self.world_size, n).transpose(0, 1)
@@ -225,9 +226,7 @@ class DistributedEngine:
         num_classes: int,
         lse: Tensor,
         grad_rows: Tensor,
-        label_smoothing: float,
-        z_loss: float,
-        softcap: float,
+        options: LossOptions,
         need_x: bool,
         need_weight: Sequence[bool],
         x_like: Tensor,
@@ -251,8 +250,8 @@ class DistributedEngine:
         x_comm = x_like.new_empty(0, device=device)
         if n == 0:  # no rank has rows: no collective
             _, grad_w, grad_b = self.local.backward(
-                placed, shards, num_classes, lse.to(device), grad_rows.to(device), label_smoothing, z_loss,
-                softcap, False, need_weight, x_comm,
+                placed, shards, num_classes, lse.to(device), grad_rows.to(device), options, False, need_weight,
+                x_comm,
             )
             return (x_like.new_zeros(x_like.shape) if need_x else None), grad_w, grad_b
         # One all-gather: lse, grad_rows and grad_lse of every rank's rows, and two flags per rank.
@@ -272,8 +271,8 @@ class DistributedEngine:
         grad_rows_all = every[:, n:2 * n].reshape(-1).div_(world)
         grad_lse_all = every[:, 2 * n:3 * n].reshape(-1).div_(world) if any_lse else None
         grad_x_all, grad_w, grad_b = self.local.backward(
-            placed, shards, num_classes, lse_all, grad_rows_all, label_smoothing, z_loss, softcap, any_x,
-            need_weight, x_comm, grad_lse=grad_lse_all,
+            placed, shards, num_classes, lse_all, grad_rows_all, options, any_x, need_weight, x_comm,
+            grad_lse=grad_lse_all,
         )
         grad_x = None
         if any_x:

@@ -20,24 +20,24 @@ Subclasses (the offload engine) change where a shard computes and where its weig
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ..loop import (
-    Plan,
     ResidentChunks,
     RowStats,
     backward_steps,
-    kept_plan,
     forward_stats_steps,
     merge_row_stats,
-    plan_chunks,
-    plan_topk_chunks,
     run_steps,
+    step_result,
 )
 from ..ops import acc_dtype
+from ..options import LossOptions
+from ..plan import Budget, Plan, device_budgets, plan_chunks, plan_topk_chunks, resolve_budget
+from ..plan import shard_oom_guard  # noqa: F401  (re-exported: it lived here before plan.py)
 from ..topk import CUDA_MAX_K, merge_topk, topk_steps
 
 __all__ = ["ShardTensors", "PlacedInputs", "LocalEngine", "shard_oom_guard"]
@@ -54,11 +54,13 @@ class ShardTensors(NamedTuple):
 
 class PlacedInputs(NamedTuple):
     """``x [N, D]`` and ``target [N]`` as copied to one shard's compute device (shared by the shards
-    computing there), and that shard's kept logits ``[N, V_k]`` (an empty tensor when streaming)."""
+    computing there), that shard's kept logits ``[kept_chunks, N, cols]`` (an empty tensor when
+    streaming) and the forward's plan of the shard, which its backward follows (plan once per step)."""
 
     x: Tensor
     target: Tensor
     kept: Tensor
+    plan: Optional[Plan] = None
 
 
 def _device_guard(device: torch.device):
@@ -78,36 +80,13 @@ def _to(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=device.type == "cuda")
 
 
-@contextlib.contextmanager
-def shard_oom_guard(index: int, start: int, stop: int, device: torch.device, plan: Optional[Plan],
-                    memory_budget: Optional[int]) -> Iterator[None]:
-    """Turn an out-of-memory error inside a shard's chunk loop into one that names the shard, its device
-    and the plan, and suggests ``memory_budget``. The original exception (and with it the frames that
-    hold the loop's workspaces) is dropped before the new one is raised, so the memory is free for the
-    next step."""
-    message = None
-    try:
-        yield
-    except torch.OutOfMemoryError as exc:
-        message = str(exc).splitlines()[0] if str(exc) else "out of memory"
-    if message is not None:
-        budget = "the default (4 GiB, at most a quarter of free memory)" if memory_budget is None else (
-            f"{memory_budget} bytes")
-        workspace = "" if plan is None else (
-            f" (workspace {plan.rows} rows x {plan.cols} classes{', logits kept' if plan.keep_logits else ''})")
-        raise torch.OutOfMemoryError(
-            f"hugehead: out of memory in shard {index} (classes [{start}, {stop})) on {device}{workspace} "
-            f"with memory_budget={budget}; pass a smaller memory_budget= (or chunk_size=) to "
-            f"ChunkedClassifier / linear_cross_entropy, or free memory on {device}. Cause: {message}"
-        )
-
-
 class LocalEngine:
     """Runs the per-shard chunk loop for shards that live on devices of this process.
 
     Args:
         chunk_size: classes per chunk (None: planned per shard from the shapes and ``memory_budget``).
-        memory_budget: bytes of workspace each shard's loop may use (None: the planner's default).
+        memory_budget: bytes of workspace each compute device may use, shared by the shards computing
+            there (None: the planner's default, :func:`hugehead.plan.resolve_budget`).
     """
 
     name = "local"
@@ -131,11 +110,27 @@ class LocalEngine:
         """Whether a shard may keep its logits between forward and backward (False under compile)."""
         return not torch.compiler.is_compiling()
 
-    def plan(self, x: Tensor, shard: ShardTensors, keep: bool) -> Plan:
+    # Planning (hugehead.plan): the budgets once per step, then one plan per shard ----------------------
+    def budgets(self, shards: Sequence[ShardTensors], keep: bool) -> Dict[torch.device, Budget]:
+        """Each compute device's budget per shard for this step (shards on one device share it)."""
+        return device_budgets(self.memory_budget, [self.compute_device(s) for s in shards])
+
+    def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None) -> Plan:
+        """The plan of ``shard``'s loop over ``x [N, D]`` (``budget``: from :meth:`budgets`; None: as if
+        the shard were alone on its device)."""
+        device = self.compute_device(shard)
+        if budget is None:
+            budget = resolve_budget(self.memory_budget, device)
         return plan_chunks(
-            x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, self.compute_device(shard),
-            self.chunk_size, self.memory_budget, weight_dtype=shard.weight.dtype, allow_keep=keep,
+            x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, device, self.chunk_size, budget,
+            weight_dtype=shard.weight.dtype, allow_keep=keep,
         )
+
+    def topk_plan(self, x: Tensor, shard: ShardTensors, budget: Optional[Budget] = None) -> Plan:
+        """The plan of ``shard``'s streaming top-k over ``x [N, D]``."""
+        device = self.compute_device(shard)
+        return plan_topk_chunks(x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, device, self.chunk_size,
+                                resolve_budget(self.memory_budget, device) if budget is None else budget)
 
     # Checkpoints (hugehead.checkpoint.head asks) --------------------------------------------------------
     def checkpoint_group(self):
@@ -178,7 +173,7 @@ class LocalEngine:
                         next(steps)
                         still.append(task)
                     except StopIteration as done:
-                        results[i] = done.value
+                        results[i] = step_result(done)
             pending = still
         for i, shard, plan, steps in host:
             with self._oom_guard(i, shard, plan):
@@ -197,36 +192,39 @@ class LocalEngine:
 
     # The engine interface ------------------------------------------------------------------------------
     def row_stats(
-        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], softcap: float, keep: bool = False
+        self, x: Tensor, target: Tensor, shards: Sequence[ShardTensors], options: LossOptions, keep: bool = False
     ) -> Tuple[Tensor, Tensor, Tensor, List[PlacedInputs]]:
         """Merged per-row statistics over all shards.
 
         Args:
             x: ``[N, D]`` in the compute dtype (the shards' Parameters may be stored in another float
                 dtype; each weight chunk is cast in the loop); target: ``[N]`` int64, already validated,
-                on ``x``'s device. shards: in class order. softcap: ``<= 0`` for none.
+                on ``x``'s device. shards: in class order. options: the loss (its softcap here).
             keep: a shard may keep its logits for the backward when they fit its budget.
         Returns:
             ``(lse, target_logit, logit_sum)``, each ``[N]`` in the accumulation dtype on ``x``'s device,
             and the inputs as placed on each shard's compute device (aligned with ``shards``, with any
-            kept logits) for the backward.
+            kept logits and the shard's plan) for the backward.
         """
         by_device = self._place([x, target], shards)
         keep = keep and self.allow_keep()
+        budgets = self.budgets(shards, keep)
         tasks = []
+        plans: Dict[int, Plan] = {}
         for i in self._launch_order(shards):
             shard = shards[i]
-            xk, tk = by_device[self.compute_device(shard)]
-            plan = self.plan(xk, shard, keep)
+            device = self.compute_device(shard)
+            xk, tk = by_device[device]
+            plans[i] = plan = self.plan(xk, shard, keep, budgets[device])
             tasks.append((i, shard, plan, forward_stats_steps(xk, self.source(shard, x.dtype), tk, shard.start,
-                                                              softcap, plan)))
+                                                              options, plan)))
         results = self._interleave(tasks)
         stats: List[RowStats] = [results[i][0] for i in range(len(shards))]
         kept: List[Optional[Tensor]] = [results[i][1] for i in range(len(shards))]
         placed = []
-        for shard, k in zip(shards, kept):
+        for i, (shard, k) in enumerate(zip(shards, kept)):
             xk, tk = by_device[self.compute_device(shard)]
-            placed.append(PlacedInputs(xk, tk, xk.new_empty(0) if k is None else k))
+            placed.append(PlacedInputs(xk, tk, xk.new_empty(0) if k is None else k, plans[i]))
         # Only now wait on anything: N-element statistics cross to x's device.
         parts = [RowStats(*(_to(s, x.device) for s in st)) for st in stats]
         lse, target_logit, logit_sum = merge_row_stats(parts)
@@ -239,9 +237,7 @@ class LocalEngine:
         num_classes: int,
         lse: Tensor,
         grad_rows: Tensor,
-        label_smoothing: float,
-        z_loss: float,
-        softcap: float,
+        options: LossOptions,
         need_x: bool,
         need_weight: Sequence[bool],
         x_like: Tensor,
@@ -251,7 +247,7 @@ class LocalEngine:
         logits) on its compute device.
 
         Args:
-            placed: the inputs returned by :meth:`row_stats`.
+            placed: the inputs returned by :meth:`row_stats`, with each shard's plan (followed as is).
             lse, grad_rows: ``[N]`` accumulation dtype on ``x``'s device; ``grad_rows`` is zero on
                 ignored rows. grad_lse: ``[N]`` gradient reaching a returned lse, or None.
             need_x: compute ``dX``. need_weight: per shard, compute ``dW`` (and ``db``).
@@ -275,15 +271,16 @@ class LocalEngine:
             shard, inputs = shards[i], placed[i]
             device = self.compute_device(shard)
             kept = inputs.kept if inputs.kept.numel() > 0 else None
-            # Kept logits fix the chunk width (whatever the planner would choose with today's free memory).
-            plan = kept_plan(kept) if kept is not None else self.plan(inputs.x, shard, False)
+            plan = inputs.plan
+            if plan is None:
+                raise RuntimeError("hugehead: the backward needs the forward's plan of every shard (row_stats)")
             with _device_guard(device), self._oom_guard(i, shard, plan):
                 if need_x and device not in grad_x_parts:
                     grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=inputs.x.device)
             lse_k, grad_rows_k, *grad_lse_k = by_device[device]
             tasks.append((i, shard, plan, backward_steps(
                 inputs.x, self.source(shard, x_like.dtype), inputs.target, shard.start, num_classes,
-                lse_k, grad_rows_k, label_smoothing, z_loss, softcap, plan, grad_x_parts.get(device),
+                lse_k, grad_rows_k, options, plan, grad_x_parts.get(device),
                 need_weight[i], kept=kept, grad_lse=grad_lse_k[0] if grad_lse_k else None,
             )))
         for i, (gw, gb) in self._interleave(tasks).items():
@@ -312,15 +309,13 @@ class LocalEngine:
             if self.compute_device(shard).type == "cuda" and min(k, shard.weight.shape[0]) > CUDA_MAX_K:
                 raise ValueError(f"hugehead: k must be at most {CUDA_MAX_K} for a shard on CUDA, got {k}")
         by_device = self._place([x], shards)
+        budgets = self.budgets(shards, keep=False)
         tasks = []
         for i in self._launch_order(shards):
             shard = shards[i]
             device = self.compute_device(shard)
             (xk,) = by_device[device]
-            plan = plan_topk_chunks(
-                xk.shape[0], xk.shape[1], shard.weight.shape[0], xk.dtype, device, self.chunk_size,
-                self.memory_budget,
-            )
+            plan = self.topk_plan(xk, shard, budgets[device])
             tasks.append((i, shard, plan, topk_steps(xk, self.source(shard, x.dtype), shard.start, softcap, k, plan)))
         results = self._interleave(tasks)
         parts = [results[i] for i in range(len(shards))]

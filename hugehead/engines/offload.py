@@ -18,9 +18,9 @@ source that copies them in from host memory on a copy stream while earlier chunk
 - **the one host synchronization**: at the end of the backward the host waits for each device's copy
   streams, because autograd hands the host gradients to an optimizer that reads them (and writes the
   weights) on the CPU at once.
-- **plan**: chunks at most 32768 classes and 256 MiB wide (:func:`cap_plan`); with ``memory_budget=None``
-  a shard may keep logits in up to half its GPU's free memory (the forward is copy-bound, and kept logits
-  save the backward's recompute).
+- **plan** (:mod:`hugehead.plan`): chunks at most 32768 classes and 256 MiB wide (``cap_plan``); with
+  ``memory_budget=None`` the shards on a GPU may keep logits in up to half its free memory (the forward is
+  copy-bound, and kept logits save the backward's recompute).
 
 The host gradients are reused between steps (:class:`HostGradPool`): autograd keeps the tensor it is
 given as ``.grad`` when the Parameter has none (``optimizer.zero_grad()``'s default), so after the first
@@ -40,7 +40,18 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import pinned
-from ..loop import DEFAULT_MEMORY_BUDGET, Plan, WeightChunk, plan_chunks
+from ..loop import WeightChunk
+from ..plan import (  # noqa: F401  (SLOT_BYTES, STREAM_MAX_COLS, cap_plan: re-exported, they lived here)
+    SLOT_BYTES,
+    STREAM_MAX_COLS,
+    Budget,
+    Plan,
+    cap_plan,
+    device_budgets,
+    plan_streamed,
+    resolve_budget,
+    stream_cols,
+)
 from .local import LocalEngine, ShardTensors
 
 __all__ = ["OffloadEngine", "StreamedChunks", "HostGradPool", "CudaStreams", "InlineStreams", "chunk_bounds",
@@ -51,12 +62,6 @@ __all__ = ["OffloadEngine", "StreamedChunks", "HostGradPool", "CudaStreams", "In
 WEIGHT_RING_DEPTH = 4
 # dW slots: one being written while the two before it are copied out (slack for jitter).
 GRAD_RING_DEPTH = 3
-# Bytes of one weight slot at most: bounds the ring for wide heads (a chunk of 256 MiB still copies at
-# full PCIe speed). The engine plans within it; a top-k plan (not the engine's) gets narrower chunks.
-SLOT_BYTES = 256 << 20
-_MIN_STREAM_COLS = 256
-# Widest planned chunk of a streamed shard (the planner's streaming width on a GPU).
-STREAM_MAX_COLS = 32768
 
 # Tests set this to let ChunkedClassifier(offload=True) compute on "cpu" devices (InlineStreams).
 _ALLOW_CPU_COMPUTE = False
@@ -89,30 +94,6 @@ def chunk_bounds(num_rows: int, cols: int) -> List[Tuple[int, int]]:
     """``[(c0, c1)]``: the chunks ``[0, cols), [cols, 2 cols), …`` of ``num_rows`` rows (the last ragged)."""
     cols = max(1, int(cols))
     return [(c0, min(c0 + cols, num_rows)) for c0 in range(0, num_rows, cols)]
-
-
-def stream_cols(cols: int, d: int, itemsize: int, slot_bytes: int = SLOT_BYTES) -> int:
-    """The width of a streamed chunk: the plan's ``cols``, at most ``slot_bytes`` of ``[C, D]`` weight
-    (a multiple of 256 rows when capped)."""
-    cap = slot_bytes // max(1, d * itemsize)
-    if cap >= _MIN_STREAM_COLS:
-        cap = cap // _MIN_STREAM_COLS * _MIN_STREAM_COLS
-    return max(1, min(int(cols), max(cap, _MIN_STREAM_COLS)))
-
-
-def cap_plan(plan: Plan, num_rows: int, cap: int) -> Plan:
-    """``plan`` with chunks at most ``cap`` classes wide. Kept logits let a resident shard use one
-    whole-shard chunk; a streamed one needs short chunks (a ring slot each, and the copy of the first
-    chunk, which nothing overlaps, stays short). The kept classes stay kept, in whole chunks: all of them
-    when the plan kept all, else as many chunks as fit in what it kept."""
-    if plan.cols <= cap:
-        return plan
-    chunks = -(-num_rows // cap)
-    kept = 0
-    if plan.keep_logits:
-        kept_classes = min(num_rows, plan.kept_chunks * plan.cols)
-        kept = chunks if kept_classes >= num_rows else kept_classes // cap
-    return Plan(rows=plan.rows, cols=cap, keep_logits=kept > 0, kept_chunks=kept, overlap=plan.overlap)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -519,27 +500,26 @@ class OffloadEngine(LocalEngine):
         return StreamedChunks(shard.weight, shard.bias, compute_dtype, self.compute_device(shard), self.streams,
                               self.grad_pool, self.depth, self.grad_depth)
 
-    def plan(self, x: Tensor, shard: ShardTensors, keep: bool) -> Plan:
-        """The local planner's plan (with a larger default budget for kept logits, see the class), its
-        chunks capped by :func:`cap_plan`."""
-        device = self.compute_device(shard)
-        budget = self.memory_budget
-        if budget is None and keep and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = max(min(DEFAULT_MEMORY_BUDGET, free // 4), free // 2)
-        v, d = shard.weight.shape
-        plan = plan_chunks(x.shape[0], d, v, x.dtype, device, self.chunk_size, budget,
-                           weight_dtype=shard.weight.dtype, allow_keep=keep)
-        return cap_plan(plan, v, stream_cols(STREAM_MAX_COLS, d, shard.weight.element_size()))
+    def budgets(self, shards: Sequence[ShardTensors], keep: bool) -> Dict[torch.device, Budget]:
+        """The planner's budgets with the offload default for kept logits (see the class)."""
+        return device_budgets(self.memory_budget, [self.compute_device(s) for s in shards], streamed_keep=keep)
 
-    def backward(self, placed, shards, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, need_x,
-                 need_weight, x_like, grad_lse=None):
+    def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None) -> Plan:
+        """The plan of a streamed shard (:func:`hugehead.plan.plan_streamed`: chunks capped to a ring slot)."""
+        device = self.compute_device(shard)
+        if budget is None:
+            budget = resolve_budget(self.memory_budget, device, streamed_keep=keep)
+        v, d = shard.weight.shape
+        return plan_streamed(x.shape[0], d, v, x.dtype, shard.weight.dtype, device, self.chunk_size, budget, keep)
+
+    def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
+                 grad_lse=None):
         """:meth:`LocalEngine.backward`, then the step's one host synchronization: autograd hands the host
         gradients to whatever reads them next on the CPU (the optimizer, which then writes the weights the
         backward's copies read), so the host waits here, once all shards' work is queued, for each compute
         device's copies to finish."""
-        out = super().backward(placed, shards, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap,
-                               need_x, need_weight, x_like, grad_lse=grad_lse)
+        out = super().backward(placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
+                               grad_lse=grad_lse)
         active = [s for s, need in zip(shards, need_weight) if need or need_x]
         for device in sorted({self.compute_device(s) for s in active}, key=str):
             self.streams.host_wait(device)

@@ -1,0 +1,354 @@
+"""Every workspace decision of a step: the memory budget (one rule, per device, offload included), the
+chunk shape of a shard's loop (:class:`Plan`), which logits are kept between forward and backward, the
+offload engine's caps on a streamed chunk, and the out-of-memory message that states what was chosen.
+
+A plan is made once per step, in the forward, and travels with the saved inputs to the backward
+(DESIGN.md): the backward never asks the planner again, so the chunk widths — and with them the order
+of the ``dX`` sums — are those of the forward, whatever the free memory did in between.
+
+The budget rule (:func:`resolve_budget`): ``memory_budget`` when given, else 4 GiB bounded by what the
+device has: a quarter of a CUDA device's free memory, a quarter of the host's available memory
+(``MemAvailable``, capped by the memory cgroup) on the CPU. An offloaded shard that may keep its logits
+gets half its GPU's free memory instead (the weight is not there, and a copy-bound forward leaves time
+to spare). The budget is per device: the shards computing on one device share it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import pinned
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "Budget",
+    "Plan",
+    "free_memory",
+    "resolve_budget",
+    "device_budgets",
+    "plan_chunks",
+    "plan_topk_chunks",
+    "plan_streamed",
+    "kept_plan",
+    "kept_shape",
+    "overlap_enabled",
+    "stream_cols",
+    "cap_plan",
+    "SLOT_BYTES",
+    "STREAM_MAX_COLS",
+    "shard_oom_guard",
+]
+
+DEFAULT_MEMORY_BUDGET = 4 << 30
+# Fraction of a device's free (CUDA) or available (host) memory the default budget may take.
+_FREE_FRACTION = 4
+_MAX_COLS = {"cuda": 65536, "cpu": 8192}
+_MIN_COLS = 256
+# CUDA: a streamed chunk of about 2**28 logits (512 MiB in bf16), i.e. 65536 / 32768 / 16384 classes at
+# N = 4096 / 8192 / 16384 rows. Measured for the four GEMMs of a chunk at D = 768 on an H200 (three
+# bench/split_lce.py runs, bench/NOTES.md): 65536 beat 32768 by 3-6% at N = 4096 and 32768 was best at
+# N = 8192 in every run; at N = 16384 the three widths were within 5% with no consistent winner.
+_CHUNK_ELEMS = {"cuda": 1 << 28}
+
+# Offload: bytes of one weight slot of the ring at most (a chunk of 256 MiB still copies at full PCIe
+# speed), and the widest planned chunk of a streamed shard (the planner's streaming width on a GPU).
+SLOT_BYTES = 256 << 20
+STREAM_MAX_COLS = 32768
+_MIN_STREAM_COLS = 256
+
+
+# --------------------------------------------------------------------------------------------------
+# The budget
+# --------------------------------------------------------------------------------------------------
+class Budget(NamedTuple):
+    """Bytes of workspace a shard's loop may use, and why (for the plan and the out-of-memory message)."""
+
+    bytes: int
+    reason: str
+
+
+@torch.compiler.assume_constant_result
+def _cuda_free(index: int) -> int:
+    return int(torch.cuda.mem_get_info(index)[0])
+
+
+@torch.compiler.assume_constant_result
+def _host_available() -> int:
+    available = pinned.available_host_memory()
+    return -1 if available is None else int(available)
+
+
+def free_memory(device: torch.device) -> Optional[int]:
+    """Bytes free on a CUDA device, or available to this process on the host; None when unknown (other
+    device types). The one memory query of the planner (tests replace it). Under ``torch.compile`` the
+    answer is taken once, at trace time, as a constant."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_free(index)
+    if device.type == "cpu":
+        available = _host_available()
+        return None if available < 0 else available
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def resolve_budget(memory_budget: Optional[int], device: torch.device, *, shards_on_device: int = 1,
+                   streamed_keep: bool = False) -> Budget:
+    """The budget of one shard's loop on ``device`` (see the module docstring for the rule).
+
+    Args:
+        memory_budget: bytes for the device, or None for the default.
+        shards_on_device: shards computing on ``device`` in this step; they share its budget equally.
+        streamed_keep: the shard is offloaded (weight in host memory) and may keep its logits.
+    """
+    shards = max(1, int(shards_on_device))
+    share = "" if shards == 1 else f", shared by {shards} shards on {device}"
+    if memory_budget is not None:
+        total = int(memory_budget)
+        return Budget(max(1, total // shards), f"memory_budget={total} bytes (given){share}")
+    free = free_memory(device)
+    if free is None:
+        total, why = DEFAULT_MEMORY_BUDGET, f"the default {_gib(DEFAULT_MEMORY_BUDGET)}"
+    elif streamed_keep and device.type == "cuda":
+        total = free // 2
+        why = f"the offload default: half of {device}'s {_gib(free)} free"
+    else:
+        total = min(DEFAULT_MEMORY_BUDGET, free // _FREE_FRACTION)
+        what = "free" if device.type == "cuda" else "available"
+        why = f"the default: min(4 GiB, 1/{_FREE_FRACTION} of {device}'s {_gib(free)} {what})"
+    total = max(1, int(total))
+    return Budget(max(1, total // shards), f"memory_budget=None, {total} bytes ({why}){share}")
+
+
+def device_budgets(memory_budget: Optional[int], devices: Sequence[Hashable], *, streamed_keep: bool = False
+                   ) -> Dict[Hashable, Budget]:
+    """One :class:`Budget` per shard's compute device (``devices``: one entry per shard, repeats for shards
+    that share a device): each device's budget split among its shards. Asked once per step."""
+    counts: Dict[Hashable, int] = {}
+    for device in devices:
+        counts[device] = counts.get(device, 0) + 1
+    return {device: resolve_budget(memory_budget, device, shards_on_device=n, streamed_keep=streamed_keep)
+            for device, n in counts.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan of one shard's chunk loop
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Workspace shape of one shard's chunk loop: ``rows`` × ``cols`` logits at a time.
+
+    ``keep_logits``: the forward writes its first ``kept_chunks`` chunks into a kept
+    ``[kept_chunks, N, cols]`` tensor (:func:`kept_shape`) that the backward turns into their gradient in
+    place, skipping their recompute (6·N·D·V FLOPs instead of 8 for the kept classes); the other chunks
+    stream through the workspace as usual.
+
+    ``overlap`` (CUDA): two workspaces, and each chunk's memory-bound kernel (statistics, gradient) runs
+    on a side stream while the main stream's GEMMs go on with the next chunk.
+
+    ``budget``/``budget_reason``: the bytes the planner worked within and why (not part of equality).
+    """
+
+    rows: int
+    cols: int
+    keep_logits: bool = False
+    kept_chunks: int = 0
+    overlap: bool = False
+    budget: int = field(default=0, compare=False)
+    budget_reason: str = field(default="", compare=False)
+
+    def as_list(self) -> List[int]:
+        """``[rows, cols, kept_chunks, overlap]``: the plan as a custom op's ``int[]`` argument."""
+        return [self.rows, self.cols, self.kept_chunks if self.keep_logits else 0, int(self.overlap)]
+
+    @staticmethod
+    def from_list(values: Sequence[int]) -> "Plan":
+        rows, cols, kept_chunks, overlap = (int(v) for v in values)
+        return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap))
+
+
+def overlap_enabled() -> bool:
+    # HUGEHEAD_OVERLAP=0 turns the side-stream overlap off (A/B measurements, debugging).
+    return os.environ.get("HUGEHEAD_OVERLAP", "1") != "0"
+
+
+def kept_plan(kept: Tensor) -> Plan:
+    """The plan of a backward over kept logits ``[kept_chunks, N, cols]`` when no plan travelled with
+    them (chunk widths must match the forward's, whatever the planner would choose now)."""
+    return Plan(rows=kept.shape[1], cols=kept.shape[2], keep_logits=True, kept_chunks=kept.shape[0],
+                overlap=kept.device.type == "cuda" and overlap_enabled())
+
+
+def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
+    """Shape of the kept logits of a plan that keeps them: ``[kept_chunks, N, cols]``."""
+    return (plan.kept_chunks, n, plan.cols)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _as_budget(memory_budget, device: torch.device) -> Budget:
+    if isinstance(memory_budget, Budget):
+        return memory_budget
+    return resolve_budget(memory_budget, device)
+
+
+def plan_chunks(
+    n: int,
+    d: int,
+    v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_size: Optional[int] = None,
+    memory_budget=None,
+    *,
+    weight_dtype: Optional[torch.dtype] = None,
+    allow_keep: bool = True,
+    direct_dx: bool = False,
+) -> Plan:
+    """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
+
+    The workspace is one ``rows × cols`` logits chunk in ``dtype`` (the compute dtype) plus, in the
+    backward, two ``rows × D`` buffers for ``dX``. ``chunk_size`` pins ``cols`` (and streams);
+    ``memory_budget`` (bytes, a :class:`Budget`, or None for :func:`resolve_budget`'s default) bounds the
+    rest. When all ``N × V`` logits fit the budget (and ``allow_keep``), they are kept
+    (:attr:`Plan.keep_logits`); a weight stored in another dtype than ``dtype`` (autocast) is still cast
+    a chunk at a time. Rows are split only when even a ``_MIN_COLS``-wide chunk of all rows would not fit.
+    ``direct_dx``: the caller computes the ``dX`` of a plan that keeps all logits in one chunk as one GEMM
+    straight into the gradient (the single-device op), so that plan needs no ``dX`` buffers.
+    """
+    budget = _as_budget(memory_budget, device)
+    chosen = dict(budget=budget.bytes, budget_reason=budget.reason)
+    memory_budget = budget.bytes
+    itemsize = _itemsize(dtype)
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    n, v = max(n, 1), max(v, 1)
+    max_cols = _MAX_COLS.get(device.type, _MAX_COLS["cpu"])
+    dx_bytes = n * d * (itemsize + 4)
+    if weight_dtype != dtype:
+        # Under autocast a cast weight chunk, the next one and a dW chunk in the compute dtype also live:
+        # count them (at the widest chunk) against the budget.
+        memory_budget = max(1, memory_budget - 3 * min(v, max_cols) * d * itemsize)
+    keep = chunk_size is None and allow_keep
+    if keep and direct_dx and weight_dtype == dtype and n * v * itemsize <= memory_budget:
+        return Plan(rows=n, cols=v, keep_logits=True, kept_chunks=1, **chosen)
+    if keep and n * v * itemsize + dx_bytes <= memory_budget:
+        # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the
+        # streaming width; a weight already in the compute dtype is used whole (one GEMM each way).
+        cols = v if weight_dtype == dtype else min(v, max_cols)
+        return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=-(-v // cols), **chosen)
+    if chunk_size is not None:
+        cols = min(int(chunk_size), v)
+    else:
+        cols = (memory_budget - dx_bytes) // (n * itemsize)
+        if device.type in _CHUNK_ELEMS:
+            cols = min(cols, max(_MIN_COLS, _CHUNK_ELEMS[device.type] // n))
+        cols = max(_MIN_COLS, min(max_cols, cols))
+        if cols < v:  # round down to a multiple of 256 columns: aligned rows, GEMM-friendly widths
+            cols = max(_MIN_COLS, cols // _MIN_COLS * _MIN_COLS)
+        cols = min(cols, v)
+    rows = n
+    if rows * cols * itemsize + rows * d * (itemsize + 4) > memory_budget:
+        rows = max(1, memory_budget // (cols * itemsize + d * (itemsize + 4)))
+    chunk_bytes = n * cols * itemsize
+    # A second workspace lets the memory-bound kernels overlap the next chunk's GEMMs (CUDA, rows whole).
+    overlap = (device.type == "cuda" and rows >= n and cols < v and overlap_enabled()
+               and dx_bytes + 2 * chunk_bytes <= memory_budget)
+    if keep and rows >= n:
+        # Keep as many leading chunks as the budget holds beyond the streaming workspace(s).
+        kept_chunks = (memory_budget - dx_bytes - (2 if overlap else 1) * chunk_bytes) // chunk_bytes
+        kept_chunks = min(kept_chunks, -(-v // cols) - 1)
+        if kept_chunks >= 1:
+            return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks), overlap=overlap, **chosen)
+    return Plan(rows=min(rows, n), cols=max(cols, 1), overlap=overlap, **chosen)
+
+
+def plan_topk_chunks(
+    n: int,
+    d: int,
+    v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_size: Optional[int] = None,
+    memory_budget=None,
+) -> Plan:
+    """:func:`plan_chunks` for :func:`hugehead.topk.topk_steps`: always streaming, the normal chunk width
+    (the top-k kernel needs no temporaries beyond the workspace) and no ``dX`` buffers."""
+    return plan_chunks(n, 0, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Offload: chunks streamed from host memory through a ring of device slots
+# --------------------------------------------------------------------------------------------------
+def stream_cols(cols: int, d: int, itemsize: int, slot_bytes: int = SLOT_BYTES) -> int:
+    """The width of a streamed chunk: the plan's ``cols``, at most ``slot_bytes`` of ``[C, D]`` weight
+    (a multiple of 256 rows when capped)."""
+    cap = slot_bytes // max(1, d * itemsize)
+    if cap >= _MIN_STREAM_COLS:
+        cap = cap // _MIN_STREAM_COLS * _MIN_STREAM_COLS
+    return max(1, min(int(cols), max(cap, _MIN_STREAM_COLS)))
+
+
+def cap_plan(plan: Plan, num_rows: int, cap: int) -> Plan:
+    """``plan`` with chunks at most ``cap`` classes wide. Kept logits let a resident shard use one
+    whole-shard chunk; a streamed one needs short chunks (a ring slot each, and the copy of the first
+    chunk, which nothing overlaps, stays short). The kept classes stay kept, in whole chunks: all of them
+    when the plan kept all, else as many chunks as fit in what it kept."""
+    if plan.cols <= cap:
+        return plan
+    chunks = -(-num_rows // cap)
+    kept = 0
+    if plan.keep_logits:
+        kept_classes = min(num_rows, plan.kept_chunks * plan.cols)
+        kept = chunks if kept_classes >= num_rows else kept_classes // cap
+    return Plan(rows=plan.rows, cols=cap, keep_logits=kept > 0, kept_chunks=kept, overlap=plan.overlap,
+                budget=plan.budget, budget_reason=plan.budget_reason)
+
+
+def plan_streamed(n: int, d: int, v: int, dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device,
+                  chunk_size: Optional[int], budget: Budget, allow_keep: bool) -> Plan:
+    """The plan of an offloaded shard: :func:`plan_chunks` within ``budget`` (from :func:`resolve_budget`
+    with ``streamed_keep``), its chunks capped to the streaming width (:func:`cap_plan`)."""
+    plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype, allow_keep=allow_keep)
+    return cap_plan(plan, v, stream_cols(STREAM_MAX_COLS, d, _itemsize(weight_dtype)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Out of memory
+# --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def shard_oom_guard(index: int, start: int, stop: int, device: torch.device, plan: Optional[Plan],
+                    memory_budget: Optional[int] = None) -> Iterator[None]:
+    """Turn an out-of-memory error inside a shard's chunk loop into one that names the shard, its device,
+    the plan and the budget it was made within, and suggests ``memory_budget``. The original exception
+    (and with it the frames that hold the loop's workspaces) is dropped before the new one is raised, so
+    the memory is free for the next step.
+
+    ``memory_budget``: what the caller passed, for a plan-less failure (None: the default)."""
+    message = None
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+    if message is not None:
+        if plan is not None and plan.budget_reason:
+            budget = plan.budget_reason
+        else:
+            budget = "None (the default)" if memory_budget is None else f"{memory_budget} bytes"
+            budget = f"memory_budget={budget}"
+        workspace = "" if plan is None else (
+            f" (workspace {plan.rows} rows x {plan.cols} classes{', logits kept' if plan.keep_logits else ''})")
+        raise torch.OutOfMemoryError(
+            f"hugehead: out of memory in shard {index} (classes [{start}, {stop})) on {device}{workspace} "
+            f"with {budget}; pass a smaller memory_budget= (or chunk_size=) to "
+            f"ChunkedClassifier / linear_cross_entropy, or free memory on {device}. Cause: {message}"
+        )

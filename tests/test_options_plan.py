@@ -1,0 +1,351 @@
+"""The loss's rules (hugehead/options.py) and the workspace plan (hugehead/plan.py): option checks by
+type and range, the budget rule (per device, bounded by the host's memory on the CPU, recorded in the
+plan), one plan per step (the backward follows the forward's plan whatever the memory did in between),
+``[..., D]`` inputs, second-order gradients refused, and the package's layering (no import cycle, data flows down)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hugehead
+from hugehead import plan as planner
+from hugehead.options import LossOptions
+
+PACKAGE = pathlib.Path(hugehead.__file__).parent
+
+
+# --------------------------------------------------------------------------------------------------
+# Options: types and ranges
+# --------------------------------------------------------------------------------------------------
+BAD_OPTIONS = {
+    "softcap_string": (dict(softcap="2"), TypeError, r"softcap must be a finite positive number or None, got str"),
+    "softcap_bool": (dict(softcap=True), TypeError, r"softcap"),
+    "chunk_size_fraction": (dict(chunk_size=2.5), ValueError, r"chunk_size must be an integer, got 2.5"),
+    "chunk_size_bool": (dict(chunk_size=True), TypeError, r"chunk_size must be an integer, got bool"),
+    "chunk_size_string": (dict(chunk_size="64"), TypeError, r"chunk_size must be an integer, got str"),
+    "memory_budget_fraction": (dict(memory_budget=1e3 + 0.5), ValueError, r"memory_budget must be an integer"),
+    "memory_budget_bool": (dict(memory_budget=False), TypeError, r"memory_budget must be an integer, got bool"),
+    "memory_budget_zero": (dict(memory_budget=0), ValueError, r"memory_budget must be >= 1 byte"),
+    "label_smoothing_string": (dict(label_smoothing="0.1"), TypeError, r"label_smoothing must be a real number"),
+    "z_loss_nan": (dict(z_loss=float("nan")), ValueError, r"z_loss must be finite"),
+    "ignore_index_fraction": (dict(ignore_index=1.5), ValueError, r"ignore_index must be an integer"),
+    "reduction_none_object": (dict(reduction=None), TypeError, r"reduction must be a string"),
+}
+
+
+def _small(dtype=torch.float64, n=6, d=5, v=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=dtype)
+    w = torch.randn(v, d, generator=g, dtype=dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    return x, w, target
+
+
+@pytest.mark.parametrize("name", sorted(BAD_OPTIONS))
+def test_bad_option_types_and_ranges_raise_naming_the_option(name):
+    kwargs, exc, match = BAD_OPTIONS[name]
+    x, w, target = _small()
+    with pytest.raises(exc, match=match):
+        hugehead.linear_cross_entropy(x, w, target, **kwargs)
+    with pytest.raises(exc, match=match):
+        hugehead.ChunkedClassifier(5, 40, devices=["cpu"], dtype=torch.float64, **kwargs)
+
+
+def test_integral_floats_are_accepted_and_options_are_normalized():
+    x, w, target = _small()
+    want = F.cross_entropy(x @ w.t(), target)
+    got = hugehead.linear_cross_entropy(x, w, target, chunk_size=16.0, memory_budget=float(1 << 20))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    options = LossOptions(ignore_index=7, label_smoothing=1, z_loss=0, softcap=2)
+    assert (options.ignore_index, options.label_smoothing, options.softcap, options.kernel_softcap) == (7, 1.0, 2.0, 2.0)
+    assert type(options.label_smoothing) is float and LossOptions().kernel_softcap == 0.0
+    with pytest.raises(ValueError, match="label_smoothing"):
+        options.replace(label_smoothing=2.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The budget rule
+# --------------------------------------------------------------------------------------------------
+def test_cpu_default_budget_is_bounded_by_available_host_memory(monkeypatch):
+    monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: 64 << 20)
+    budget = planner.resolve_budget(None, torch.device("cpu"))
+    assert budget.bytes == 16 << 20 and "1/4" in budget.reason and "cpu" in budget.reason
+    # 1024 x 64 x 1M classes (4 GiB of float32 logits) is no longer kept whole on a small host.
+    plan = planner.plan_chunks(1024, 64, 1_000_000, torch.float32, torch.device("cpu"))
+    assert not plan.keep_logits and plan.budget == 16 << 20
+    assert 1024 * plan.cols * 4 + 1024 * 64 * 8 <= plan.budget
+    monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: 1 << 40)
+    assert planner.resolve_budget(None, torch.device("cpu")).bytes == planner.DEFAULT_MEMORY_BUDGET
+    monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: None)  # unknown: the default
+    assert planner.resolve_budget(None, torch.device("cpu")).bytes == planner.DEFAULT_MEMORY_BUDGET
+
+
+def test_shards_on_one_device_share_its_budget_and_the_plan_records_it(monkeypatch):
+    monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: 1 << 40)
+    head = hugehead.ChunkedClassifier(8, 3000, devices=["cpu", "cpu", "cpu"], dtype=torch.float32,
+                                      memory_budget=3 << 20)
+    shards = [hugehead.engines.ShardTensors(s.weight, s.bias, s.start) for s in head.shards]
+    budgets = head.engine.budgets(shards, keep=True)
+    assert list(budgets) == [torch.device("cpu")]
+    assert budgets[torch.device("cpu")].bytes == 1 << 20
+    assert "memory_budget=3145728 bytes (given), shared by 3 shards on cpu" == budgets[torch.device("cpu")].reason
+    default = hugehead.ChunkedClassifier(8, 3000, devices=["cpu", "cpu"], dtype=torch.float32).engine
+    assert default.budgets(shards[:2], keep=True)[torch.device("cpu")].bytes == planner.DEFAULT_MEMORY_BUDGET // 2
+    x = torch.randn(16, 8)
+    plan = head.engine.plan(x, shards[0], True, budgets[torch.device("cpu")])
+    assert plan.budget == 1 << 20 and "shared by 3 shards" in plan.budget_reason
+    # The budget is not part of the plan's identity: two plans with the same shape are equal.
+    assert plan == planner.Plan(plan.rows, plan.cols, plan.keep_logits, plan.kept_chunks, plan.overlap)
+
+
+def test_out_of_memory_message_states_the_budget_used(monkeypatch):
+    import hugehead.loop as loop
+
+    monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: 40 << 20)
+    x, w, target = _small()
+    real_mm, calls = torch.mm, {"n": 0}
+
+    def failing_mm(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(loop.torch, "mm", failing_mm)
+    head = hugehead.ChunkedClassifier(5, 40, bias=False, devices=["cpu", "cpu"], dtype=torch.float64, chunk_size=8)
+    with pytest.raises(torch.OutOfMemoryError,
+                       match=r"memory_budget=None, 10485760 bytes \(the default: min\(4 GiB, 1/4 of cpu's 0.04 GiB "
+                             r"available\)\), shared by 2 shards on cpu"):
+        head(x, target)
+
+
+# --------------------------------------------------------------------------------------------------
+# One plan per step
+# --------------------------------------------------------------------------------------------------
+def _grads(run):
+    x, w, target = _small(torch.float32, n=48, d=24, v=6000, seed=3)
+    x.requires_grad_()
+    loss = run(x, w, target)
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+def test_module_backward_follows_the_forward_plan_when_the_budget_changes_in_between():
+    """Forward with one budget, then a budget that would plan other chunk widths (and split the rows)
+    before the backward: dX and dW are bitwise those of an undisturbed step."""
+    def make():
+        torch.manual_seed(0)
+        return hugehead.ChunkedClassifier(24, 6000, bias=True, devices=["cpu", "cpu"], dtype=torch.float32,
+                                          memory_budget=2 * (48 * 1024 * 4 + 48 * 24 * 8))
+
+    results = []
+    for disturb in (False, True):
+        head = make()
+        x, _, target = _small(torch.float32, n=48, d=24, v=6000, seed=3)
+        x.requires_grad_()
+        loss = head(x, target, return_lse=True)[0]
+        if disturb:  # what a planner asked again now would see
+            head.engine.memory_budget = 2 * (8 * 256 * 4 + 8 * 24 * 8)
+        loss.backward()
+        results.append((loss.detach(), x.grad, [p.grad for p in head.parameters()]))
+    (loss0, dx0, dw0), (loss1, dx1, dw1) = results
+    assert torch.equal(loss0, loss1)
+    assert torch.equal(dx0, dx1)
+    assert all(torch.equal(a, b) for a, b in zip(dw0, dw1))
+
+
+@pytest.mark.parametrize("where", ["functional", "module"])
+def test_backward_follows_the_forward_plan_when_free_memory_changes_in_between(monkeypatch, where):
+    """The free-memory query the planner sees changes between forward and backward (memory_budget=None):
+    dX and dW are bitwise those of an undisturbed step."""
+    free = {"bytes": 4 * (48 * 2048 * 4 + 48 * 24 * 8)}
+    monkeypatch.setattr(planner, "free_memory", lambda device: free["bytes"])
+    results = []
+    for disturb in (False, True):
+        free["bytes"] = 4 * (48 * 2048 * 4 + 48 * 24 * 8)  # a quarter of it: 2048-wide chunks, nothing kept
+        x, w, target = _small(torch.float32, n=48, d=24, v=6000, seed=3)
+        x.requires_grad_()
+        w.requires_grad_()
+        if where == "functional":
+            loss = hugehead.linear_cross_entropy(x, w, target)
+            params = [w]
+        else:
+            torch.manual_seed(0)
+            head = hugehead.ChunkedClassifier(24, 6000, devices=["cpu"], dtype=torch.float32)
+            loss = head(x, target)
+            params = list(head.parameters())
+        if disturb:
+            free["bytes"] = 4 * (8 * 256 * 4 + 8 * 24 * 8)  # 256-wide chunks of 8 rows, were it asked again
+        loss.backward()
+        results.append((x.grad, [p.grad for p in params]))
+    (dx0, dw0), (dx1, dw1) = results
+    assert torch.equal(dx0, dx1)
+    assert all(torch.equal(a, b) for a, b in zip(dw0, dw1))
+
+
+def test_functional_plans_once_per_training_step(monkeypatch):
+    calls = []
+    real = planner.plan_chunks
+
+    def counting(*args, **kwargs):
+        calls.append(args[:3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_chunks", counting)
+    monkeypatch.setattr(hugehead.functional, "plan_chunks", counting)
+    x, w, target = _small()
+    x.requires_grad_()
+    hugehead.linear_cross_entropy(x, w, target, chunk_size=8).backward()
+    assert len(calls) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# [..., D] inputs, second-order gradients
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("where", ["functional", "module"])
+def test_leading_dimensions_follow_cross_entropy(where, reduction):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 37, (3, 4), generator=g)
+    target[1, 2] = -100
+    if where == "functional":
+        w = torch.randn(37, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        loss, lse = hugehead.linear_cross_entropy(x, w, target, reduction=reduction, chunk_size=16, return_lse=True)
+        weight = w
+    else:
+        torch.manual_seed(1)
+        head = hugehead.ChunkedClassifier(8, 37, bias=False, devices=["cpu", "cpu"], dtype=torch.float64,
+                                          chunk_size=16, reduction=reduction)
+        loss, lse = head(x, target, return_lse=True)
+        weight = torch.cat([s.weight for s in head.shards])
+    ref_x = x.detach().clone().requires_grad_()
+    logits = ref_x @ weight.detach().t()
+    ref = F.cross_entropy(logits.view(-1, 37), target.view(-1), reduction=reduction)
+    if reduction == "none":
+        ref = ref.view(3, 4)
+    assert loss.shape == ref.shape and lse.shape == (3, 4)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1).detach(), rtol=1e-12, atol=1e-12)
+    loss.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"x must be \[N, D\] with target \[N\], or \[\.\.\., D\]"):
+        (hugehead.linear_cross_entropy(x, weight, target.view(-1)) if where == "functional" else
+         head(x, target.view(-1)))
+
+
+@pytest.mark.parametrize("where", ["functional", "module"])
+def test_second_order_gradients_raise_not_supported(where):
+    x, w, target = _small()
+    x.requires_grad_()
+    if where == "functional":
+        w.requires_grad_()
+        loss = hugehead.linear_cross_entropy(x, w, target)
+    else:
+        loss = hugehead.ChunkedClassifier(5, 40, devices=["cpu", "cpu"], dtype=torch.float64)(x, target)
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"second-order gradients .* are not supported"):
+        gx.sum().backward()
+    # First-order gradients under create_graph=True are still right.
+    (plain,) = torch.autograd.grad(loss, x, retain_graph=True)
+    torch.testing.assert_close(gx.detach(), plain, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True) of a model holding a head
+# --------------------------------------------------------------------------------------------------
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.backbone = torch.nn.Linear(6, 8, dtype=torch.float64)
+        self.head = hugehead.ChunkedClassifier(8, 50, devices=["cpu", "cpu", "cpu"], dtype=torch.float64,
+                                               chunk_size=8, label_smoothing=0.1, softcap=4.0)
+
+    def forward(self, x, target):
+        return self.head(torch.tanh(self.backbone(x)), target)
+
+
+def test_compile_fullgraph_of_a_model_with_a_chunked_head_matches_eager():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 50, (10,), generator=g)
+    target[3] = -100
+    eager, compiled_model = _Model(), _Model()
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    want = eager(x, target)
+    want.backward()
+    got = compiled(x, target)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-13, msg=name)
+    # The range check still runs inside the compiled graph.
+    bad = target.clone()
+    bad[0] = 50
+    with pytest.raises((ValueError, RuntimeError), match=r"out of range for 50 classes"):
+        compiled(x, bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layering: no import cycle; data flows down
+# --------------------------------------------------------------------------------------------------
+def _module_imports():
+    """``{module: {package modules it imports at module level}}`` (imports inside functions excluded)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                deps.add(target)
+                deps.update(f"{target}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("hugehead"))
+        graph[name] = deps
+    return {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
+
+
+def test_no_import_cycle_and_lower_layers_do_not_import_upper_ones():
+    graph = _module_imports()
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in graph[node]:
+            if dep == "hugehead":  # the package itself, imported for a submodule
+                continue
+            assert state.get(dep) != "open", f"import cycle: {' -> '.join(stack + [node, dep])}"
+            if dep not in state:
+                visit(dep, stack + [node])
+        state[node] = "done"
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+    upper = {"hugehead.module", "hugehead.sharded_loss", "hugehead.engines", "hugehead.engines.local",
+             "hugehead.engines.offload", "hugehead.engines.distributed", "hugehead.demo"}
+    for lower in ("hugehead.functional", "hugehead.loop", "hugehead.plan", "hugehead.options", "hugehead.ops"):
+        assert not graph[lower] & upper, f"{lower} imports {graph[lower] & upper}"
+
+
+def test_opcheck_checked_targets():
+    target = torch.tensor([3, -100, 0, 9])
+    for ignore_index in (-100, None):
+        args = (target if ignore_index is not None else target.clamp(min=0), 10, ignore_index, "target")
+        torch.library.opcheck(torch.ops.hugehead.checked_targets.default, args)
+    with pytest.raises(ValueError, match=r"target -100 at row 1 is out of range for 10 classes \(valid: 0..9\)"):
+        hugehead.options.check_targets(target, 10, None)
+    out = hugehead.options.check_targets(target.int(), 10, -100)
+    assert out.dtype == torch.int64 and torch.equal(out, target)
