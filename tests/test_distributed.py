@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 
 import hugehead
 from hugehead import reference
@@ -88,7 +89,18 @@ def reference_loss_case(name, world):
     for rank in range(world):
         x, target, c, e = case_inputs(case, rank)
         x.requires_grad_()
-        loss = reference.linear_cross_entropy(x, w, target, b, **options)
+        kind = case.get("target_kind")
+        if kind is None:
+            loss = reference.linear_cross_entropy(x, w, target, b, **options)
+        elif kind == "binary":
+            loss = F.binary_cross_entropy_with_logits(F.linear(x, w, b), target, reduction=case["reduction"])
+        else:  # F.cross_entropy with class weights (index or dense probability targets), plus the z-loss
+            z = F.linear(x, w, b)
+            loss = F.cross_entropy(z, target, weight=dist_cases.case_class_weight(case),
+                                   label_smoothing=case.get("label_smoothing", 0.0),
+                                   ignore_index=case.get("ignore_index", -100), reduction=case["reduction"])
+            if case.get("z_loss"):
+                loss = loss + case["z_loss"] * (torch.logsumexp(z, 1) ** 2).sum() / max(len(z), 1)
         lse = torch.logsumexp(reference.logits(x, w, b, case.get("softcap")), dim=-1)
         objective = (loss * c).sum()
         if case.get("return_lse"):
