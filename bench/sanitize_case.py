@@ -198,8 +198,8 @@ def topk_cases(device: torch.device) -> Iterator[Result]:
             full = (3 * torch.randn(n, v, generator=_gen(name), dtype=torch.float64)).to(dtype)
             values, indices = _on(device, torch.zeros(n, k, dtype=dtype), torch.full((n, k), -1, dtype=torch.int64))
             for j, (a, b) in enumerate(chunks):
-                torch.ops.hugehead.chunk_topk_.default(_chunk_on(device, full, a, b, pad + j), a, softcap, values,
-                                                       indices)
+                torch.ops.hugehead.chunk_topk_.default(_chunk_on(device, full, a, b, pad + j), None, a, softcap,
+                                                       values, indices)
             c = _softcapped(full.to(_acc(dtype)), softcap).to(dtype).double()
             order = torch.sort(c, dim=1, descending=True, stable=True)
             kk = min(k, v)
