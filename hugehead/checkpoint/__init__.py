@@ -4,7 +4,8 @@
 - ``optim.py``: optimizer state kept on each shard's device;
 - ``sharded.py``: :class:`ShardedRows` and :func:`sharded_state_dict` (heads as ``torch.distributed.checkpoint``
   sees them, never gathered);
-- ``dcp.py``: the checkpoint directory (:func:`save_checkpoint`, :func:`load_checkpoint`);
+- ``dcp.py``: the checkpoint directory (:func:`save_checkpoint`, :func:`load_checkpoint`), and
+  ``threads.py``: its storage writer and reader (several threads, a file per writer thread);
 - ``safetensors.py``: the streamed safetensors writer;
 - ``space.py``: room on disk, checked before any byte is written (:class:`CheckpointSpaceError`);
 - ``head.py``: how a ``ChunkedClassifier`` is saved and loaded in every placement (state-dict hooks,
