@@ -10,6 +10,7 @@ printed beside the always-most-frequent baseline.
     python examples/lightning_6m.py --precision bf16-true          # bf16 parameters, no float32 masters
     python examples/lightning_6m.py --offload                      # head in pinned host memory, streamed
     python examples/lightning_6m.py --cpu                          # tiny smoke run, head as two CPU shards
+    python examples/lightning_6m.py --cpu --labels 3               # multi-label (sparse target), P@k / nDCG@k
 
 Precision (``--precision``, Lightning's names): ``bf16-mixed`` (GPU default) and ``16-mixed`` keep float32
 parameters — the head's weight included, as master weights — and run the steps under autocast, where the
@@ -54,7 +55,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hugehead
-from hugehead.metrics import AccuracyAtK, accuracy_at_k, most_frequent_topk
+from hugehead.metrics import AccuracyAtK, NDCGAtK, PrecisionAtK, accuracy_at_k, most_frequent_topk
 
 try:
     import lightning as L
@@ -77,9 +78,11 @@ _MASK32 = 0xFFFFFFFF
 # Data
 # --------------------------------------------------------------------------------------------------
 def synthetic_sequences(num_samples: int, num_classes: int, seq_len: int, token_vocab: int, zipf: float,
-                        corrupt: float, seed: int, data_seed: int = 1234) -> TensorDataset:
+                        corrupt: float, seed: int, data_seed: int = 1234, labels: int = 1) -> TensorDataset:
     """``(tokens [n, seq_len] int64, target [n] int64)``. The class patterns depend only on
-    ``data_seed`` (shared by train and test); ``seed`` draws the samples."""
+    ``data_seed`` (shared by train and test); ``seed`` draws the samples. ``labels > 1``: a multi-label
+    set of that many Zipf draws per sample, ``target [n, labels]``, position ``p`` showing the pattern of
+    label ``p % labels``."""
     pattern_gen = torch.Generator().manual_seed(data_seed)
     mult = torch.randint(0, 1 << 31, (seq_len,), generator=pattern_gen) * 2 + 1
     add = torch.randint(0, 1 << 31, (seq_len,), generator=pattern_gen)
@@ -93,15 +96,29 @@ def synthetic_sequences(num_samples: int, num_classes: int, seq_len: int, token_
     gen = torch.Generator().manual_seed(seed)
     probs = torch.arange(1, num_classes + 1, dtype=torch.float64).pow_(-zipf)
     cdf = torch.cumsum(probs / probs.sum(), 0)
-    rank = torch.searchsorted(cdf, torch.rand(num_samples, dtype=torch.float64, generator=gen))
+    rank = torch.searchsorted(cdf, torch.rand(num_samples, labels, dtype=torch.float64, generator=gen))
     target = (rank.clamp_(max=num_classes - 1) * perm_mult + perm_add) % num_classes
-    h = (target[:, None] * mult + add) & _MASK32
+    shown = target[:, torch.arange(seq_len) % labels]  # [n, seq_len]: the label each position shows
+    h = (shown * mult + add) & _MASK32
     for _ in range(2):
         h = ((h ^ (h >> 16)) * 0x45D9F3B) & _MASK32
     tokens = (h ^ (h >> 16)) % token_vocab
     noisy = torch.rand(tokens.shape, generator=gen) < corrupt
     tokens = torch.where(noisy, torch.randint(0, token_vocab, tokens.shape, generator=gen), tokens)
-    return TensorDataset(tokens, target)
+    return TensorDataset(tokens, target[:, 0] if labels == 1 else target)
+
+
+def label_target(labels: Tensor, num_classes: int, loss: str) -> Tensor:
+    """The sparse ``[n, V]`` target of label sets ``[n, k]``: 1/k per draw for the softmax, 1 per label for
+    one-vs-all."""
+    n, k = labels.shape
+    rows = torch.arange(n, device=labels.device).repeat_interleave(k)
+    value = 1.0 / k if loss == "cross_entropy" else 1.0
+    t = torch.sparse_coo_tensor(torch.stack([rows, labels.reshape(-1)]),
+                                torch.full((n * k,), value, device=labels.device), (n, num_classes)).coalesce()
+    if loss != "cross_entropy":  # a label drawn twice is one positive
+        t = torch.sparse_coo_tensor(t.indices(), t.values().clamp(max=1.0), t.shape).coalesce()
+    return t
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,20 +148,26 @@ class HugeHeadModule(L.LightningModule):
 
     def __init__(self, num_classes: int, dim: int, token_vocab: int, seq_len: int, head_devices: List[str],
                  head_dtype: Optional[torch.dtype], lr: float, layers: int = 2, heads: int = 4,
-                 offload: bool = False):
+                 offload: bool = False, labels: int = 1, loss: str = "cross_entropy"):
         super().__init__()
         self.backbone = TokenEncoder(token_vocab, seq_len, dim, layers, heads)
         self.head = hugehead.ChunkedClassifier(dim, num_classes, devices=head_devices, dtype=head_dtype,
-                                               offload=offload)
+                                               offload=offload, loss=loss)
         self.lr = lr
+        self.multilabel, self.loss_kind = labels > 1, loss
         # Streaming accuracy@k (sums of hits and rows; non-persistent states, so checkpoints hold none).
         self.test_accuracy = nn.ModuleDict({str(k): AccuracyAtK(k) for k in TOP_K if k <= num_classes})
+        # Multi-label: precision@k and nDCG@k from the same top-k.
+        self.test_ranking = nn.ModuleDict({f"p@{k}": PrecisionAtK(k) for k in TOP_K if k <= num_classes})
+        self.test_ranking.update({f"ndcg@{k}": NDCGAtK(k) for k in TOP_K if k <= num_classes and k > 1})
 
     def _loss_and_features(self, batch):
         tokens, target = batch
         # No cast: under autocast ("-mixed") the head computes in the autocast dtype from its float32
         # weight; with "-true" precisions the features already have the head's dtype.
         features = self.backbone(tokens)
+        if self.multilabel:
+            return self.head(features, label_target(target, self.head.num_classes, self.loss_kind)), features, target
         return self.head(features, target), features, target
 
     def training_step(self, batch, batch_idx):
@@ -157,6 +180,12 @@ class HugeHeadModule(L.LightningModule):
         # One streamed top-k over all classes (every shard, chunk by chunk) serves every k.
         _, top = self.head.topk(features, max(int(k) for k in self.test_accuracy))
         self.log("test_loss", loss.float(), batch_size=target.shape[0])
+        if self.multilabel:
+            label_sets = [row.unique() for row in target]
+            for name, metric in self.test_ranking.items():
+                metric.update(top, label_sets)
+                self.log(f"test_{name}", metric)
+            return
         for k, accuracy in self.test_accuracy.items():
             accuracy.update(top, target)
             self.log(f"test_acc@{k}", accuracy)  # Lightning computes and resets it at the epoch's end
@@ -188,6 +217,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--token-vocab", type=int, default=4096)
     p.add_argument("--corrupt", type=float, default=0.25, help="fraction of tokens replaced at random")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the class frequencies")
+    p.add_argument("--labels", type=int, default=1, help="labels per sample (> 1: multi-label, Zipf-drawn label "
+                   "sets from a sparse target, tested with precision@k / nDCG@k)")
+    p.add_argument("--multilabel-loss", choices=("cross_entropy", "binary_cross_entropy"), default="cross_entropy",
+                   help="the head's loss with --labels > 1: softmax over the label set or one-vs-all")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=PRECISIONS,
@@ -238,9 +271,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     L.seed_everything(args.seed, verbose=False)
 
     train_set = synthetic_sequences(args.train_size or args.steps * args.batch, args.classes, args.seq_len, args.token_vocab,
-                                    args.zipf, args.corrupt, seed=args.seed + 1)
+                                    args.zipf, args.corrupt, seed=args.seed + 1, labels=args.labels)
     test_set = synthetic_sequences(args.test_size, args.classes, args.seq_len, args.token_vocab,
-                                   args.zipf, args.corrupt, seed=args.seed + 2)
+                                   args.zipf, args.corrupt, seed=args.seed + 2, labels=args.labels)
     train_loader = DataLoader(train_set, batch_size=args.batch, shuffle=False, num_workers=0)
     test_loader = DataLoader(test_set, batch_size=args.batch, num_workers=0)
 
@@ -261,7 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     # (Not under trainer.init_module(): its default-device context would also catch the head's host buffers.)
     head_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(args.precision, torch.float32)
     model = HugeHeadModule(args.classes, args.dim, args.token_vocab, args.seq_len, args.head_devices, head_dtype,
-                           args.lr, heads=4 if args.dim % 4 == 0 else 1, offload=args.offload)
+                           args.lr, heads=4 if args.dim % 4 == 0 else 1, offload=args.offload, labels=args.labels,
+                           loss=args.multilabel_loss if args.labels > 1 else "cross_entropy")
     placement = [str(s.device) for s in model.head.shards]
     print(f"{args.classes:,} classes over {len(placement)} shard(s) ({model.head.dtype}, precision "
           f"{args.precision}{', offloaded' if args.offload else ''}): "
@@ -284,6 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     print(f"fit: {trainer.global_step} steps in {fit_seconds:.1f} s; test: {test_seconds:.1f} s"
           + (f" (from {last})" if last else ""))
     print("test metrics: " + ", ".join(f"{k}={float(v):.4f}" for k, v in test_metrics.items()))
+    if args.labels > 1:  # multi-label: precision@k / nDCG@k above; no single-label baseline
+        return dict(trainer=trainer, model=model, test_metrics={k: float(v) for k, v in test_metrics.items()},
+                    fit_seconds=fit_seconds, test_seconds=test_seconds, last_checkpoint=last)
     # An honest baseline under Zipf-distributed classes: always answer the k most frequent training classes.
     frequencies = torch.bincount(train_set.tensors[1], minlength=args.classes)
     test_target = test_set.tensors[1]

@@ -121,6 +121,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=1.0, help="noise std around each prototype (1.0)")
     p.add_argument("--out", type=Path, default=Path("hugehead_demo"), help="output folder (./hugehead_demo/)")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument("--labels", type=_positive_int, default=1,
+                   help="labels per sample: 1 (single-label, default) or more: a multi-label task whose label "
+                        "sets are Zipf-distributed, trained from a sparse target, evaluated with P@k / nDCG@k")
+    p.add_argument("--multilabel-loss", choices=["softmax", "ova"], default="softmax",
+                   help="with --labels > 1: softmax cross-entropy against the label set (1/k each), or one-vs-all "
+                        "binary cross-entropy (default softmax)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return p
 
@@ -205,6 +211,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--noise must be >= 0, got {args.noise}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error(f"--lr must be a positive number, got {args.lr}")
+    if args.labels > 1 and args.labels > args.classes:
+        parser.error(f"--labels {args.labels} is more than --classes {args.classes}")
     if args.classes < len(args.devices):
         parser.error(f"--classes {args.classes} is fewer than the {len(args.devices)} head devices")
     if args.dtype != torch.float32:
@@ -387,6 +395,29 @@ class ZipfPrototypes:
         u = (h.to(torch.float64) + 0.5) * (1.0 / (1 << 32))
         return ((u - 0.5) * math.sqrt(12.0)).to(torch.float32)
 
+    def sample_labels(self, n: int, k: int, gen: torch.Generator) -> Tuple[Tensor, Tensor]:
+        """A multi-label sample: ``x [n, input_dim]``, the mean of the prototypes of ``k`` labels drawn from
+        the Zipf distribution (a label drawn twice counts once) plus noise, and ``labels [n, k]`` int64."""
+        u = torch.rand(n, k, dtype=torch.float64, device=self.device, generator=gen)
+        labels = self.class_of_rank(torch.searchsorted(self.cdf, u).clamp_(max=self.num_classes - 1))
+        x = self.prototypes(labels.reshape(-1)).view(n, k, -1).mean(dim=1)
+        if self.noise:
+            x.add_(torch.randn(x.shape, device=self.device, generator=gen), alpha=self.noise / math.sqrt(k))
+        return x, labels
+
+    def label_target(self, labels: Tensor, loss: str) -> Tensor:
+        """The sparse ``[n, V]`` target of label sets ``[n, k]``: 1 per label for one-vs-all, the set's
+        share (1/k per draw, a label drawn twice counts twice) for the softmax."""
+        n, k = labels.shape
+        rows = torch.arange(n, device=labels.device).repeat_interleave(k)
+        value = 1.0 / k if loss == "softmax" else 1.0
+        t = torch.sparse_coo_tensor(torch.stack([rows, labels.reshape(-1)]),
+                                    torch.full((n * k,), value, device=labels.device), (n, self.num_classes))
+        t = t.coalesce()
+        if loss != "softmax":  # a label drawn twice is still one positive
+            t = torch.sparse_coo_tensor(t.indices(), t.values().clamp(max=1.0), t.shape).coalesce()
+        return t
+
     def sample(self, n: int, gen: torch.Generator) -> Tuple[Tensor, Tensor]:
         u = torch.rand(n, dtype=torch.float64, device=self.device, generator=gen)
         rank = torch.searchsorted(self.cdf, u).clamp_(max=self.num_classes - 1)
@@ -438,6 +469,27 @@ def evaluate(backbone: nn.Module, head: nn.Module, x: Tensor, target: Tensor, ba
         correct += (top[:, 0].to(t.device) == t).sum()
     n = x.shape[0]
     return float(loss_sum) / n, int(correct) / n
+
+
+@torch.no_grad()
+def evaluate_multilabel(backbone: nn.Module, head: nn.Module, data: "ZipfPrototypes", x: Tensor, labels: Tensor,
+                        batch: int, dtype: torch.dtype, loss_kind: str, autocast: str = "off") -> Dict[str, float]:
+    """Held-out mean loss, precision@1/@5 and nDCG@5 (:mod:`hugehead.metrics`) of a multi-label task."""
+    from . import metrics
+
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    tops = []
+    for i in range(0, x.shape[0], batch):
+        lab = labels[i:i + batch]
+        with _autocast(autocast, x.device):
+            feats = _features(backbone, x[i:i + batch], dtype, autocast)
+            loss_sum += head(feats, data.label_target(lab, loss_kind)).double() * lab.shape[0]
+            tops.append(head.topk(feats, min(5, data.num_classes))[1].to(x.device))
+    top = torch.cat(tops)
+    label_lists = [row.unique() for row in labels]
+    p = metrics.precision_at_k(top, label_lists, [1, 5] if top.shape[1] >= 5 else [1])
+    ndcg = metrics.ndcg_at_k(top, label_lists, min(5, top.shape[1]))
+    return dict(loss=float(loss_sum) / x.shape[0], p1=float(p[0]), p5=float(p[-1]), ndcg5=float(ndcg.reshape(-1)[0]))
 
 
 def _autocast(mode: str, device: torch.device):
@@ -532,11 +584,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     data = ZipfPrototypes(args.classes, args.input_dim, args.zipf, args.noise, args.seed, first)
     train_gen = torch.Generator(device=first).manual_seed(args.seed + 1)
     eval_gen = torch.Generator(device=first).manual_seed(args.seed + 2)
-    x_eval, y_eval = data.sample(args.eval_size, eval_gen)
+    multilabel = args.labels > 1
+    if multilabel:  # y_eval: the rows' first labels (for the always-most-frequent baseline's share)
+        x_eval, labels_eval = data.sample_labels(args.eval_size, args.labels, eval_gen)
+        y_eval = labels_eval[:, 0]
+    else:
+        x_eval, y_eval = data.sample(args.eval_size, eval_gen)
+    head_loss = "binary_cross_entropy" if multilabel and args.multilabel_loss == "ova" else "cross_entropy"
 
     backbone = Backbone(args.input_dim, args.hidden, args.dim).to(first)
     head = hugehead.ChunkedClassifier(args.dim, args.classes, devices=[str(d) for d in devices], dtype=dtype,
-                                      memory_budget=_WORKSPACE_BUDGET, offload=args.offload)
+                                      memory_budget=_WORKSPACE_BUDGET, offload=args.offload, loss=head_loss)
     optimizer = _adam(backbone, head, args.lr, dtype)
     shard_info = [dict(device=str(s.device), start=int(s.start), stop=int(s.stop)) for s in head.shards]
     if args.offload:
@@ -545,6 +603,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     chance = 1.0 / args.classes
     majority = float((y_eval == data.most_frequent_class).double().mean())
+    if multilabel:  # P@1 of always predicting the most frequent class
+        majority = float((labels_eval == data.most_frequent_class).any(dim=1).double().mean())
     expected_majority = float(data.rank_probs[0])
     steps_text = f"{args.steps} steps" if args.steps else f"steps to fit {args.time_budget:.0f} s"
     print(f"hugehead.demo: {args.classes:,} classes, D={args.dim}, {_dtype_name(dtype)}, batch {args.batch}, "
@@ -552,11 +612,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + ", ".join(f"{s['device']}[{s['start']:,}:{s['stop']:,})" for s in shard_info), flush=True)
 
     history = dict(num_classes=args.classes, step_loss=[], train_loss=[], epoch_end_step=[], epoch_seconds=[],
-                   eval_step=[], eval_loss=[], eval_accuracy=[])
+                   eval_step=[], eval_loss=[], eval_accuracy=[], eval_p5=[], eval_ndcg5=[])
 
     def run_eval(step: int) -> float:
         t0 = time.perf_counter()
-        loss, acc = evaluate(backbone, head, x_eval, y_eval, args.batch, dtype, args.autocast)
+        if multilabel:  # "accuracy" is precision@1 here
+            r = evaluate_multilabel(backbone, head, data, x_eval, labels_eval, args.batch, dtype,
+                                    args.multilabel_loss, args.autocast)
+            loss, acc = r["loss"], r["p1"]
+            history["eval_p5"].append(r["p5"])
+            history["eval_ndcg5"].append(r["ndcg5"])
+        else:
+            loss, acc = evaluate(backbone, head, x_eval, y_eval, args.batch, dtype, args.autocast)
         history["eval_step"].append(step)
         history["eval_loss"].append(loss)
         history["eval_accuracy"].append(acc)
@@ -573,7 +640,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train_seconds, t_epoch = 0.0, time.perf_counter()
     t_train = t_epoch
     while total is None or step < total:
-        x, target = data.sample(args.batch, train_gen)
+        if multilabel:
+            x, labels = data.sample_labels(args.batch, args.labels, train_gen)
+            target = data.label_target(labels, args.multilabel_loss)
+        else:
+            x, target = data.sample(args.batch, train_gen)
         with _autocast(args.autocast, x.device):
             loss = head(_features(backbone, x, dtype, args.autocast), target)
         optimizer.zero_grad(set_to_none=True)
@@ -613,7 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             history["epoch_seconds"].append(time.perf_counter() - t_epoch)
             write(f"epoch {len(history['epoch_end_step'])}/{len(ends)} (step {step}): train loss "
                   f"{history['train_loss'][-1]:.3f}  held-out loss {history['eval_loss'][-1]:.3f}  "
-                  f"held-out accuracy {100 * history['eval_accuracy'][-1]:.2f}%")
+                  f"held-out {'P@1' if multilabel else 'accuracy'} {100 * history['eval_accuracy'][-1]:.2f}%")
             epoch_losses, t_epoch = [], time.perf_counter()
             if late:
                 stopped_early = True
@@ -628,8 +699,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     peaks = peak_memory(list(devices) + ([torch.device("cpu")] if args.offload else []))
     final_acc = history["eval_accuracy"][-1]
     print()
-    print(f"held-out top-1 accuracy   {100 * final_acc:.2f}%   on {args.eval_size:,} samples "
+    what = "held-out precision@1  " if multilabel else "held-out top-1 accuracy"
+    print(f"{what}   {100 * final_acc:.2f}%   on {args.eval_size:,} samples "
           f"(untrained: {100 * history['eval_accuracy'][0]:.2f}%)")
+    if multilabel:
+        print(f"held-out precision@5     {100 * history['eval_p5'][-1]:.2f}%   nDCG@5 {100 * history['eval_ndcg5'][-1]:.2f}%"
+              f"   ({args.labels} Zipf-drawn labels per sample, {head_loss})")
     print(f"  always-most-frequent    {100 * majority:.2f}%   (expected {100 * expected_majority:.2f}%)")
     print(f"  uniform chance 1/V      {100 * chance:.5f}%")
     print(f"train: {steps_done} steps in {train_seconds:.1f} s "
@@ -661,7 +736,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    chance_uniform=chance, chance_most_frequent=majority,
                    chance_most_frequent_expected=expected_majority,
                    accuracy_over_most_frequent=final_acc / majority if majority else None,
-                   stopped_early=stopped_early),
+                   stopped_early=stopped_early,
+                   **(dict(labels=args.labels, multilabel_loss=args.multilabel_loss,
+                           eval_precision_at_1=final_acc, eval_precision_at_5=history["eval_p5"][-1],
+                           eval_ndcg_at_5=history["eval_ndcg5"][-1]) if multilabel else {})),
         epochs=[dict(epoch=i + 1, end_step=s, train_loss=tl, eval_loss=el, eval_accuracy=ea, seconds=sec)
                 for i, (s, tl, el, ea, sec) in enumerate(zip(history["epoch_end_step"], history["train_loss"],
                                                              history["eval_loss"][1:], history["eval_accuracy"][1:],

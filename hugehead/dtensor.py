@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .engines.distributed import DistributedEngine, _all_gather_single
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
-from .options import LossOptions
+from .options import LossOptions, check_targets
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
 
 __all__ = ["is_dtensor", "linear_cross_entropy", "shard_class_ranges", "TensorParallelEngine"]
@@ -176,6 +176,30 @@ def _local_rows(x: Tensor, target: Tensor, mesh) -> Tuple[Tensor, Tensor, bool]:
     return x, target, replicated
 
 
+def _check_targets_on_every_rank(engine: DistributedEngine, target: Tensor, num_classes: int,
+                                 ignore_index: Optional[int]) -> Tensor:
+    """``target`` checked on every rank at once (one tiny all-gather of a flag): when any rank has a target
+    outside ``[0, V)``, every rank raises — the rank with the bad target naming it, the others naming that
+    rank — so nobody is left waiting in a collective the failing rank never reaches. Returns the checked
+    int64 targets (as :func:`hugehead.options.check_targets`).
+
+    Raises:
+        ValueError: on every rank of the group.
+    """
+    bad = (target < 0) | (target >= num_classes)
+    if ignore_index is not None:
+        bad &= target != ignore_index
+    device = engine.comm_device(target.device)
+    flags = torch.empty(engine.world_size, dtype=torch.int64, device=device)
+    _all_gather_single(flags, bad.any().to(device=device, dtype=torch.int64).view(1), group=engine.group)
+    ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+    target = check_targets(target, num_classes, ignore_index)  # raises on a rank whose own targets are bad
+    if ranks:
+        raise ValueError(f"hugehead: a target out of range for {num_classes} classes on rank(s) {ranks} of the "
+                         f"weight's device mesh (their error names it)")
+    return target
+
+
 # --------------------------------------------------------------------------------------------------
 # The loss
 # --------------------------------------------------------------------------------------------------
@@ -204,11 +228,10 @@ def linear_cross_entropy(
         This rank's loss (``reduction`` over its own rows; with replicated rows the same on every rank),
         a plain tensor; with ``return_lse``, ``(loss, lse [N_r])``.
     Raises:
-        ValueError: a placement or mesh that is not supported (named in the message), a target out of
-            range on this rank (the other ranks then wait in their next collective until the group's
-            timeout). TypeError: a plain-tensor bias beside a DTensor weight.
+        ValueError: a placement or mesh that is not supported (named in the message); a target out of
+            range on any rank (raised on every rank). TypeError: a plain-tensor bias beside a DTensor weight.
     """
-    from .functional import check_targets, linear_cross_entropy as local_linear_cross_entropy, reduce_loss
+    from .functional import linear_cross_entropy as local_linear_cross_entropy, reduce_loss
 
     if not is_dtensor(weight):
         raise TypeError("hugehead: x is a DTensor but weight is not; pass the weight as a DTensor on the same mesh "
@@ -231,7 +254,7 @@ def linear_cross_entropy(
     engine_type = TensorParallelEngine if replicated else DistributedEngine
     engine = engine_type(LocalEngine(chunk_size, memory_budget), group, ranges)
     spec = LossSpec(engine, [start], bias is not None, num_classes, options)
-    target = check_targets(target, num_classes, options.ignore_index)
+    target = _check_targets_on_every_rank(engine, target, num_classes, options.ignore_index)
     # to_local() is differentiable: the local gradients come back as DTensors of the weight's placement.
     params = [weight.to_local()] + ([] if bias is None else [bias.to_local()])
     loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *params)

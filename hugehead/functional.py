@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
+from .sparse import is_sparse_target
 from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     ResidentChunks,
@@ -295,6 +296,7 @@ def linear_cross_entropy(
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
     return_lse: bool = False,
+    class_weight: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``F.cross_entropy(F.linear(x, weight, bias), target, ...)`` without the ``[N, V]`` logits.
 
@@ -314,6 +316,14 @@ def linear_cross_entropy(
         memory_budget: bytes of workspace the planner may use (default: 4 GiB, at most a quarter of the
             device's free memory, or of the host's available memory on the CPU; :mod:`hugehead.plan`).
         return_lse: also return the per-row log-sum-exp of the (softcapped) logits.
+        class_weight: ``[V]`` floating weights of the classes, as ``F.cross_entropy``'s ``weight`` (for
+            index targets ``"mean"`` divides by the weights of the rows not ignored; for sparse targets
+            each term ``t_ij log p_ij`` is weighted by ``w_j`` and ``"mean"`` divides by N).
+
+    ``target`` may also be a sparse ``[N, V]`` tensor (``torch.sparse_csr`` or ``torch.sparse_coo``) of
+    non-negative probabilities: ``F.cross_entropy(F.linear(x, weight, bias), target.to_dense(), ...)``
+    (label smoothing as PyTorch applies it to probability targets, ``"mean"`` over N rows, rows need not
+    sum to 1; ``ignore_index`` does not apply; ``x`` must be ``[N, D]``). See :mod:`hugehead.sparse`.
 
     Under ``torch.autocast`` (CUDA or CPU) the GEMMs run in the autocast dtype: ``x`` is cast once and
     the weight and bias a chunk at a time (never a full low-precision copy); ``weight.grad`` has the
@@ -333,6 +343,9 @@ def linear_cross_entropy(
                           z_loss=z_loss, softcap=softcap)
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)
+    if is_sparse_target(target) or class_weight is not None:
+        return _linear_cross_entropy_weighted(x, weight, target, bias, options, chunk_size, memory_budget, return_lse,
+                                              class_weight)
     compute = _check_inputs(x, weight, target, bias)
     shape = target.shape
     flattened = x.dim() != 2 and not _is_dtensor(x)
@@ -373,3 +386,36 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
         _plan_list(plan),
     )
     return reduce_loss(loss_rows, target != options.ignore_index, options.reduction), lse
+
+
+# Under torch.compile the sparse/weighted loss runs eagerly, as one graph break: its target preparation
+# reads the data (checks, sizes that depend on it) and dynamo cannot carry a sparse tensor across the
+# breaks that would cause. The registered ops inside it are the same either way.
+@torch.compiler.disable
+def _linear_cross_entropy_weighted(x, weight, target, bias, options: LossOptions, chunk_size, memory_budget,
+                                   return_lse, class_weight):
+    """:func:`linear_cross_entropy` with a sparse target or class weights (:mod:`hugehead.multilabel`)."""
+    from .multilabel import linear_softmax_csr
+
+    sparse_target = is_sparse_target(target)
+    if sparse_target and isinstance(x, Tensor) and x.dim() != 2:
+        raise ValueError(f"hugehead: with a sparse [N, V] target x must be [N, D], got shape {tuple(x.shape)}")
+    compute = _check_inputs(x, weight, torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
+                            if sparse_target else target, bias)
+    shape = None
+    if not sparse_target:
+        shape = target.shape
+        x = x.reshape(-1, x.shape[-1])
+        target = check_targets(target.reshape(-1).long().contiguous(), weight.shape[0], options.ignore_index)
+    loss = linear_softmax_csr(
+        x, weight, target, bias, class_weight=class_weight, ignore_index=options.ignore_index,
+        reduction=options.reduction, label_smoothing=options.label_smoothing, z_loss=options.z_loss,
+        softcap=options.kernel_softcap, chunk_size=chunk_size, memory_budget=memory_budget, return_lse=return_lse,
+        compute=compute)
+    if shape is None or len(shape) == 1:
+        return loss
+    loss, lse = loss if return_lse else (loss, None)
+    if options.reduction == "none":
+        loss = loss.view(shape)
+    return (loss, lse.view(shape)) if return_lse else loss
+

@@ -243,7 +243,9 @@ def forward_stats_steps(
     Args:
         x: ``[N, D]`` in the compute dtype on the shard's compute device.
         source: the shard's weight chunks (:class:`ResidentChunks` or the offload engine's source).
-        target: ``[N]`` int64 global class ids on the compute device. options: the loss (its softcap).
+        target: ``[N]`` int64 global class ids on the compute device, or a chunk target of
+            :mod:`hugehead.targets` (sparse / weighted / one-vs-all: its kernels fill the same statistics).
+        options: the loss (its softcap).
         plan: the step's plan for this shard (its backward gets the same one).
     A generator that yields after queueing each weight chunk's work, so an engine can interleave the
     loops of several devices (:func:`run_steps` runs one alone).
@@ -297,7 +299,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
                 z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
             rows = RowStats(*(s[r0:r1] for s in stats))
-            ops.chunk_stats_(z, target[r0:r1], class_start + chunk.c0, softcap, *rows)
+            _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
         yield
     return stats, kept
 
@@ -318,11 +320,32 @@ def _forward_overlapped(x, source, target, class_start, softcap, plan):
             z = lanes.workspace(j, n, width)
         _logits_into(x, chunk, z)
         with lanes.on_side(j):
-            ops.chunk_stats_(z, target, class_start + chunk.c0, softcap, *stats)
+            _chunk_stats(target, 0, n, z, class_start + chunk.c0, softcap, stats)
         lanes.side_finished(j)
         yield
     lanes.join()
     return stats, kept
+
+
+def _chunk_stats(target, r0: int, r1: int, z: Tensor, class_start: int, softcap: float, stats: RowStats) -> None:
+    """Fold logits chunk ``z`` (rows ``[r0, r1)``) into ``stats``: class ids ``[N]`` through
+    ``chunk_stats_``, a chunk target of :mod:`hugehead.targets` through its own kernels."""
+    if isinstance(target, Tensor):
+        ops.chunk_stats_(z, target[r0:r1], class_start, softcap, *stats)
+    else:
+        target.rows(r0, r1).stats_(z, class_start, softcap, stats)
+
+
+def _chunk_grad(target, r0: int, r1: int, g: Tensor, class_start: int, num_classes: int, lse: Tensor,
+                grad_rows: Tensor, label_smoothing: float, z_loss: float, softcap: float,
+                grad_lse: Optional[Tensor]) -> None:
+    """Turn logits chunk ``g`` (rows ``[r0, r1)``) into its gradient in place (see :func:`_chunk_stats`)."""
+    if isinstance(target, Tensor):
+        ops.chunk_grad_(g, target[r0:r1], class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap,
+                        grad_lse)
+    else:
+        target.rows(r0, r1).grad_(g, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap,
+                                  grad_lse)
 
 
 def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
@@ -449,8 +472,8 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
                 g = kept[c0 // plan.cols, :, : c1 - c0]
             else:
                 g = _logits_into(xr, chunk, _workspace_view(workspace, r1 - r0, c1 - c0))
-            ops.chunk_grad_(
-                g, target[r0:r1], class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
+            _chunk_grad(
+                target, r0, r1, g, class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
                 options.label_smoothing, options.z_loss, options.kernel_softcap,
                 None if grad_lse is None else grad_lse[r0:r1],
             )
@@ -502,8 +525,8 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
             g = _logits_into(x, chunk, lanes.workspace(j, n, width))
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            ops.chunk_grad_(g, target, class_start + chunk.c0, num_classes, lse, grad_rows, options.label_smoothing,
-                            options.z_loss, options.kernel_softcap, grad_lse)
+            _chunk_grad(target, 0, n, g, class_start + chunk.c0, num_classes, lse, grad_rows, options.label_smoothing,
+                        options.z_loss, options.kernel_softcap, grad_lse)
         done = torch.cuda.Event()
         done.record(side)
         if lanes is not None and chunk.c0 >= kept_classes:

@@ -130,7 +130,7 @@ def _label_pairs(labels: Labels, n: int, device: torch.device) -> Tuple[Tensor, 
                 raise TypeError(f"hugehead.metrics: labels[{i}] must be a 1-D integer tensor of label ids")
         lengths = torch.tensor([row.numel() for row in labels], dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(n), lengths)
-        cols = torch.cat([row.to("cpu", torch.int64) for row in labels]) if labels else torch.zeros(0, dtype=torch.int64)
+        cols = torch.cat([row.to("cpu", torch.int64) for row in labels] or [torch.zeros(0, dtype=torch.int64)])
     rows, cols = rows.to(device, torch.int64), cols.to(device, torch.int64)
     if cols.numel() and int(cols.min()) < 0:
         raise ValueError("hugehead.metrics: labels holds a negative label id")
@@ -182,7 +182,8 @@ def _accuracy_counts(indices: Tensor, target: Tensor, ks: List[int],
                      ignore_index: Optional[int]) -> Tuple[Tensor, Tensor]:
     """``(correct [len(ks)] int64, rows int64)``."""
     indices = _check_indices(indices)
-    if not isinstance(target, Tensor) or target.dim() != 1 or target.dtype.is_floating_point or target.dtype == torch.bool:
+    if (not isinstance(target, Tensor) or target.dim() != 1 or target.dtype.is_floating_point
+            or target.dtype == torch.bool):
         raise TypeError("hugehead.metrics: accuracy_at_k needs target as a 1-D integer tensor [N] of class ids")
     if target.shape[0] != indices.shape[0]:
         raise ValueError(f"hugehead.metrics: target has {target.shape[0]} rows but indices has {indices.shape[0]} rows")
@@ -212,7 +213,8 @@ def _multilabel_sums(indices: Tensor, labels: Labels, ks: List[int], weights: Op
     if weights is not None:
         if weights.dim() != 1:
             raise ValueError(f"hugehead.metrics: inv_propensity must be [V], got shape {tuple(weights.shape)}")
-        top = max(int(label_set.labels.max()) if label_set.labels.numel() else -1, int(indices.max()) if indices.numel() else -1)
+        top = max(int(label_set.labels.max()) if label_set.labels.numel() else -1,
+                  int(indices.max()) if indices.numel() else -1)
         if top >= weights.shape[0]:
             raise ValueError(f"hugehead.metrics: class id {top} has no inverse propensity (inv_propensity has "
                              f"{weights.shape[0]} entries)")

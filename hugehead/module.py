@@ -14,6 +14,8 @@ from ._extension import require_kernels
 from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
 from .engines.local import LocalEngine
 from .init import hashed_uniform_
+from .multilabel import prepare_target
+from .ops import acc_dtype
 from .options import (
     FLOAT_DTYPES,
     LossOptions,
@@ -25,6 +27,7 @@ from .options import (
     reduce_loss,
 )
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
+from .sparse import check_class_weight, is_sparse_target
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
@@ -115,6 +118,34 @@ def _parse_shard_sizes(shard_sizes, num_classes: int, num_devices: int) -> List[
     return sizes
 
 
+LOSS_KINDS = ("cross_entropy", "binary_cross_entropy")
+
+
+def _check_loss_kind(loss: str, class_weight: Optional[Tensor], num_classes: int, label_smoothing: float,
+                     z_loss: float, softcap: Optional[float]) -> Tuple[str, Optional[Tensor]]:
+    """The head's ``loss`` and a detached copy of ``class_weight``.
+
+    Raises:
+        ValueError: an unknown loss; options one-vs-all does not have (label smoothing, z-loss, softcap,
+            class weights). TypeError/ValueError: a class_weight that is not a floating ``[V]`` tensor.
+    """
+    if loss not in LOSS_KINDS:
+        raise ValueError(f"hugehead: unknown loss {loss!r}; expected one of {LOSS_KINDS}")
+    if loss == "binary_cross_entropy":
+        extra = {"label_smoothing": label_smoothing, "z_loss": z_loss, "softcap": softcap}
+        given = [k for k, v in extra.items() if v not in (None, 0, 0.0)]
+        given += ["class_weight"] if class_weight is not None else []
+        if given:
+            raise ValueError(f"hugehead: loss='binary_cross_entropy' does not take {', '.join(given)}")
+    if class_weight is None:
+        return loss, None
+    if isinstance(class_weight, Tensor):
+        check_class_weight(class_weight, num_classes, class_weight.device)
+    else:
+        check_class_weight(class_weight, num_classes, torch.device("cpu"))
+    return loss, class_weight.detach().clone()
+
+
 @torch.compiler.disable
 def _engine_topk(engine, x: Tensor, shards, softcap: float, k: int) -> Tuple[Tensor, Tensor]:
     # The engines queue work on several devices and streams from Python: under torch.compile this runs
@@ -158,6 +189,12 @@ class ChunkedClassifier(nn.Module):
             :meth:`save_safetensors` are collective: every rank calls them in the same order. Keep the
             head's Parameters out of DDP (:func:`hugehead.ignore_heads_in_ddp`).
             The same seed on rank 0 gives the same logical weight as any one-process placement.
+        loss: ``"cross_entropy"`` (softmax; ``head(x, target)`` takes ``[N]`` class ids or a sparse ``[N, V]``
+            probability target, as :func:`hugehead.linear_cross_entropy`) or ``"binary_cross_entropy"``
+            (one-vs-all, a sparse ``[N, V]`` target in [0, 1], as :func:`hugehead.linear_binary_cross_entropy`;
+            no label smoothing, z-loss, softcap or class weights).
+        class_weight: ``[V]`` floating class weights for ``"cross_entropy"`` (``F.cross_entropy``'s
+            ``weight``); kept as a plain tensor (not in ``state_dict()``), copied to ``x``'s device once.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
     shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
@@ -194,6 +231,8 @@ class ChunkedClassifier(nn.Module):
         shard_sizes: Optional[Sequence[int]] = None,
         offload: bool = False,
         process_group=None,
+        loss: str = "cross_entropy",
+        class_weight: Optional[Tensor] = None,
     ):
         super().__init__()
         group = None
@@ -212,6 +251,9 @@ class ChunkedClassifier(nn.Module):
         memory_budget = check_memory_budget(memory_budget)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                               z_loss=z_loss, softcap=softcap)
+        self.loss, self.class_weight = _check_loss_kind(loss, class_weight, int(num_classes), options.label_smoothing,
+                                                        options.z_loss, options.softcap)
+        self._class_weight_on: Dict[torch.device, Tensor] = {}
 
         self.in_features = int(in_features)
         self.num_classes = int(num_classes)
@@ -415,6 +457,8 @@ class ChunkedClassifier(nn.Module):
                 another device than x. TypeError: dtype mismatch outside autocast, an option of the wrong
                 type.
         """
+        if self.loss != "cross_entropy" or self.class_weight is not None or is_sparse_target(target):
+            return self._forward_prepared(x, target, return_lse)
         x = self._check_x(x, leading_dims=True)
         shape = tuple(x.shape[:-1])
         target = check_target_tensor(target, x)
@@ -429,6 +473,47 @@ class ChunkedClassifier(nn.Module):
             loss = loss.view(shape)
         lse = lse.view(shape)
         return (loss, lse) if return_lse else loss
+
+    @torch.compiler.disable
+    def _forward_prepared(self, x: Tensor, target: Tensor, return_lse: bool):
+        """:meth:`forward` for a sparse target, class weights or one-vs-all (:mod:`hugehead.multilabel`).
+        Under torch.compile it runs eagerly (one graph break): preparing the target reads the data."""
+        shape = None
+        if is_sparse_target(target):
+            x = self._check_x(x)
+            if target.device != x.device:
+                target = target.to(x.device)
+        elif self.loss == "binary_cross_entropy":
+            raise TypeError("hugehead: a one-vs-all head (loss='binary_cross_entropy') takes a sparse [N, V] target "
+                            "(torch.sparse_csr or torch.sparse_coo)")
+        else:  # class ids with class weights: [...] targets of x [..., D], as without weights
+            x = self._check_x(x, leading_dims=True)
+            shape = tuple(x.shape[:-1])
+            target = check_target_tensor(target, x)
+            if x.dim() != 2:
+                x = x.reshape(-1, self.in_features)
+            target = check_targets(target, self.num_classes, self.ignore_index)
+        if return_lse and self.loss == "binary_cross_entropy":
+            raise ValueError("hugehead: return_lse needs a softmax head; one-vs-all has no log-sum-exp")
+        prepared = prepare_target(
+            target, x.shape[0], self.num_classes, loss=self.loss, class_weight=self._class_weight_for(x.device),
+            label_smoothing=self.label_smoothing, ignore_index=self.ignore_index, dtype=acc_dtype(x.dtype),
+            device=x.device)
+        loss_rows, lse = ShardedLinearCrossEntropy.apply(self._spec(), x, prepared, *self._shard_params())
+        loss = prepared.reduce(loss_rows, self.reduction)
+        if shape is not None:
+            if self.reduction == "none":
+                loss = loss.view(shape)
+            lse = lse.view(shape)
+        return (loss, lse) if return_lse else loss
+
+    def _class_weight_for(self, device: torch.device) -> Optional[Tensor]:
+        """The class weights on ``device`` (copied there once)."""
+        if self.class_weight is None:
+            return None
+        if device not in self._class_weight_on:
+            self._class_weight_on[device] = self.class_weight.to(device)
+        return self._class_weight_on[device]
 
     @torch.no_grad()
     def topk(self, x: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
@@ -474,17 +559,25 @@ class ChunkedClassifier(nn.Module):
     # ---------------------------------------------------------------------------------------------
     # Checkpoints (hugehead/checkpoint/head.py: one implementation for every placement)
     # ---------------------------------------------------------------------------------------------
-    def save_safetensors(self, path: str) -> None:
+    def save_safetensors(self, path: str, *, keep_previous: bool = True) -> None:
         """Write the head to a safetensors file, one tensor per shard (``weight.<k>``, ``bias.<k>``) with
         the class ranges in the file's metadata, streamed: each shard is written from where it lives a
         block of rows at a time (host memory within two blocks of 64 MiB, never a shard or the head), to a
         temporary file that is fsynced and renamed over ``path`` (an interrupted save leaves ``path`` as
         it was). Any placement reads the file back with :meth:`load_safetensors`. A head spanning ranks:
         collective; the logical weight is gathered to group rank 0, which writes one file.
+
+        Before writing, the file system must have room for the new file beside the previous one.
+        ``keep_previous=False`` removes the previous file first (room for one file; **risk**: no file on
+        disk until the new one is complete, so a crash or failed write in that window loses it).
+
+        Raises:
+            hugehead.checkpoint.CheckpointSpaceError (an ``OSError``): no room, found before writing, or a
+                write that ran out of space; the previous file is then unchanged and no temporary remains.
         """
         from .checkpoint.head import save_safetensors
 
-        save_safetensors(self, path)
+        save_safetensors(self, path, keep_previous=keep_previous)
 
     def sharded_state_dict(self, *, for_save: bool = False) -> Dict[str, Tensor]:
         """Like :meth:`state_dict` (logical keys ``weight``, ``bias``), but each value is a

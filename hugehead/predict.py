@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Iterator, List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .topk import linear_topk
+
 __all__ = ["TopK", "predict_topk", "predict_topk_chunks"]
 
 Ranker = Union["torch.nn.Module", Tensor, Tuple[Tensor, ...], Callable[[Tensor, int], Tuple[Tensor, Tensor]]]
@@ -70,7 +72,7 @@ def _ranker(model: Ranker, softcap: Optional[float], chunk_size: Optional[int], 
             raise TypeError("hugehead.predict: a plain head is weight or (weight, bias), got a tuple of "
                             f"{len(model)} items")
         weight, bias = (model, None) if isinstance(model, Tensor) else (model[0], model[1] if len(model) > 1 else None)
-        return (lambda x, k: _linear_topk(x, weight, k, bias, **weight_options)), weight.device, weight.dtype
+        return (lambda x, k: linear_topk(x, weight, k, bias, **weight_options)), weight.device, weight.dtype
     if any(v is not None for v in weight_options.values()):
         raise TypeError("hugehead.predict: softcap, chunk_size and memory_budget apply to a plain (weight, bias) "
                         "head; a ChunkedClassifier or a callable carries its own")
@@ -84,37 +86,6 @@ def _ranker(model: Ranker, softcap: Optional[float], chunk_size: Optional[int], 
     raise TypeError(
         "hugehead.predict: model must be a ChunkedClassifier (or any object with topk(x, k)), a weight tensor "
         f"or (weight, bias), or a callable (x, k) -> (values, indices); got {type(model).__name__}")
-
-
-def _linear_topk(x: Tensor, weight: Tensor, k: int, bias: Optional[Tensor], *, softcap, chunk_size,
-                 memory_budget) -> Tuple[Tensor, Tensor]:
-    """``hugehead.linear_topk`` where it exists; until then the local engine's top-k on one shard (the path
-    ``ChunkedClassifier.topk`` takes)."""
-    import hugehead
-
-    linear_topk = getattr(hugehead, "linear_topk", None)
-    if linear_topk is not None:
-        return linear_topk(x, weight, k, bias, softcap=softcap, chunk_size=chunk_size, memory_budget=memory_budget)
-    from .engines.local import LocalEngine, ShardTensors
-    from .functional import autocast_dtype, validate_options
-    from .sharded_loss import no_autocast
-
-    if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"hugehead: x [N, D] and weight [V, D] expected, got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"hugehead: bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
-    if isinstance(k, bool) or int(k) != k or not 0 <= k <= weight.shape[0]:
-        raise ValueError(f"hugehead: k must be an integer in [0, V={weight.shape[0]}], got {k}")
-    softcap = validate_options("mean", 0.0, 0.0, softcap)
-    compute = autocast_dtype(x.device.type, x.dtype, weight.dtype)
-    if compute is not None:
-        x = x.to(compute)
-    elif x.dtype != weight.dtype:
-        raise TypeError(f"hugehead: x is {x.dtype} but weight is {weight.dtype}")
-    shards = [ShardTensors(weight.detach(), None if bias is None else bias.detach(), 0)]
-    with torch.no_grad(), no_autocast(x, shards):
-        return LocalEngine(chunk_size, memory_budget).topk(x, shards, softcap, int(k))
 
 
 def predict_topk_chunks(
@@ -144,8 +115,8 @@ def predict_topk_chunks(
     Args:
         model: a :class:`hugehead.ChunkedClassifier` in any placement (devices, offload, distributed), or
             any object with ``topk(x, k) -> (values, indices)``; a plain weight ``[V, D]``, ``(weight,
-            bias)`` or an ``nn.Linear`` (ranked by ``hugehead.linear_topk``; ``softcap``, ``chunk_size``, ``memory_budget`` go
-            to it); or a callable ``(x [rows, D], k) -> (values, indices)``. A distributed head is
+            bias)`` or an ``nn.Linear`` (ranked by :func:`hugehead.linear_topk`, which gets ``softcap``,
+            ``chunk_size`` and ``memory_budget``); or a callable ``(x [rows, D], k) -> (values, indices)``. A distributed head is
             collective: every rank must iterate over the same number of batches.
         loader: any iterable of batches (a ``DataLoader``): tensors of features, ``(features, target,
             ...)`` tuples, or mappings with ``"features"`` (and ``"target"``).

@@ -43,16 +43,29 @@ class ShardedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, spec: LossSpec, x: Tensor, target: Tensor, *params: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(ctx, spec: LossSpec, x: Tensor, target, *params: Tensor) -> Tuple[Tensor, Tensor]:
+        # target: [N] class ids, or a hugehead.multilabel.PreparedTarget (sparse / weighted / one-vs-all),
+        # whose chunk target the engines place and whose rules give the row losses and row gradients.
+        prepared = None if isinstance(target, Tensor) else target
         shards = spec.shards(params)
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             lse, target_logit, logit_sum, placed = spec.engine.row_stats(
-                x, target, shards, spec.options, keep=any(ctx.needs_input_grad)
+                x, target if prepared is None else prepared.chunk, shards, spec.options,
+                keep=any(ctx.needs_input_grad),
             )
-            valid = target != spec.options.ignore_index
-            loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.options)
+            if prepared is None:
+                valid = target != spec.options.ignore_index
+                loss = row_losses(lse, target_logit, logit_sum, valid, spec.num_classes, spec.options)
+            else:
+                loss = prepared.row_losses(lse, target_logit, logit_sum, spec.options.label_smoothing,
+                                           spec.options.z_loss)
         ctx.spec = spec
         ctx.num_params = len(params)
+        ctx.prepared = prepared
+        if prepared is not None:  # its tensors ride on ctx (they are not autograd inputs)
+            ctx.placed_targets = [p.target for p in placed]
+            target = lse.new_empty(0)
+            placed = [p._replace(target=target) for p in placed]
         ctx.save_for_backward(x, target, lse, *params, *(p.x for p in placed), *(p.target for p in placed))
         # Not saved for backward: the backward turns kept logits into their gradient in place and drops
         # them, so a second backward (retain_graph=True) finds none and recomputes instead.
@@ -79,7 +92,11 @@ class ShardedLinearCrossEntropy(torch.autograd.Function):
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         if grad_loss is None:
             grad_loss = zero.expand(lse.shape)
-        grad_rows = torch.where(target != spec.options.ignore_index, grad_loss.to(lse.dtype), zero)
+        if ctx.prepared is None:
+            grad_rows = torch.where(target != spec.options.ignore_index, grad_loss.to(lse.dtype), zero)
+        else:
+            grad_rows = ctx.prepared.grad_rows(grad_loss, lse.dtype)
+            placed_target = ctx.placed_targets
         shards = spec.shards(params)
         placed = [PlacedInputs(px, pt, pk, plan)
                   for px, pt, pk, plan in zip(placed_x, placed_target, placed_kept, ctx.plans)]

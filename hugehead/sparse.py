@@ -71,11 +71,15 @@ class CsrTarget:
         """The same pattern with other per-entry values ``[nnz]``."""
         return CsrTarget(self.crow, self.col, val, self.row, self.num_classes)
 
-    def to(self, device: torch.device) -> "CsrTarget":
-        """A copy on ``device`` (non-blocking where the source allows)."""
+    @property
+    def device(self) -> torch.device:
+        return self.crow.device
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "CsrTarget":
+        """A copy on ``device``."""
         if self.crow.device == device:
             return self
-        return CsrTarget(*(t.to(device, non_blocking=True) for t in (self.crow, self.col, self.val, self.row)),
+        return CsrTarget(*(t.to(device, non_blocking=non_blocking) for t in (self.crow, self.col, self.val, self.row)),
                          self.num_classes)
 
     def columns(self, start: int, stop: int) -> "CsrTarget":
@@ -145,10 +149,15 @@ def prepare(
                                       output_size=col.shape[0])
     row, col = row.to(device=device, dtype=torch.int64), col.to(device=device, dtype=torch.int64)
     val = val.to(device=device, dtype=dtype)
-    _check_entries(row, col, val, num_rows, num_classes, kind)
-    # Columns sorted within rows, duplicates merged: one sort of the (row, col) keys when out of order.
     key = row * num_classes + col
-    if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
+    # One host read for the three questions: any entry out of range, any bad value, keys out of order.
+    bad_index = (col < 0) | (col >= num_classes) | (row < 0) | (row >= num_rows)
+    flags = torch.stack([bad_index.any(), _bad_values(val, kind).any(),
+                         (key[1:] <= key[:-1]).any() if key.numel() > 1 else bad_index.new_zeros(())]).tolist()
+    if flags[0] or flags[1]:
+        _check_entries(row, col, val, num_rows, num_classes, kind)
+    # Columns sorted within rows, duplicates merged: one sort of the (row, col) keys when out of order.
+    if flags[2]:
         key, order = torch.sort(key)
         val = val[order]
         key, inverse = torch.unique_consecutive(key, return_inverse=True)
@@ -157,8 +166,8 @@ def prepare(
             if kind == "binary":
                 _check_range(val, kind)
         row, col = key // num_classes, key % num_classes
-    counts = torch.bincount(row, minlength=num_rows) if row.numel() else torch.zeros(
-        num_rows, dtype=torch.int64, device=device)
+    # index_add, not bincount: no host read of the largest row id.
+    counts = torch.zeros(num_rows, dtype=torch.int64, device=device).index_add_(0, row, torch.ones_like(row))
     crow = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=crow[1:])
     return CsrTarget(crow, col.contiguous(), val.contiguous(), row.contiguous(), num_classes)
@@ -175,15 +184,18 @@ def _check_entries(row: Tensor, col: Tensor, val: Tensor, num_rows: int, num_cla
     _check_range(val, kind)
 
 
-def _check_range(val: Tensor, kind: str) -> None:
+def _bad_values(val: Tensor, kind: str) -> Tensor:
     if kind == "probability":
-        bad = val < 0
-        what = "probability targets must be >= 0"
-    elif kind == "binary":
-        bad = (val < 0) | (val > 1)
-        what = "binary cross-entropy targets must be in [0, 1]"
-    else:
-        raise ValueError(f"hugehead: unknown sparse target kind {kind!r}")
+        return val < 0
+    if kind == "binary":
+        return (val < 0) | (val > 1)
+    raise ValueError(f"hugehead: unknown sparse target kind {kind!r}")
+
+
+def _check_range(val: Tensor, kind: str) -> None:
+    bad = _bad_values(val, kind)
+    what = "probability targets must be >= 0" if kind == "probability" else (
+        "binary cross-entropy targets must be in [0, 1]")
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
         raise ValueError(f"hugehead: {what}; got {float(val[first])} (entry {first})")

@@ -12,6 +12,7 @@ logits (softcapped when asked) in the compute dtype.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Generator, Optional, Tuple
 
 import torch
@@ -19,37 +20,9 @@ from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
-from .loop import Plan, ResidentChunks, _logits_into, _Overlap, _workspace_view, plan_topk_chunks, run_steps
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def autocast_dtype(*args):  # interim, until options.py lands
-    from .functional import autocast_dtype as f
-    return f(*args)
-
-
-def shard_oom_guard(*args):  # interim, until plan.py lands
-    from .engines.local import shard_oom_guard as f
-    return f(*args)
-
-
-def _positive_int(name, value):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"hugehead: {name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"hugehead: {name} must be >= 1, got {value}")
-    return value
-
-
-def check_chunk_size(v):
-    return _positive_int("chunk_size", v)
-
-
-def check_memory_budget(v):
-    return _positive_int("memory_budget", v)
+from .loop import ResidentChunks, _logits_into, _Overlap, _workspace_view, run_steps
+from .options import FLOAT_DTYPES, autocast_dtype, check_chunk_size, check_memory_budget
+from .plan import Plan, plan_topk_chunks, shard_oom_guard
 
 __all__ = ["linear_topk", "topk_state", "topk_steps", "shard_topk", "merge_topk", "check_k", "CUDA_MAX_K"]
 
@@ -64,8 +37,9 @@ def check_k(k, num_classes: int, device: torch.device, *, allow_zero: bool = Fal
     Raises:
         TypeError: ``k`` is not an integer (a bool, a float, a tensor). ValueError: out of range.
     """
-    if isinstance(k, bool) or not isinstance(k, int):
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(f"hugehead: k must be an int, got {type(k).__name__} {k!r}")
+    k = int(k)
     low = 0 if allow_zero else 1
     if not low <= k <= num_classes:
         raise ValueError(f"hugehead: k must be in [{low}, num_classes={num_classes}], got {k}")

@@ -36,6 +36,13 @@ LOSS_CASES: Dict[str, dict] = {
     # A rank with no rows, one whose rows are all ignored.
     "empty_and_all_ignored": dict(v=17, rows=[0, 5, 4], bias=True, reduction="sum", all_ignored_rank=1,
                                   z_loss=0.1, chunk_size=5),
+    # Multi-label and weighted heads (issue 22): a sparse probability target with class weights and
+    # smoothing; index targets with class weights (and ignored rows); one-vs-all BCE.
+    "sparse_weighted": dict(v=27, rows=[6, 5, 4], bias=True, reduction="mean", target_kind="sparse",
+                            class_weight=True, label_smoothing=0.1, z_loss=0.01, chunk_size=4),
+    "index_weighted": dict(v=19, rows=[5, 7, 3], bias=False, reduction="mean", target_kind="index",
+                           class_weight=True, label_smoothing=0.2, chunk_size=5),
+    "binary": dict(v=25, rows=[4, 6, 5], bias=True, reduction="mean", target_kind="binary", chunk_size=6),
 }
 TOPK_V = 19
 
@@ -71,12 +78,36 @@ def case_inputs(case: dict, rank: int):
         target[1::3] = ignore
     c = torch.rand(n if case["reduction"] == "none" else (), generator=g, dtype=torch.float64) + 0.5
     e = torch.randn(n, generator=g, dtype=torch.float64)
+    if case.get("target_kind") in ("sparse", "binary"):  # a dense [N_r, V] target, sent as COO
+        dense = (torch.rand(n, case["v"], generator=g) < 0.15).double() * torch.rand(n, case["v"], generator=g,
+                                                                                     dtype=torch.float64)
+        if n:
+            dense[0] = 0.0  # an empty row
+        target = dense
     return x, target, c, e
+
+
+def case_class_weight(case: dict) -> Optional[torch.Tensor]:
+    if not case.get("class_weight"):
+        return None
+    return torch.rand(case["v"], generator=torch.Generator().manual_seed(77), dtype=torch.float64) + 0.5
+
+
+def case_target(case: dict, target: torch.Tensor, device) -> torch.Tensor:
+    """What a rank passes to the head: class ids, or the dense target as a (shuffled-free) COO tensor."""
+    if case.get("target_kind") in ("sparse", "binary"):
+        return target.to_sparse_coo().to(device)
+    return target.to(device)
 
 
 def head_kwargs(case: dict) -> dict:
     keys = ("reduction", "label_smoothing", "z_loss", "softcap", "chunk_size", "ignore_index")
-    return {k: case[k] for k in keys if k in case}
+    out = {k: case[k] for k in keys if k in case}
+    if case.get("target_kind") == "binary":
+        out["loss"] = "binary_cross_entropy"
+    if case.get("class_weight"):
+        out["class_weight"] = case_class_weight(case)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,7 +135,7 @@ def job_loss(ctx, name: str, offload: bool = False) -> dict:
     head.load_state_dict({"weight": w, "bias": b} if b is not None else {"weight": w})
     x, target, c, e = case_inputs(case, rank)
     x = x.to(device).requires_grad_()
-    out = head(x, target.to(device), return_lse=case.get("return_lse", False))
+    out = head(x, case_target(case, target, device), return_lse=case.get("return_lse", False))
     loss, lse = out if case.get("return_lse") else (out, None)
     objective = (loss * c.to(device)).sum()
     if lse is not None:

@@ -125,7 +125,7 @@ def job_loss(ctx, name: str) -> dict:
 def job_errors(ctx) -> dict:
     """What a placement hugehead does not take says so, on every rank."""
     import hugehead
-    from torch.distributed.tensor import Partial, Shard, distribute_tensor, DTensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     mesh = _mesh(ctx)
     w = torch.randn(12, D, dtype=torch.float64)
@@ -140,6 +140,12 @@ def job_errors(ctx) -> dict:
         "x_shard1": lambda: hugehead.linear_cross_entropy(
             distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Shard(0)]), target),
     }
+    # Rank 1 alone has a target out of range: every rank raises, none waits in a collective.
+    bad = torch.tensor([0, 12 if ctx["rank"] == 1 else 1, 2])
+    for layout in ("fsdp", "tp"):
+        rows = distribute_tensor(x, mesh, [Replicate()]) if layout == "tp" else x
+        attempts[f"bad_target_{layout}"] = lambda rows=rows: hugehead.linear_cross_entropy(
+            rows, distribute_tensor(w, mesh, [Shard(0)]), bad)
     for key, attempt in attempts.items():
         try:
             attempt()

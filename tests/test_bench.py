@@ -2,8 +2,14 @@
 pipeline on CPU shards, bench_lce's peers, cases, parent and report. No test here asserts a time: the
 timing logic is checked against a fake clock, the pipelines for what they compute and write."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
+
+# `bench` is the repository's folder, not a package on the path under `python -P -m pytest` (the GPU
+# machine's run, which must import the installed hugehead, not the source tree).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytest.importorskip("matplotlib")
 import torch  # noqa: E402

@@ -232,6 +232,14 @@ def test_saves_hand_dcp_host_copies_of_pieces_off_the_cpu():
     assert rows.__get_tensor_shard__(MetadataIndex("w", torch.Size([4, 0]))) is elsewhere  # a load target
     staged = ck._for_dcp(rows, 1 << 20, saving=True)
     assert staged.__get_tensor_shard__(MetadataIndex("w", torch.Size([0, 0]))).data_ptr() == on_cpu.data_ptr()
+    # A row block of a CPU shard is handed over as its own memory with a storage of exactly its bytes, so
+    # DCP's writer does not copy it (it copies a tensor whose storage is larger).
+    shard = torch.arange(40.0).reshape(10, 4)
+    blocks = ck._for_dcp(ck.ShardedRows([(0, shard)], 10), 3 * 4 * 4, saving=True)
+    for start, _ in blocks.pieces:
+        handed = blocks.__get_tensor_shard__(MetadataIndex("w", torch.Size([start, 0])))
+        assert handed.data_ptr() == shard[start].data_ptr() and torch.equal(handed, shard[start:start + 3])
+        assert handed.untyped_storage().nbytes() == handed.numel() * 4
     with pytest.raises(NotImplementedError, match="meta"):  # i.e. it tried piece.to("cpu")
         staged.__get_tensor_shard__(MetadataIndex("w", torch.Size([4, 0])))
     plain = ck._for_dcp(torch.empty(5, device="meta"), 1 << 20, saving=True)
@@ -708,3 +716,261 @@ def test_bench_resume_cpu_smoke(tmp_path):
     assert doc["disk"]["write_gbps"] > 0 and doc["meta"]["git_sha"]
     assert (out / "resume.md").read_text().startswith("# Checkpoint save / load")
     assert not work.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# A small file system: a checkpoint that fits once but not beside the previous one. On a real tmpfs where
+# this machine lets us mount one (root), else a simulated one: shutil.disk_usage patched to a capacity,
+# and the writes failing as a full disk makes them fail (torch.save's short-write RuntimeError inside
+# DCP, ENOSPC in the safetensors writer) once the directory holds more than that capacity.
+# --------------------------------------------------------------------------------------------------
+FS_BYTES = 64 << 20
+# float32 head + AdamW moments: ~37 MB a checkpoint (one fits in 64 MiB, two do not); a 41 MB safetensors file.
+CKPT_CLASSES, ST_CLASSES, FS_D = 48_000, 160_000, 64
+
+
+class SimulatedFS:
+    def __init__(self, root, monkeypatch):
+        import shutil
+        import torch.distributed.checkpoint.filesystem as dcp_fs
+
+        self.root = str(root)
+        real_usage, real_item, real_bytes = shutil.disk_usage, dcp_fs._write_item, ck.safetensors._write_tensor_bytes
+
+        def disk_usage(path):
+            if not os.path.abspath(os.fspath(path)).startswith(self.root):
+                return real_usage(path)
+            used = self.used()
+            return shutil._ntuple_diskusage(FS_BYTES, used, max(0, FS_BYTES - used))
+
+        def write_item(transforms, stream, *args, **kwargs):
+            result = real_item(transforms, stream, *args, **kwargs)
+            stream.flush()
+            if self.used() > FS_BYTES:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            return result
+
+        def write_bytes(f, *args, **kwargs):
+            real_bytes(f, *args, **kwargs)
+            f.flush()
+            if self.used() > FS_BYTES:
+                raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+        monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+        monkeypatch.setattr(ck.safetensors, "_write_tensor_bytes", write_bytes)
+
+    def used(self):
+        return ck.space.path_bytes(self.root)
+
+
+@pytest.fixture(params=["tmpfs", "simulated"])
+def small_fs(request, tmp_path, monkeypatch):
+    root = tmp_path / "fs"
+    root.mkdir()
+    if request.param == "simulated":
+        SimulatedFS(root, monkeypatch)
+        yield root
+        return
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(root)],
+                                 capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        mounted = False
+    if not mounted:
+        pytest.skip("cannot mount a tmpfs here (needs root); the simulated file system covers the same cases")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True, timeout=30)
+
+
+def trained_head(classes, seed, opt=True):
+    torch.manual_seed(seed)
+    head = hugehead.ChunkedClassifier(FS_D, classes, devices=["cpu"] * 2, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=0.01) if opt else None
+    if opt:
+        head(torch.randn(16, FS_D), torch.randint(0, classes, (16,))).backward()
+        optimizer.step()  # the moments exist now: a checkpoint holds weights + 2 moments
+    return head, optimizer
+
+
+def snapshot(head, optimizer):
+    tensors = {f"model.{k}": v.clone() for k, v in head.state_dict().items()}
+    for i, state in optimizer.state_dict()["state"].items():
+        tensors.update({f"opt.{i}.{k}": v.clone() for k, v in state.items()})
+    return tensors
+
+
+def assert_checkpoint_holds(path, expected):
+    head, optimizer = trained_head(CKPT_CLASSES, seed=99)
+    ck.load_checkpoint(path, head, optimizer)
+    got = snapshot(head, optimizer)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def count_dcp_writes(monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    calls, real = [], dcp_fs._write_item
+    monkeypatch.setattr(dcp_fs, "_write_item", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+def test_space_error_is_a_clear_oserror():
+    error = ck.CheckpointSpaceError("/ckpts", 3 * 10**9, 10**9, "checkpoint c")
+    assert isinstance(error, OSError) and error.errno == 28 and error.filename == "/ckpts"
+    assert "/ckpts" in str(error) and "3.00 GB (3,000,000,000 bytes)" in str(error) and "1.00 GB" in str(error)
+    import pickle
+
+    back = pickle.loads(pickle.dumps(error))  # crosses ranks this way
+    assert (back.directory, back.needed, back.free, str(back)) == (error.directory, error.needed, error.free, str(error))
+
+
+def test_checkpoint_that_does_not_fit_beside_the_previous_fails_before_writing(small_fs, monkeypatch):
+    first, first_opt = trained_head(CKPT_CLASSES, seed=1)
+    ck.save_checkpoint(small_fs / "ckpt", first, first_opt)
+    expected = snapshot(first, first_opt)
+    size = ck.space.path_bytes(small_fs / "ckpt")
+    assert FS_BYTES / 2 < size < FS_BYTES  # fits once, not twice
+    second, second_opt = trained_head(CKPT_CLASSES, seed=2)
+    writes = count_dcp_writes(monkeypatch)
+    for name in ("ckpt", "epoch=1.ckpt"):  # over the previous one, and beside it (ModelCheckpoint's names)
+        with pytest.raises(ck.CheckpointSpaceError) as info:
+            ck.save_checkpoint(small_fs / name, second, second_opt)
+        error = info.value
+        assert error.directory == str(small_fs) and error.needed >= size > error.free
+        assert str(small_fs) in str(error) and f"{error.needed:,} bytes" in str(error) and "free" in str(error)
+    assert writes == []  # refused before writing any byte
+    assert sorted(os.listdir(small_fs)) == ["ckpt"]  # no temporary
+    assert_checkpoint_holds(small_fs / "ckpt", expected)
+
+    # Opt-in: the previous checkpoint is removed first, so one fits.
+    ck.save_checkpoint(small_fs / "ckpt", second, second_opt, keep_previous=False)
+    assert sorted(os.listdir(small_fs)) == ["ckpt"]
+    assert_checkpoint_holds(small_fs / "ckpt", snapshot(second, second_opt))
+    ck.save_checkpoint(small_fs / "epoch=2.ckpt", first, first_opt, keep_previous=False, previous=small_fs / "ckpt")
+    assert sorted(os.listdir(small_fs)) == ["epoch=2.ckpt"]
+    assert_checkpoint_holds(small_fs / "epoch=2.ckpt", expected)
+
+
+def test_checkpoint_write_that_runs_out_of_space_raises_the_same_error(small_fs, monkeypatch):
+    first, first_opt = trained_head(CKPT_CLASSES, seed=1)
+    ck.save_checkpoint(small_fs / "ckpt", first, first_opt)
+    expected = snapshot(first, first_opt)
+    second, second_opt = trained_head(CKPT_CLASSES, seed=2)
+    monkeypatch.setattr(ck.space, "check_room", lambda *a, **k: None)  # the estimate misses: the disk fills up
+    for threads in (1, 4):
+        with pytest.raises(ck.CheckpointSpaceError, match="ran out of space") as info:
+            ck.save_checkpoint(small_fs / "ckpt", second, second_opt, io_threads=threads)
+        cause = info.value.__cause__
+        assert isinstance(cause, (OSError, RuntimeError)) and (
+            getattr(cause, "errno", None) == 28 or "unexpected pos" in str(cause)), cause
+        assert sorted(os.listdir(small_fs)) == ["ckpt"]
+    assert_checkpoint_holds(small_fs / "ckpt", expected)
+
+
+def test_safetensors_that_does_not_fit_beside_the_previous(small_fs, monkeypatch):
+    first, _ = trained_head(ST_CLASSES, seed=1, opt=False)
+    path = small_fs / "head.safetensors"
+    first.save_safetensors(str(path))
+    second, _ = trained_head(ST_CLASSES, seed=2, opt=False)
+
+    def assert_file_holds(head):
+        back, _ = trained_head(ST_CLASSES, seed=9, opt=False)
+        back.load_safetensors(str(path))
+        assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+    with pytest.raises(ck.CheckpointSpaceError, match="safetensors file head.safetensors") as info:
+        second.save_safetensors(str(path))
+    assert info.value.directory == str(small_fs) and info.value.needed > info.value.free
+    assert sorted(os.listdir(small_fs)) == ["head.safetensors"]
+    assert_file_holds(first)
+    real_check = ck.space.check_room
+    monkeypatch.setattr(ck.space, "check_room", lambda *a, **k: None)  # the write itself runs out
+    with pytest.raises(ck.CheckpointSpaceError, match="ran out of space") as info:
+        second.save_safetensors(str(path))
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == 28
+    assert sorted(os.listdir(small_fs)) == ["head.safetensors"]
+    assert_file_holds(first)
+    monkeypatch.setattr(ck.space, "check_room", real_check)
+    second.save_safetensors(str(path), keep_previous=False)
+    assert sorted(os.listdir(small_fs)) == ["head.safetensors"]
+    assert_file_holds(second)
+
+
+def _big_lightning_module_class():
+    L = pytest.importorskip("lightning")
+
+    class BigHeadModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.head = hugehead.ChunkedClassifier(FS_D, CKPT_CLASSES, devices=["cpu"] * 2, dtype=torch.float32)
+
+        def training_step(self, batch, batch_idx):
+            return self.head(*batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def loader():
+        from torch.utils.data import DataLoader, TensorDataset
+
+        g = torch.Generator().manual_seed(5)
+        return DataLoader(TensorDataset(torch.randn(64, FS_D, generator=g), torch.randint(0, CKPT_CLASSES, (64,), generator=g)),
+                          batch_size=16)
+
+    return L, BigHeadModule, loader
+
+
+@lightning_quiet
+def test_lightning_checkpoint_that_does_not_fit_warns_at_fit_start_and_fails_before_writing(small_fs):
+    L, BigHeadModule, loader = _big_lightning_module_class()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from hugehead.lightning import ShardedHeadStrategy
+
+    def trainer(steps, strategy, **kwargs):
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, strategy=strategy,
+                         default_root_dir=small_fs, **kwargs)
+
+    reference = BigHeadModule()
+    trainer(1, ShardedHeadStrategy(), enable_checkpointing=False).fit(reference, loader())
+    module = BigHeadModule()
+    every_step = ModelCheckpoint(dirpath=small_fs, every_n_train_steps=1)
+    with pytest.warns(RuntimeWarning, match=r"has .* free, but a checkpoint .* takes about .* 2 of them must fit"):
+        with pytest.raises(ck.CheckpointSpaceError, match="epoch=0-step=2.ckpt"):
+            trainer(3, ShardedHeadStrategy(), callbacks=[every_step]).fit(module, loader())
+    assert sorted(os.listdir(small_fs)) == ["epoch=0-step=1.ckpt"]  # the first, and no temporary
+    back = BigHeadModule()
+    extra = ck.load_checkpoint(small_fs / "epoch=0-step=1.ckpt", back)
+    assert extra["global_step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), back.parameters()))
+
+    # Opt-in, resuming from it: one checkpoint on disk, the previous (first: the one resumed from) removed
+    # before each save; room for two is no longer needed, so no warning.
+    import warnings
+
+    resumed = BigHeadModule()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer(3, ShardedHeadStrategy(keep_previous=False), callbacks=[ModelCheckpoint(
+            dirpath=small_fs, every_n_train_steps=1)]).fit(resumed, loader(), ckpt_path=str(small_fs / "epoch=0-step=1.ckpt"))
+    assert sorted(os.listdir(small_fs)) == ["epoch=0-step=3.ckpt"]
+    back = BigHeadModule()
+    assert ck.load_checkpoint(small_fs / "epoch=0-step=3.ckpt", back)["global_step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), back.parameters()))
+
+
+def test_bench_checkpoint_cpu_smoke(tmp_path):
+    from bench import bench_checkpoint
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert bench_checkpoint.main(["--cpu-smoke", "--out", str(out), "--dir", str(work)]) == 0
+    doc = json.loads((out / "checkpoint.json").read_text())
+    assert [(r["io_threads"], r["files"]) for r in doc["rows"]] == [(1, 1), (4, 4)]  # a file per writer thread
+    assert all(r["exact"] and r["bytes"] > 3 * 20_000 * 64 * 4 for r in doc["rows"])
+    assert doc["disk"]["write_gbps"] > 0 and doc["meta"]["smoke"] and not work.exists()
+    assert (out / "checkpoint.md").read_text().startswith("# Checkpoint save and load speed")

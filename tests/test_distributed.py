@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 
 import hugehead
 from hugehead import reference
@@ -88,7 +89,18 @@ def reference_loss_case(name, world):
     for rank in range(world):
         x, target, c, e = case_inputs(case, rank)
         x.requires_grad_()
-        loss = reference.linear_cross_entropy(x, w, target, b, **options)
+        kind = case.get("target_kind")
+        if kind is None:
+            loss = reference.linear_cross_entropy(x, w, target, b, **options)
+        elif kind == "binary":
+            loss = F.binary_cross_entropy_with_logits(F.linear(x, w, b), target, reduction=case["reduction"])
+        else:  # F.cross_entropy with class weights (index or dense probability targets), plus the z-loss
+            z = F.linear(x, w, b)
+            loss = F.cross_entropy(z, target, weight=dist_cases.case_class_weight(case),
+                                   label_smoothing=case.get("label_smoothing", 0.0),
+                                   ignore_index=case.get("ignore_index", -100), reduction=case["reduction"])
+            if case.get("z_loss"):
+                loss = loss + case["z_loss"] * (torch.logsumexp(z, 1) ** 2).sum() / max(len(z), 1)
         lse = torch.logsumexp(reference.logits(x, w, b, case.get("softcap")), dim=-1)
         objective = (loss * c).sum()
         if case.get("return_lse"):
@@ -219,9 +231,11 @@ def test_checkpoint_directory_over_ranks_is_atomic_and_resumes(gloo2):
     on both ranks, leaves the previous checkpoint loadable and no temporary; the load restores every
     rank's shard, the backbone and that rank's own Adam state."""
     errors = [result["error"] for result in gloo2["ckpt_atomic"]]
-    assert errors[1] == "OSError: [Errno 28] No space left on device (injected)", errors  # its own error
-    assert errors[0].startswith("RuntimeError: hugehead: torch.distributed.checkpoint failed on another rank "
-                                "(rank 1: OSError: [Errno 28] No space left on device (injected))"), errors
+    # Out of space: CheckpointSpaceError on both ranks, rank 1 with its own error, rank 0 naming rank 1's.
+    assert all(e.startswith("CheckpointSpaceError: hugehead: not enough disk space for checkpoint ") for e in errors), errors
+    assert "(the write ran out of space: OSError: [Errno 28] No space left on device (injected))" in errors[1], errors
+    assert "torch.distributed.checkpoint failed on another rank (rank 1: OSError: [Errno 28] No space left on " \
+           "device (injected))" in errors[0], errors
     for rank, result in enumerate(gloo2["ckpt_atomic"]):
         assert result["leftovers"] == [], result
         assert result["extra"] == {"step": 1} and result["loaded"] == [True] and result["backbone"], result

@@ -127,6 +127,11 @@ def test_unsupported_placements_raise_naming_them(request, world):
         assert "got Partial(sum)" in errors["partial"]
         assert errors["plain_bias"].startswith("TypeError") and "bias must be a DTensor" in errors["plain_bias"]
         assert "a DTensor x must be Replicate() (tensor parallelism) or Shard(0)" in errors["x_shard1"]
+    for rank, errors in enumerate(world_results(request, world)["errors"]):
+        for layout in ("fsdp", "tp"):  # raised on every rank; the bad rank names its row
+            expected = ("target 12 at row 1 is out of range for 12 classes" if rank == 1
+                        else "a target out of range for 12 classes on rank(s) [1]")
+            assert errors[f"bad_target_{layout}"].startswith("ValueError") and expected in errors[f"bad_target_{layout}"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -134,7 +139,7 @@ def test_collectives_move_rows_and_statistics_never_the_weight(request, world):
     """The head (3001 x 8) is far larger than the rows (<= 6 x 8): every collective of a step, summed, moves
     less than a tenth of one rank's weight shard; only the rows, targets, per-row statistics and dX move.
     With replicated rows (tensor parallelism) no rows move at all: one all-gather of 3 statistics per row,
-    one all-reduce of dX. (DTensor.full_tensor and redistribute raise inside the measured step.)"""
+    one all-reduce of dX (and, on both paths, one all-gather of a flag per rank: targets in range). (DTensor.full_tensor and redistribute raise inside the measured step.)"""
     case = dtensor_cases.BYTES_CASE
     d = case["d"]
     for rank, result in enumerate(world_results(request, world)["bytes"]):
@@ -142,12 +147,15 @@ def test_collectives_move_rows_and_statistics_never_the_weight(request, world):
         for layout in (fsdp, tp):
             assert sum(b for _, b in layout["calls"]) < layout["local_weight_bytes"] / 10, layout
         n = max(case["n"][:world])
-        # Forward: row counts, x, targets, statistics to the owners; backward: lse/grads/flags, dX partials.
-        assert [name for name, _ in fsdp["calls"]] == ["all_gather"] * 3 + ["all_to_all", "all_gather",
+        # Forward: the targets-in-range flags, row counts, x, targets, statistics to the owners; backward:
+        # lse/grads/flags, dX partials.
+        flags = ("all_gather", (1 + world) * 8)
+        assert [name for name, _ in fsdp["calls"]] == ["all_gather"] * 4 + ["all_to_all", "all_gather",
                                                                           "reduce_scatter"]
-        assert fsdp["calls"][1][1] == (1 + world) * n * d * 4  # x: this rank's padded rows in, all ranks' out
+        assert fsdp["calls"][0] == flags
+        assert fsdp["calls"][2][1] == (1 + world) * n * d * 4  # x: this rank's padded rows in, all ranks' out
         n_tp = case["n"][0]
-        assert tp["calls"] == [("all_gather", (1 + world) * 3 * n_tp * 4), ("all_reduce", n_tp * d * 4)]
+        assert tp["calls"] == [flags, ("all_gather", (1 + world) * 3 * n_tp * 4), ("all_reduce", n_tp * d * 4)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -93,7 +93,8 @@ def test_features_and_target_functions_dict_batches_and_callables():
     got = hugehead.predict_topk(lambda xb, k: dense_topk(xb, w, b, k=k), pairs, 3, progress=False)
     assert torch.equal(got.indices, dense_topk(x, w, b, k=3)[1])
     assert isinstance(got.target, list) and len(got.target) == x.shape[0]
-    assert hugehead.metrics.precision_at_k(got.indices, got.target, 1) == hugehead.metrics.accuracy_at_k(got.indices, y, 1)
+    precision = hugehead.metrics.precision_at_k(got.indices, got.target, 1)
+    assert precision == hugehead.metrics.accuracy_at_k(got.indices, y, 1)
 
 
 def test_sparse_targets_are_joined():

@@ -5,6 +5,7 @@ on rows built to stress it: many exact ties, runs of ties across chunk boundarie
 (skipped without a GPU). Also opcheck, torch.compile, autocast, input validation."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -282,6 +283,7 @@ def test_linear_topk_rejects_bad_input():
                           (torch.tensor(3), TypeError, "k must be an int")):
         with pytest.raises(err, match=match):
             hugehead.linear_topk(x, w, k, b)
+    assert hugehead.linear_topk(x, w, np.int64(3), b)[1].shape == (5, 3)  # any integral k
     with pytest.raises(ValueError, match=r"x must be \[N, D\]"):
         hugehead.linear_topk(x[0], w, 3)
     with pytest.raises(ValueError, match=r"weight must be \[V, D=x.shape\[1\]=4\]"):
@@ -315,6 +317,7 @@ def test_cuda_k_limit_is_a_clear_error():
 def test_cuda_no_n_by_v_tensor():
     # 2048 x 200k float32 logits would be 1.6 GB; a 64 MiB budget bounds the workspace.
     x, w, b, _ = integer_problem(2048, 16, 200_000, torch.float32, "cuda", bias=False)
+    hugehead.linear_topk(x, w[:20_000], 100, memory_budget=64 << 20)  # cuBLAS's workspace, before the baseline
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -142,11 +142,12 @@ def atomic_path(path: PathLike) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _atomic_dir_across_ranks(path: PathLike, group) -> Iterator[str]:
+def _atomic_dir_across_ranks(path: PathLike, group, prepare: Optional[Callable[[], None]] = None) -> Iterator[str]:
     """:func:`atomic_path` for a directory that every rank of ``group`` writes into (a shared file
     system): group rank 0 names and creates the temporary, every rank writes its part, and rank 0 swaps it
     in only once the block ended normally on every rank. A failure on any rank removes the temporary and
-    raises on every rank (the failing rank re-raises its own exception)."""
+    raises on every rank (the failing rank re-raises its own exception). ``prepare`` runs on rank 0
+    before the temporary is created (a space check); an ``OSError`` it raises is raised on every rank."""
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
@@ -156,6 +157,8 @@ def _atomic_dir_across_ranks(path: PathLike, group) -> Iterator[str]:
     if rank == 0:
         try:
             _clean_stale_temps(path)
+            if prepare is not None:
+                prepare()
             name[0] = _temp_sibling(path)
             os.makedirs(name[0])
         except OSError as exc:  # every rank learns it (none waits for a directory that will not come)

@@ -10,12 +10,14 @@ Nothing here tests which engine it holds.
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .sharded import ShardedRows, sharded_state_dict_requested
+from .space import check_room
 
 __all__ = ["save_safetensors", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
            "rename_missing_keys_hook", "SAFETENSORS_FORMAT"]
@@ -30,26 +32,19 @@ def _names(head) -> Tuple[str, ...]:
     return ("weight", "bias") if head.has_bias else ("weight",)
 
 
-def _rank(group) -> int:
-    if group is None:
-        return 0
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
-
-
 # --------------------------------------------------------------------------------------------------
 # safetensors
 # --------------------------------------------------------------------------------------------------
-def save_safetensors(head, path: str) -> None:
+def save_safetensors(head, path: str, *, keep_previous: bool = True) -> None:
     """Write ``head`` to a safetensors file; see :meth:`hugehead.ChunkedClassifier.save_safetensors`.
 
     One process: one tensor per shard (``weight.<k>``, ``bias.<k>``) with the class ranges in the file's
     metadata, each written from where it lives a block of rows at a time. A head spanning ranks
-    (collective): the logical ``weight`` (and ``bias``) gathered to group rank 0, which writes the file;
-    every rank returns once it is complete (a barrier).
+    (collective): the logical ``weight`` (and ``bias``) gathered to group rank 0, which writes the file
+    after checking the disk has room for it (before anything is gathered); every rank returns once the
+    file is complete, or raises rank 0's error.
     """
-    from .safetensors import write_safetensors
+    from .safetensors import file_bytes, write_safetensors
 
     engine = head.engine
     group = engine.checkpoint_group()
@@ -59,22 +54,43 @@ def save_safetensors(head, path: str) -> None:
         "hugehead.in_features": str(head.in_features),
         "hugehead.num_classes": str(head.num_classes),
     }
-    tensors: List[Tuple[str, Tensor]] = []
     if group is None:  # every shard streamed from its own memory: nothing gathered
+        tensors: List[Tuple[str, Tensor]] = []
         for k, shard in enumerate(head.shards):
             tensors += [(f"{name}.{k}", getattr(shard, name)) for name in _names(head)]
         metadata["hugehead.class_ranges"] = json.dumps([[s.start, s.stop] for s in head.shards])
-    else:
-        for name in _names(head):
-            pieces = [(s.start, getattr(s, name)) for s in head.shards]
-            tensors.append((name, engine.logical_rows(pieces, head.num_classes, dst=0)))
-        metadata["hugehead.saved_world_size"] = str(group.size())
-    if _rank(group) == 0:
-        write_safetensors(path, tensors, metadata)
-    if group is not None:
-        import torch.distributed as dist
+        write_safetensors(path, tensors, metadata, keep_previous=keep_previous)
+        return
+    import torch.distributed as dist
 
-        dist.barrier(group=group)
+    src = dist.get_global_rank(group, 0)
+    rank = dist.get_rank(group)
+
+    def on_rank_zero(step) -> None:
+        """Run ``step`` on group rank 0 and raise its error, if any, on every rank."""
+        outcome: List[Optional[BaseException]] = [None]
+        if rank == 0:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - handed to every rank
+                outcome[0] = exc
+        dist.broadcast_object_list(outcome, src=src, group=group)
+        if outcome[0] is not None:
+            if rank == 0:
+                raise outcome[0]
+            raise outcome[0] from None
+
+    itemsize = head.shards[0].weight.element_size()
+    data_bytes = head.num_classes * (head.in_features + int(head.has_bias)) * itemsize
+    target = os.path.abspath(os.fspath(path))
+    on_rank_zero(lambda: check_room(target, file_bytes(data_bytes + (1 << 16)), f"safetensors file "
+                                    f"{os.path.basename(target)}", removable=[] if keep_previous else [target]))
+    tensors = []
+    for name in _names(head):
+        pieces = [(s.start, getattr(s, name)) for s in head.shards]
+        tensors.append((name, engine.logical_rows(pieces, head.num_classes, dst=0)))
+    metadata["hugehead.saved_world_size"] = str(group.size())
+    on_rank_zero(lambda: write_safetensors(path, tensors, metadata, keep_previous=keep_previous))
 
 
 @torch.no_grad()

@@ -54,3 +54,31 @@ def keep_optimizer_state_on_shards(optimizer: torch.optim.Optimizer):
         optimizer._hugehead_placement_hook = handle
     return handle
 
+
+
+# Per-parameter state tensors of the same size as the parameter that torch's optimizers keep, for a
+# parameter that has no state yet (before the first step).
+_MOMENTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Adagrad": 1, "Rprop": 2,
+            "ASGD": 1}
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s state tensors: those it holds, and for a parameter without state yet (no
+    step taken) what torch's optimizers allocate at the first step (Adam: two moments of the
+    parameter's size; SGD: one with momentum; an unknown optimizer: two)."""
+    total = 0
+    for group in optimizer.param_groups:
+        name = type(optimizer).__name__
+        if name == "SGD":
+            moments = int(bool(group.get("momentum", 0)))
+        elif name == "RMSprop":
+            moments = 1 + int(bool(group.get("momentum", 0))) + int(bool(group.get("centered", False)))
+        else:
+            moments = _MOMENTS.get(name, 2) + int(bool(group.get("amsgrad", False)))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state:
+                total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
+            else:
+                total += moments * param.numel() * param.element_size()
+    return total

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import space
 from .atomic import PathLike, atomic_path
 
 # Bytes of a tensor handled at a time: the host staging of a streamed safetensors write.
@@ -74,17 +75,25 @@ def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int, staged: Optional[bo
 
 
 def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], metadata: Optional[Mapping[str, str]] = None,
-                      *, block_bytes: int = BLOCK_BYTES) -> None:
+                      *, block_bytes: int = BLOCK_BYTES, keep_previous: bool = True) -> None:
     """Write a safetensors file (readable by ``safetensors.safe_open`` / ``load_file``) without holding
     the tensors in host memory: the header first, then each tensor's bytes in blocks of at most
     ``block_bytes`` — host memory stays within two blocks whatever the size. Written atomically
-    (:func:`atomic_path`).
+    (:func:`atomic_path`), after checking that the file system has room for the whole file beside the
+    previous one.
 
     Args:
         tensors: ``(name, tensor)`` in file order, on any devices; any strides.
         metadata: string to string, stored as the file's ``__metadata__``.
+        keep_previous: False: a previous file at ``path`` is removed *before* the new one is written, so
+            the disk needs room for one file, not two. **Risk**: until the new file is complete there is
+            none on disk; a crash or a failed write in that window loses it.
     Raises:
         TypeError: a dtype safetensors has no code for, or non-string metadata.
+        CheckpointSpaceError (an ``OSError``, errno ENOSPC): not enough free space, found before writing
+            (naming the directory, the bytes needed and free), or a write that ran out of space; the
+            previous file is then unchanged (unless ``keep_previous=False`` removed it) and no temporary
+            remains.
     """
     header: Dict[str, Any] = {}
     offset = 0
@@ -101,7 +110,15 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
         header["__metadata__"] = dict(metadata)
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
-    with atomic_path(path) as tmp:
+    path = os.path.abspath(os.fspath(path))
+    what = f"safetensors file {os.path.basename(path)}"
+    needed = file_bytes(8 + len(raw) + offset)
+    space.check_room(path, needed, what, removable=[] if keep_previous else [path])
+    if not keep_previous and os.path.lexists(path):
+        os.unlink(path)
+    # Mapped once the temporary is gone (atomic_path removes it first): the free space reported is then
+    # what this write had.
+    with space.out_of_space_as_error(path, needed, what), atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
@@ -109,3 +126,8 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
                 _write_tensor_bytes(f, tensor, block_bytes)
             f.flush()
             os.fsync(f.fileno())
+
+
+def file_bytes(nbytes: int) -> int:
+    """What a file of ``nbytes`` takes on disk, rounded up to the file system's blocks (generously)."""
+    return int(nbytes) + space.ITEM_OVERHEAD_BYTES

@@ -147,8 +147,19 @@ class ShardedRows(Tensor):
             if chunk.offsets == index.offset:
                 if self._stage_to_host and piece.device.type != "cpu":
                     return piece.to("cpu")
-                return piece
+                return _with_own_storage(piece) if self._stage_to_host else piece
         raise ValueError(f"hugehead: ShardedRows {index.fqn!r} has no piece at offset {tuple(index.offset)}")
+
+
+def _with_own_storage(block: Tensor) -> Tensor:
+    """``block`` (a contiguous CPU row block, e.g. of an offloaded shard) as a tensor sharing its memory whose
+    storage is exactly its bytes: DCP's writer copies a tensor whose storage is larger than it (it would
+    otherwise save the whole storage), which for a block of a shard would be a host copy of every byte."""
+    if block.device.type != "cpu" or not block.is_contiguous() or block.numel() == 0 \
+            or block.untyped_storage().nbytes() == block.numel() * block.element_size():
+        return block
+    raw = torch.from_numpy(block.detach().reshape(-1).view(torch.uint8).numpy())  # keeps block alive
+    return raw.view(block.dtype).view(block.shape)
 
 
 _SHARDED_STATE_DICT = contextvars.ContextVar("hugehead_sharded_state_dict", default=False)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..options import LossOptions
 from ..topk import merge_topk
+from ..targets import gather_chunk_target
 from .local import LocalEngine, PlacedInputs, ShardTensors
 
 __all__ = ["DistributedEngine", "rank_class_ranges", "resolve_group"]
@@ -208,7 +209,12 @@ class DistributedEngine:
         n = max(self.row_counts(n_own, device))
         # Zero rows pad: their logits are finite and their gradient rows are exactly zero.
         x_all = self.gather_rows(x.to(device), n, 0)
-        target_all = self.gather_rows(target.to(device), n, -1)
+        if isinstance(target, Tensor):
+            target_all = self.gather_rows(target.to(device), n, -1)
+        else:  # a sparse / weighted chunk target: every rank's rows, then only this rank's classes
+            first = min(s.start for s in shards)
+            stop = max(s.start + s.weight.shape[0] for s in shards)
+            target_all = gather_chunk_target(self, target.to(device), n).columns(first, stop)
         lse, target_logit, logit_sum, placed = self.local.row_stats(x_all, target_all, shards, options, keep)
         if n == 0:
             return lse.to(x.device), target_logit.to(x.device), logit_sum.to(x.device), placed
