@@ -339,7 +339,7 @@ def test_no_import_cycle_and_lower_layers_do_not_import_upper_ones():
     def visit(node, stack):
         state[node] = "open"
         for dep in graph[node]:
-            if dep == "hugehead":  # the package itself, imported for a submodule
+            if node.startswith(dep + "."):  # a package of its own, imported for a sibling submodule
                 continue
             assert state.get(dep) != "open", f"import cycle: {' -> '.join(stack + [node, dep])}"
             if dep not in state:
