@@ -179,12 +179,13 @@ def grad_cases(device: torch.device) -> Iterator[Result]:
             yield f"{name}: dlogits", got, ref, TOLERANCE[dtype]
 
 
-# (label, N, V, chunks, k, softcap, row padding)
+# (label, N, V, chunks, k, softcap, row padding, with bias)
 TOPK_SHAPES = [
-    ("k=1", 5, 300, [(0, 300)], 1, 0.0, 0),
-    ("k=5, three chunks, strided", 17, 1000, [(0, 256), (256, 257), (257, 1000)], 5, 0.0, 7),
-    ("k=37, softcap", 9, 777, [(0, 400), (400, 777)], 37, 30.0, 3),
-    ("k > V: empty slots stay -1", 4, 20, [(0, 7), (7, 20)], 25, 0.0, 1),
+    ("k=1", 5, 300, [(0, 300)], 1, 0.0, 0, False),
+    ("k=5, three chunks, strided", 17, 1000, [(0, 256), (256, 257), (257, 1000)], 5, 0.0, 7, False),
+    ("k=5, bias", 17, 1000, [(0, 256), (256, 1000)], 5, 0.0, 2, True),
+    ("k=37, softcap, bias", 9, 777, [(0, 400), (400, 777)], 37, 30.0, 3, True),
+    ("k > V: empty slots stay -1", 4, 20, [(0, 7), (7, 20)], 25, 0.0, 1, False),
 ]
 
 
@@ -193,14 +194,17 @@ def topk_cases(device: torch.device) -> Iterator[Result]:
     """Fold chunks (ascending classes) into a running top-k; the reference is a stable descending sort of
     the whole row (ties to the lower class id)."""
     for dtype in DTYPES:
-        for label, n, v, chunks, k, softcap, pad in TOPK_SHAPES:
+        for label, n, v, chunks, k, softcap, pad, with_bias in TOPK_SHAPES:
             name = f"{label} {str(dtype)[6:]}"
             full = (3 * torch.randn(n, v, generator=_gen(name), dtype=torch.float64)).to(dtype)
+            bias = torch.randn(v, generator=_gen("bias " + name), dtype=torch.float64).to(dtype) if with_bias else None
             values, indices = _on(device, torch.zeros(n, k, dtype=dtype), torch.full((n, k), -1, dtype=torch.int64))
             for j, (a, b) in enumerate(chunks):
-                torch.ops.hugehead.chunk_topk_.default(_chunk_on(device, full, a, b, pad + j), None, a, softcap,
+                (chunk_bias,) = _on(device, None if bias is None else bias[a:b].contiguous())
+                torch.ops.hugehead.chunk_topk_.default(_chunk_on(device, full, a, b, pad + j), chunk_bias, a, softcap,
                                                        values, indices)
-            c = _softcapped(full.to(_acc(dtype)), softcap).to(dtype).double()
+            z = full.to(_acc(dtype)) + (0 if bias is None else bias.to(_acc(dtype)))  # bias added first
+            c = _softcapped(z, softcap).to(dtype).double()  # then rounded once
             order = torch.sort(c, dim=1, descending=True, stable=True)
             kk = min(k, v)
             got_values, got_indices = values.cpu().double(), indices.cpu()
