@@ -114,8 +114,8 @@ def run_llama(s, device, dtype, args) -> List[Dict[str, object]]:
             model = _llama(s, device, dtype)
             if kind == "hugehead":
                 patch(model)
-            elif kind == "hugehead_1gib":  # a smaller workspace: logits recomputed in the backward
-                patch(model, memory_budget=1 << 30)
+            elif kind.startswith("hugehead_"):  # hugehead_<X>gib: a smaller workspace (some logits recomputed)
+                patch(model, memory_budget=int(float(kind[len("hugehead_"):-len("gib")]) * (1 << 30)))
 
             def step():
                 loss = model(input_ids=ids, labels=ids).loss
@@ -128,7 +128,8 @@ def run_llama(s, device, dtype, args) -> List[Dict[str, object]]:
         return make
 
     rows = []
-    for kind in ("unpatched", "hugehead", "hugehead_1gib", "liger"):  # Liger last: it patches the class for good
+    budgets = [f"hugehead_{b.strip()}gib" for b in args.budgets.split(",") if b.strip()]
+    for kind in ("unpatched", "hugehead", *budgets, "liger"):  # Liger last: it patches the class for good
         rows.append(_measured(kind, build(kind), device, args))
     return rows
 
@@ -208,7 +209,7 @@ def render_markdown(doc) -> str:
                   f"{ls['batch']} x {ls['seq']} tokens, bf16: forward with labels + backward", "",
                   _table(doc["llama"], "unpatched"), "",
                   "Liger: `apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)` with its other kernels off, "
-                  "so the rows differ only in the loss. hugehead_1gib: `patch(model, memory_budget=1 << 30)`. "
+                  "so the rows differ only in the loss. hugehead_<X>gib: `patch(model, memory_budget=X GiB)`. "
                   "Peak beyond model: over the bf16 parameters (their gradients, "
                   "activations, logits or their chunks).", ""]
     if "bert_6m" in doc:
@@ -230,6 +231,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--parts", default="llama,bert", help="comma list of llama, bert")
+    p.add_argument("--budgets", default="1,2,3", help="comma list of GiB: a patched-Llama row at each memory_budget")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     if args.cpu_smoke:

@@ -64,5 +64,5 @@ def test_bench_transformers_cpu_smoke(tmp_path):
         assert rows["hugehead"]["status"] == rows["unpatched"]["status"] == "ok"
         assert rows["hugehead"]["loss"] == pytest.approx(rows["unpatched"]["loss"], rel=1e-5 if section == "llama" else 5e-3)
         assert rows["hugehead"]["step_ms"] > 0
-    assert {r["impl"] for r in doc["llama"]} == {"unpatched", "hugehead", "hugehead_1gib", "liger"}
+    assert {r["impl"] for r in doc["llama"]} == {"unpatched", "hugehead", "hugehead_1gib", "hugehead_2gib", "hugehead_3gib", "liger"}
     assert "LlamaForCausalLM" in (tmp_path / "transformers.md").read_text()

@@ -352,8 +352,9 @@ def _causal_lm_forward(model, state: _Patch, original, args, kwargs, features_on
         bias = None if bias is None else bias * scale
     num_items = flat.get("num_items_in_batch")
     with _device_guard(weight.device):
+        # Rows flattened here: the DTensor path of linear_cross_entropy (an FSDP2-sharded lm_head) takes [N, D].
         loss = linear_cross_entropy(
-            x, weight, target.to(weight.device), bias,  # x [B, T, D], target [B, T]
+            x.reshape(-1, x.shape[-1]), weight, target.reshape(-1).to(weight.device), bias,
             ignore_index=ignore_index, reduction="mean" if num_items is None else "sum", softcap=softcap,
             chunk_size=state.chunk_size, memory_budget=state.memory_budget,
         )
