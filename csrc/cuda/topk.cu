@@ -154,6 +154,8 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
   const auto* bias = static_cast<const scalar_t*>(p.bias);  // hugehead's loop lets the GEMM add it on CUDA
   auto value_of = [&](scalar_t raw, int64_t col) { return topk_value<scalar_t, acc_t, kSoftcap>(raw, bias, col, softcap); };
   auto key_of = [&](scalar_t raw, int64_t col) { return topk_key(value_of(raw, col)); };
+  // Lanes past a row's end (e >= n) must not call key_of: with a bias it reads bias[col] out of bounds
+  // (compute-sanitizer memcheck at ef5f33b).
 
   const key_t bar = topk_threshold(values, ids, p.k);
   if (bar == kNaN) return;  // the k-th is NaN: nothing can rank above it
@@ -169,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
       unsigned pass = 0;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        keys[e] = key_of(v[e], col0 + e);
+        keys[e] = (e < n ? key_of(v[e], col0 + e) : key_t(0));
         pass |= (e < n && keys[e] > bar) ? (1u << e) : 0u;
       }
       if (!__any_sync(kFull, pass != 0)) return;
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
       sweep_row<scalar_t, kUnroll>(z, p.cols, [&](const scalar_t* v, int64_t col0, int n) {
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          const key_t key = key_of(v[e], col0 + e);
+          const key_t key = (e < n ? key_of(v[e], col0 + e) : key_t(0));
           const bool in = e < n && key > bar && (key & mask) == prefix;
           const int digit = in ? static_cast<int>((key >> shift) & 255) : -1;
           // Lanes with the same digit add once (the first chunk's keys crowd a few bins).
@@ -252,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
       unsigned above = 0, tie = 0;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        keys[e] = key_of(v[e], col0 + e);
+        keys[e] = (e < n ? key_of(v[e], col0 + e) : key_t(0));
         above |= (e < n && keys[e] > kth) ? (1u << e) : 0u;
         tie |= (e < n && keys[e] == kth) ? (1u << e) : 0u;
       }
