@@ -256,9 +256,9 @@ def test_low_precision_error_within_twice_plain_pytorch(device, dtype):
     x, w, b = (p.detach().to(device, dtype).requires_grad_() for p in (x64, w64, b64))
     for fn, ref_fn, tt in (
         (lambda: hugehead.linear_cross_entropy(x, w, t.to_sparse_coo().to(device), b),
-         lambda xx, ww, bb: F.cross_entropy(F.linear(xx, ww, bb).float(), t.to(device).float()), t),
+         lambda xx, ww, bb: F.cross_entropy(F.linear(xx, ww, bb).float(), t.to(xx.device).float()), t),
         (lambda: hugehead.linear_binary_cross_entropy(x, w, tb.to_sparse_coo().to(device), b, chunk_size=256),
-         lambda xx, ww, bb: F.binary_cross_entropy_with_logits(F.linear(xx, ww, bb).float(), tb.to(device).float()), tb),
+         lambda xx, ww, bb: F.binary_cross_entropy_with_logits(F.linear(xx, ww, bb).float(), tb.to(xx.device).float()), tb),
     ):
         loss = fn()
         assert loss.dtype == torch.float32
