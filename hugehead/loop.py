@@ -255,7 +255,8 @@ def forward_stats_steps(
         target is not in this shard, so shards merge by summing it), and the kept logits
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
-    if _overlapped(plan, x, source):
+    # The fused GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
+    if _overlapped(plan, x, source) and not _fused_stats_applies(x, target):
         return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
     return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan)
 
@@ -288,20 +289,54 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
     if n == 0 or v == 0:
         return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
+    fused = _fused_stats_applies(x, target)
+    workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     for chunk in source.chunks(plan.cols):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
+            rows = RowStats(*(s[r0:r1] for s in stats))
+            if chunk.c0 >= kept_classes and fused and _fused_stats(x[r0:r1], chunk, target[r0:r1],
+                                                                   class_start + chunk.c0, softcap, rows):
+                continue
             if chunk.c0 < kept_classes:
                 z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
             else:
+                if workspace is None:
+                    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
                 z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
-            rows = RowStats(*(s[r0:r1] for s in stats))
             _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
         yield
     return stats, kept
+
+
+# -- gemm (issue 21): the forward chunk step through the CUTLASS GEMM with the statistics in its epilogue.
+def _fused_stats_applies(x: Tensor, target) -> bool:
+    """Whether this shard's forward chunks may take :func:`ops.gemm_chunk_stats_` (class-id targets, a
+    bf16/fp16 ``x`` on an sm_90 GPU of a CUTLASS build, ``HUGEHEAD_GEMM`` not ``cublas``); each chunk still
+    checks its own layout in :func:`_fused_stats`. Not while torch.compile traces: the layout checks read
+    data pointers, which fake tensors do not have."""
+    return (isinstance(target, Tensor) and x.is_cuda and not torch.compiler.is_compiling()
+            and ops.gemm_path(x.device, x.dtype) == "cutlass" and x.shape[1] % 8 == 0 and x.shape[1] > 0)
+
+
+def _tma_ready(t: Tensor) -> bool:
+    """K-major with 16-byte aligned rows: what the GEMM's TMA loads take."""
+    return t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
+                 stats: RowStats) -> bool:
+    """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM; False (nothing done)
+    when this chunk's layout does not suit it (the caller then takes cuBLAS + ``chunk_stats_``)."""
+    w, b = chunk.weight, chunk.bias
+    if not (_tma_ready(x) and _tma_ready(w) and w.dtype == x.dtype
+            and (b is None or (b.is_contiguous() and b.dtype == x.dtype))
+            and x.shape[0] < 2**31 - 1 and w.shape[0] < 2**31 - 1):
+        return False
+    ops.gemm_chunk_stats_(x, w, b, target, class_start, softcap, *stats)
+    return True
 
 
 def _forward_overlapped(x, source, target, class_start, softcap, plan):

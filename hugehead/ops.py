@@ -13,7 +13,7 @@ from torch import Tensor
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_"]
+           "chunk_topk_", "gemm_chunk_stats_", "has_fused_gemm", "gemm_path"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -49,6 +49,73 @@ def chunk_stats_(
     torch.ops.hugehead.chunk_stats_.default(
         logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum
     )
+
+
+def gemm_chunk_stats_(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_start: int,
+    softcap: float,
+    row_max: Tensor,
+    row_sumexp: Tensor,
+    target_logit: Tensor,
+    logit_sum: Tensor,
+) -> None:
+    """:func:`chunk_stats_` of the logits chunk ``x @ weight.T + bias`` without materializing it: one
+    CUTLASS sm_90a GEMM whose epilogue folds each (row, column tile) into partial statistics, then a merge
+    into the running ones (only where :func:`has_fused_gemm` is True).
+
+    Args:
+        x: ``[N, D]`` bfloat16/float16 on an sm_90 GPU, unit column stride, row stride a multiple of 8,
+            16-byte aligned; ``D`` a positive multiple of 8.
+        weight: ``[C, D]`` the chunk's classes ``[class_start, class_start + C)``, same dtype and layout rules.
+        bias: ``[C]`` contiguous in x's dtype, or None.
+        target, softcap, row_max, row_sumexp, target_logit, logit_sum: as for :func:`chunk_stats_` (float32
+            state). The logits are the GEMM's float32 accumulators plus the bias, not rounded to x's dtype,
+            so results differ from ``chunk_stats_`` on cuBLAS's bf16 logits by that rounding.
+        ``HUGEHEAD_GEMM_SCHEDULE=pingpong|cooperative`` (environment, read per call) picks the CUTLASS
+        schedule (default pingpong).
+
+    Raises:
+        RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build
+            without CUTLASS (no CUDA kernel).
+    """
+    torch.ops.hugehead.gemm_chunk_stats_.default(
+        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum
+    )
+
+
+_FUSED_GEMM_DEVICES = {}
+
+
+def has_fused_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`gemm_chunk_stats_` can run for inputs of ``dtype`` on ``device``: a build with the
+    CUTLASS GEMMs (asked of the dispatcher), a compute capability 9.0 GPU (the kernels are sm_90a machine
+    code only) and bfloat16/float16. Per-device answers are cached (a dict lookup that torch.compile traces
+    through)."""
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FUSED_GEMM_DEVICES:
+        _FUSED_GEMM_DEVICES[index] = (
+            torch._C._dispatch_has_kernel_for_dispatch_key("hugehead::gemm_chunk_stats_", "CUDA")
+            and torch.cuda.get_device_capability(index) == (9, 0)
+        )
+    return _FUSED_GEMM_DEVICES[index]
+
+
+def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
+    """Which logits GEMM the forward chunk loop runs: ``"cutlass"`` (fused statistics, see
+    :func:`gemm_chunk_stats_`) or ``"cublas"`` (ATen GEMM, then :func:`chunk_stats_`). The environment
+    variable ``HUGEHEAD_GEMM=cublas|cutlass`` (read at every call, default ``cutlass``) forces cuBLAS;
+    ``cutlass`` falls back to cuBLAS where :func:`has_fused_gemm` is False."""
+    import os
+
+    if os.environ.get("HUGEHEAD_GEMM", "cutlass").lower() == "cublas":
+        return "cublas"
+    return "cutlass" if has_fused_gemm(torch.device(device), dtype) else "cublas"
 
 
 def chunk_grad_(
@@ -226,6 +293,15 @@ def chunk_topk_(logits: Tensor, bias: Optional[Tensor], class_start: int, softca
 def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
+    return None
+
+
+@torch.library.register_fake("hugehead::gemm_chunk_stats_")
+def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit,
+                           logit_sum):
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
+    torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
+    torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")
     return None
 
 
