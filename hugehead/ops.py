@@ -13,7 +13,7 @@ from torch import Tensor
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_", "gemm_chunk_stats_", "has_fused_gemm", "gemm_path"]
+           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,8 +73,10 @@ def gemm_chunk_stats_(
         weight: ``[C, D]`` the chunk's classes ``[class_start, class_start + C)``, same dtype and layout rules.
         bias: ``[C]`` contiguous in x's dtype, or None.
         target, softcap, row_max, row_sumexp, target_logit, logit_sum: as for :func:`chunk_stats_` (float32
-            state). The logits are the GEMM's float32 accumulators plus the bias, not rounded to x's dtype,
-            so results differ from ``chunk_stats_`` on cuBLAS's bf16 logits by that rounding.
+            state). Each logit ``acc + bias`` is rounded once to x's dtype, as cuBLAS's stored output is, so
+            the statistics are those ``chunk_stats_`` computes on cuBLAS's logits up to the summation
+            orders (and the rare logit a different K order rounds the other way), and the forward's lse
+            stays consistent with the backward's recomputed logits.
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|cooperative`` (environment, read per call) picks the CUTLASS
         schedule (default pingpong).
 
@@ -84,6 +86,42 @@ def gemm_chunk_stats_(
     """
     torch.ops.hugehead.gemm_chunk_stats_.default(
         x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum
+    )
+
+
+def gemm_chunk_grad_(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_start: int,
+    num_classes: int,
+    lse: Tensor,
+    grad_rows: Tensor,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    grad_lse: Optional[Tensor],
+    grad_logits: Tensor,
+) -> None:
+    """:func:`chunk_grad_` of the logits chunk ``x @ weight.T + bias`` without materializing it: the
+    recompute GEMM's epilogue writes ``dLoss/dlogits`` into ``grad_logits`` (only where
+    :func:`has_fused_gemm` is True; the pingpong schedule).
+
+    Args:
+        x, weight, bias: as for :func:`gemm_chunk_stats_` (each logit rounded once to x's dtype, as the
+            stored logits ``chunk_grad_`` reads are).
+        target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse: as
+            for :func:`chunk_grad_` (float32 ``[N]`` vectors).
+        grad_logits: ``[N, C]`` in x's dtype, unit column stride (any row stride), written.
+
+    Raises:
+        RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build
+            without CUTLASS.
+    """
+    torch.ops.hugehead.gemm_chunk_grad_.default(
+        x, weight, bias, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse,
+        grad_logits,
     )
 
 
@@ -107,15 +145,18 @@ def has_fused_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
-    """Which logits GEMM the forward chunk loop runs: ``"cutlass"`` (fused statistics, see
-    :func:`gemm_chunk_stats_`) or ``"cublas"`` (ATen GEMM, then :func:`chunk_stats_`). The environment
-    variable ``HUGEHEAD_GEMM=cublas|cutlass`` (read at every call, default ``cutlass``) forces cuBLAS;
-    ``cutlass`` falls back to cuBLAS where :func:`has_fused_gemm` is False."""
+    """Which logits GEMMs the chunk loop runs: ``"cutlass"`` (the fused statistics and gradient GEMMs,
+    :func:`gemm_chunk_stats_` / :func:`gemm_chunk_grad_`) or ``"cublas"`` (ATen GEMMs, then
+    :func:`chunk_stats_` / :func:`chunk_grad_`), or ``"cutlass_forward"`` (the fused statistics GEMM, the
+    backward on cuBLAS). The environment variable ``HUGEHEAD_GEMM=cutlass|cutlass_forward|cublas`` (read at
+    every call, default ``cutlass``) chooses; the CUTLASS ones fall back to cuBLAS where
+    :func:`has_fused_gemm` is False."""
     import os
 
-    if os.environ.get("HUGEHEAD_GEMM", "cutlass").lower() == "cublas":
+    wanted = os.environ.get("HUGEHEAD_GEMM", "cutlass").lower()
+    if wanted not in ("cutlass", "cutlass_forward") or not has_fused_gemm(torch.device(device), dtype):
         return "cublas"
-    return "cutlass" if has_fused_gemm(torch.device(device), dtype) else "cublas"
+    return wanted
 
 
 def chunk_grad_(
@@ -302,6 +343,15 @@ def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_ma
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")
+    return None
+
+
+@torch.library.register_fake("hugehead::gemm_chunk_grad_")
+def _gemm_chunk_grad_fake(x, weight, bias, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss,
+                          softcap, grad_lse, grad_logits):
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
+    torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
+    torch._check(grad_logits.shape == (x.shape[0], weight.shape[0]), lambda: "grad_logits must be [N, C]")
     return None
 
 

@@ -30,6 +30,31 @@ struct StatsGemmParams {
   int sm_count;   // SMs the persistent kernel spreads its tiles over
 };
 
+// z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
+// stored logits) and written to grad_logits; the logits themselves are never stored.
+struct GradGemmParams {
+  const void* x;            // [rows, depth] as in StatsGemmParams
+  const void* weight;       // [cols, depth]
+  const void* bias;         // [cols] or nullptr
+  const int64_t* target;    // [rows] global class ids
+  const float* lse;         // [rows] every row's final lse
+  const float* grad_rows;   // [rows] dLoss/dloss_row (0 for ignored rows: their gradient is exact zeros)
+  const float* grad_lse;    // [rows] gradient reaching a returned lse, or nullptr
+  void* grad_logits;        // [rows, cols] x's dtype, row stride grad_stride, column stride 1
+  int64_t grad_stride;
+  int64_t rows;
+  int64_t cols;
+  int64_t depth;
+  int64_t x_stride;
+  int64_t weight_stride;
+  int64_t class_start;
+  int64_t num_classes;      // V over all shards (label smoothing's eps / V)
+  float label_smoothing;
+  float z_loss;
+  float softcap;  // <= 0: none
+  int sm_count;
+};
+
 enum class Schedule { kPingpong = 0, kCooperative = 1 };
 
 // Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)).
@@ -41,6 +66,10 @@ size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule 
 // Queue the fused GEMM on stream. Returns nullptr, or a message saying why CUTLASS refused the problem.
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream);
+
+// The gradient GEMM (pingpong schedule): workspace bytes and launch, as for the statistics GEMM.
+size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half);
+const char* run_grad_gemm(const GradGemmParams& p, bool half, void* workspace, cudaStream_t stream);
 
 }  // namespace gemm
 }  // namespace hugehead
