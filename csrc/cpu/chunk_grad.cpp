@@ -1,10 +1,11 @@
 // CPU kernel of hugehead::chunk_grad_: a logits chunk becomes its gradient in place.
-#include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_rows.h"
 #include "hugehead/cpu_simd.h"
+#include "hugehead/entry.h"
 #include "hugehead/numerics.h"
 
 #include <type_traits>
@@ -45,28 +46,14 @@ void chunk_grad_rows(const ChunkGradParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
-                    int64_t num_classes, const at::Tensor& lse, const at::Tensor& grad_rows,
-                    double label_smoothing, double z_loss, double softcap,
-                    const std::optional<at::Tensor>& grad_lse) {
-  check_chunk_rows(logits, target, {{"lse", &lse}, {"grad_rows", &grad_rows}});
-  if (grad_lse.has_value()) check_chunk_rows(logits, target, {{"grad_lse", &*grad_lse}});
-  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
-  ChunkGradParams p{logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr(), grad_rows.data_ptr(),
-                    grad_lse.has_value() ? grad_lse->data_ptr() : nullptr,
-                    logits.size(0), logits.size(1), logits.stride(0),
-                    class_start, num_classes, label_smoothing, z_loss, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
+void chunk_grad_cpu(const ChunkGradParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "chunk_grad_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.cols));
-    at::parallel_for(0, p.rows, grain,
-                     [&](int64_t begin, int64_t end) { chunk_grad_rows<scalar_t, acc_t>(p, begin, end); });
+    cpu::parallel_rows(p, chunk_grad_rows<scalar_t, at::opmath_type<scalar_t>>);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("chunk_grad_", &chunk_grad_cpu); }
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("chunk_grad_", &entry::chunk_grad<chunk_grad_cpu>); }
 
 }  // namespace hugehead

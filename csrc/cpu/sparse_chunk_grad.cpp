@@ -1,11 +1,12 @@
 // CPU kernel of hugehead::sparse_chunk_grad_: a logits chunk becomes the gradient of the softmax with
 // probability targets (a CSR target) in place.
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_rows.h"
 #include "hugehead/cpu_simd.h"
+#include "hugehead/entry.h"
 #include "hugehead/numerics.h"
 #include "hugehead/sparse_target.h"
 
@@ -80,36 +81,14 @@ void sparse_chunk_grad_rows(const SparseChunkGradParams& p, int64_t begin, int64
   }
 }
 
-void sparse_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col,
-                           const at::Tensor& val, int64_t class_start, int64_t num_classes, const at::Tensor& lse,
-                           const at::Tensor& grad_rows, const at::Tensor& target_mass, double label_smoothing,
-                           double z_loss, double softcap, const std::optional<at::Tensor>& class_weight,
-                           const std::optional<at::Tensor>& grad_lse) {
-  check_logits_chunk(logits);
-  check_csr_target(logits, crow, col, val);
-  check_row_vectors(logits, {{"lse", &lse}, {"grad_rows", &grad_rows}, {"target_mass", &target_mass}});
-  if (grad_lse.has_value()) check_row_vectors(logits, {{"grad_lse", &*grad_lse}});
-  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
-  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
-  SparseChunkGradParams p{logits.data_ptr(),
-                          {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
-                          class_weight.has_value() ? class_weight->data_ptr() : nullptr,
-                          lse.data_ptr(), grad_rows.data_ptr(), target_mass.data_ptr(),
-                          grad_lse.has_value() ? grad_lse->data_ptr() : nullptr,
-                          logits.size(0), logits.size(1), logits.stride(0), class_start, num_classes,
-                          label_smoothing, z_loss, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
+void sparse_chunk_grad_cpu(const SparseChunkGradParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_grad_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.cols));
-    at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
-      sparse_chunk_grad_rows<scalar_t, acc_t>(p, begin, end);
-    });
+    cpu::parallel_rows(p, sparse_chunk_grad_rows<scalar_t, at::opmath_type<scalar_t>>);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("sparse_chunk_grad_", &sparse_chunk_grad_cpu); }
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("sparse_chunk_grad_", &entry::sparse_chunk_grad<sparse_chunk_grad_cpu>); }
 
 }  // namespace hugehead

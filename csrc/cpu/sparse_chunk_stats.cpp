@@ -1,11 +1,12 @@
 // CPU kernel of hugehead::sparse_chunk_stats_: fold a logits chunk into running per-row log-sum-exp
 // stats and the dot product of each row's sparse target entries (those in the chunk) with its logits.
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_rows.h"
 #include "hugehead/cpu_simd.h"
+#include "hugehead/entry.h"
 #include "hugehead/numerics.h"
 #include "hugehead/sparse_target.h"
 
@@ -61,37 +62,14 @@ void sparse_chunk_stats_rows(const SparseChunkStatsParams& p, int64_t begin, int
   }
 }
 
-void sparse_chunk_stats_cpu(const at::Tensor& logits_in, const at::Tensor& crow, const at::Tensor& col,
-                            const at::Tensor& val, int64_t class_start, double softcap,
-                            const std::optional<at::Tensor>& class_weight, const at::Tensor& row_max,
-                            const at::Tensor& row_sumexp, const at::Tensor& target_dot,
-                            const at::Tensor& logit_sum) {
-  const at::Tensor logits = logits_in.dim() == 2 && logits_in.size(1) > 1 && logits_in.stride(1) != 1
-                                ? logits_in.contiguous()
-                                : logits_in;
-  check_logits_chunk(logits);
-  check_csr_target(logits, crow, col, val);
-  check_row_vectors(logits, {{"row_max", &row_max}, {"row_sumexp", &row_sumexp}, {"target_dot", &target_dot},
-                             {"logit_sum", &logit_sum}});
-  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
-  SparseChunkStatsParams p{logits.data_ptr(),
-                           {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
-                           class_weight.has_value() ? class_weight->data_ptr() : nullptr,
-                           row_max.data_ptr(), row_sumexp.data_ptr(), target_dot.data_ptr(),
-                           logit_sum.data_ptr(), logits.size(0), logits.size(1), logits.stride(0),
-                           class_start, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
+void sparse_chunk_stats_cpu(const SparseChunkStatsParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_stats_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.cols));
-    at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
-      sparse_chunk_stats_rows<scalar_t, acc_t>(p, begin, end);
-    });
+    cpu::parallel_rows(p, sparse_chunk_stats_rows<scalar_t, at::opmath_type<scalar_t>>);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("sparse_chunk_stats_", &sparse_chunk_stats_cpu); }
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("sparse_chunk_stats_", &entry::sparse_chunk_stats<sparse_chunk_stats_cpu>); }
 
 }  // namespace hugehead
