@@ -35,23 +35,11 @@ void sparse_chunk_grad_rows(const SparseChunkGradParams& p, int64_t begin, int64
   const acc_t softcap = static_cast<acc_t>(p.softcap);
   const acc_t eps = static_cast<acc_t>(p.label_smoothing);
   const acc_t smooth = eps / static_cast<acc_t>(p.num_classes);
-  const auto* lse = static_cast<const acc_t*>(p.lse);
-  const auto* grad_rows = static_cast<const acc_t*>(p.grad_rows);
-  const auto* grad_lse = static_cast<const acc_t*>(p.grad_lse);
   const auto* mass = static_cast<const acc_t*>(p.target_mass);
   const auto* weight = static_cast<const acc_t*>(p.class_weight);
   const auto* val = static_cast<const acc_t*>(p.target.val);
   std::vector<acc_t> entry_logits;  // the entries' logits, read before the row is overwritten
-  for (int64_t row = begin; row < end; ++row) {
-    scalar_t* z = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
-    const acc_t g = grad_rows[row];
-    const acc_t gl = grad_lse == nullptr ? acc_t(0) : grad_lse[row];
-    if (g == acc_t(0) && gl == acc_t(0)) {  // rows without gradient: exact zeros, whatever the logits hold
-      for (int64_t j = 0; j < p.cols; ++j) z[j] = scalar_t(0);
-      continue;
-    }
-    const acc_t l = lse[row];
-    const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * l;
+  cpu::for_each_grad_row<scalar_t, acc_t>(p, begin, end, [&](int64_t row, scalar_t* z, const cpu::RowGrad<acc_t>& r) {
     const acc_t mass_row = mass[row];
     const EntryRange entries = chunk_entries(p.target.crow, p.target.col, row, p.class_start, p.cols);
     entry_logits.resize(static_cast<size_t>(entries.end - entries.begin));
@@ -61,24 +49,24 @@ void sparse_chunk_grad_rows(const SparseChunkGradParams& p, int64_t begin, int64
     bool done = false;
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (softcap <= acc_t(0) && weight == nullptr) {  // the common case, vectorized
-        row_grad_mass_f32(z, p.cols, l, g, gl, mass_row, z_term, smooth);
+        row_grad_mass_f32(z, p.cols, r.lse, r.g, r.g_lse, mass_row, r.z_term, smooth);
         done = true;
       }
     }
     if (!done) {
       for (int64_t j = 0; j < p.cols; ++j) {
         const acc_t sm = weight == nullptr ? smooth : smooth * weight[j];
-        z[j] = static_cast<scalar_t>(sparse_logit_grad(static_cast<acc_t>(z[j]), false, acc_t(0), l, g, gl,
-                                                       mass_row, z_term, sm, acc_t(1) - eps, softcap));
+        z[j] = static_cast<scalar_t>(sparse_logit_grad(static_cast<acc_t>(z[j]), false, acc_t(0), r.lse, r.g,
+                                                       r.g_lse, mass_row, r.z_term, sm, acc_t(1) - eps, softcap));
       }
     }
     for (int64_t e = entries.begin; e < entries.end; ++e) {
       const int64_t j = p.target.col[e] - p.class_start;
       const acc_t sm = weight == nullptr ? smooth : smooth * weight[j];
-      z[j] = static_cast<scalar_t>(sparse_logit_grad(entry_logits[e - entries.begin], true, val[e], l, g, gl,
-                                                     mass_row, z_term, sm, acc_t(1) - eps, softcap));
+      z[j] = static_cast<scalar_t>(sparse_logit_grad(entry_logits[e - entries.begin], true, val[e], r.lse, r.g,
+                                                     r.g_lse, mass_row, r.z_term, sm, acc_t(1) - eps, softcap));
     }
-  }
+  });
 }
 
 void sparse_chunk_grad_cpu(const SparseChunkGradParams& p, const at::Tensor& logits) {

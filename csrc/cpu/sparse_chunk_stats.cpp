@@ -5,12 +5,9 @@
 
 #include "hugehead/common.h"
 #include "hugehead/cpu_rows.h"
-#include "hugehead/cpu_simd.h"
 #include "hugehead/entry.h"
 #include "hugehead/numerics.h"
 #include "hugehead/sparse_target.h"
-
-#include <type_traits>
 
 namespace hugehead {
 namespace {
@@ -18,41 +15,12 @@ namespace {
 template <typename scalar_t, typename acc_t>
 void sparse_chunk_stats_rows(const SparseChunkStatsParams& p, int64_t begin, int64_t end) {
   const acc_t softcap = static_cast<acc_t>(p.softcap);
-  auto* row_max = static_cast<acc_t*>(p.row_max);
-  auto* row_sumexp = static_cast<acc_t*>(p.row_sumexp);
   auto* target_dot = static_cast<acc_t*>(p.target_dot);
-  auto* logit_sum = static_cast<acc_t*>(p.logit_sum);
   const auto* val = static_cast<const acc_t*>(p.target.val);
   const auto* weight = static_cast<const acc_t*>(p.class_weight);
   for (int64_t row = begin; row < end; ++row) {
     const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-    acc_t m, s, sum;
-    bool done = false;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      if (softcap <= acc_t(0) && weight == nullptr) {  // the common case, vectorized
-        cpu::row_stats_f32(z, p.cols, m, s, sum);
-        done = true;
-      }
-    }
-    if (!done) {  // two passes over the row (it sits in cache): the max, then the shifted sums
-      m = neg_inf<acc_t>();
-      bool has_nan = false;
-      for (int64_t j = 0; j < p.cols; ++j) {
-        const acc_t v = apply_softcap(static_cast<acc_t>(z[j]), softcap);
-        has_nan |= (v != v);
-        m = v > m ? v : m;
-      }
-      s = 0;
-      sum = 0;
-      for (int64_t j = 0; j < p.cols; ++j) {
-        const acc_t v = apply_softcap(static_cast<acc_t>(z[j]), softcap);
-        s += exp_shifted(v, m);
-        sum += weight == nullptr ? v : weight[j] * v;
-      }
-      if (has_nan) s = std::numeric_limits<acc_t>::quiet_NaN();
-    }
-    lse_merge(row_max[row], row_sumexp[row], m, s);
-    logit_sum[row] += sum;
+    cpu::fold_row_stats<acc_t>(p, row, z, weight);
     const EntryRange entries = chunk_entries(p.target.crow, p.target.col, row, p.class_start, p.cols);
     acc_t dot = 0;
     for (int64_t e = entries.begin; e < entries.end; ++e) {
