@@ -217,7 +217,9 @@ class ChunkedClassifier(nn.Module):
 
         Both are buffers of that name (copied at construction; None when not given): in ``state_dict()``
         as ``class_weight`` / ``pos_weight`` beside the logical ``weight`` and ``bias``, so they load into
-        any placement; a checkpoint without them loads too (the head keeps its own). They live on the
+        any placement (and in :func:`hugehead.checkpoint.save_checkpoint`'s directory; not in
+        :meth:`save_safetensors`'s file, which holds the weights); a checkpoint without them loads too
+        (the head keeps its own). They live on the
         first shard's compute device (on every rank of a head spanning ranks) and are copied to ``x``'s
         device when it differs (once, until they change). Like ``nn.CrossEntropyLoss``'s ``weight``, they
         follow the head's dtype casts; an explicit placement keeps them on their device. Assigning a

@@ -382,7 +382,7 @@ def test_head_multilabel_losses_match_dense_pytorch(placement, kind, reduction):
         if kind != "sparse":
             kwargs["class_weight"] = cw
         if kind == "sparse":
-            kwargs["z_loss"] = 1e-3
+            kwargs.update(z_loss=1e-3, softcap=5.0)
     torch.manual_seed(0)
     head = hugehead.ChunkedClassifier(D, V, dtype=torch.float64, **placement, **kwargs)
     x = torch.randn(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
@@ -405,7 +405,7 @@ def test_head_multilabel_losses_match_dense_pytorch(placement, kind, reduction):
         ref = F.cross_entropy(z, y, weight=cw, label_smoothing=0.1, reduction=reduction)
     else:
         ref = reference_softmax(xr, w, b, t, class_weight=None if kind == "sparse" else cw, reduction=reduction,
-                                label_smoothing=0.1, z_loss=kwargs.get("z_loss", 0.0))
+                                label_smoothing=0.1, z_loss=kwargs.get("z_loss", 0.0), softcap=kwargs.get("softcap"))
     (ref * torch.linspace(0.5, 1.5, N, dtype=torch.float64) if reduction == "none" else ref).sum().backward()
     assert rel_err(loss, ref) <= 1e-10
     gw, gb = _head_grads(head)
@@ -428,6 +428,26 @@ def test_head_rejects_bad_loss_options():
         head(x, torch.zeros(N, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         head(x, _coo([[0], [1]], [2.0]))
+
+
+def test_head_one_vs_all_under_cpu_autocast():
+    """bf16 compute from float32 parameters, float32 loss and gradients, close to float64."""
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(D, V, devices=["cpu", "cpu"], chunk_size=100, loss="binary_cross_entropy",
+                                      pos_weight=POS_WEIGHT.float())
+    x = torch.randn(N, D, requires_grad=True)
+    t = make_target(binary=True).clamp(max=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = head(x, t.float().to_sparse_coo())
+    loss.backward()
+    assert loss.dtype == torch.float32 and head.shards[1].weight.grad.dtype == torch.float32
+    assert x.grad.dtype == torch.float32
+    w, b = (p.double().requires_grad_() for p in _logical(head))
+    xr = x.detach().double().requires_grad_()
+    ref = F.binary_cross_entropy_with_logits(F.linear(xr, w, b), t, pos_weight=POS_WEIGHT)
+    ref.backward()
+    gw, _ = _head_grads(head)
+    assert rel_err(loss, ref) < 1e-2 and rel_err(gw, w.grad) < 3e-2 and rel_err(x.grad, xr.grad) < 3e-2
 
 
 def test_head_autocast_and_compile_with_sparse_target():
