@@ -309,7 +309,10 @@ def linear_cross_entropy(
     ``target`` may also be a sparse ``[N, V]`` tensor (``torch.sparse_csr`` or ``torch.sparse_coo``) of
     non-negative probabilities: ``F.cross_entropy(F.linear(x, weight, bias), target.to_dense(), ...)``
     (label smoothing as PyTorch applies it to probability targets, ``"mean"`` over N rows, rows need not
-    sum to 1; ``ignore_index`` does not apply; ``x`` must be ``[N, D]``). See :mod:`hugehead.sparse`.
+    sum to 1; ``ignore_index`` does not apply; ``x`` must be ``[N, D]``), or that target converted by
+    :func:`hugehead.csr_target` (the form ``torch.compile`` can carry, where it does not take sparse
+    tensors). With a sparse target or class weights the loss runs eagerly under ``torch.compile``, one
+    graph break: its target preparation reads the data. See :mod:`hugehead.sparse`.
 
     Under ``torch.autocast`` (CUDA or CPU) the GEMMs run in the autocast dtype: ``x`` is cast once and
     the weight and bias a chunk at a time (never a full low-precision copy); ``weight.grad`` has the
@@ -375,7 +378,8 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
 
 
 # Under torch.compile the sparse/weighted loss runs eagerly, as one graph break: its target preparation
-# reads the data (checks, sizes that depend on it) and dynamo cannot carry a sparse tensor across the
+# reads the data (checks, sizes that depend on it) and dynamo cannot carry a sparse tensor (a CsrTarget, from
+# hugehead.csr_target, it can) across the
 # breaks that would cause. The registered ops inside it are the same either way.
 @torch.compiler.disable
 def _linear_cross_entropy_weighted(x, weight, target, bias, options: LossOptions, chunk_size, memory_budget,

@@ -171,17 +171,23 @@ class PreparedTarget:
 
 
 def prepare_target(target: Tensor, num_rows: int, num_classes: int, *, loss: str, class_weight: Optional[Tensor],
-                   label_smoothing: float, ignore_index: int, dtype: torch.dtype,
-                   device: torch.device) -> PreparedTarget:
+                   label_smoothing: float, ignore_index: int, dtype: torch.dtype, device: torch.device,
+                   pos_weight: Optional[Tensor] = None) -> PreparedTarget:
     """:class:`PreparedTarget` of a head's loss ``"cross_entropy"`` (sparse probability target, or index
-    targets with ``class_weight``) or ``"binary_cross_entropy"`` (sparse target in [0, 1]).
+    targets with ``class_weight``) or ``"binary_cross_entropy"`` (sparse target in [0, 1], ``pos_weight``
+    ``[V]`` or one element, folded into per-entry weights that travel with the entries: a shard or rank
+    reads the weights of its columns only).
 
     Raises:
-        TypeError, ValueError: as :func:`hugehead.sparse.prepare` and :func:`hugehead.sparse.check_class_weight`.
+        TypeError, ValueError: as :func:`hugehead.sparse.prepare`, :func:`hugehead.sparse.check_class_weight`
+            and :func:`hugehead.sparse.check_pos_weight`.
     """
     if loss == "binary_cross_entropy":
-        return PreparedTarget(binary_target(target, num_rows, num_classes, None, dtype, device), "binary", None,
-                              num_classes)
+        if pos_weight is not None:
+            sparse.check_pos_weight(pos_weight, num_classes, pos_weight.device if isinstance(pos_weight, Tensor)
+                                    else device)
+        return PreparedTarget(binary_target(target, num_rows, num_classes, pos_weight, dtype, device), "binary",
+                              None, num_classes)
     sparse.check_class_weight(class_weight, num_classes, class_weight.device if class_weight is not None else device)
     chunk, rows = softmax_target(target, num_rows, num_classes, class_weight=class_weight,
                                  label_smoothing=label_smoothing, ignore_index=ignore_index, dtype=dtype, device=device)
@@ -560,13 +566,15 @@ def linear_binary_cross_entropy(
             dtype as ``x`` outside ``torch.autocast``; under autocast computed in its dtype, as
             :func:`hugehead.linear_cross_entropy`).
         target: sparse ``[N, V]`` (``torch.sparse_csr`` or ``torch.sparse_coo``, any device) with floating
-            values in ``[0, 1]``; absent entries are 0.
+            values in ``[0, 1]``; absent entries are 0. Or that target converted by :func:`hugehead.csr_target`.
         pos_weight: ``[V]`` (or one-element) weight of the positive term, as in PyTorch; None for 1.
         reduction: ``"mean"`` (over all ``N·V`` logits), ``"sum"``, or ``"none"``: the per-row sums ``[N]``
             over the classes (not PyTorch's elementwise ``[N, V]``, which this function exists to avoid).
         chunk_size, memory_budget: as for :func:`hugehead.linear_cross_entropy`.
 
-    Under ``torch.compile`` it runs eagerly, as one graph break (the target's preparation reads the data).
+    Under ``torch.compile`` it runs eagerly, as one graph break (the target's preparation reads the data;
+    dynamo does not take sparse tensors at all: a compiled function called with one runs eagerly, whole,
+    which :func:`hugehead.csr_target` avoids).
     With ``"mean"``/``"sum"`` and gradients wanted the gradients are produced
     in the forward, in the same pass as the loss, and the backward only scales them: the step costs three
     GEMMs instead of four, and ``weight``'s gradient (its size) lives from the forward to the backward.

@@ -43,6 +43,15 @@ LOSS_CASES: Dict[str, dict] = {
     "index_weighted": dict(v=19, rows=[5, 7, 3], bias=False, reduction="mean", target_kind="index",
                            class_weight=True, label_smoothing=0.2, chunk_size=5),
     "binary": dict(v=25, rows=[4, 6, 5], bias=True, reduction="mean", target_kind="binary", chunk_size=6),
+    # The other reductions: per-row losses and the lse of a sparse target over two local shards per rank;
+    # one-vs-all with pos_weight ([V], and one element) summed and per row (each rank's entries weighted by
+    # the pos_weight of their columns).
+    "sparse_none_lse": dict(v=26, rows=[5, 7, 4], bias=True, reduction="none", target_kind="sparse",
+                            return_lse=True, local_shards=2, rank_sizes=[9, 6, 11], chunk_size=4),
+    "binary_pos_weight_sum": dict(v=23, rows=[6, 3, 5], bias=True, reduction="sum", target_kind="binary",
+                                  pos_weight="vector", local_shards=2, chunk_size=5),
+    "binary_pos_weight_none": dict(v=21, rows=[4, 0, 6], bias=False, reduction="none", target_kind="binary",
+                                   pos_weight="scalar", chunk_size=4),
 }
 TOPK_V = 19
 
@@ -94,6 +103,15 @@ def case_class_weight(case: dict) -> Optional[torch.Tensor]:
     return torch.rand(case["v"], generator=torch.Generator().manual_seed(77), dtype=torch.float64) + 0.5
 
 
+def case_pos_weight(case: dict) -> Optional[torch.Tensor]:
+    kind = case.get("pos_weight")
+    if kind is None:
+        return None
+    if kind == "scalar":
+        return torch.tensor([2.5], dtype=torch.float64)
+    return torch.rand(case["v"], generator=torch.Generator().manual_seed(78), dtype=torch.float64) * 3
+
+
 def case_target(case: dict, target: torch.Tensor, device) -> torch.Tensor:
     """What a rank passes to the head: class ids, or the dense target as a (shuffled-free) COO tensor."""
     if case.get("target_kind") in ("sparse", "binary"):
@@ -108,6 +126,8 @@ def head_kwargs(case: dict) -> dict:
         out["loss"] = "binary_cross_entropy"
     if case.get("class_weight"):
         out["class_weight"] = case_class_weight(case)
+    if case.get("pos_weight"):
+        out["pos_weight"] = case_pos_weight(case)
     return out
 
 

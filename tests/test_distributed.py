@@ -91,8 +91,10 @@ def reference_loss_case(name, world):
         kind = case.get("target_kind")
         if kind is None:
             loss = reference.linear_cross_entropy(x, w, target, b, **options)
-        elif kind == "binary":
-            loss = F.binary_cross_entropy_with_logits(F.linear(x, w, b), target, reduction=case["reduction"])
+        elif kind == "binary":  # reduction "none": hugehead's per-row sums
+            loss = F.binary_cross_entropy_with_logits(F.linear(x, w, b), target, pos_weight=dist_cases.case_pos_weight(case),
+                                                      reduction=case["reduction"])
+            loss = loss.sum(1) if case["reduction"] == "none" else loss
         else:  # F.cross_entropy with class weights (index or dense probability targets), plus the z-loss
             z = F.linear(x, w, b)
             loss = F.cross_entropy(z, target, weight=dist_cases.case_class_weight(case),
