@@ -441,3 +441,51 @@ def test_fake_kernel_checks_shapes():
         with pytest.raises(Exception, match="grad_logits"):
             torch.ops.hugehead.gemm_chunk_grad_.default(x, w, None, t, 0, 100, state[0], state[1], 0.0, 0.0, 0.0,
                                                         None, out[:, :10])
+
+
+def _emulate_fused_ops(monkeypatch):
+    """Run the chunk loop's fused branches on any device: _fused_applies says yes for class-id targets and
+    the fused ops are emulated by addmm + chunk_stats_ / chunk_grad_ (the arithmetic of the cuBLAS path)."""
+    from hugehead import loop
+
+    monkeypatch.setattr(loop, "_fused_applies", lambda x, target, kind: isinstance(target, torch.Tensor))
+
+    def logits(x, w, b):
+        return x @ w.t() if b is None else torch.addmm(b, x, w.t())
+
+    def stats(x, w, b, target, class_start, softcap, *state):
+        ops.chunk_stats_(logits(x, w, b), target, class_start, softcap, *state)
+
+    def grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse, out):
+        out.copy_(logits(x, w, b))
+        ops.chunk_grad_(out, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse)
+
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", stats)
+    monkeypatch.setattr(ops, "gemm_chunk_grad_", grad)
+
+
+@pytest.mark.parametrize("budget", ["default", "rows", "keep_all"])
+def test_loop_fused_branches_with_emulated_ops(monkeypatch, budget):
+    """The loop's fused branches (forward and backward, row blocks, kept chunks) give bitwise the cuBLAS
+    path's results when the fused ops compute what cuBLAS + our kernels do; they run on the CPU here."""
+    n, d, v, cols = 37, 16, 300, 64
+    x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=21)
+    target = _targets(n, v, 0, v, 21)
+    opts = dict(chunk_size=cols, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
+    if budget == "rows":  # rows split into blocks of 8
+        opts["memory_budget"] = 8 * (cols * 4 + d * (4 + 4))
+    elif budget == "keep_all":  # the planner keeps all logits as one chunk: nothing is recomputed
+        opts["chunk_size"] = None
+    plan = plan_chunks(n, d, v, torch.float32, x.device, opts["chunk_size"], opts.get("memory_budget"))
+    assert (budget == "rows") == (plan.rows < n) and (budget == "keep_all") == plan.keep_logits
+    plain = _lce_grads(x, w, b, target, **opts)
+    _emulate_fused_ops(monkeypatch)
+    calls = _count_fused_calls(monkeypatch)
+    fused = _lce_grads(x, w, b, target, **opts)
+    for a, r in zip(fused, plain):
+        assert torch.equal(a, r)
+    kept = plan.kept_chunks if plan.keep_logits else 0
+    blocks = math.ceil(n / plan.rows)
+    expected = (math.ceil(v / plan.cols) - kept) * blocks
+    assert len(calls["stats"]) == expected, (plan, calls)
+    assert len(calls["grad"]) == expected, (plan, calls)
