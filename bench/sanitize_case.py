@@ -340,6 +340,62 @@ def bce_cases(device: torch.device) -> Iterator[Result]:
                 yield f"{name}: row_loss", row_loss.cpu(), ref_rows.detach(), 10 * ACC_TOLERANCE[acc]
 
 
+# (label, N, C, D, class_start, bias, softcap): rows and columns off the GEMM's 128 x 128 / 128 x 256 tiles
+GEMM_STATS_SHAPES = [
+    ("one row", 1, 300, 64, 0, False, 0.0),
+    ("tails, bias", 130, 257, 128, 1000, True, 0.0),
+    ("softcap, bias", 200, 1000, 768, 64, True, 30.0),
+]
+
+
+@kernel_case("gemm_chunk_stats_")
+def gemm_stats_cases(device: torch.device) -> Iterator[Result]:
+    """The CUTLASS statistics GEMM (CUDA builds with CUTLASS, sm_90 only), both schedules, from earlier
+    running statistics; the reference folds the float64 logits of the same bf16 inputs."""
+    import os
+
+    from hugehead import ops
+
+    if not ops.has_fused_gemm(device, torch.bfloat16):
+        return
+    for schedule in ("pingpong", "cooperative"):
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+        for label, n, c, d, c0, with_bias, softcap in GEMM_STATS_SHAPES:
+            name = f"{label} {schedule}"
+            g = _gen(name)
+            x = torch.randn(n, d, generator=g, dtype=torch.float64).to(torch.bfloat16)
+            w = (torch.randn(c, d, generator=g, dtype=torch.float64) * 3 / math.sqrt(d)).to(torch.bfloat16)
+            b = torch.randn(c, generator=g, dtype=torch.float64).to(torch.bfloat16) if with_bias else None
+            target = torch.randint(0, c0 + c + 50, (n,), generator=g)
+            target[::2] = torch.randint(c0, c0 + c, (n,), generator=g)[::2]
+            target[1::3] = IGNORE
+            row_max = torch.randn(n, generator=g, dtype=torch.float64).float()
+            row_max[0] = -math.inf
+            row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).float()
+            row_sumexp[0] = 0.0
+            target_logit = torch.randn(n, generator=g, dtype=torch.float64).float()
+            logit_sum = torch.randn(n, generator=g, dtype=torch.float64).float()
+            state = [t.to(device, copy=True) for t in (row_max, row_sumexp, target_logit, logit_sum)]
+            torch.ops.hugehead.gemm_chunk_stats_.default(
+                x.to(device), w.to(device), None if b is None else b.to(device), target.to(device), c0, softcap,
+                *state)
+            # the kernel rounds each logit once to bf16 (as a stored GEMM output), then softcaps in float32
+            z = (x.double() @ w.double().t() + (0 if b is None else b.double())).to(torch.bfloat16).double()
+            z = _softcapped(z, softcap)
+            m_old, s_old = row_max.double(), row_sumexp.double()
+            m_new = torch.maximum(m_old, z.max(dim=1).values)
+            s_new = s_old * torch.exp(m_old - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+            inside = (target >= c0) & (target < c0 + c)
+            picked = z.gather(1, (target - c0).clamp(0, c - 1)[:, None]).squeeze(1)
+            got = [t.cpu() for t in state]
+            tol = 1e-3  # float32 accumulation vs float64: now and then a logit rounds to the other bf16
+            yield f"{name}: row_max", got[0], m_new, tol
+            yield f"{name}: lse", got[0].double() + got[1].double().log(), m_new + s_new.log(), tol
+            yield f"{name}: target_logit", got[2], torch.where(inside, picked, target_logit.double()), tol
+            yield f"{name}: logit_sum", got[3], logit_sum.double() + z.sum(dim=1), 10 * tol
+    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if not torch.isfinite(a).all():
