@@ -25,6 +25,7 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     merge_row_stats,
     shard_backward,
     shard_forward_stats,
+    whole_head_backward,
 )
 from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
     FLOAT_DTYPES,
@@ -212,23 +213,8 @@ def _lce_backward(
         step_plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, step_plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
-        # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
-        # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
-        direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
-        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if (need_x and not direct) else None
-        grad_w, grad_b = shard_backward(
-            x, ResidentChunks(weight, bias, x.dtype), target, 0, weight.shape[0], lse, grad_rows, options,
-            step_plan, grad_x, need_weight, kept=kept if keep else None,
-            grad_lse=None if grad_lse is None else grad_lse.to(acc).contiguous(),
-        )
-        if need_x and direct:
-            grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
-    # A gradient not asked for is a fresh empty tensor each: custom op outputs may not alias each other.
-    return (
-        grad_x.to(x.dtype) if grad_x is not None else x.new_empty(0),
-        grad_w if grad_w is not None else x.new_empty(0),
-        grad_b if grad_b is not None else x.new_empty(0),
-    )
+        return whole_head_backward(x, weight, bias, target, lse, grad_rows, options, step_plan, need_x, need_weight,
+                                   kept, None if grad_lse is None else grad_lse.to(acc).contiguous())
 
 
 @_lce_backward.register_fake

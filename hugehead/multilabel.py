@@ -241,27 +241,13 @@ def _no_autocast(device: torch.device):
 def _backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, label_smoothing, z_loss, softcap,
                            chunk_size, memory_budget, need_x, need_weight, grad_lse):
     """``(dX, dW, db)`` of one device's loss, recomputing the logits chunk by chunk (or from ``kept``)."""
-    from .loop import ResidentChunks, kept_plan, shard_backward
+    from .loop import kept_plan, whole_head_backward
     from .plan import shard_oom_guard
 
-    acc = ops.acc_dtype(x.dtype)
-    keep = kept.numel() > 0
-    plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
+    plan = kept_plan(kept) if kept.numel() > 0 else _plan(x, weight, chunk_size, memory_budget, False)
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, memory_budget or None):
-        direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
-        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if (need_x and not direct) else None
-        grad_w, grad_b = shard_backward(
-            x, ResidentChunks(weight, bias, x.dtype), chunk_target, 0, weight.shape[0], lse, grad_rows,
-            _options(label_smoothing, z_loss, softcap), plan, grad_x, need_weight, kept=kept if keep else None,
-            grad_lse=grad_lse,
-        )
-        if need_x and direct:
-            grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
-    return (
-        grad_x.to(x.dtype) if grad_x is not None else x.new_empty(0),
-        grad_w if grad_w is not None else x.new_empty(0),
-        grad_b if grad_b is not None else x.new_empty(0),
-    )
+        return whole_head_backward(x, weight, bias, chunk_target, lse, grad_rows,
+                                   _options(label_smoothing, z_loss, softcap), plan, need_x, need_weight, kept, grad_lse)
 
 
 def _forward_through_loop(x, weight, bias, chunk_target, softcap, chunk_size, memory_budget, keep_logits):

@@ -65,20 +65,21 @@ def rank_sizes(case: dict, world: int) -> Optional[List[int]]:
     return sizes
 
 
-def case_weights(case: dict):
-    """The logical weight ``[V, D]`` and bias ``[V]`` (or None) of a case, float64."""
+def case_weights(case: dict, d: int = D):
+    """The logical weight ``[V, d]`` and bias ``[V]`` (or None) of a case, float64 (tests/dtensor_cases.py's
+    cases too, with their own ``d``)."""
     g = torch.Generator().manual_seed(case["v"])
-    w = torch.randn(case["v"], D, generator=g, dtype=torch.float64)
+    w = torch.randn(case["v"], d, generator=g, dtype=torch.float64)
     b = torch.randn(case["v"], generator=g, dtype=torch.float64) if case.get("bias") else None
     return w, b
 
 
-def case_inputs(case: dict, rank: int):
-    """Rank ``rank``'s ``x [N_r, D]``, ``target [N_r]`` and the coefficients of its objective: ``c`` (on
+def case_inputs(case: dict, rank: int, d: int = D):
+    """Rank ``rank``'s ``x [N_r, d]``, ``target [N_r]`` and the coefficients of its objective: ``c`` (on
     the loss: scalar, or ``[N_r]`` for reduction none) and ``e`` (``[N_r]``, on the lse)."""
     n = case["rows"][rank]
     g = torch.Generator().manual_seed(1000 * rank + case["v"])
-    x = torch.randn(n, D, generator=g, dtype=torch.float64) * 2
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) * 2
     target = torch.randint(0, case["v"], (n,), generator=g)
     ignore = case.get("ignore_index", -100)
     if case.get("all_ignored_rank") == rank:
