@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import hugehead
 from hugehead import multilabel
 
-from conftest import rel_err, requires_cuda, requires_multigpu
+from conftest import load_example, rel_err, requires_cuda, requires_multigpu
 
 N, D, V = 13, 16, 700
 
@@ -766,13 +766,7 @@ def _reference_ranking_metrics(order, label_sets, ks):
 @pytest.mark.parametrize("loss,steps", [("cross_entropy", 15), ("binary_cross_entropy", 2)])
 def test_lightning_example_multilabel_reports_precision_and_ndcg(loss, steps, capsys):
     pytest.importorskip("lightning", reason="examples/lightning_6m.py needs PyTorch Lightning")
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "lightning_6m.py"
-    spec = importlib.util.spec_from_file_location("lightning_6m_multilabel", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("lightning_6m", "lightning_6m_multilabel")
     v, n_test = 3000, 256
     argv = ["--cpu", "--classes", str(v), "--dim", "32", "--steps", str(steps), "--batch", "64", "--test-size",
             str(n_test), "--no-progress", "--labels", "3", "--multilabel-loss", loss]
