@@ -275,8 +275,9 @@ def test_grad_matches_float64_and_the_cublas_path(dtype, n, c, d, class_start, b
     assert err <= 2 * err_cublas + torch.finfo(dtype).eps, f"rel err {err:.3g} vs float64, cuBLAS path {err_cublas:.3g}"
     zero = (grad_rows == 0) & (grad_lse == 0 if grad_lse is not None else torch.ones_like(grad_rows, dtype=torch.bool))
     assert torch.all(got[zero] == 0), "ignored rows must be exact zeros"
-    # and row by row it is the cuBLAS path's gradient up to rounding
-    torch.testing.assert_close(got.float(), cublas.cpu().float(), rtol=0.05, atol=1e-3 * float(ref.abs().max()))
+    # and element by element the cuBLAS path's gradient up to rounding: a logit the two GEMMs' K orders round
+    # apart moves p by one ulp of the logit (up to ~6% at |z| ~ 15 in bf16)
+    torch.testing.assert_close(got.float(), cublas.cpu().float(), rtol=0.1, atol=1e-3 * float(ref.abs().max()))
 
 
 @requires_fused
