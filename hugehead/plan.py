@@ -32,6 +32,11 @@ __all__ = [
     "resolve_budget",
     "device_budgets",
     "plan_chunks",
+    "plan_rows",
+    "plan_loss",
+    "rows_enabled",
+    "ROWS_BLOCKS",
+    "ROWS_MIN_BLOCK_ROWS",
     "plan_topk_chunks",
     "plan_streamed",
     "kept_plan",
@@ -161,6 +166,10 @@ class Plan:
     ``overlap`` (CUDA): two workspaces, and each chunk's memory-bound kernel (statistics, gradient) runs
     on a side stream while the main stream's GEMMs go on with the next chunk.
 
+    ``grad_in_forward`` (the ``"rows"`` plan of :func:`plan_rows`): a scalar loss whose forward computes
+    every gradient, ``rows`` rows at a time over all classes (``cols`` classes a chunk), and whose backward
+    only scales them; ``reason`` says why the planner chose it (and how ``dW`` accumulates).
+
     ``budget``/``budget_reason``: the bytes the planner worked within and why (not part of equality).
     """
 
@@ -169,8 +178,19 @@ class Plan:
     keep_logits: bool = False
     kept_chunks: int = 0
     overlap: bool = False
+    grad_in_forward: bool = False
     budget: int = field(default=0, compare=False)
     budget_reason: str = field(default="", compare=False)
+    reason: str = field(default="", compare=False)
+
+    @property
+    def kind(self) -> str:
+        """``"rows"`` (gradients in the forward over row blocks, 3 GEMMs), ``"kept"`` (all or the leading
+        chunks' logits kept for the backward: 3 GEMMs for the kept classes) or ``"recompute"`` (the
+        backward recomputes every chunk's logits: 4 GEMMs)."""
+        if self.grad_in_forward:
+            return "rows"
+        return "kept" if self.keep_logits else "recompute"
 
     def as_list(self) -> List[int]:
         """``[rows, cols, kept_chunks, overlap]``: the plan as a custom op's ``int[]`` argument."""
@@ -277,6 +297,94 @@ def plan_chunks(
         if kept_chunks >= 1:
             return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks), overlap=overlap, **chosen)
     return Plan(rows=min(rows, n), cols=max(cols, 1), overlap=overlap, **chosen)
+
+
+# --------------------------------------------------------------------------------------------------
+# The "rows" plan: a scalar loss's gradients in the forward, over row blocks
+# --------------------------------------------------------------------------------------------------
+# Row blocks the rows plan prefers (when each keeps at least ROWS_MIN_BLOCK_ROWS rows): a quarter of the
+# kept logits' memory at the same three GEMMs. It is also the most a 16-bit weight gradient is accumulated
+# over: dW += G_bᵀ X_b in the weight's dtype rounds once per block, and the error grows about like
+# sqrt((b + 1) / 2) times a single rounding. Measured on the CPU (bf16, N 4096, D 128, V 2048, dW error
+# over plain PyTorch's, both against float64; tests/test_rows.py): with small logits (std 0.6, where
+# rounding dominates) 1.18x / 1.51x / 2.00x / 2.72x at 2 / 4 / 8 / 16 blocks; with logits of std 3.4
+# 1.01x / 1.07x / 1.19x / 1.39x. Four blocks keep the 2x rule of DESIGN.md with margin at any scale.
+ROWS_BLOCKS = 4
+# Rows a block keeps at least when the planner splits by choice (not for the budget): the dW GEMM of a
+# block reads and writes all of dW once (V x D), which is about 8% of a K = 4096 GEMM's time on an H200.
+ROWS_MIN_BLOCK_ROWS = 4096
+
+
+def rows_enabled() -> bool:
+    # HUGEHEAD_ROWS=0 turns the rows plan off (A/B measurements; a loss backpropagated twice).
+    return os.environ.get("HUGEHEAD_ROWS", "1") != "0"
+
+
+def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, memory_budget=None, *,
+              weight_dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
+    """The ``"rows"`` plan of a scalar loss (``"mean"``/``"sum"`` with gradients), or None where it does
+    not apply: the forward computes, for each block of ``rows`` rows, the block's ``rows × V`` logits (one
+    GEMM into a reused workspace), its full-row statistics, the row losses and the logits' gradient in
+    place, then ``dX`` rows ``= G W`` and ``dW += Gᵀ X_b`` (and ``db``); the backward only scales the held
+    gradients. Three GEMMs like kept logits, but the workspace is one block's logits.
+
+    Blocks: the fewest whose logits fit the budget beside ``dX`` (``N × D`` in ``dtype``, written in the
+    forward), and at least :data:`ROWS_BLOCKS` when each still has :data:`ROWS_MIN_BLOCK_ROWS` rows.
+    ``dW`` accumulates in the weight's dtype: a float32/float64 weight any number of blocks; a 16-bit one
+    at most :data:`ROWS_BLOCKS` (its rounding per block; the plan is None beyond). A weight stored in
+    another dtype than ``dtype`` (autocast) is not planned here (None): the loop's other plans cast it a
+    chunk at a time.
+    """
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    if weight_dtype != dtype:
+        return None
+    budget = _as_budget(memory_budget, device)
+    itemsize = _itemsize(dtype)
+    n, v = max(n, 1), max(v, 1)
+    fit = (budget.bytes - n * d * itemsize) // (v * itemsize)  # rows whose logits fit beside dX
+    if fit < 1:
+        return None
+    wide = itemsize >= 4
+    blocks = max(-(-n // fit), min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS), 1)
+    if not wide and blocks > ROWS_BLOCKS:
+        return None
+    rows = -(-n // blocks)
+    if rows < n and -(-rows // 64) * 64 <= fit:
+        rows = min(n, -(-rows // 64) * 64)  # whole 64-row tiles for the GEMMs
+    blocks = -(-n // rows)
+    accumulate = (f"dW accumulated in {weight_dtype} (exact enough at any block count)" if wide else
+                  f"dW accumulated in {weight_dtype} over at most {ROWS_BLOCKS} blocks (one rounding each)")
+    why = "the fewest blocks whose logits fit the budget" if blocks > min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS) \
+        else f"up to {ROWS_BLOCKS} blocks of at least {ROWS_MIN_BLOCK_ROWS} rows: less memory than kept logits"
+    return Plan(rows=rows, cols=v, grad_in_forward=True, budget=budget.bytes, budget_reason=budget.reason,
+                reason=f"rows: {blocks} block(s) of {rows} rows x {v} classes ({why}); {accumulate}")
+
+
+def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
+              memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
+              allow_rows: bool = False, direct_dx: bool = False) -> Plan:
+    """The plan of one loss call: the cheapest that fits the budget.
+
+    Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
+    passes, recomputing the logits four. ``allow_rows`` (the caller's loss is a scalar with gradients, one
+    local weight, class-id targets, no returned lse; ``HUGEHEAD_ROWS=0`` turns it off) makes
+    :func:`plan_rows` a candidate: it is chosen when it needs fewer bytes than keeping all logits (two or
+    more row blocks) or when all logits do not fit. Otherwise :func:`plan_chunks` decides (kept logits
+    when they fit, some kept, or all recomputed). A pinned ``chunk_size`` asks for the chunk loop: no rows.
+    """
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    budget = _as_budget(memory_budget, device)
+    plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
+                       allow_keep=allow_keep, direct_dx=direct_dx)
+    if not (allow_rows and chunk_size is None and rows_enabled()):
+        return plan
+    rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)
+    if rows is None:
+        return plan
+    kept_all = plan.keep_logits and plan.kept_chunks * plan.cols >= v
+    if kept_all and rows.rows >= max(n, 1):
+        return plan
+    return rows
 
 
 def plan_topk_chunks(
