@@ -502,19 +502,41 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
                      weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
                      allow_rows=wants_grad and not return_lse and options.reduction != "none")
     if plan.grad_in_forward:
-        need_weight = weight.requires_grad or (bias is not None and bias.requires_grad)
-        loss, _, _, _ = torch.ops.hugehead.linear_cross_entropy_rows(
-            x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
-            options.kernel_softcap, options.reduction == "mean", x.requires_grad, need_weight, not compiling,
-            [plan.rows, plan.cols, plan.budget],
-        )
-        return loss, None
+        return _rows_op(x, weight, bias, target, options, plan), None
     loss_rows, lse, _ = torch.ops.hugehead.linear_cross_entropy_forward(
         x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
         options.kernel_softcap, int(chunk_size or 0), int(memory_budget or 0), plan.keep_logits,
         _plan_list(plan),
     )
     return reduce_loss(loss_rows, target != options.ignore_index, options.reduction), lse
+
+
+def _rows_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, options: LossOptions,
+             plan: Plan) -> Tensor:
+    """The scalar loss of ``plan`` (a rows plan) through ``hugehead::linear_cross_entropy_rows``."""
+    need_weight = weight.requires_grad or (bias is not None and bias.requires_grad)
+    loss, _, _, _ = torch.ops.hugehead.linear_cross_entropy_rows(
+        x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
+        options.kernel_softcap, options.reduction == "mean", x.requires_grad, need_weight,
+        not torch.compiler.is_compiling(), [plan.rows, plan.cols, plan.budget],
+    )
+    return loss
+
+
+def rows_loss(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], options: LossOptions,
+              chunk_size: Optional[int] = None, memory_budget=None) -> Optional[Tensor]:
+    """The scalar loss of checked inputs (``x [N, D]`` in the weight's dtype, ``target [N]`` int64, all on
+    one device) through the rows plan when :func:`hugehead.plan.plan_loss` picks it for them — a
+    ``"mean"``/``"sum"`` loss with gradients wanted — else None (the caller runs its own chunk loop).
+    ``ChunkedClassifier`` asks this for a head of one local shard."""
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if not wants_grad or options.reduction == "none" or weight.dtype != x.dtype:
+        return None
+    plan = plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
+                     weight_dtype=weight.dtype, allow_keep=not torch.compiler.is_compiling(), direct_dx=True,
+                     allow_rows=True)
+    return _rows_op(x, weight, bias, target, options, plan) if plan.grad_in_forward else None
 
 
 # Under torch.compile the sparse/weighted loss runs eagerly, as one graph break: its target preparation

@@ -592,12 +592,13 @@ def rows_steps(
     acc = ops.acc_dtype(x.dtype)
     loss_rows = torch.zeros(n, dtype=acc, device=x.device)
     grad_x = x.new_empty(n, d) if need_x else None
-    grad_w = torch.zeros_like(source.weight, memory_format=torch.contiguous_format) if need_weight else None
+    # dW is written by the first block's GEMM (no fill); db accumulates from zero.
+    grad_w = torch.empty_like(source.weight, memory_format=torch.contiguous_format) if need_weight else None
     grad_b = (torch.zeros(v, dtype=acc, device=x.device)
               if (need_weight and source.bias is not None) else None)
     if n == 0:
-        if grad_x is not None:
-            grad_x.zero_()
+        if grad_w is not None:
+            grad_w.zero_()
         return loss_rows, grad_x, grad_w, _bias_grad(grad_b, source)
     valid = target != options.ignore_index
     workspace = x.new_empty(min(plan.rows, n) * v)

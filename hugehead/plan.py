@@ -37,6 +37,7 @@ __all__ = [
     "rows_enabled",
     "ROWS_BLOCKS",
     "ROWS_MIN_BLOCK_ROWS",
+    "ROWS_MIN_SPLIT_ROWS",
     "plan_topk_chunks",
     "plan_streamed",
     "kept_plan",
@@ -313,6 +314,11 @@ ROWS_BLOCKS = 4
 # Rows a block keeps at least when the planner splits by choice (not for the budget): the dW GEMM of a
 # block reads and writes all of dW once (V x D), which is about 8% of a K = 4096 GEMM's time on an H200.
 ROWS_MIN_BLOCK_ROWS = 4096
+# Rows a block keeps at least when the budget forces the split: every block reads and writes all of dW
+# (2 V D itemsize bytes) beside its 6 r V D FLOPs, so on an H200 (~175 FLOP a byte) the traffic costs about
+# 58 itemsize / r of the GEMMs' time: 11% for bf16 at 1024 rows, while recomputing the logits costs 33%.
+# Below the floor the chunk loop (which recomputes) is the cheaper plan. The CPU's balance is lower.
+ROWS_MIN_SPLIT_ROWS = {"cuda": 1024, "cpu": 32}
 
 
 def rows_enabled() -> bool:
@@ -331,7 +337,9 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     Blocks: the fewest whose logits fit the budget beside ``dX`` (``N × D`` in ``dtype``, written in the
     forward), and at least :data:`ROWS_BLOCKS` when each still has :data:`ROWS_MIN_BLOCK_ROWS` rows.
     ``dW`` accumulates in the weight's dtype: a float32/float64 weight any number of blocks; a 16-bit one
-    at most :data:`ROWS_BLOCKS` (its rounding per block; the plan is None beyond). A weight stored in
+    at most :data:`ROWS_BLOCKS` (its rounding per block; the plan is None beyond). Blocks of fewer than
+    :data:`ROWS_MIN_SPLIT_ROWS` rows are not planned (None: rereading dW per block would cost more than the
+    recompute it saves). A weight stored in
     another dtype than ``dtype`` (autocast) is not planned here (None): the loop's other plans cast it a
     chunk at a time.
     """
@@ -352,6 +360,8 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     if rows < n and -(-rows // 64) * 64 <= fit:
         rows = min(n, -(-rows // 64) * 64)  # whole 64-row tiles for the GEMMs
     blocks = -(-n // rows)
+    if blocks > 1 and rows < ROWS_MIN_SPLIT_ROWS.get(device.type, ROWS_MIN_SPLIT_ROWS["cuda"]):
+        return None
     accumulate = (f"dW accumulated in {weight_dtype} (exact enough at any block count)" if wide else
                   f"dW accumulated in {weight_dtype} over at most {ROWS_BLOCKS} blocks (one rounding each)")
     why = "the fewest blocks whose logits fit the budget" if blocks > min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS) \
