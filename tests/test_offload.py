@@ -801,8 +801,9 @@ def _demo_args(offload="auto", classes=6_000_000):
 
 def _fake_memory(monkeypatch, gpu_bytes, host_bytes):
     from hugehead import demo
+    from hugehead.demo import fit
 
-    monkeypatch.setattr(demo, "available_bytes", lambda dev: gpu_bytes if dev.type == "cuda" else host_bytes)
+    monkeypatch.setattr(fit, "available_bytes", lambda dev: gpu_bytes if dev.type == "cuda" else host_bytes)
     return demo
 
 

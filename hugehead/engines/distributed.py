@@ -347,6 +347,10 @@ class DistributedEngine:
                 f"must pass the same shard_sizes"
             )
 
+    def holds_every_class(self) -> bool:
+        """False: this rank holds only its own classes; no rank alone has a row's full logits."""
+        return False
+
     # Checkpoints (hugehead.checkpoint.head asks) --------------------------------------------------------
     def checkpoint_group(self):
         """The process group a checkpoint of the head is collective over: every rank holds other classes."""

@@ -111,6 +111,10 @@ class LocalEngine:
         """Counters of the placement's own memory (the offload engine's host gradients); empty here."""
         return {}
 
+    def holds_every_class(self) -> bool:
+        """Whether this process holds every class's weights, so that it alone can compute full logits."""
+        return True
+
     # Where a shard computes and how its weight chunks reach the loop (the offload engine overrides) -----
     def compute_device(self, shard: ShardTensors) -> torch.device:
         return shard.weight.device

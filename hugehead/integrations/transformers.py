@@ -80,7 +80,7 @@ class ClassifierHead(ChunkedClassifier):
         if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"hugehead: x must be [..., D] = [..., {self.in_features}], got {shape}")
-        if self.engine.name == "distributed":
+        if not self.engine.holds_every_class():
             raise NotImplementedError(
                 "hugehead: a head split over ranks (process_group) returns no logits; use head.topk or the loss"
             )
@@ -395,7 +395,7 @@ def _classifier_forward(model, state: _Patch, original, args, kwargs, features_o
         loss = head(rows, target.to(rows.device))
     want = state.return_logits
     if want is None:
-        want = head.num_classes <= LOGITS_MAX_CLASSES and head.engine.name != "distributed"
+        want = head.num_classes <= LOGITS_MAX_CLASSES and head.engine.holds_every_class()
     logits = head.logits(rows).reshape(*output.logits.shape[:-1], head.num_classes) if want else None
     return _replace_output(output, loss, logits, as_tuple)
 
