@@ -578,14 +578,15 @@ def rows_steps(
     the classes), ``dW += Gᵀ X_b`` in the weight's dtype and ``db += Σ G`` in the accumulation dtype.
 
     Args:
-        x: ``[N, D]`` compute dtype; source: the weight's chunks (stored in the compute dtype).
+        x: ``[N, D]`` compute dtype; source: the weight's chunks (cast to the compute dtype chunk by chunk
+            when stored in another dtype: autocast).
         target: ``[N]`` int64 class ids, checked. options: the loss.
         grad_rows: ``[N]`` accumulation dtype: ``dLoss/dloss_row`` (the reduction's scale; 0 on ignored
             rows), known before the pass.
         need_x, need_weight: which gradients to compute (``need_weight``: dW, and db with a bias).
     Returns:
-        ``(loss_rows [N] accumulation dtype (0 on ignored rows), dX [N, D] in x's dtype or None,
-        dW [V, D] in the weight's dtype or None, db [V] in the bias's dtype or None)``.
+        ``(loss_rows [N] accumulation dtype (0 on ignored rows), dX [N, D] in x's (compute) dtype or None,
+        dW [V, D] in the weight's stored dtype or None, db [V] in the bias's stored dtype or None)``.
     """
     n, d = x.shape
     v = source.num_rows
@@ -605,20 +606,23 @@ def rows_steps(
     one_chunk = plan.cols >= v
     dx_acc = x.new_empty(min(plan.rows, n), d, dtype=acc) if (need_x and not one_chunk) else None
     dx_partial = x.new_empty(min(plan.rows, n), d) if dx_acc is not None else None
+    # A dW stored in another dtype (float32 under autocast): each block's partial in the compute dtype first,
+    # rounded once as autocast's F.linear rounds its dW, then added in the stored dtype.
+    dw_scratch = (x.new_empty(min(plan.cols, v), d) if (need_weight and grad_w.dtype != x.dtype) else None)
     for r0 in range(0, n, plan.rows):
         r1 = min(r0 + plan.rows, n)
         xr = x[r0:r1]
         block = workspace[: (r1 - r0) * v].view(r1 - r0, v)
         stats = _new_stats(xr)
-        chunks = list(source.chunks(plan.cols))
-        for chunk in chunks:
+        # Two passes over the weight's chunks (slices, or casts made again: never a whole cast weight).
+        for chunk in source.chunks(plan.cols):
             z = _logits_into(xr, chunk, block[:, chunk.c0:chunk.c1])
             _chunk_stats(target, r0, r1, z, chunk.c0, options.kernel_softcap, stats)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)
         if dx_acc is not None:
             dx_acc[: r1 - r0].zero_()
-        for chunk in chunks:
+        for chunk in source.chunks(plan.cols):
             g = block[:, chunk.c0:chunk.c1]
             _chunk_grad(target, r0, r1, g, chunk.c0, v, lse, grad_rows[r0:r1], options.label_smoothing,
                         options.z_loss, options.kernel_softcap, None)
@@ -629,7 +633,11 @@ def rows_steps(
                     _add_dx(dx_acc[: r1 - r0], g, chunk.weight, dx_partial)
             if need_weight:
                 dw = grad_w[chunk.c0:chunk.c1]
-                if r0 == 0:
+                if dw_scratch is not None:
+                    part = dw_scratch[: chunk.c1 - chunk.c0]
+                    torch.mm(g.t(), xr, out=part)
+                    dw.copy_(part) if r0 == 0 else dw.add_(part)
+                elif r0 == 0:
                     torch.mm(g.t(), xr, out=dw)
                 else:
                     # In the weight's dtype: a 16-bit dW rounds once per block (plan_rows caps the blocks).

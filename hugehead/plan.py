@@ -339,20 +339,26 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     ``dW`` accumulates in the weight's dtype: a float32/float64 weight any number of blocks; a 16-bit one
     at most :data:`ROWS_BLOCKS` (its rounding per block; the plan is None beyond). Blocks of fewer than
     :data:`ROWS_MIN_SPLIT_ROWS` rows are not planned (None: rereading dW per block would cost more than the
-    recompute it saves). A weight stored in
-    another dtype than ``dtype`` (autocast) is not planned here (None): the loop's other plans cast it a
-    chunk at a time.
+    recompute it saves). A weight stored in another dtype than ``dtype`` (float32 under autocast) is cast
+    a chunk of the streaming width at a time, twice a block, never whole; each block's dW partial is rounded
+    to ``dtype`` once (as autocast's ``F.linear`` rounds its dW) and summed in the weight's dtype.
     """
     weight_dtype = dtype if weight_dtype is None else weight_dtype
-    if weight_dtype != dtype:
-        return None
     budget = _as_budget(memory_budget, device)
     itemsize = _itemsize(dtype)
     n, v = max(n, 1), max(v, 1)
-    fit = (budget.bytes - n * d * itemsize) // (v * itemsize)  # rows whose logits fit beside dX
+    cols, extra, per_row = v, 0, v * itemsize
+    if weight_dtype != dtype:
+        # Autocast: the weight is cast a chunk at a time, twice a block (logits, then dX), never whole: a
+        # cast chunk, the next one and a dW partial in the compute dtype live, and dX of a block sums its
+        # chunks in the accumulation dtype (plus one partial in the compute dtype).
+        cols = min(v, _MAX_COLS.get(device.type, _MAX_COLS["cpu"]))
+        extra = 3 * cols * d * itemsize
+        per_row += d * (4 + itemsize)
+    fit = (budget.bytes - n * d * itemsize - extra) // per_row  # rows whose logits fit beside dX
     if fit < 1:
         return None
-    wide = itemsize >= 4
+    wide = _itemsize(weight_dtype) >= 4
     blocks = max(-(-n // fit), min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS), 1)
     if not wide and blocks > ROWS_BLOCKS:
         return None
@@ -366,8 +372,9 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
                   f"dW accumulated in {weight_dtype} over at most {ROWS_BLOCKS} blocks (one rounding each)")
     why = "the fewest blocks whose logits fit the budget" if blocks > min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS) \
         else f"up to {ROWS_BLOCKS} blocks of at least {ROWS_MIN_BLOCK_ROWS} rows: less memory than kept logits"
-    return Plan(rows=rows, cols=v, grad_in_forward=True, budget=budget.bytes, budget_reason=budget.reason,
-                reason=f"rows: {blocks} block(s) of {rows} rows x {v} classes ({why}); {accumulate}")
+    chunks = "" if cols >= v else f", {cols} classes a chunk (the weight cast chunk by chunk)"
+    return Plan(rows=rows, cols=cols, grad_in_forward=True, budget=budget.bytes, budget_reason=budget.reason,
+                reason=f"rows: {blocks} block(s) of {rows} rows x {v} classes{chunks} ({why}); {accumulate}")
 
 
 def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,

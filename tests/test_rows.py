@@ -206,12 +206,13 @@ def test_planner_picks_the_cheapest_plan_that_fits(monkeypatch):
     assert fp32.kind == "recompute", fp32
     fp32 = plan_loss(4096, 4096, 128256, torch.float32, cuda, None, gib, allow_rows=True, direct_dx=True)
     assert fp32.kind == "rows" and fp32.rows >= planner.ROWS_MIN_SPLIT_ROWS["cuda"], fp32
+    # Autocast (float32 weight, bf16 compute): rows, the weight cast a chunk of the streaming width at a time.
+    amp = plan_loss(16384, 4096, 128256, bf16, cuda, None, 4 * gib, allow_rows=True, weight_dtype=torch.float32)
+    assert (amp.kind, amp.rows, amp.cols) == ("rows", 4096, 65536), amp
     # Not a rows case: no gradients / reduction "none" / lse returned (the caller's allow_rows), a pinned
-    # chunk_size, autocast (a weight stored in another dtype), or HUGEHEAD_ROWS=0.
+    # chunk_size, or HUGEHEAD_ROWS=0.
     assert kind(16384, 4096, 128256, 4 * gib, allow_rows=False).kind == "kept"
     assert plan_loss(16384, 4096, 128256, bf16, cuda, 8192, 4 * gib, allow_rows=True).kind == "recompute"
-    assert plan_loss(16384, 4096, 128256, bf16, cuda, None, 4 * gib, allow_rows=True,
-                     weight_dtype=torch.float32).kind != "rows"
     monkeypatch.setenv("HUGEHEAD_ROWS", "0")
     assert kind(16384, 4096, 128256, 4 * gib).kind == "kept"
 
@@ -357,7 +358,7 @@ def test_opcheck_rows_op():
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_rows_plan_matches_float64(dtype):
-    n, d, v = 4000, 256, 50_000
+    n, d, v = 4000, 128, 32_768
     x, w, b, target = _inputs(n, d, v, dtype, "cuda", True, ignore=True, scale=4.0)
     opts = dict(memory_budget=_budget(n, d, v, dtype, 1024), label_smoothing=0.1, softcap=20.0)
     _assert_rows_plan(n, d, v, dtype, "cuda", opts, blocks=4)
@@ -409,3 +410,84 @@ def test_chunked_classifier_one_local_shard_uses_rows(devices, reduction, monkey
     assert rel_err(x.grad, x64.grad) <= 1e-5
     assert rel_err(torch.cat([s.weight.grad for s in head.shards]), w.grad) <= 1e-5
     assert rel_err(torch.cat([s.bias.grad for s in head.shards]), b.grad) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# Autocast: float32 weights, bf16 compute, the weight cast a chunk at a time
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("api", ["functional", "module"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bf16_autocast_within_2x_of_plain_autocast(api, reduction, monkeypatch):
+    from hugehead.loop import ResidentChunks
+
+    n, d, v = 384, 32, 20_000  # 3 chunks of 8192 classes (CPU) per block, 3 blocks of 128 rows
+    x, w, b, target = _inputs(n, d, v, torch.float32, "cpu", True, ignore=True, seed=4, scale=3.0)
+    itemsize, cols = 2, 8192
+    budget = 128 * (v * itemsize + d * (4 + itemsize)) + n * d * itemsize + 3 * cols * d * itemsize
+    plan = plan_loss(n, d, v, torch.bfloat16, torch.device("cpu"), None, budget, weight_dtype=torch.float32,
+                     allow_rows=True, direct_dx=True)
+    assert plan.kind == "rows" and plan.rows == 128 and plan.cols == cols, plan
+    widest = []
+    chunks = ResidentChunks.chunks
+
+    def spy(self, width):  # every cast weight chunk is at most the plan's width: never a whole bf16 copy
+        for chunk in chunks(self, width):
+            widest.append(chunk.c1 - chunk.c0)
+            yield chunk
+
+    monkeypatch.setattr(ResidentChunks, "chunks", spy)
+    opts = dict(reduction=reduction, label_smoothing=0.1)
+    if api == "functional":
+        def fn(x_, w_, b_):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return hugehead.linear_cross_entropy(x_, w_, target, b_, memory_budget=budget, **opts)
+        ours = _run(fn, x, w, b)
+    else:
+        head = hugehead.ChunkedClassifier(d, v, bias=True, memory_budget=budget, reduction=reduction,
+                                          label_smoothing=0.1)
+        with torch.no_grad():
+            head.shards[0].weight.copy_(w)
+            head.shards[0].bias.copy_(b)
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = head(xg, target)
+        loss.backward()
+        ours = (loss.detach(), xg.grad, head.shards[0].weight.grad, head.shards[0].bias.grad)
+    assert widest and max(widest) <= cols
+
+    def plain(x_, w_, b_):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(F.linear(x_, w_, b_).float(), target, **opts)
+
+    plain_out = _run(plain, x, w, b)
+    ref = _reference(x, w, b, target, opts)
+    for a, p, r, name in zip(ours, plain_out, ref, ("loss", "dX", "dW", "db")):
+        assert a.dtype == torch.float32, name  # float32 x and Parameters get float32 gradients
+        err, err_plain = rel_err(a, r), rel_err(p, r)
+        assert err <= 2.0 * err_plain + torch.finfo(torch.bfloat16).eps, (name, err, err_plain)
+
+
+@requires_cuda
+def test_cuda_rows_plan_peak_memory_is_a_block_not_the_logits(monkeypatch):
+    """16384 x 32768 bf16 logits (1 GiB) fit the default budget; the rows plan's 4 blocks need a quarter of
+    that beside the same gradients, and give the same loss and gradients as keeping all logits."""
+    n, d, v = 16384, 1024, 32768
+    x, w, _, target = _inputs(n, d, v, torch.bfloat16, "cuda", False, ignore=True, scale=4.0)
+    peaks, results = {}, {}
+    for rows in ("1", "0"):
+        monkeypatch.setenv("HUGEHEAD_ROWS", rows)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = hugehead.linear_cross_entropy(xg, wg, target)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[rows] = torch.cuda.max_memory_allocated() - base
+        results[rows] = (loss.detach(), xg.grad, wg.grad)
+        del xg, wg, loss
+    logits = n * v * 2
+    assert peaks["1"] <= peaks["0"] - logits // 2, peaks
+    torch.testing.assert_close(results["1"][0], results["0"][0], rtol=1e-5, atol=0)
+    for a, k in zip(results["1"][1:], results["0"][1:]):
+        assert rel_err(a, k) <= 1e-2
