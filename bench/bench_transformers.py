@@ -8,7 +8,7 @@
     token a label. One training step = ``model(input_ids, labels=labels).loss.backward()`` (gradients set to
     None after each). Models from the same seed: unpatched (transformers' own ``lm_head`` + float32
     cross-entropy), ``patch(model)`` (the default plan: ``rows``, every gradient computed in the forward over
-    4 blocks of 4096 rows, a quarter of the logits' memory, three GEMMs), ``hugehead_kept`` (the default
+    6 blocks of 2752 rows, a sixth of the logits' memory, three GEMMs), ``hugehead_kept`` (the default
     budget without the rows plan, ``HUGEHEAD_ROWS=0``: the 16384 x 128256 bf16 logits are kept for the
     backward), ``hugehead_recompute_<X>gib`` (``memory_budget`` X GiB without the rows plan: chunks
     recomputed, four GEMMs), ``hugehead_<X>gib`` for each ``--budgets`` entry, and Liger-Kernel's

@@ -303,17 +303,17 @@ def plan_chunks(
 # --------------------------------------------------------------------------------------------------
 # The "rows" plan: a scalar loss's gradients in the forward, over row blocks
 # --------------------------------------------------------------------------------------------------
-# Row blocks the rows plan prefers (when each keeps at least ROWS_MIN_BLOCK_ROWS rows): a quarter of the
-# kept logits' memory at the same three GEMMs. It is also the most a 16-bit weight gradient is accumulated
+# Row blocks the rows plan prefers (when each keeps at least ROWS_MIN_BLOCK_ROWS rows): a sixth of the kept
+# logits' memory at the same three GEMMs. It is also the most a 16-bit weight gradient is accumulated
 # over: dW += G_bᵀ X_b in the weight's dtype rounds once per block, and the error grows about like
 # sqrt((b + 1) / 2) times a single rounding. Measured on the CPU (bf16, N 4096, D 128, V 2048, dW error
-# over plain PyTorch's, both against float64; tests/test_rows.py): with small logits (std 0.6, where
-# rounding dominates) 1.18x / 1.51x / 2.00x / 2.72x at 2 / 4 / 8 / 16 blocks; with logits of std 3.4
-# 1.01x / 1.07x / 1.19x / 1.39x. Four blocks keep the 2x rule of DESIGN.md with margin at any scale.
-ROWS_BLOCKS = 4
+# over plain PyTorch's, both against float64, three seeds; tests/test_rows.py): with small logits (where
+# rounding, not the logits, dominates) 1.51x / 1.65x / 1.80x / 2.01x at 4 / 5 / 6 / 8 blocks; with logits of
+# std 3.4, 1.07x at 4 and 1.19x at 8. Six blocks keep DESIGN.md's 2x rule at any logit scale.
+ROWS_BLOCKS = 6
 # Rows a block keeps at least when the planner splits by choice (not for the budget): the dW GEMM of a
-# block reads and writes all of dW once (V x D), which is about 8% of a K = 4096 GEMM's time on an H200.
-ROWS_MIN_BLOCK_ROWS = 4096
+# block reads and writes all of dW once (V x D), about 4% of a K = 2752 GEMM's time on an H200 in bf16.
+ROWS_MIN_BLOCK_ROWS = 2048
 # Rows a block keeps at least when the budget forces the split: every block reads and writes all of dW
 # (2 V D itemsize bytes) beside its 6 r V D FLOPs, so on an H200 (~175 FLOP a byte) the traffic costs about
 # 58 itemsize / r of the GEMMs' time: 11% for bf16 at 1024 rows, while recomputing the logits costs 33%.

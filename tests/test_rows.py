@@ -108,7 +108,7 @@ def _assert_within_2x_plain(ours, plain, ref, dtype):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("opt_index", range(len(OPTION_SETS)))
 def test_16bit_within_2x_of_plain_pytorch(device, dtype, reduction, opt_index):
-    n, d, v = 512, 64, 384
+    n, d, v = 96 * ROWS_BLOCKS, 64, 384
     bias = opt_index % 2 == 1
     x, w, b, target = _inputs(n, d, v, dtype, device, bias, ignore=True, seed=10 + opt_index, scale=2.0)
     opts = dict(reduction=reduction, memory_budget=_budget(n, d, v, dtype, n // ROWS_BLOCKS), **OPTION_SETS[opt_index])
@@ -130,7 +130,7 @@ def test_16bit_dw_accumulation_error_grows_with_blocks_and_the_cap_holds_2x():
     for blocks in (1, 2, ROWS_BLOCKS):
         x_, w_ = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         loss = hugehead.linear_cross_entropy(x_, w_, target, memory_budget=_budget(n, d, v, torch.bfloat16,
-                                                                                n // blocks))
+                                                                                -(-n // blocks)))
         loss.backward()
         ratios[blocks] = rel_err(w_.grad, ref[2]) / err_plain
     assert ratios[ROWS_BLOCKS] <= 2.0, ratios
@@ -189,17 +189,19 @@ def test_planner_picks_the_cheapest_plan_that_fits(monkeypatch):
         kw.setdefault("allow_rows", True)
         return plan_loss(n, d, v, bf16, cuda, None, budget, direct_dx=True, **kw)
 
-    # Issue 23's Llama head: 16384 x 128256 logits fit the 4 GiB default, but four row blocks cost the same
-    # three GEMMs in a quarter of the memory.
+    # Issue 23's Llama head: 16384 x 128256 logits fit the 4 GiB default, but six row blocks cost the same
+    # three GEMMs in a sixth of the memory.
     llama = kind(16384, 4096, 128256, 4 * gib)
-    assert (llama.kind, llama.rows, llama.cols) == ("rows", 4096, 128256)
-    assert "4 block(s)" in llama.reason and "bfloat16" in llama.reason
+    assert (llama.kind, llama.rows, llama.cols) == ("rows", 2752, 128256)
+    assert "6 block(s)" in llama.reason and "bfloat16" in llama.reason
+    assert kind(4096, 4096, 128256, 4 * gib).rows == 2048  # two blocks of ROWS_MIN_BLOCK_ROWS
     # Too few rows to split by choice: all logits kept (same cost; a second backward still works).
-    assert kind(4096, 4096, 128256, 4 * gib).kind == "kept"
+    assert kind(3000, 4096, 128256, 4 * gib).kind == "kept"
     # Kept logits do not fit, rows do: rows (3 GEMMs, not 4).
     assert kind(4096, 4096, 128256, gib).kind == "rows"
     # Rows would need more than ROWS_BLOCKS 16-bit blocks: the chunk loop recomputes.
-    assert kind(16384, 4096, 128256, gib).kind == "recompute"
+    assert kind(16384, 4096, 128256, gib).rows == 2752  # 1 GiB: still 6 blocks
+    assert kind(16384, 4096, 128256, gib * 6 // 10).kind == "recompute"  # 9 blocks would be needed
     assert kind(4096, 768, 6_000_000, 4 * gib).kind == "kept"  # partly kept (xc6M), as before
     # Blocks below ROWS_MIN_SPLIT_ROWS (dW reread per block would cost more than the recompute saves).
     fp32 = plan_loss(4096, 4096, 128256, torch.float32, cuda, None, gib // 2, allow_rows=True, direct_dx=True)
@@ -208,7 +210,7 @@ def test_planner_picks_the_cheapest_plan_that_fits(monkeypatch):
     assert fp32.kind == "rows" and fp32.rows >= planner.ROWS_MIN_SPLIT_ROWS["cuda"], fp32
     # Autocast (float32 weight, bf16 compute): rows, the weight cast a chunk of the streaming width at a time.
     amp = plan_loss(16384, 4096, 128256, bf16, cuda, None, 4 * gib, allow_rows=True, weight_dtype=torch.float32)
-    assert (amp.kind, amp.rows, amp.cols) == ("rows", 4096, 65536), amp
+    assert (amp.kind, amp.rows, amp.cols) == ("rows", 2752, 65536), amp
     # Not a rows case: no gradients / reduction "none" / lse returned (the caller's allow_rows), a pinned
     # chunk_size, or HUGEHEAD_ROWS=0.
     assert kind(16384, 4096, 128256, 4 * gib, allow_rows=False).kind == "kept"
@@ -373,11 +375,11 @@ def test_cuda_rows_plan_matches_float64(dtype):
 
 
 @requires_cuda
-def test_cuda_default_plan_of_issue_23s_llama_head_is_rows_with_a_quarter_of_the_logits():
+def test_cuda_default_plan_of_issue_23s_llama_head_is_rows_with_a_sixth_of_the_logits():
     plan = plan_loss(16384, 4096, 128256, torch.bfloat16, torch.device("cuda"), None, None, allow_rows=True,
                      direct_dx=True)
     if planner.resolve_budget(None, torch.device("cuda")).bytes >= 4 << 30:
-        assert plan.kind == "rows" and plan.rows == 4096, plan
+        assert plan.kind == "rows" and plan.rows == 2752, plan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -469,7 +471,7 @@ def test_bf16_autocast_within_2x_of_plain_autocast(api, reduction, monkeypatch):
 
 @requires_cuda
 def test_cuda_rows_plan_peak_memory_is_a_block_not_the_logits(monkeypatch):
-    """16384 x 32768 bf16 logits (1 GiB) fit the default budget; the rows plan's 4 blocks need a quarter of
+    """16384 x 32768 bf16 logits (1 GiB) fit the default budget; the rows plan's 6 blocks need a sixth of
     that beside the same gradients, and give the same loss and gradients as keeping all logits."""
     n, d, v = 16384, 1024, 32768
     x, w, _, target = _inputs(n, d, v, torch.bfloat16, "cuda", False, ignore=True, scale=4.0)
