@@ -335,7 +335,8 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     gradients. Three GEMMs like kept logits, but the workspace is one block's logits.
 
     Blocks: the fewest whose logits fit the budget beside ``dX`` (``N × D`` in ``dtype``, written in the
-    forward), and at least :data:`ROWS_BLOCKS` when each still has :data:`ROWS_MIN_BLOCK_ROWS` rows.
+    forward), and no fewer than the most (up to :data:`ROWS_BLOCKS`) that keep :data:`ROWS_MIN_BLOCK_ROWS`
+    rows each: less memory at the same cost.
     ``dW`` accumulates in the weight's dtype: a float32/float64 weight any number of blocks; a 16-bit one
     at most :data:`ROWS_BLOCKS` (its rounding per block; the plan is None beyond). Blocks of fewer than
     :data:`ROWS_MIN_SPLIT_ROWS` rows are not planned (None: rereading dW per block would cost more than the
