@@ -94,10 +94,10 @@ def markdown(doc: dict) -> str:
            f"{meta['options']['reps']}. Peak: device memory beyond the head's weight during prediction.\n\n")
     md += harness.md_table(
         ["shape", "N × D × V", "k", "top-k ms", "predict ms", "overhead", "peak extra GiB", "metric ms", "same ids"],
-        [[r["shape"], f"{r['n']} × {r['d']} × {r['v']:,}", r["k"], harness.fmt(r["topk_ms"], ".1f"),
+        [[*harness.shape_cells(r), r["k"], harness.fmt(r["topk_ms"], ".1f"),
           harness.fmt(r["predict_ms"], ".1f"), harness.fmt(r["overhead"], ".3f") + "×",
           harness.fmt(r["peak_extra_gib"], ".2f"), harness.fmt(r["metric_ms"], ".2f"),
-          "yes" if r["same_indices"] else "**no**"] for r in rows])
+          harness.yes_no(bool(r["same_indices"]))] for r in rows])
     return md + harness.footer(meta)
 
 

@@ -136,9 +136,9 @@ def markdown(doc: dict) -> str:
                f"{meta['options']['reps']}. Target: top-1/top-5 within 1.25x, top-100 within 1.5x.\n\n")
         md += harness.md_table(
             ["shape", "N × D × V", "k", "top-k ms", "forward ms", "ratio", "target", "met", "check"],
-            [[r["shape"], f"{r['n']} × {r['d']} × {r['v']:,}", r["k"], harness.fmt(r["topk_ms"], ".1f"),
+            [[*harness.shape_cells(r), r["k"], harness.fmt(r["topk_ms"], ".1f"),
               harness.fmt(r["fwd_ms"], ".1f"), harness.fmt(r["ratio"], ".2f") + "×",
-              harness.fmt(r["target_ratio"], ".2f") + "×", {True: "yes", False: "**no**", None: "-"}[r["meets_target"]],
+              harness.fmt(r["target_ratio"], ".2f") + "×", harness.yes_no(r["meets_target"]),
               harness.fmt(r["check"], ".3f")] for r in rows])
     else:
         md = harness.header("Streaming top-k on the CPU vs torch.topk over the full logits", meta)
@@ -149,9 +149,9 @@ def markdown(doc: dict) -> str:
         md += harness.md_table(
             ["shape", "N × D × V", "k", "hugehead ms", "torch.topk ms", "speed-up", "values = torch.topk's", "check",
              "others' CPU"],
-            [[r["shape"], f"{r['n']} × {r['d']} × {r['v']:,}", r["k"], harness.fmt(r["topk_ms"], ".0f"),
+            [[*harness.shape_cells(r), r["k"], harness.fmt(r["topk_ms"], ".0f"),
               harness.fmt(r["torch_topk_ms"], ".0f"), harness.fmt(r["speedup"], ".2f") + "×",
-              {True: "yes", False: "**no**", None: "-"}[r["values_equal"]], harness.fmt(r["check"], ".3f"),
+              harness.yes_no(r["values_equal"]), harness.fmt(r["check"], ".3f"),
               harness.fmt(r["foreign_cpu"], ".2f")] for r in rows])
     return md + harness.footer(meta)
 

@@ -42,38 +42,33 @@ class Shape:
         return 2.0 * self.n * self.d * self.v
 
 
+def _by_name(*shapes: Shape) -> Dict[str, Shape]:
+    return {s.name: s for s in shapes}
+
+
 # DESIGN.md "Benchmark shapes", in the order they are run (cheapest first).
-SHAPES: Dict[str, Shape] = {
-    s.name: s
-    for s in [
-        Shape("llama3_4k", 4096, 4096, 128256, "LLM head"),
-        Shape("llama3", 8192, 4096, 128256, "LLM head"),
-        Shape("gemma2", 8192, 2304, 256000, "LLM head"),
-        Shape("xc1M", 8192, 768, 1_000_000, "extreme classification"),
-        Shape("xc6M", 4096, 768, 6_000_000, "the seed's BERT + 6M classes"),
-        Shape("xc6M_16k", 16384, 768, 6_000_000, "large batch"),
-    ]
-}
+SHAPES = _by_name(
+    Shape("llama3_4k", 4096, 4096, 128256, "LLM head"),
+    Shape("llama3", 8192, 4096, 128256, "LLM head"),
+    Shape("gemma2", 8192, 2304, 256000, "LLM head"),
+    Shape("xc1M", 8192, 768, 1_000_000, "extreme classification"),
+    Shape("xc6M", 4096, 768, 6_000_000, "the seed's BERT + 6M classes"),
+    Shape("xc6M_16k", 16384, 768, 6_000_000, "large batch"),
+)
 
 # --cpu-smoke: tiny problems that still cross chunk boundaries (odd sizes, V not a multiple of 256).
-SMOKE_SHAPES: Dict[str, Shape] = {
-    s.name: s
-    for s in [
-        Shape("tiny", 64, 32, 1000, "smoke"),
-        Shape("tiny_odd", 37, 48, 5003, "smoke"),
-    ]
-}
+SMOKE_SHAPES = _by_name(
+    Shape("tiny", 64, 32, 1000, "smoke"),
+    Shape("tiny_odd", 37, 48, 5003, "smoke"),
+)
 
 
 # --device cpu: float32 problems a 2-core machine runs in seconds per step (issue 12's CPU table).
-CPU_SHAPES: Dict[str, Shape] = {
-    s.name: s
-    for s in [
-        Shape("cpu_100k", 1024, 256, 100_000, "CPU"),
-        Shape("cpu_200k", 4096, 128, 200_000, "CPU"),
-        Shape("cpu_1M", 256, 64, 1_000_000, "CPU"),
-    ]
-}
+CPU_SHAPES = _by_name(
+    Shape("cpu_100k", 1024, 256, 100_000, "CPU"),
+    Shape("cpu_200k", 4096, 128, 200_000, "CPU"),
+    Shape("cpu_1M", 256, 64, 1_000_000, "CPU"),
+)
 
 ALL_SHAPES: Dict[str, Shape] = {**SHAPES, **CPU_SHAPES, **SMOKE_SHAPES}
 

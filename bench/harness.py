@@ -532,6 +532,16 @@ def fmt(value, spec: str = ".2f", missing: str = "-") -> str:
     return format(v, spec)
 
 
+def shape_cells(row: Mapping[str, object]) -> List[str]:
+    """A result row's first two table cells: its shape's name and ``N × D × V``."""
+    return [row["shape"], f"{row['n']} × {row['d']} × {row['v']:,}"]
+
+
+def yes_no(value: Optional[bool]) -> str:
+    """A check's table cell: yes, **no** (bold, to be seen), or - when it was not made."""
+    return {True: "yes", False: "**no**", None: "-"}[value]
+
+
 def md_table(columns: Sequence[str], rows: Iterable[Sequence[object]], align: Optional[str] = None) -> str:
     """A markdown table. ``align``: one letter per column, "l" or "r" (default: left for the first
     column, right for the others)."""

@@ -39,6 +39,9 @@ import hugehead
 from hugehead import ignore_heads_in_ddp
 from hugehead.metrics import AccuracyAtK, most_frequent_topk
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_common import add_size_args, example_parser, fill_defaults  # noqa: E402
+
 TOP_K = (1, 5)
 
 
@@ -77,15 +80,13 @@ class Model(nn.Module):
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = example_parser(__doc__)
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
-    p.add_argument("--classes", type=int, help="number of classes (GPU 6000000, gloo 2000)")
-    p.add_argument("--dim", type=int, help="head in_features (GPU 768, gloo 32)")
+    gpu, small = dict(classes=6_000_000, dim=768, batch=2048, steps=200, eval=8192), dict(classes=2000, dim=32, batch=64,
+                                                                                        steps=40, eval=256)
+    add_size_args(p, dict(classes="number of classes", dim="head in_features", batch="rows per rank per step",
+                          steps="training steps", eval="held-out rows per rank"), gpu, small, "gloo")
     p.add_argument("--in-dim", type=int, default=64, help="input features of the backbone")
-    p.add_argument("--batch", type=int, help="rows per rank per step (GPU 2048, gloo 64)")
-    p.add_argument("--steps", type=int, help="training steps (GPU 200, gloo 40)")
-    p.add_argument("--eval", type=int, help="held-out rows per rank (GPU 8192, gloo 256)")
     p.add_argument("--uneven", action="store_true", help="rank r uses batch - 3*r rows (unequal batches)")
     p.add_argument("--zipf", type=float, default=1.3)
     p.add_argument("--noise", type=float, default=0.5)
@@ -95,12 +96,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if torch.cuda.is_available() else "gloo"
-    gpu = args.backend == "nccl"
-    defaults = (dict(classes=6_000_000, dim=768, batch=2048, steps=200, eval=8192) if gpu
-                else dict(classes=2000, dim=32, batch=64, steps=40, eval=256))
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, gpu if args.backend == "nccl" else small)
     return args
 
 

@@ -47,6 +47,7 @@ from hugehead.dtensor import is_dtensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_train import synthetic_batch  # noqa: E402  (the same learnable synthetic data)
+from example_common import add_size_args, example_parser, fill_defaults  # noqa: E402
 
 
 class Model(nn.Module):
@@ -95,14 +96,12 @@ def build_model(args, device: torch.device, head: str) -> Model:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = example_parser(__doc__)
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
-    p.add_argument("--classes", type=int, help="number of classes (default: GPU 6000000, gloo 2001)")
-    p.add_argument("--dim", type=int, help="head in_features (GPU 768, gloo 32)")
+    gpu, small = dict(classes=6_000_000, dim=768, batch=4096, steps=10), dict(classes=2001, dim=32, batch=64, steps=30)
+    add_size_args(p, dict(classes="number of classes", dim="head in_features", batch="rows per rank per step",
+                          steps="timed training steps per head mode"), gpu, small, "gloo")
     p.add_argument("--in-dim", type=int, default=64, help="input features of the backbone")
-    p.add_argument("--batch", type=int, help="rows per rank per step (GPU 4096, gloo 64)")
-    p.add_argument("--steps", type=int, help="timed training steps per head mode (GPU 10, gloo 30)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--head", choices=["sharded", "gathered", "both"], default="both")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
@@ -115,12 +114,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if torch.cuda.is_available() else "gloo"
-    gpu = args.backend == "nccl"
-    defaults = dict(classes=6_000_000, dim=768, batch=4096, steps=10) if gpu else dict(classes=2001, dim=32, batch=64,
-                                                                                       steps=30)
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, gpu if args.backend == "nccl" else small)
     if args.batch % args.accumulate:
         p.error("--batch must be a multiple of --accumulate")
     return args

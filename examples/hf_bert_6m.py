@@ -34,7 +34,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-import hugehead
 from hugehead.metrics import AccuracyAtK, accuracy_at_k, label_frequencies, most_frequent_topk
 
 try:
@@ -48,6 +47,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
                      f"(import failed: {exc})") from None
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_common import (  # noqa: E402
+    add_sequence_args, add_size_args, example_parser, fill_defaults, fused_optimizer, head_devices, require_gpu_unless_cpu,
+    require_positive)
 from lightning_6m import synthetic_sequences  # noqa: E402  (the same data as the plain-PyTorch example)
 
 TOPK = (1, 5, 10)
@@ -96,24 +98,16 @@ class PatchedBert(L.LightningModule):
         head_ids = {id(p) for p in head}
         backbone = [p for p in self.model.parameters() if id(p) not in head_ids]
         groups = [dict(params=backbone, lr=self.lr), dict(params=head, lr=self.head_lr, weight_decay=0.0)]
-        try:
-            return torch.optim.AdamW(groups, fused=True)
-        except (RuntimeError, TypeError, ValueError):
-            return torch.optim.AdamW(groups, foreach=False)
+        return fused_optimizer(torch.optim.AdamW, groups)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--classes", type=int, help="num_labels (GPU 6000000, --cpu 3000)")
-    p.add_argument("--dim", type=int, help="BERT hidden size (GPU 768, --cpu 32)")
-    p.add_argument("--steps", type=int, help="training steps (GPU 200, --cpu 30)")
-    p.add_argument("--batch", type=int, help="sequences per step (GPU 1024, --cpu 64)")
-    p.add_argument("--test-size", type=int, help="test sequences (GPU 16384, --cpu 256)")
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--token-vocab", type=int, default=4096)
-    p.add_argument("--corrupt", type=float, default=0.25, help="fraction of tokens replaced at random")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the class frequencies")
+    p = example_parser(__doc__)
+    gpu = dict(classes=6_000_000, dim=768, steps=200, batch=1024, test_size=16384, precision="bf16-mixed")
+    cpu = dict(classes=3000, dim=32, steps=30, batch=64, test_size=256, precision="32-true")
+    add_size_args(p, dict(classes="num_labels", dim="BERT hidden size", steps="training steps",
+                          batch="sequences per step", test_size="test sequences"), gpu, cpu)
+    add_sequence_args(p)
     p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate of the BERT backbone")
     p.add_argument("--head-lr", type=float, default=2e-3, help="AdamW learning rate of the head")
     p.add_argument("--seed", type=int, default=0)
@@ -123,20 +117,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no Lightning progress bar")
     p.add_argument("--cpu", action="store_true", help="smoke mode: tiny sizes, accelerator='cpu', head on two CPU shards")
     args = p.parse_args(argv)
-    if not args.cpu and not (torch.cuda.is_available() and hugehead.has_kernel("chunk_stats_", "CUDA")):
-        p.error("no CUDA GPU (or hugehead was built without CUDA kernels); pass --cpu for the CPU smoke run")
-    defaults = (dict(classes=6_000_000, dim=768, steps=200, batch=1024, test_size=16384, precision="bf16-mixed")
-                if not args.cpu else dict(classes=3000, dim=32, steps=30, batch=64, test_size=256, precision="32-true"))
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    for key in ("classes", "dim", "steps", "batch", "test_size"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')} must be >= 1")
-    if args.head_devices is None:
-        args.head_devices = ["cpu", "cpu"] if args.cpu else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    else:
-        args.head_devices = [d.strip() for d in args.head_devices.split(",") if d.strip()]
+    require_gpu_unless_cpu(p, args.cpu)
+    fill_defaults(args, cpu if args.cpu else gpu)
+    require_positive(p, args, ("classes", "dim", "steps", "batch", "test_size"))
+    args.head_devices = head_devices(args.head_devices, args.cpu)
     return args
 
 

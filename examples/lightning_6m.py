@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 import warnings
 from typing import Dict, List, Optional, Sequence
@@ -56,6 +58,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hugehead
 from hugehead.metrics import AccuracyAtK, NDCGAtK, PrecisionAtK, accuracy_at_k, most_frequent_topk
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_common import (  # noqa: E402
+    add_sequence_args, add_size_args, example_parser, fill_defaults, fused_optimizer, head_devices, require_gpu_unless_cpu,
+    require_positive)
 
 try:
     import lightning as L
@@ -194,29 +201,22 @@ class HugeHeadModule(L.LightningModule):
         # The shard Parameters live on their own devices; Adam steps each where it is (ShardPlacementCallback
         # keeps each one's state there across checkpoint restores).
         params = list(self.parameters())
-        try:
-            return torch.optim.Adam(params, lr=self.lr, fused=True)
-        except (RuntimeError, TypeError, ValueError):
-            return torch.optim.Adam(params, lr=self.lr, foreach=False)
+        return fused_optimizer(torch.optim.Adam, params, lr=self.lr)
 
 
 # --------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--classes", type=int, help="number of classes (GPU 6000000, --cpu 5000)")
-    p.add_argument("--dim", type=int, help="backbone width = head in_features (GPU 768, --cpu 64)")
-    p.add_argument("--steps", type=int, help="training steps in all, a resumed run included (GPU 300, --cpu 60)")
-    p.add_argument("--batch", type=int, help="sequences per step (GPU 1024, --cpu 64)")
-    p.add_argument("--test-size", type=int, help="test sequences (GPU 16384, --cpu 512)")
+    p = example_parser(__doc__)
+    gpu = dict(classes=6_000_000, dim=768, steps=300, batch=1024, test_size=16384, precision="bf16-mixed")
+    cpu = dict(classes=5000, dim=64, steps=60, batch=64, test_size=512, precision="32-true")
+    add_size_args(p, dict(classes="number of classes", dim="backbone width = head in_features",
+                          steps="training steps in all, a resumed run included", batch="sequences per step",
+                          test_size="test sequences"), gpu, cpu)
     p.add_argument("--train-size", type=int, help="training sequences, one epoch (default: steps x batch); keep "
                    "it when resuming with more --steps to continue the same data order")
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--token-vocab", type=int, default=4096)
-    p.add_argument("--corrupt", type=float, default=0.25, help="fraction of tokens replaced at random")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the class frequencies")
+    add_sequence_args(p)
     p.add_argument("--labels", type=int, default=1, help="labels per sample (> 1: multi-label, Zipf-drawn label "
                    "sets from a sparse target, tested with precision@k / nDCG@k)")
     p.add_argument("--multilabel-loss", choices=("cross_entropy", "binary_cross_entropy"), default="cross_entropy",
@@ -238,25 +238,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true",
                    help="smoke mode: tiny sizes, accelerator='cpu', head on ['cpu', 'cpu'] (two shards)")
     args = p.parse_args(argv)
-    gpu = not args.cpu
-    if gpu and not (torch.cuda.is_available() and hugehead.has_kernel("chunk_stats_", "CUDA")):
-        p.error("no CUDA GPU (or hugehead was built without CUDA kernels); pass --cpu for the CPU smoke run")
-    if args.offload and not gpu:
+    require_gpu_unless_cpu(p, args.cpu)
+    if args.offload and args.cpu:
         p.error("--offload streams the head from pinned host memory to a GPU; it needs CUDA (not --cpu)")
-    defaults = (dict(classes=6_000_000, dim=768, steps=300, batch=1024, test_size=16384, precision="bf16-mixed")
-                if gpu else dict(classes=5000, dim=64, steps=60, batch=64, test_size=512, precision="32-true"))
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    for key in ("classes", "dim", "steps", "batch", "test_size"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')} must be >= 1")
+    fill_defaults(args, cpu if args.cpu else gpu)
+    require_positive(p, args, ("classes", "dim", "steps", "batch", "test_size"))
     if args.ckpt_every is not None and args.ckpt_every < 1:
         p.error("--ckpt-every must be >= 1")
-    if args.head_devices is None:
-        args.head_devices = ["cpu", "cpu"] if args.cpu else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    else:
-        args.head_devices = [d.strip() for d in args.head_devices.split(",") if d.strip()]
+    args.head_devices = head_devices(args.head_devices, args.cpu)
     return args
 
 

@@ -55,6 +55,7 @@ from hugehead.metrics import AccuracyAtK, accuracy_at_k, most_frequent_topk
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_train import synthetic_batch  # noqa: E402  (the same synthetic classes)
+from example_common import add_size_args, example_parser, fill_defaults  # noqa: E402
 
 try:
     import lightning as L
@@ -110,17 +111,15 @@ def shard_fingerprint(head: hugehead.ChunkedClassifier) -> float:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = example_parser(__doc__)
     p.add_argument("--cpu", action="store_true", help="tiny run on CPU processes (gloo)")
     p.add_argument("--devices", type=int, default=2, help="processes (GPUs) per node")
     p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--classes", type=int, help="GPU 6000000, --cpu 2000")
-    p.add_argument("--dim", type=int, help="GPU 768, --cpu 32")
+    gpu = dict(classes=6_000_000, dim=768, batch=2048, steps=100, test_size=16384)
+    cpu = dict(classes=2000, dim=32, batch=64, steps=30, test_size=512)
+    add_size_args(p, dict(classes="number of classes", dim="head in_features", batch="rows per rank per step",
+                          steps="training steps", test_size="held-out rows in all"), gpu, cpu)
     p.add_argument("--in-dim", type=int, default=64)
-    p.add_argument("--batch", type=int, help="rows per rank per step (GPU 2048, --cpu 64)")
-    p.add_argument("--steps", type=int, help="GPU 100, --cpu 30")
-    p.add_argument("--test-size", type=int, help="held-out rows in all (GPU 16384, --cpu 512)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epoch-steps", type=int, help="steps per epoch (default: --steps, one epoch); resume at "
@@ -130,11 +129,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--ckpt-path", help="resume fit from this sharded checkpoint directory")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    defaults = (dict(classes=2000, dim=32, batch=64, steps=30, test_size=512) if args.cpu
-                else dict(classes=6_000_000, dim=768, batch=2048, steps=100, test_size=16384))
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, cpu if args.cpu else gpu)
     return args
 
 

@@ -7,6 +7,7 @@ from ._extension import cuda_built, has_kernel
 from . import ops
 from .functional import linear_cross_entropy
 from .multilabel import linear_binary_cross_entropy
+from .sparse import CsrTarget, csr_target
 from .topk import linear_topk
 from .module import ChunkedClassifier
 from . import checkpoint
@@ -15,7 +16,7 @@ from .ddp import ignore_heads_in_ddp
 from .predict import predict_topk, predict_topk_chunks
 
 __version__ = "0.1.0"
-__all__ = ["linear_cross_entropy", "linear_topk", "linear_binary_cross_entropy", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
+__all__ = ["linear_cross_entropy", "linear_topk", "linear_binary_cross_entropy", "csr_target", "CsrTarget", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
            "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "ignore_heads_in_ddp",
            "predict_topk", "predict_topk_chunks", "metrics"]
 

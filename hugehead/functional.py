@@ -27,6 +27,7 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     run_steps,
     shard_backward,
     shard_forward_stats,
+    whole_head_backward,
 )
 from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
     FLOAT_DTYPES,
@@ -215,23 +216,8 @@ def _lce_backward(
         step_plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, step_plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
-        # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
-        # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
-        direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
-        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if (need_x and not direct) else None
-        grad_w, grad_b = shard_backward(
-            x, ResidentChunks(weight, bias, x.dtype), target, 0, weight.shape[0], lse, grad_rows, options,
-            step_plan, grad_x, need_weight, kept=kept if keep else None,
-            grad_lse=None if grad_lse is None else grad_lse.to(acc).contiguous(),
-        )
-        if need_x and direct:
-            grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
-    # A gradient not asked for is a fresh empty tensor each: custom op outputs may not alias each other.
-    return (
-        grad_x.to(x.dtype) if grad_x is not None else x.new_empty(0),
-        grad_w if grad_w is not None else x.new_empty(0),
-        grad_b if grad_b is not None else x.new_empty(0),
-    )
+        return whole_head_backward(x, weight, bias, target, lse, grad_rows, options, step_plan, need_x, need_weight,
+                                   kept, None if grad_lse is None else grad_lse.to(acc).contiguous())
 
 
 @_lce_backward.register_fake
@@ -440,7 +426,10 @@ def linear_cross_entropy(
     ``target`` may also be a sparse ``[N, V]`` tensor (``torch.sparse_csr`` or ``torch.sparse_coo``) of
     non-negative probabilities: ``F.cross_entropy(F.linear(x, weight, bias), target.to_dense(), ...)``
     (label smoothing as PyTorch applies it to probability targets, ``"mean"`` over N rows, rows need not
-    sum to 1; ``ignore_index`` does not apply; ``x`` must be ``[N, D]``). See :mod:`hugehead.sparse`.
+    sum to 1; ``ignore_index`` does not apply; ``x`` must be ``[N, D]``), or that target converted by
+    :func:`hugehead.csr_target` (the form ``torch.compile`` can carry, where it does not take sparse
+    tensors). With a sparse target or class weights the loss runs eagerly under ``torch.compile``, one
+    graph break: its target preparation reads the data. See :mod:`hugehead.sparse`.
 
     Under ``torch.autocast`` (CUDA or CPU) the GEMMs run in the autocast dtype: ``x`` is cast once and
     the weight and bias a chunk at a time (never a full low-precision copy); ``weight.grad`` has the
@@ -540,7 +529,8 @@ def rows_loss(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
 
 
 # Under torch.compile the sparse/weighted loss runs eagerly, as one graph break: its target preparation
-# reads the data (checks, sizes that depend on it) and dynamo cannot carry a sparse tensor across the
+# reads the data (checks, sizes that depend on it) and dynamo cannot carry a sparse tensor (a CsrTarget, from
+# hugehead.csr_target, it can) across the
 # breaks that would cause. The registered ops inside it are the same either way.
 @torch.compiler.disable
 def _linear_cross_entropy_weighted(x, weight, target, bias, options: LossOptions, chunk_size, memory_budget,

@@ -31,8 +31,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without lightning
     raise ImportError(f"hugehead.lightning needs PyTorch Lightning: pip install lightning ({exc})") from None
 
-from .checkpoint import (is_checkpoint_dir, keep_optimizer_state_on_shards, place_optimizer_state, read_checkpoint,
-                         save_checkpoint, sharded_state_dict)
+from .checkpoint import (is_checkpoint_dir, keep_optimizer_state_on_shards, optional_state_keys, place_optimizer_state,
+                         read_checkpoint, save_checkpoint, sharded_state_dict)
 from .checkpoint.dcp import estimate_checkpoint_bytes
 from .checkpoint.space import format_bytes, free_bytes, path_bytes
 
@@ -165,6 +165,7 @@ class _ShardedCheckpoints:
         state, optimizer_states, extra = read_checkpoint(
             checkpoint_path, self.lightning_module_state_dict(), (self.optimizers or None) if fitting else None,
             weights_only=weights_only, process_group=self._checkpoint_group(),
+            optional_keys=optional_state_keys(self.lightning_module),
         )
         rank_zero_info(f"hugehead: loaded sharded checkpoint {checkpoint_path} (weights"
                        f"{'' if optimizer_states is None else ' and optimizer state'}) in {time.perf_counter() - t0:.1f} s")

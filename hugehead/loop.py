@@ -231,6 +231,32 @@ def shard_backward(*args, **kwargs) -> Tuple[Optional[Tensor], Optional[Tensor]]
     return run_steps(backward_steps(*args, **kwargs))
 
 
+def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target, lse: Tensor, grad_rows: Tensor,
+                        options: LossOptions, plan: Plan, need_x: bool, need_weight: bool, kept: Tensor,
+                        grad_lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The backward of a head whose whole weight ``[V, D]`` is one shard on ``x``'s device (the registered
+    ops of :mod:`hugehead.functional` and :mod:`hugehead.multilabel`): ``(dX [N, D] in x's dtype, dW [V, D],
+    db [V])``, a gradient not asked for (or db without bias) empty. Non-empty ``kept`` logits are turned
+    into their gradient in place (no recompute). The caller holds the no-autocast and out-of-memory guards."""
+    keep = kept.numel() > 0
+    # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
+    # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
+    direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
+    grad_x = torch.zeros(x.shape, dtype=ops.acc_dtype(x.dtype), device=x.device) if (need_x and not direct) else None
+    grad_w, grad_b = shard_backward(
+        x, ResidentChunks(weight, bias, x.dtype), target, 0, weight.shape[0], lse, grad_rows, options, plan,
+        grad_x, need_weight, kept=kept if keep else None, grad_lse=grad_lse,
+    )
+    if need_x and direct:
+        grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
+    # A gradient not asked for is a fresh empty tensor each: custom op outputs may not alias each other.
+    return (
+        grad_x.to(x.dtype) if grad_x is not None else x.new_empty(0),
+        grad_w if grad_w is not None else x.new_empty(0),
+        grad_b if grad_b is not None else x.new_empty(0),
+    )
+
+
 def forward_stats_steps(
     x: Tensor,
     source: ResidentChunks,

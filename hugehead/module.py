@@ -28,7 +28,7 @@ from .options import (
     reduce_loss,
 )
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
-from .sparse import check_class_weight, is_sparse_target
+from .sparse import check_class_weight, check_pos_weight, is_sparse_target
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
@@ -122,13 +122,20 @@ def _parse_shard_sizes(shard_sizes, num_classes: int, num_devices: int) -> List[
 LOSS_KINDS = ("cross_entropy", "binary_cross_entropy")
 
 
-def _check_loss_kind(loss: str, class_weight: Optional[Tensor], num_classes: int, label_smoothing: float,
-                     z_loss: float, softcap: Optional[float]) -> Tuple[str, Optional[Tensor]]:
-    """The head's ``loss`` and a detached copy of ``class_weight``.
+# The loss's per-class buffers: in state_dict() (placement-independent: the same [V] tensor whatever the
+# shards), but optional when loading (checkpoints written before they were buffers have neither).
+LOSS_BUFFERS = ("class_weight", "pos_weight")
+
+
+def _check_loss_kind(loss: str, class_weight: Optional[Tensor], pos_weight: Optional[Tensor], num_classes: int,
+                     label_smoothing: float, z_loss: float, softcap: Optional[float]) -> str:
+    """Check the head's ``loss`` against its options and per-class weights.
 
     Raises:
         ValueError: an unknown loss; options one-vs-all does not have (label smoothing, z-loss, softcap,
-            class weights). TypeError/ValueError: a class_weight that is not a floating ``[V]`` tensor.
+            class weights) or softmax does not have (pos_weight). TypeError/ValueError: a class_weight
+            that is not a floating ``[V]`` tensor, a pos_weight that is not a floating ``[V]`` or
+            one-element tensor.
     """
     if loss not in LOSS_KINDS:
         raise ValueError(f"hugehead: unknown loss {loss!r}; expected one of {LOSS_KINDS}")
@@ -138,13 +145,23 @@ def _check_loss_kind(loss: str, class_weight: Optional[Tensor], num_classes: int
         given += ["class_weight"] if class_weight is not None else []
         if given:
             raise ValueError(f"hugehead: loss='binary_cross_entropy' does not take {', '.join(given)}")
-    if class_weight is None:
-        return loss, None
-    if isinstance(class_weight, Tensor):
-        check_class_weight(class_weight, num_classes, class_weight.device)
-    else:
-        check_class_weight(class_weight, num_classes, torch.device("cpu"))
-    return loss, class_weight.detach().clone()
+    elif pos_weight is not None:
+        raise ValueError("hugehead: pos_weight is the positive term's weight of loss='binary_cross_entropy'; "
+                         "loss='cross_entropy' takes class_weight")
+    for name, value, check in (("class_weight", class_weight, check_class_weight),
+                               ("pos_weight", pos_weight, check_pos_weight)):
+        if value is not None:
+            check(value, num_classes, value.device if isinstance(value, Tensor) else torch.device("cpu"))
+    return loss
+
+
+def _missing_loss_buffers_hook(head, incompatible_keys) -> None:
+    """Load-state-dict post-hook: a checkpoint without ``class_weight`` / ``pos_weight`` (written before
+    they were buffers) loads, the head keeping its own (:func:`hugehead.checkpoint.optional_state_keys`
+    tells ``load_checkpoint`` the same)."""
+    prefix = getattr(head, "_load_prefix", "")
+    optional = {prefix + name for name in head.optional_state_keys}
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in optional]
 
 
 @torch.compiler.disable
@@ -195,7 +212,19 @@ class ChunkedClassifier(nn.Module):
             (one-vs-all, a sparse ``[N, V]`` target in [0, 1], as :func:`hugehead.linear_binary_cross_entropy`;
             no label smoothing, z-loss, softcap or class weights).
         class_weight: ``[V]`` floating class weights for ``"cross_entropy"`` (``F.cross_entropy``'s
-            ``weight``); kept as a plain tensor (not in ``state_dict()``), copied to ``x``'s device once.
+            ``weight``, for index and sparse targets).
+        pos_weight: ``[V]`` (or one-element) floating weights of the positive term for
+            ``"binary_cross_entropy"`` (``F.binary_cross_entropy_with_logits``'s ``pos_weight``).
+
+        Both are buffers of that name (copied at construction; None when not given): in ``state_dict()``
+        as ``class_weight`` / ``pos_weight`` beside the logical ``weight`` and ``bias``, so they load into
+        any placement (and in :func:`hugehead.checkpoint.save_checkpoint`'s directory; not in
+        :meth:`save_safetensors`'s file, which holds the weights); a checkpoint without them loads too
+        (the head keeps its own). They live on the
+        first shard's compute device (on every rank of a head spanning ranks) and are copied to ``x``'s
+        device when it differs (once, until they change). Like ``nn.CrossEntropyLoss``'s ``weight``, they
+        follow the head's dtype casts; an explicit placement keeps them on their device. Assigning a
+        tensor to ``head.class_weight`` (or ``pos_weight``) between steps changes the loss.
 
     Parameters are initialized with ``nn.Linear``'s distribution (uniform in ``±1/sqrt(D)``), on each
     shard's own device from a hash of ``(seed, class, feature)``: under the same ``torch.manual_seed``,
@@ -213,6 +242,9 @@ class ChunkedClassifier(nn.Module):
         RuntimeError, TypeError: ``process_group`` given without ``torch.distributed`` initialized, or not
             a process group. ValueError: the ranks built heads that differ (raised on every rank).
     """
+
+    # state_dict() entries a checkpoint may lack (hugehead.checkpoint.optional_state_keys).
+    optional_state_keys = LOSS_BUFFERS
 
     def __init__(
         self,
@@ -234,6 +266,7 @@ class ChunkedClassifier(nn.Module):
         process_group=None,
         loss: str = "cross_entropy",
         class_weight: Optional[Tensor] = None,
+        pos_weight: Optional[Tensor] = None,
     ):
         super().__init__()
         group = None
@@ -252,9 +285,10 @@ class ChunkedClassifier(nn.Module):
         memory_budget = check_memory_budget(memory_budget)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                               z_loss=z_loss, softcap=softcap)
-        self.loss, self.class_weight = _check_loss_kind(loss, class_weight, int(num_classes), options.label_smoothing,
-                                                        options.z_loss, options.softcap)
-        self._class_weight_on: Dict[torch.device, Tensor] = {}
+        self.loss = _check_loss_kind(loss, class_weight, pos_weight, int(num_classes), options.label_smoothing,
+                                     options.z_loss, options.softcap)
+        # (buffer name, device) -> (buffer, its version, its copy on that device): see _loss_buffer_on.
+        self._loss_buffer_copies: Dict[Tuple[str, torch.device], Tuple[Tensor, int, Tensor]] = {}
 
         self.in_features = int(in_features)
         self.num_classes = int(num_classes)
@@ -311,21 +345,34 @@ class ChunkedClassifier(nn.Module):
             self.engine.check_agreement(self.in_features, bias, dtype)
         self._pin_seconds = time.perf_counter() - t0
         self.reset_parameters()
+        # Class weights and pos_weight are buffers: [V] (pos_weight: or one element) on the first shard's
+        # compute device, the same tensor on every rank of a head spanning ranks (each rank prepares the
+        # target of its own rows, which may name any class); the per-entry weights made from them travel
+        # with the target's entries, so each shard and rank reads those of its columns only.
+        home = self.shards[0].compute_device
+        for name, value in (("class_weight", class_weight), ("pos_weight", pos_weight)):
+            self.register_buffer(name, None if value is None else value.detach().to(home, copy=True))
 
-        # Placement-independent state dicts: the logical weight [V, D] and bias [V] (checkpoint/head.py).
+        # Placement-independent state dicts: the logical weight [V, D] and bias [V] (checkpoint/head.py),
+        # and the loss buffers as they are.
         self.register_state_dict_post_hook(state_dict_hook)
         self.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(rename_missing_keys_hook)
+        self.register_load_state_dict_post_hook(_missing_loss_buffers_hook)
 
     def _apply(self, fn, recurse=True):
         if not self.placement_pinned:
             return super()._apply(fn, recurse)
+
+        loss_buffers = {id(b) for b in (self.class_weight, self.pos_weight) if b is not None}
 
         def keep_device(t: Tensor) -> Tensor:
             # What fn would make of a tensor like t tells the dtype it asks for; the device stays.
             probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
             if probe.dtype == t.dtype:
                 return t
+            if id(t) in loss_buffers:  # a small [V] tensor where it is, not the placement's parameter memory
+                return t.to(dtype=probe.dtype)
             return self.engine.cast_parameter(t, probe.dtype)
 
         return super()._apply(keep_device, recurse)
@@ -372,6 +419,10 @@ class ChunkedClassifier(nn.Module):
             options.append(f"z_loss={self.z_loss}")
         if self.softcap is not None:
             options.append(f"softcap={self.softcap}")
+        if self.loss != "cross_entropy":
+            options.append(f"loss={self.loss!r}")
+        options += [f"{name}=[{getattr(self, name).numel()}]" for name in LOSS_BUFFERS
+                    if getattr(self, name) is not None]
         return ", ".join([text, *options])
 
     @torch.no_grad()
@@ -452,18 +503,30 @@ class ChunkedClassifier(nn.Module):
                 device type, which computes in the autocast dtype (``x`` cast once, each weight chunk cast
                 in the loop; the Parameters keep their dtype and get gradients in it).
             target: ``[N]`` (``x``'s leading shape) int64 or int32 class ids in ``[0, V)`` or
-                ``ignore_index``, on ``x``'s device.
-            return_lse: also return the per-row log-sum-exp (differentiable).
+                ``ignore_index``, on ``x``'s device; or (``x [N, D]``) a sparse ``[N, V]``
+                ``torch.sparse_csr`` / ``torch.sparse_coo`` tensor of floating values on any device (or
+                :func:`hugehead.csr_target` of one, which ``torch.compile`` can carry): probability
+                targets (values ``>= 0``) for ``loss="cross_entropy"``, the one-vs-all target (values in
+                ``[0, 1]``, the only target it takes) for ``loss="binary_cross_entropy"``.
+            return_lse: also return the per-row log-sum-exp (differentiable; softmax heads).
         Returns:
             The loss on ``x``'s device — float32 (float64 for a float64 computation) — a scalar, or
-            ``target``'s shape for ``reduction="none"``; with ``return_lse``, ``(loss, lse)`` (``lse`` in
-            target's shape). First-order gradients only: differentiating them raises ``RuntimeError``.
+            ``target``'s shape for ``reduction="none"`` (``[N]`` for a sparse target; for one-vs-all the
+            per-row sums over the classes, not PyTorch's elementwise ``[N, V]``); with ``return_lse``,
+            ``(loss, lse)`` (``lse`` in target's shape). First-order gradients only: differentiating them
+            raises ``RuntimeError``.
+
+        Under ``torch.compile``, index targets without class weights stay in the graph (``fullgraph=True``
+        works); sparse targets, class weights and one-vs-all run eagerly as one graph break: dynamo does
+        not take sparse tensors, and the target's preparation (checks, sort, per-row sums) reads its data.
         Raises:
             ValueError: wrong shapes or D, a target out of range, x on another device type, target on
-                another device than x. TypeError: dtype mismatch outside autocast, an option of the wrong
-                type.
+                another device than x; a sparse target whose shape is not ``[N, V]``, with class ids outside
+                ``[0, V)`` or values out of range (checked before any kernel). TypeError: dtype mismatch
+                outside autocast, an option of the wrong type, a one-vs-all head given class ids.
         """
-        if self.loss != "cross_entropy" or self.class_weight is not None or is_sparse_target(target):
+        if (self.loss != "cross_entropy" or self.class_weight is not None or self.pos_weight is not None
+                or is_sparse_target(target)):
             return self._forward_prepared(x, target, return_lse)
         x = self._check_x(x, leading_dims=True)
         shape = tuple(x.shape[:-1])
@@ -508,10 +571,14 @@ class ChunkedClassifier(nn.Module):
             target = check_targets(target, self.num_classes, self.ignore_index)
         if return_lse and self.loss == "binary_cross_entropy":
             raise ValueError("hugehead: return_lse needs a softmax head; one-vs-all has no log-sum-exp")
+        # Buffers assigned after construction: the same rule as there.
+        _check_loss_kind(self.loss, self.class_weight, self.pos_weight, self.num_classes, self.label_smoothing,
+                         self.z_loss, self.softcap)
         prepared = prepare_target(
-            target, x.shape[0], self.num_classes, loss=self.loss, class_weight=self._class_weight_for(x.device),
-            label_smoothing=self.label_smoothing, ignore_index=self.ignore_index, dtype=acc_dtype(x.dtype),
-            device=x.device)
+            target, x.shape[0], self.num_classes, loss=self.loss,
+            class_weight=self._loss_buffer_on("class_weight", x.device),
+            pos_weight=self._loss_buffer_on("pos_weight", x.device), label_smoothing=self.label_smoothing,
+            ignore_index=self.ignore_index, dtype=acc_dtype(x.dtype), device=x.device)
         loss_rows, lse = ShardedLinearCrossEntropy.apply(self._spec(), x, prepared, *self._shard_params())
         loss = prepared.reduce(loss_rows, self.reduction)
         if shape is not None:
@@ -520,13 +587,18 @@ class ChunkedClassifier(nn.Module):
             lse = lse.view(shape)
         return (loss, lse) if return_lse else loss
 
-    def _class_weight_for(self, device: torch.device) -> Optional[Tensor]:
-        """The class weights on ``device`` (copied there once)."""
-        if self.class_weight is None:
-            return None
-        if device not in self._class_weight_on:
-            self._class_weight_on[device] = self.class_weight.to(device)
-        return self._class_weight_on[device]
+    def _loss_buffer_on(self, name: str, device: torch.device) -> Optional[Tensor]:
+        """Buffer ``name`` (``class_weight`` / ``pos_weight``) on ``device``: itself, or a copy made once and
+        made again when the buffer is replaced or changed in place (``load_state_dict`` copies into it)."""
+        buffer = getattr(self, name)
+        if buffer is None or buffer.device == device:
+            return buffer
+        key = (name, device)
+        hit = self._loss_buffer_copies.get(key)
+        if hit is None or hit[0] is not buffer or hit[1] != buffer._version:
+            hit = (buffer, buffer._version, buffer.detach().to(device))
+            self._loss_buffer_copies[key] = hit
+        return hit[2]
 
     @torch.no_grad()
     def topk(self, x: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:

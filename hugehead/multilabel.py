@@ -171,17 +171,23 @@ class PreparedTarget:
 
 
 def prepare_target(target: Tensor, num_rows: int, num_classes: int, *, loss: str, class_weight: Optional[Tensor],
-                   label_smoothing: float, ignore_index: int, dtype: torch.dtype,
-                   device: torch.device) -> PreparedTarget:
+                   label_smoothing: float, ignore_index: int, dtype: torch.dtype, device: torch.device,
+                   pos_weight: Optional[Tensor] = None) -> PreparedTarget:
     """:class:`PreparedTarget` of a head's loss ``"cross_entropy"`` (sparse probability target, or index
-    targets with ``class_weight``) or ``"binary_cross_entropy"`` (sparse target in [0, 1]).
+    targets with ``class_weight``) or ``"binary_cross_entropy"`` (sparse target in [0, 1], ``pos_weight``
+    ``[V]`` or one element, folded into per-entry weights that travel with the entries: a shard or rank
+    reads the weights of its columns only).
 
     Raises:
-        TypeError, ValueError: as :func:`hugehead.sparse.prepare` and :func:`hugehead.sparse.check_class_weight`.
+        TypeError, ValueError: as :func:`hugehead.sparse.prepare`, :func:`hugehead.sparse.check_class_weight`
+            and :func:`hugehead.sparse.check_pos_weight`.
     """
     if loss == "binary_cross_entropy":
-        return PreparedTarget(binary_target(target, num_rows, num_classes, None, dtype, device), "binary", None,
-                              num_classes)
+        if pos_weight is not None:
+            sparse.check_pos_weight(pos_weight, num_classes, pos_weight.device if isinstance(pos_weight, Tensor)
+                                    else device)
+        return PreparedTarget(binary_target(target, num_rows, num_classes, pos_weight, dtype, device), "binary",
+                              None, num_classes)
     sparse.check_class_weight(class_weight, num_classes, class_weight.device if class_weight is not None else device)
     chunk, rows = softmax_target(target, num_rows, num_classes, class_weight=class_weight,
                                  label_smoothing=label_smoothing, ignore_index=ignore_index, dtype=dtype, device=device)
@@ -235,27 +241,13 @@ def _no_autocast(device: torch.device):
 def _backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, label_smoothing, z_loss, softcap,
                            chunk_size, memory_budget, need_x, need_weight, grad_lse):
     """``(dX, dW, db)`` of one device's loss, recomputing the logits chunk by chunk (or from ``kept``)."""
-    from .loop import ResidentChunks, kept_plan, shard_backward
+    from .loop import kept_plan, whole_head_backward
     from .plan import shard_oom_guard
 
-    acc = ops.acc_dtype(x.dtype)
-    keep = kept.numel() > 0
-    plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
+    plan = kept_plan(kept) if kept.numel() > 0 else _plan(x, weight, chunk_size, memory_budget, False)
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, memory_budget or None):
-        direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
-        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if (need_x and not direct) else None
-        grad_w, grad_b = shard_backward(
-            x, ResidentChunks(weight, bias, x.dtype), chunk_target, 0, weight.shape[0], lse, grad_rows,
-            _options(label_smoothing, z_loss, softcap), plan, grad_x, need_weight, kept=kept if keep else None,
-            grad_lse=grad_lse,
-        )
-        if need_x and direct:
-            grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
-    return (
-        grad_x.to(x.dtype) if grad_x is not None else x.new_empty(0),
-        grad_w if grad_w is not None else x.new_empty(0),
-        grad_b if grad_b is not None else x.new_empty(0),
-    )
+        return whole_head_backward(x, weight, bias, chunk_target, lse, grad_rows,
+                                   _options(label_smoothing, z_loss, softcap), plan, need_x, need_weight, kept, grad_lse)
 
 
 def _forward_through_loop(x, weight, bias, chunk_target, softcap, chunk_size, memory_budget, keep_logits):
@@ -574,13 +566,15 @@ def linear_binary_cross_entropy(
             dtype as ``x`` outside ``torch.autocast``; under autocast computed in its dtype, as
             :func:`hugehead.linear_cross_entropy`).
         target: sparse ``[N, V]`` (``torch.sparse_csr`` or ``torch.sparse_coo``, any device) with floating
-            values in ``[0, 1]``; absent entries are 0.
+            values in ``[0, 1]``; absent entries are 0. Or that target converted by :func:`hugehead.csr_target`.
         pos_weight: ``[V]`` (or one-element) weight of the positive term, as in PyTorch; None for 1.
         reduction: ``"mean"`` (over all ``N·V`` logits), ``"sum"``, or ``"none"``: the per-row sums ``[N]``
             over the classes (not PyTorch's elementwise ``[N, V]``, which this function exists to avoid).
         chunk_size, memory_budget: as for :func:`hugehead.linear_cross_entropy`.
 
-    Under ``torch.compile`` it runs eagerly, as one graph break (the target's preparation reads the data).
+    Under ``torch.compile`` it runs eagerly, as one graph break (the target's preparation reads the data;
+    dynamo does not take sparse tensors at all: a compiled function called with one runs eagerly, whole,
+    which :func:`hugehead.csr_target` avoids).
     With ``"mean"``/``"sum"`` and gradients wanted the gradients are produced
     in the forward, in the same pass as the loss, and the backward only scales them: the step costs three
     GEMMs instead of four, and ``weight``'s gradient (its size) lives from the forward to the backward.

@@ -2,8 +2,9 @@
 slices, and the per-row algebra of the two losses that read them (DESIGN.md, "Sparse targets").
 
 A user's target is a ``torch.sparse_csr`` or ``torch.sparse_coo`` tensor of shape ``[N, V]`` with floating
-values (absent entries are 0). :func:`prepare` checks it before any kernel runs and returns a
-:class:`CsrTarget`: row pointers, columns sorted ascending and distinct within each row (COO is coalesced,
+values (absent entries are 0), or one already converted by :func:`csr_target` (a :class:`CsrTarget`, which
+holds only dense tensors: ``torch.compile`` can carry it into a compiled model, where it does not take
+sparse tensors). :func:`prepare` checks it before any kernel runs and returns a :class:`CsrTarget`: row pointers, columns sorted ascending and distinct within each row (COO is coalesced,
 duplicates summed as ``to_dense`` would), values in the accumulation dtype, on the compute device. The
 kernels find a row's entries in a chunk by binary search on those columns; a shard takes only its columns
 (:meth:`CsrTarget.columns`).
@@ -18,13 +19,14 @@ rows not ignored (:func:`index_target`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "CsrTarget",
+    "csr_target",
     "is_sparse_target",
     "prepare",
     "index_target",
@@ -36,8 +38,9 @@ _SPARSE_LAYOUTS = (torch.sparse_csr, torch.sparse_coo)
 
 
 def is_sparse_target(target) -> bool:
-    """True for a ``torch.sparse_csr`` / ``torch.sparse_coo`` tensor (the multi-label target forms)."""
-    return isinstance(target, Tensor) and target.layout in _SPARSE_LAYOUTS
+    """True for a ``torch.sparse_csr`` / ``torch.sparse_coo`` tensor or a :class:`CsrTarget` (the
+    multi-label target forms)."""
+    return isinstance(target, CsrTarget) or (isinstance(target, Tensor) and target.layout in _SPARSE_LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -112,18 +115,21 @@ def prepare(
 
     Args:
         target: ``torch.sparse_csr`` or ``torch.sparse_coo`` tensor ``[N, V]`` with floating-point values
-            (absent entries are 0); duplicate COO entries are summed, as ``to_dense`` does.
-        kind: ``"probability"`` (softmax: values must be >= 0) or ``"binary"`` (one-vs-all: values in
-            ``[0, 1]``).
+            (absent entries are 0); duplicate COO entries are summed, as ``to_dense`` does. Or a
+            :class:`CsrTarget` of ``[N, V]`` (from :func:`csr_target`), checked again the same way.
+        kind: ``"probability"`` (softmax: values must be >= 0), ``"binary"`` (one-vs-all: values in
+            ``[0, 1]``) or None (no rule on the values: :func:`csr_target`).
         dtype: accumulation dtype the values are converted to; device: where the kernels run.
     Returns:
         A :class:`CsrTarget` on ``device``.
     Raises:
         TypeError: not a sparse CSR/COO tensor, or non-floating values.
         ValueError: shape not ``[N, V]``, a class id outside ``[0, V)``, a negative value (probability
-            targets) or one outside ``[0, 1]`` (binary targets). Checked before any kernel (one small
-            device-to-host read).
+            targets) or one outside ``[0, 1]`` (binary targets); a :class:`CsrTarget` whose row pointers
+            do not delimit its entries. Checked before any kernel (one small device-to-host read).
     """
+    if isinstance(target, CsrTarget):
+        return _prepare_converted(target, num_rows, num_classes, kind, dtype, device)
     if not is_sparse_target(target):
         raise TypeError(
             f"hugehead: a multi-label target must be a torch.sparse_csr or torch.sparse_coo tensor, got "
@@ -147,13 +153,27 @@ def prepare(
         counts = crow_in[1:] - crow_in[:-1]
         row = torch.repeat_interleave(torch.arange(num_rows, device=crow_in.device), counts,
                                       output_size=col.shape[0])
+    return _to_csr(row, col, val, num_rows, num_classes, kind, dtype, device)
+
+
+def _to_csr(row: Tensor, col: Tensor, val: Tensor, num_rows: int, num_classes: int, kind: Optional[str],
+            dtype: torch.dtype, device: torch.device, bad_crow: Optional[Tensor] = None) -> CsrTarget:
+    """Entries ``(row, col, val)`` checked, sorted by ``(row, col)`` with duplicates summed, as CSR.
+    ``bad_crow``: a 0-d flag of a converted target's row pointers, read with the other checks."""
     row, col = row.to(device=device, dtype=torch.int64), col.to(device=device, dtype=torch.int64)
     val = val.to(device=device, dtype=dtype)
     key = row * num_classes + col
-    # One host read for the three questions: any entry out of range, any bad value, keys out of order.
+    # One host read for the questions: any entry out of range, any bad value, keys out of order (and a
+    # converted target's row pointers).
     bad_index = (col < 0) | (col >= num_classes) | (row < 0) | (row >= num_rows)
-    flags = torch.stack([bad_index.any(), _bad_values(val, kind).any(),
-                         (key[1:] <= key[:-1]).any() if key.numel() > 1 else bad_index.new_zeros(())]).tolist()
+    checks = [bad_index.any(), _bad_values(val, kind).any(),
+              (key[1:] <= key[:-1]).any() if key.numel() > 1 else bad_index.new_zeros(())]
+    if bad_crow is not None:
+        checks.append(bad_crow.to(device))
+    flags = torch.stack(checks).tolist()
+    if bad_crow is not None and flags[3]:
+        raise ValueError(f"hugehead: a CsrTarget's crow must be [N + 1]=[{num_rows + 1}] non-decreasing offsets from "
+                         f"0 to its {col.shape[0]} entries")
     if flags[0] or flags[1]:
         _check_entries(row, col, val, num_rows, num_classes, kind)
     # Columns sorted within rows, duplicates merged: one sort of the (row, col) keys when out of order.
@@ -184,7 +204,9 @@ def _check_entries(row: Tensor, col: Tensor, val: Tensor, num_rows: int, num_cla
     _check_range(val, kind)
 
 
-def _bad_values(val: Tensor, kind: str) -> Tensor:
+def _bad_values(val: Tensor, kind: Optional[str]) -> Tensor:
+    if kind is None:
+        return torch.zeros(val.shape, dtype=torch.bool, device=val.device)
     if kind == "probability":
         return val < 0
     if kind == "binary":
@@ -199,6 +221,57 @@ def _check_range(val: Tensor, kind: str) -> None:
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
         raise ValueError(f"hugehead: {what}; got {float(val[first])} (entry {first})")
+
+
+def _prepare_converted(target: CsrTarget, num_rows: int, num_classes: int, kind: Optional[str], dtype: torch.dtype,
+                       device: torch.device) -> CsrTarget:
+    """:func:`prepare` of a :class:`CsrTarget`: its entries checked again (it may have been built by hand)."""
+    if (target.num_rows, target.num_classes) != (num_rows, num_classes):
+        raise ValueError(f"hugehead: sparse target must be [N, V]=[{num_rows}, {num_classes}], got a CsrTarget of "
+                         f"[{target.num_rows}, {target.num_classes}]")
+    crow, col, val = target.crow, target.col, target.val
+    for name, t in (("crow", crow), ("col", col)):
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"hugehead: a CsrTarget's {name} must be a 1-D int64 tensor, got {t.dtype} "
+                            f"{tuple(t.shape)}")
+    if not val.dtype.is_floating_point:
+        raise TypeError(f"hugehead: sparse target values must be floating point, got {val.dtype}")
+    if val.shape != col.shape:
+        raise ValueError(f"hugehead: a CsrTarget's val {tuple(val.shape)} and col {tuple(col.shape)} differ in shape")
+    crow = crow.to(device=col.device, dtype=torch.int64)
+    nnz = col.shape[0]
+    bad_crow = (crow[0] != 0) | (crow[-1] != nnz) | (crow[1:] < crow[:-1]).any()
+    # Each entry's row from the pointers (no size read from the data; wrong pointers are caught above).
+    row = torch.searchsorted(crow[1:], torch.arange(nnz, device=col.device), right=True)
+    return _to_csr(row, col, val, num_rows, num_classes, kind, dtype, device, bad_crow=bad_crow)
+
+
+def csr_target(target: Tensor, *, device: Optional[Union[str, torch.device]] = None) -> CsrTarget:
+    """A sparse ``[N, V]`` target converted once, ahead of the step: what the losses take in its place.
+
+    Use it to carry a multi-label target into ``torch.compile``: dynamo does not take sparse tensors, so a
+    compiled model called with one runs eagerly, whole; called with the :class:`CsrTarget` (dense tensors
+    only) it compiles everything but the loss's target preparation, one graph break
+    (``head(x, csr_target(t))`` with ``t`` from the data loader). The losses check it again (one host read).
+
+    Args:
+        target: ``torch.sparse_csr`` or ``torch.sparse_coo`` ``[N, V]`` with floating values (COO
+            duplicates summed, as ``to_dense`` does).
+        device: where the result lives (default: the target's device), e.g. the device of ``x``.
+    Returns:
+        A :class:`CsrTarget`, values in the target's dtype, columns sorted within rows.
+    Raises:
+        TypeError: not a sparse CSR/COO tensor, non-floating values. ValueError: not 2-D, class ids
+            outside ``[0, V)``.
+    """
+    if not (isinstance(target, Tensor) and target.layout in _SPARSE_LAYOUTS):
+        raise TypeError(f"hugehead: csr_target takes a torch.sparse_csr or torch.sparse_coo tensor, got "
+                        f"{getattr(target, 'layout', type(target))}")
+    if target.dim() != 2:
+        raise ValueError(f"hugehead: a sparse target must be [N, V], got shape {tuple(target.shape)}")
+    n, v = target.shape
+    return prepare(target, n, v, kind=None, dtype=target.dtype,
+                   device=target.device if device is None else torch.device(device))
 
 
 def index_target(target: Tensor, valid: Tensor, num_classes: int, dtype: torch.dtype) -> CsrTarget:

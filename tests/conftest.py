@@ -1,6 +1,9 @@
 """Shared test helpers: device/dtype parametrization, markers that skip without the hardware (asking the
 dispatcher whether CUDA kernels were built, not guessing from the environment), float64 references."""
+import importlib.util
 import os
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +42,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str, module_name: str = None):
+    """``examples/<name>.py`` imported as a module (its ``main`` and helpers callable from a test)."""
+    spec = importlib.util.spec_from_file_location(module_name or name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fail_next_mm(monkeypatch, message: str = "out of memory (simulated)"):
+    """The next ``torch.mm`` (the chunk loop's first GEMM) raises ``torch.OutOfMemoryError(message)``; later
+    ones run. Returns a function that arms it again."""
+    real_mm, calls = torch.mm, {"n": 0}
+
+    def failing_mm(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError(message)
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", failing_mm)
+    return lambda: calls.update(n=0)
+
+
+def host_syncs_of_step(forward):
+    """``loss = forward()`` then ``loss.backward()`` under ``torch.cuda.set_sync_debug_mode("warn")``:
+    ``(synchronizations in the forward, the messages of all of them)``. Only the "called a synchronizing
+    CUDA operation" warnings count (torch also warns once that the debug mode itself is a prototype)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loss = forward()
+            forward_syncs = sum("called a synchronizing" in str(w.message) for w in caught)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return forward_syncs, [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

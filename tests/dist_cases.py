@@ -43,6 +43,15 @@ LOSS_CASES: Dict[str, dict] = {
     "index_weighted": dict(v=19, rows=[5, 7, 3], bias=False, reduction="mean", target_kind="index",
                            class_weight=True, label_smoothing=0.2, chunk_size=5),
     "binary": dict(v=25, rows=[4, 6, 5], bias=True, reduction="mean", target_kind="binary", chunk_size=6),
+    # The other reductions: per-row losses and the lse of a sparse target over two local shards per rank;
+    # one-vs-all with pos_weight ([V], and one element) summed and per row (each rank's entries weighted by
+    # the pos_weight of their columns).
+    "sparse_none_lse": dict(v=26, rows=[5, 7, 4], bias=True, reduction="none", target_kind="sparse",
+                            return_lse=True, local_shards=2, rank_sizes=[9, 6, 11], chunk_size=4),
+    "binary_pos_weight_sum": dict(v=23, rows=[6, 3, 5], bias=True, reduction="sum", target_kind="binary",
+                                  pos_weight="vector", local_shards=2, chunk_size=5),
+    "binary_pos_weight_none": dict(v=21, rows=[4, 0, 6], bias=False, reduction="none", target_kind="binary",
+                                   pos_weight="scalar", chunk_size=4),
 }
 TOPK_V = 19
 
@@ -56,20 +65,21 @@ def rank_sizes(case: dict, world: int) -> Optional[List[int]]:
     return sizes
 
 
-def case_weights(case: dict):
-    """The logical weight ``[V, D]`` and bias ``[V]`` (or None) of a case, float64."""
+def case_weights(case: dict, d: int = D):
+    """The logical weight ``[V, d]`` and bias ``[V]`` (or None) of a case, float64 (tests/dtensor_cases.py's
+    cases too, with their own ``d``)."""
     g = torch.Generator().manual_seed(case["v"])
-    w = torch.randn(case["v"], D, generator=g, dtype=torch.float64)
+    w = torch.randn(case["v"], d, generator=g, dtype=torch.float64)
     b = torch.randn(case["v"], generator=g, dtype=torch.float64) if case.get("bias") else None
     return w, b
 
 
-def case_inputs(case: dict, rank: int):
-    """Rank ``rank``'s ``x [N_r, D]``, ``target [N_r]`` and the coefficients of its objective: ``c`` (on
+def case_inputs(case: dict, rank: int, d: int = D):
+    """Rank ``rank``'s ``x [N_r, d]``, ``target [N_r]`` and the coefficients of its objective: ``c`` (on
     the loss: scalar, or ``[N_r]`` for reduction none) and ``e`` (``[N_r]``, on the lse)."""
     n = case["rows"][rank]
     g = torch.Generator().manual_seed(1000 * rank + case["v"])
-    x = torch.randn(n, D, generator=g, dtype=torch.float64) * 2
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) * 2
     target = torch.randint(0, case["v"], (n,), generator=g)
     ignore = case.get("ignore_index", -100)
     if case.get("all_ignored_rank") == rank:
@@ -93,6 +103,15 @@ def case_class_weight(case: dict) -> Optional[torch.Tensor]:
     return torch.rand(case["v"], generator=torch.Generator().manual_seed(77), dtype=torch.float64) + 0.5
 
 
+def case_pos_weight(case: dict) -> Optional[torch.Tensor]:
+    kind = case.get("pos_weight")
+    if kind is None:
+        return None
+    if kind == "scalar":
+        return torch.tensor([2.5], dtype=torch.float64)
+    return torch.rand(case["v"], generator=torch.Generator().manual_seed(78), dtype=torch.float64) * 3
+
+
 def case_target(case: dict, target: torch.Tensor, device) -> torch.Tensor:
     """What a rank passes to the head: class ids, or the dense target as a (shuffled-free) COO tensor."""
     if case.get("target_kind") in ("sparse", "binary"):
@@ -107,6 +126,8 @@ def head_kwargs(case: dict) -> dict:
         out["loss"] = "binary_cross_entropy"
     if case.get("class_weight"):
         out["class_weight"] = case_class_weight(case)
+    if case.get("pos_weight"):
+        out["pos_weight"] = case_pos_weight(case)
     return out
 
 

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import dist_cases
+
 D = 5
 
 # Loss cases. layout: "fsdp" (rows differ per rank, weight Shard(0)), "tp" (x a Replicate() DTensor, the
@@ -47,25 +49,15 @@ LOSS_CASES: Dict[str, dict] = {
 
 
 def case_weights(case: dict):
-    g = torch.Generator().manual_seed(case["v"])
-    w = torch.randn(case["v"], D, generator=g, dtype=torch.float64)
-    b = torch.randn(case["v"], generator=g, dtype=torch.float64) if case.get("bias") else None
-    return w, b
+    """The logical weight ``[V, D]`` and bias ``[V]`` (or None) of a case, float64 (as tests/dist_cases.py's)."""
+    return dist_cases.case_weights(case, D)
 
 
 def case_inputs(case: dict, rank: int):
     """Rank ``rank``'s ``x [N_r, D]``, ``target [N_r]`` and its objective's coefficients ``c`` (on the
-    loss) and ``e`` (``[N_r]``, on the lse). With layout "tp" every rank has rank 0's rows."""
-    if case["layout"] == "tp":
-        rank = 0
-    n = case["rows"][rank]
-    g = torch.Generator().manual_seed(1000 * rank + case["v"])
-    x = torch.randn(n, D, generator=g, dtype=torch.float64) * 2
-    target = torch.randint(0, case["v"], (n,), generator=g)
-    target[1::3] = case.get("ignore_index", -100)
-    c = torch.rand(n if case["reduction"] == "none" else (), generator=g, dtype=torch.float64) + 0.5
-    e = torch.randn(n, generator=g, dtype=torch.float64)
-    return x, target, c, e
+    loss) and ``e`` (``[N_r]``, on the lse), drawn as tests/dist_cases.py draws them. With layout "tp"
+    every rank has rank 0's rows."""
+    return dist_cases.case_inputs(case, 0 if case["layout"] == "tp" else rank, D)
 
 
 def loss_options(case: dict) -> dict:

@@ -3,7 +3,6 @@ single-process float64 reference: every rank's loss and lse, every rank's dX, ev
 (of the mean over ranks of their losses), top-k and log_prob, checkpoints across world sizes, one DDP
 step. gloo with 2 and 3 spawned CPU processes (each world spawned once for all its jobs, see
 tests/dist_cases.py); the same jobs on NCCL with 2 GPUs where there are two."""
-import importlib.util
 import math
 import os
 import re
@@ -24,7 +23,7 @@ from hugehead.engines.distributed import rank_class_ranges
 
 import dist_cases
 from dist_cases import D, LOSS_CASES, TOPK_V, case_inputs, case_weights, ddp_case, ddp_inputs
-from conftest import rel_err, requires_multigpu
+from conftest import load_example, rel_err, requires_multigpu
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -92,8 +91,10 @@ def reference_loss_case(name, world):
         kind = case.get("target_kind")
         if kind is None:
             loss = reference.linear_cross_entropy(x, w, target, b, **options)
-        elif kind == "binary":
-            loss = F.binary_cross_entropy_with_logits(F.linear(x, w, b), target, reduction=case["reduction"])
+        elif kind == "binary":  # reduction "none": hugehead's per-row sums
+            loss = F.binary_cross_entropy_with_logits(F.linear(x, w, b), target, pos_weight=dist_cases.case_pos_weight(case),
+                                                      reduction=case["reduction"])
+            loss = loss.sum(1) if case["reduction"] == "none" else loss
         else:  # F.cross_entropy with class weights (index or dense probability targets), plus the z-loss
             z = F.linear(x, w, b)
             loss = F.cross_entropy(z, target, weight=dist_cases.case_class_weight(case),
@@ -333,10 +334,7 @@ def test_lightning_ddp_example_fit_and_test_on_cpu(tmp_path):
         out).groups())
     assert loss < math.log(2000) - 2 and acc1 > 0.2 and acc1 > base1 + 0.1 and acc5 >= acc1, out
     # The baseline: the test rows whose class is among the 1 (5) most frequent training classes.
-    spec = importlib.util.spec_from_file_location("ddp_train_example", EXAMPLES / "ddp_train.py")
-    ddp_train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ddp_train)
-    synthetic_batch = ddp_train.synthetic_batch
+    synthetic_batch = load_example("ddp_train", "ddp_train_example").synthetic_batch
     gen = torch.Generator().manual_seed(1)
     train = synthetic_batch(30 * 64 * 2, 2000, 64, 1.3, 0.5, gen, torch.device("cpu"))[1]
     test = synthetic_batch(512, 2000, 64, 1.3, 0.5, gen, torch.device("cpu"))[1]

@@ -3,32 +3,24 @@ the test reports accuracy@1 and @5 from the head's top-k (checked against the fl
 trained model) beside the always-most-frequent baseline, the head keeps its two shards, Lightning-style moves of the module leave the head's shards in place, the
 precisions build the head in the right dtype, and a fit resumed from a checkpoint (sharded directory or
 Lightning file) ends bitwise where an uninterrupted fit does."""
-import importlib.util
 import math
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_example
+
 pytest.importorskip("lightning", reason="examples/lightning_6m.py needs PyTorch Lightning (pip install lightning)")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_6m.py"
 # Lightning's own deprecation warning, raised inside its loops.
 pytestmark = pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("lightning_6m", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def example():
-    return _load_example()
+    return load_example("lightning_6m")
 
 
 def test_cpu_smoke_fit_then_test(example, capsys):

@@ -13,7 +13,7 @@ import hugehead
 from hugehead import reference
 from hugehead.functional import loss_dtype, plan_chunks
 
-from conftest import DEVICES, FLOAT_DTYPES, requires_cuda, rel_err
+from conftest import DEVICES, FLOAT_DTYPES, fail_next_mm, requires_cuda, rel_err
 
 REDUCTIONS = ["mean", "sum", "none"]
 LAYOUTS = ["contiguous", "transposed", "col_sliced", "row_sliced"]
@@ -689,29 +689,18 @@ def test_out_of_memory_in_the_loop_names_shard_and_budget_and_the_next_step_work
     """An allocation failure inside the chunk loop (simulated on CPU: the first GEMM raises torch's
     OutOfMemoryError) surfaces as an OutOfMemoryError naming the shard, its device, the workspace and
     memory_budget — from the functional op and from a module shard — and the next call succeeds."""
-    import hugehead.loop as loop
-
     torch.manual_seed(13)
     x = torch.randn(6, 5, dtype=torch.float64)
     w = torch.randn(40, 5, dtype=torch.float64)
     target = torch.randint(0, 40, (6,))
-    real_mm = torch.mm
-    calls = {"n": 0}
-
-    def failing_mm(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB (simulated)")
-        return real_mm(*args, **kwargs)
-
-    monkeypatch.setattr(loop.torch, "mm", failing_mm)
+    rearm = fail_next_mm(monkeypatch, "CUDA out of memory. Tried to allocate 64.00 GiB (simulated)")
     with pytest.raises(torch.OutOfMemoryError, match=r"shard 0 \(classes \[0, 40\)\) on cpu .*memory_budget"):
         hugehead.linear_cross_entropy(x, w, target, chunk_size=8)
     expected = reference.linear_cross_entropy(x, w, target)
     assert_rel(hugehead.linear_cross_entropy(x, w, target, chunk_size=8), expected, 1e-12, "after OOM")
 
     head = hugehead.ChunkedClassifier(5, 40, bias=False, devices=["cpu", "cpu"], dtype=torch.float64, chunk_size=8)
-    calls["n"] = 0
+    rearm()
     with pytest.raises(torch.OutOfMemoryError, match=r"shard 0 \(classes \[0, 20\)\) on cpu"):
         head(x, target)
     assert torch.isfinite(head(x, target))

@@ -1,29 +1,21 @@
 """examples/hf_bert_6m.py in its CPU smoke mode: a patched BertForSequenceClassification fits in Lightning
 (the loss falls), the head keeps its two CPU shards, and the test's accuracy@k equals top-k of the full
 logits of the trained model."""
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_example
+
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_bert_6m.py"
 pytestmark = pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("hf_bert_6m", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cpu_smoke_fit_then_test_with_accuracy_at_k():
-    example = _load_example()
+    example = load_example("hf_bert_6m")
     argv = ["--cpu", "--classes", "500", "--dim", "32", "--steps", "12", "--batch", "32", "--test-size", "96",
             "--head-lr", "1e-2", "--no-progress"]
     result = example.main(argv)

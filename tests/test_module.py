@@ -2,7 +2,6 @@
 every shard's gradients over shard layouts, reductions and options; optimizer steps; initialization;
 streaming top-k and log_prob; placement-independent state dicts and safetensors files; input errors.
 CPU shards everywhere (devices may repeat); CUDA and multi-GPU variants skip without the hardware."""
-import warnings
 
 import math
 
@@ -13,7 +12,7 @@ from torch import nn
 import hugehead
 from hugehead import reference
 
-from conftest import NUM_GPUS, rel_err, requires_cuda, requires_multigpu
+from conftest import NUM_GPUS, host_syncs_of_step, rel_err, requires_cuda, requires_multigpu
 
 D, V = 8, 37
 LAYOUTS = [[37], [10, 27], [5, 20, 12]]
@@ -515,19 +514,7 @@ def test_cuda_backward_has_no_host_sync():
     head = make_head([20, 17], devices=["cuda", "cuda"], chunk_size=None, dtype=torch.float32)
     x = torch.randn(64, D, device="cuda", requires_grad=True)
     target = torch.randint(0, V, (64,), device="cuda")
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            loss = head(x, target)  # check_targets: the step's one synchronization
-            forward_syncs = sum("called a synchronizing" in str(w.message) for w in caught)
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # Only the "called a synchronizing CUDA operation" warnings count (torch also warns once that the
-    # debug mode itself is a prototype).
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    forward_syncs, syncs = host_syncs_of_step(lambda: head(x, target))  # check_targets: the step's one sync
     assert forward_syncs <= 1 and len(syncs) == forward_syncs, syncs
 
 

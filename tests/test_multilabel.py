@@ -4,6 +4,8 @@ probability target / weight=, F.binary_cross_entropy_with_logits): every reducti
 gradients of x, weight and bias, empty rows, a row with every label, unsorted duplicate-free COO input,
 ignored rows with class weights; the streamed, kept-logits and gradient-in-forward paths; bad inputs;
 autocast; torch.compile; opcheck of the registered ops."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -360,26 +362,32 @@ def _head_grads(head):
     return w, b
 
 
+POS_WEIGHT = torch.rand(V, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 3
+
+
 @pytest.mark.parametrize("placement", _placements())
-@pytest.mark.parametrize("kind", ["sparse", "sparse_weighted", "index_weighted", "binary"])
+@pytest.mark.parametrize("kind", ["sparse", "sparse_weighted", "index_weighted", "binary", "binary_pos_weight"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_head_multilabel_losses_match_dense_pytorch(placement, kind, reduction):
     device = torch.device(placement["devices"][0])
     kwargs = dict(reduction=reduction, chunk_size=64)
     cw = torch.rand(V, generator=torch.Generator().manual_seed(5), dtype=torch.float64) + 0.5
-    if kind == "binary":
+    binary = kind.startswith("binary")
+    pw = POS_WEIGHT if kind == "binary_pos_weight" else None
+    if binary:
         kwargs["loss"] = "binary_cross_entropy"
+        kwargs["pos_weight"] = pw
     else:
         kwargs.update(label_smoothing=0.1)
         if kind != "sparse":
             kwargs["class_weight"] = cw
         if kind == "sparse":
-            kwargs["z_loss"] = 1e-3
+            kwargs.update(z_loss=1e-3, softcap=5.0)
     torch.manual_seed(0)
     head = hugehead.ChunkedClassifier(D, V, dtype=torch.float64, **placement, **kwargs)
     x = torch.randn(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
-    t = make_target(binary=kind == "binary")
-    if kind == "binary":
+    t = make_target(binary=binary)
+    if binary:
         t = t.clamp(max=1.0)
     y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(2))
     y[[3, 8]] = -100
@@ -390,14 +398,14 @@ def test_head_multilabel_losses_match_dense_pytorch(placement, kind, reduction):
     w, b = (p.requires_grad_() for p in _logical(head))
     xr = x.detach().cpu().requires_grad_()
     z = F.linear(xr, w, b)
-    if kind == "binary":
-        ref = F.binary_cross_entropy_with_logits(z, t, reduction=reduction)
+    if binary:
+        ref = F.binary_cross_entropy_with_logits(z, t, pos_weight=pw, reduction=reduction)
         ref = ref.sum(1) if reduction == "none" else ref
     elif kind == "index_weighted":
         ref = F.cross_entropy(z, y, weight=cw, label_smoothing=0.1, reduction=reduction)
     else:
         ref = reference_softmax(xr, w, b, t, class_weight=None if kind == "sparse" else cw, reduction=reduction,
-                                label_smoothing=0.1, z_loss=kwargs.get("z_loss", 0.0))
+                                label_smoothing=0.1, z_loss=kwargs.get("z_loss", 0.0), softcap=kwargs.get("softcap"))
     (ref * torch.linspace(0.5, 1.5, N, dtype=torch.float64) if reduction == "none" else ref).sum().backward()
     assert rel_err(loss, ref) <= 1e-10
     gw, gb = _head_grads(head)
@@ -420,6 +428,26 @@ def test_head_rejects_bad_loss_options():
         head(x, torch.zeros(N, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         head(x, _coo([[0], [1]], [2.0]))
+
+
+def test_head_one_vs_all_under_cpu_autocast():
+    """bf16 compute from float32 parameters, float32 loss and gradients, close to float64."""
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(D, V, devices=["cpu", "cpu"], chunk_size=100, loss="binary_cross_entropy",
+                                      pos_weight=POS_WEIGHT.float())
+    x = torch.randn(N, D, requires_grad=True)
+    t = make_target(binary=True).clamp(max=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = head(x, t.float().to_sparse_coo())
+    loss.backward()
+    assert loss.dtype == torch.float32 and head.shards[1].weight.grad.dtype == torch.float32
+    assert x.grad.dtype == torch.float32
+    w, b = (p.double().requires_grad_() for p in _logical(head))
+    xr = x.detach().double().requires_grad_()
+    ref = F.binary_cross_entropy_with_logits(F.linear(xr, w, b), t, pos_weight=POS_WEIGHT)
+    ref.backward()
+    gw, _ = _head_grads(head)
+    assert rel_err(loss, ref) < 1e-2 and rel_err(gw, w.grad) < 3e-2 and rel_err(x.grad, xr.grad) < 3e-2
 
 
 def test_head_autocast_and_compile_with_sparse_target():
@@ -464,3 +492,311 @@ def test_demo_multilabel_trains_and_reports_precision(tmp_path, loss):
         assert 0.0 <= final[key] <= 1.0
     if loss == "softmax":  # learned within 40 steps: above always-most-frequent at precision@1
         assert final["eval_precision_at_1"] > final["chance_most_frequent"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss buffers (class_weight, pos_weight): state_dict in every placement, old checkpoints, casts
+# --------------------------------------------------------------------------------------------------
+def _loss_head(kind, devices, shard_sizes=None, weights=True, **kwargs):
+    torch.manual_seed(0)
+    if kind == "binary":
+        kwargs.update(loss="binary_cross_entropy", pos_weight=POS_WEIGHT.clone() if weights else None)
+    else:
+        kwargs.update(class_weight=(torch.rand(V, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+                                    + 0.5) if weights else None)
+    return hugehead.ChunkedClassifier(D, V, dtype=torch.float64, devices=devices, shard_sizes=shard_sizes,
+                                      chunk_size=64, **kwargs)
+
+
+def _loss_of(head, kind, seed=1):
+    x = torch.randn(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    t = make_target(binary=kind == "binary")
+    return head(x, (t.clamp(max=1.0) if kind == "binary" else t).to_sparse_csr())
+
+
+@pytest.mark.parametrize("kind", ["softmax", "binary"])
+def test_loss_buffers_are_in_state_dict_and_load_into_another_placement(kind, tmp_path):
+    name = "pos_weight" if kind == "binary" else "class_weight"
+    src = _loss_head(kind, ["cpu"])
+    state = src.state_dict()
+    assert set(state) == {"weight", "bias", name}
+    torch.testing.assert_close(state[name], getattr(src, name), rtol=0, atol=0)
+    # Another placement, other shard sizes, other initial weights: everything comes from the state dict.
+    dst = _loss_head(kind, ["cpu"] * 3, shard_sizes=[100, 350, 250], weights=False)
+    setattr(dst, name, torch.ones(V, dtype=torch.float64))
+    torch.save(state, tmp_path / "head.pt")
+    assert not dst.load_state_dict(torch.load(tmp_path / "head.pt")).missing_keys
+    torch.testing.assert_close(getattr(dst, name), getattr(src, name), rtol=0, atol=0)
+    torch.testing.assert_close(_loss_of(dst, kind), _loss_of(src, kind), rtol=1e-12, atol=0)
+    # Through the checkpoint directory (DCP) too.
+    from hugehead.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(tmp_path / "ckpt", src)
+    other = _loss_head(kind, ["cpu", "cpu"], weights=False)
+    setattr(other, name, torch.zeros(V, dtype=torch.float64))
+    load_checkpoint(tmp_path / "ckpt", other)
+    torch.testing.assert_close(getattr(other, name), getattr(src, name), rtol=0, atol=0)
+    torch.testing.assert_close(_loss_of(other, kind), _loss_of(src, kind), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "binary"])
+def test_checkpoints_without_loss_buffers_still_load(kind, tmp_path):
+    """A checkpoint written before class_weight / pos_weight were buffers (a head without them): loads
+    strictly, by load_state_dict and load_checkpoint; the head keeps its own weights."""
+    name = "pos_weight" if kind == "binary" else "class_weight"
+    old = _loss_head(kind, ["cpu"], weights=False)
+    state = old.state_dict()
+    assert set(state) == {"weight", "bias"}
+    head = _loss_head(kind, ["cpu", "cpu"])
+    mine = getattr(head, name).clone()
+    result = head.load_state_dict(state)
+    assert not result.missing_keys and not result.unexpected_keys
+    torch.testing.assert_close(getattr(head, name), mine, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([s.weight for s in head.shards]), state["weight"], rtol=0, atol=0)
+
+    from hugehead.checkpoint import load_checkpoint, save_checkpoint
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, D, dtype=torch.float64), old)
+    save_checkpoint(tmp_path / "old", model)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, D, dtype=torch.float64), _loss_head(kind, ["cpu"]))
+    load_checkpoint(tmp_path / "old", fresh)
+    torch.testing.assert_close(getattr(fresh[1], name), mine, rtol=0, atol=0)
+    torch.testing.assert_close(fresh[1].shards[0].weight, state["weight"], rtol=0, atol=0)
+    # Still strict about what is truly missing, and about a weight the head does not have (as PyTorch).
+    with pytest.raises(RuntimeError, match="Missing key"):
+        head.load_state_dict({"bias": state["bias"]})
+    with pytest.raises(RuntimeError, match=f"Unexpected key.*{name}"):
+        old.load_state_dict(head.state_dict())
+
+
+def test_loss_buffers_follow_dtype_casts_and_stay_with_a_pinned_placement():
+    head = _loss_head("softmax", ["cpu", "cpu"])
+    head.float()
+    assert head.class_weight.dtype == torch.float32 and head.class_weight.device.type == "cpu"
+    head.double()
+    x = torch.randn(N, D, dtype=torch.float64)
+    y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(2))
+    w, b = _logical(head)
+    ref = F.cross_entropy(F.linear(x, w, b), y, weight=head.class_weight)
+    torch.testing.assert_close(head(x, y), ref, rtol=1e-12, atol=0)
+    # A tensor assigned to the buffer changes the loss; a bad one is refused before any kernel.
+    head.class_weight = torch.ones(V, dtype=torch.float64) * 2
+    torch.testing.assert_close(head(x, y), F.cross_entropy(F.linear(x, w, b), y), rtol=1e-12, atol=0)
+    head.class_weight = torch.ones(V - 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"class_weight must be a dense \[V\]"):
+        head(x, y)
+    assert "class_weight=[699]" in repr(head)
+    head.class_weight = None
+    torch.testing.assert_close(head(x, y), F.cross_entropy(F.linear(x, w, b), y), rtol=1e-12, atol=0)
+
+
+@requires_cuda
+def test_cuda_loss_buffer_copies_follow_changes():
+    """Buffers on the first shard's device (cuda:0) with x on the CPU: copied once, again after a change."""
+    torch.manual_seed(0)
+    cw = torch.rand(V, dtype=torch.float64) + 0.5
+    head = hugehead.ChunkedClassifier(D, V, dtype=torch.float64, devices=["cuda:0", "cpu"], class_weight=cw)
+    assert head.class_weight.device.type == "cuda"
+    x = torch.randn(N, D, dtype=torch.float64)
+    y = torch.randint(0, V, (N,))
+    w, b = _logical(head)
+    torch.testing.assert_close(head(x, y), F.cross_entropy(F.linear(x, w, b), y, weight=cw), rtol=1e-12, atol=0)
+    head.load_state_dict({"weight": w, "bias": b, "class_weight": cw * 0 + 1})  # copied in place
+    torch.testing.assert_close(head(x, y), F.cross_entropy(F.linear(x, w, b), y), rtol=1e-12, atol=0)
+
+
+def test_head_pos_weight_scalar_and_bad_loss_buffers():
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(D, V, dtype=torch.float64, devices=["cpu", "cpu"], loss="binary_cross_entropy",
+                                      pos_weight=torch.tensor([2.5], dtype=torch.float64), reduction="sum")
+    x = torch.randn(N, D, dtype=torch.float64)
+    t = make_target(binary=True).clamp(max=1.0)
+    w, b = _logical(head)
+    ref = F.binary_cross_entropy_with_logits(F.linear(x, w, b), t, pos_weight=torch.tensor([2.5],
+                                             dtype=torch.float64), reduction="sum")
+    assert rel_err(head(x, unsorted_coo(t, "cpu")), ref) <= 1e-12
+    bce = dict(loss="binary_cross_entropy")
+    for kwargs, error, match in [
+        (dict(pos_weight=torch.ones(V - 1), **bce), ValueError, r"pos_weight must be a dense \[V\]"),
+        (dict(pos_weight=torch.ones(V, dtype=torch.int64), **bce), TypeError, "pos_weight must be floating"),
+        (dict(pos_weight=[1.0] * V, **bce), TypeError, "pos_weight must be a tensor"),
+        (dict(pos_weight=torch.ones(V)), ValueError, "pos_weight is the positive term's weight"),
+        (dict(class_weight=torch.ones(V), **bce), ValueError, "does not take class_weight"),
+        (dict(class_weight=torch.ones(V, 1)), ValueError, r"class_weight must be a dense \[V\]"),
+    ]:
+        with pytest.raises(error, match=match):
+            hugehead.ChunkedClassifier(D, V, devices=["cpu"], **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile of a model holding a multi-label / weighted / one-vs-all head
+# --------------------------------------------------------------------------------------------------
+class _Model(torch.nn.Module):
+    def __init__(self, **head_kwargs):
+        super().__init__()
+        torch.manual_seed(3)
+        self.backbone = torch.nn.Linear(6, D, dtype=torch.float64)
+        self.head = hugehead.ChunkedClassifier(D, V, dtype=torch.float64, devices=["cpu", "cpu"], chunk_size=64,
+                                               **head_kwargs)
+
+    def forward(self, x, target):
+        return self.head(torch.tanh(self.backbone(x)), target) * 2.0
+
+
+def _compile_case(kind):
+    """Head options and the target (``csr``: pre-converted with hugehead.csr_target; ``sparse``: the sparse
+    tensor itself, which dynamo does not take)."""
+    t = make_target(binary=kind.startswith("binary"))
+    if kind.startswith("binary"):
+        t = t.clamp(max=1.0)
+        options = dict(loss="binary_cross_entropy", pos_weight=POS_WEIGHT, reduction="sum")
+    else:
+        options = dict(class_weight=torch.rand(V, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 0.5,
+                       label_smoothing=0.1)
+    if kind == "index_weighted":
+        y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(2))
+        y[3] = -100
+        return options, y
+    return options, hugehead.csr_target(unsorted_coo(t, "cpu")) if kind.endswith("csr") else unsorted_coo(t, "cpu")
+
+
+@pytest.mark.parametrize("kind,backend", [
+    ("sparse_csr", "aot_eager"), ("index_weighted", "aot_eager"), ("binary_csr", "aot_eager"),
+    ("sparse", "aot_eager"), ("binary_csr", "inductor"),
+])
+def test_compiled_model_with_multilabel_head_matches_eager(kind, backend):
+    """Forward and backward of torch.compile(model) equal eager's (loss, dX, the backbone's and every shard's
+    gradients). With a CsrTarget or class ids the backbone compiles and the head's loss is the one graph
+    break; with a sparse tensor dynamo cannot wrap the input, so the model runs eagerly, still right."""
+    torch._dynamo.reset()
+    options, target = _compile_case(kind)
+    x = torch.randn(N, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    results = []
+    for compiled in (False, True):
+        model = _Model(**options)
+        run = torch.compile(model, backend=backend) if compiled else model
+        xx = x.clone().requires_grad_()
+        loss = run(xx, target)
+        loss.backward()
+        results.append([loss.detach(), xx.grad, *(p.grad for p in model.parameters())])
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    explained = torch._dynamo.explain(_Model(**options))(x, target)
+    if kind == "sparse":
+        assert explained.graph_count == 0  # "Attempted to wrap sparse Tensor": the frame runs eagerly
+    else:
+        assert (explained.graph_count, explained.graph_break_count) == (2, 1), explained.break_reasons
+
+
+def test_functional_losses_under_compile_take_a_csr_target():
+    """hugehead.linear_cross_entropy / linear_binary_cross_entropy with a CsrTarget inside a compiled
+    function: the losses run eagerly between graphs; values and gradients as eager."""
+    torch._dynamo.reset()
+    x, w, b = make_inputs("cpu")
+    t = make_target()
+    tc, tb = hugehead.csr_target(t.to_sparse_coo()), hugehead.csr_target(t.clamp(max=1).to_sparse_csr())
+
+    def step(x, w, b):
+        h = torch.tanh(x) * 1.5
+        return (hugehead.linear_cross_entropy(h, w, tc, b, label_smoothing=0.1)
+                + hugehead.linear_binary_cross_entropy(h, w, tb, b, pos_weight=POS_WEIGHT) + h.square().mean())
+
+    got = step(x, w, b)
+    ref = torch.compile(step, backend="aot_eager")(x, w, b)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    for a, r in zip(grads(got, [x, w, b]), grads(ref, [x, w, b])):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-15)
+    # The dense work around the losses compiles (with the sparse tensors themselves, nothing would).
+    assert torch._dynamo.explain(step)(x, w, b).graph_count >= 2
+
+
+def test_csr_target_matches_the_sparse_tensor_and_is_checked_again():
+    x, w, b = make_inputs("cpu")
+    t = make_target()
+    coo = unsorted_coo(t, "cpu")
+    converted = hugehead.csr_target(coo)
+    assert isinstance(converted, hugehead.CsrTarget) and converted.val.dtype == torch.float64
+    assert converted.crow.tolist() == t.to_sparse_csr().crow_indices().tolist()
+    torch.testing.assert_close(hugehead.linear_cross_entropy(x, w, converted, b),
+                               hugehead.linear_cross_entropy(x, w, coo, b), rtol=0, atol=0)
+    # Values are checked by the loss that reads them; the row pointers and shapes by any.
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        hugehead.linear_binary_cross_entropy(x, w, converted, b)
+    neg = converted.with_values(-converted.val)
+    with pytest.raises(ValueError, match=">= 0"):
+        hugehead.linear_cross_entropy(x, w, neg, b)
+    bad = hugehead.CsrTarget(converted.crow.flip(0), converted.col, converted.val, converted.row, V)
+    with pytest.raises(ValueError, match="crow must be"):
+        hugehead.linear_cross_entropy(x, w, bad, b)
+    wide = hugehead.CsrTarget(converted.crow, converted.col, converted.val, converted.row, V + 1)
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        hugehead.linear_cross_entropy(x, w, wide, b)
+    out = hugehead.CsrTarget(converted.crow, converted.col + V, converted.val, converted.row, V)
+    with pytest.raises(ValueError, match="out of range"):
+        hugehead.linear_cross_entropy(x, w, out, b)
+    with pytest.raises(TypeError, match="csr_target takes"):
+        hugehead.csr_target(t)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Lightning example's multi-label option (CPU smoke): its precision@k / nDCG@k are those of the
+# trained model's dense float64 ranking
+# --------------------------------------------------------------------------------------------------
+def _reference_ranking_metrics(order, label_sets, ks):
+    """precision@k and nDCG@k (pyxclib's conventions) from ``order [N, K]`` and lists of label ids."""
+    out = {}
+    for k in ks:
+        p, ndcg = [], []
+        for top, labels in zip(order.tolist(), label_sets):
+            hits = [c in labels for c in top[:k]]
+            p.append(sum(hits) / k)
+            dcg = sum(1 / math.log2(i + 2) for i, h in enumerate(hits) if h)
+            ndcg.append(dcg / sum(1 / math.log2(i + 2) for i in range(min(k, len(labels)))))
+        out[f"test_p@{k}"] = sum(p) / len(p)
+        if k > 1:
+            out[f"test_ndcg@{k}"] = sum(ndcg) / len(ndcg)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
+@pytest.mark.parametrize("loss,steps", [("cross_entropy", 15), ("binary_cross_entropy", 2)])
+def test_lightning_example_multilabel_reports_precision_and_ndcg(loss, steps, capsys):
+    pytest.importorskip("lightning", reason="examples/lightning_6m.py needs PyTorch Lightning")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lightning_6m.py"
+    spec = importlib.util.spec_from_file_location("lightning_6m_multilabel", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    v, n_test = 3000, 256
+    argv = ["--cpu", "--classes", str(v), "--dim", "32", "--steps", str(steps), "--batch", "64", "--test-size",
+            str(n_test), "--no-progress", "--labels", "3", "--multilabel-loss", loss]
+    result = example.main(argv)
+    model, metrics = result["model"], result["test_metrics"]
+    assert model.head.loss == loss and result["trainer"].global_step == steps
+    assert set(metrics) == {"test_loss", "test_p@1", "test_p@5", "test_ndcg@5"}
+
+    args = example.parse_args(argv)
+    tokens, labels = example.synthetic_sequences(n_test, v, args.seq_len, args.token_vocab, args.zipf, args.corrupt,
+                                                 seed=args.seed + 2, labels=3).tensors
+    with torch.no_grad():
+        features = model.backbone(tokens).double()
+    w, b = (t.double() for t in _logical(model.head))
+    logits = features @ w.T + b
+    order = torch.stack([torch.tensor(sorted(range(v), key=lambda c, row=row: (-row[c], c))[:5])
+                         for row in logits.tolist()])
+    label_sets = [set(row.tolist()) for row in labels]
+    for key, want in _reference_ranking_metrics(order, label_sets, (1, 5)).items():
+        assert metrics[key] == pytest.approx(want, abs=1.5 / n_test), key  # float32 vs float64 near-ties
+    # The test loss: the head's loss against the label sets' sparse target, dense float64.
+    dense = torch.zeros(n_test, v, dtype=torch.float64)
+    for i, row in enumerate(labels.tolist()):
+        for c in row:
+            dense[i, c] = 1.0 if loss == "binary_cross_entropy" else dense[i, c] + 1.0 / 3
+    ref = (F.binary_cross_entropy_with_logits(logits, dense) if loss == "binary_cross_entropy"
+           else F.cross_entropy(logits, dense))
+    assert metrics["test_loss"] == pytest.approx(float(ref), rel=1e-4)
+    if loss == "cross_entropy":  # it learned: above chance (3 labels of 3000) at precision@1
+        assert metrics["test_p@1"] > 0.05
+    assert "test_p@1=" in capsys.readouterr().out

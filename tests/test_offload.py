@@ -8,7 +8,6 @@ CUDA streams: any two uses of one buffer, one a write, that no event chain order
 across checkpoints, and check pinning and the step's single host synchronization.
 """
 import itertools
-import warnings
 from typing import Dict, List, Optional
 
 import pytest
@@ -27,7 +26,7 @@ from hugehead.engines.offload import (
     stream_cols,
 )
 
-from conftest import requires_cuda, requires_multigpu
+from conftest import host_syncs_of_step, requires_cuda, requires_multigpu
 
 D, V = 8, 37
 
@@ -733,18 +732,8 @@ def test_cuda_offload_backward_syncs_the_host_once(monkeypatch):
     monkeypatch.setattr(off.engine.streams, "host_wait", lambda device: (waits.append(device), real(device)))
     off(x, target).backward()  # warm-up: gradient buffers are pinned in the first backward
     waits.clear()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            off.zero_grad()
-            loss = off(x, target)  # check_targets: the forward's one synchronization
-            forward_syncs = sum("called a synchronizing" in str(w.message) for w in caught)
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    off.zero_grad()
+    forward_syncs, syncs = host_syncs_of_step(lambda: off(x, target))  # check_targets: the forward's one sync
     assert forward_syncs <= 1 and len(syncs) == forward_syncs, syncs
     assert waits == [torch.device("cuda", 0)]  # the one host wait, for the gradient copies
 

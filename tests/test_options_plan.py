@@ -15,6 +15,8 @@ import hugehead
 from hugehead import plan as planner
 from hugehead.options import LossOptions
 
+from conftest import fail_next_mm
+
 PACKAGE = pathlib.Path(hugehead.__file__).parent
 
 
@@ -117,19 +119,9 @@ def test_workspace_estimate_is_what_the_planner_plans():
 
 
 def test_out_of_memory_message_states_the_budget_used(monkeypatch):
-    import hugehead.loop as loop
-
     monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: 40 << 20)
     x, w, target = _small()
-    real_mm, calls = torch.mm, {"n": 0}
-
-    def failing_mm(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise torch.OutOfMemoryError("out of memory (simulated)")
-        return real_mm(*args, **kwargs)
-
-    monkeypatch.setattr(loop.torch, "mm", failing_mm)
+    fail_next_mm(monkeypatch)
     head = hugehead.ChunkedClassifier(5, 40, bias=False, devices=["cpu", "cpu"], dtype=torch.float64, chunk_size=8)
     with pytest.raises(torch.OutOfMemoryError,
                        match=r"memory_budget=None, 10485760 bytes \(the default: min\(4 GiB, 1/4 of cpu's 0.04 GiB "

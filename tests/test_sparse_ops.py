@@ -316,6 +316,21 @@ def test_columns_slice_keeps_only_the_shard_entries():
      ValueError, r"in \[0, 1\]"),
     (lambda: torch.sparse_coo_tensor(torch.tensor([[1, 1], [2, 2]]), torch.tensor([0.75, 0.75]), (3, 8)), "binary",
      ValueError, r"in \[0, 1\]"),  # duplicates summed past 1
+    (lambda: torch.sparse_coo_tensor(torch.tensor([[1], [2]]), torch.tensor([-0.25]), (3, 8)), "binary",
+     ValueError, r"in \[0, 1\]"),
+    (lambda: torch.sparse_coo_tensor(torch.tensor([[0], [-1]]), torch.tensor([1.0]), (3, 8), check_invariants=False),
+     "probability", ValueError, r"entry \(0, -1\) is out of range"),
+    (lambda: torch.sparse_coo_tensor(torch.tensor([[3], [1]]), torch.tensor([1.0]), (3, 8), check_invariants=False),
+     "binary", ValueError, r"entry \(3, 1\) is out of range"),
+    (lambda: torch.sparse_csr_tensor(torch.tensor([0, 1, 1, 2]), torch.tensor([2, 9]), torch.tensor([0.5, 0.5]),
+                                     (3, 8), check_invariants=False), "probability", ValueError,
+     r"entry \(2, 9\) is out of range for \[N, V\]=\[3, 8\]"),
+    (lambda: torch.sparse_csr_tensor(torch.tensor([0, 1, 1, 2]), torch.tensor([2, 5]), torch.tensor([0.5, -2.0]),
+                                     (3, 8)), "probability", ValueError, ">= 0; got -2.0"),
+    (lambda: torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1, 2), (3, 8, 2)), "probability",
+     ValueError, r"\[N, V\]"),
+    (lambda: torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 8), (3, 8)), "probability",
+     ValueError, "2 sparse dimensions"),
 ])
 def test_prepare_rejects_bad_targets(make, kind, error, match):
     with pytest.raises(error, match=match):
@@ -330,3 +345,16 @@ def test_prepare_rejects_bad_targets(make, kind, error, match):
 def test_check_class_weight_rejects(weight, error, match):
     with pytest.raises(error, match=match):
         sparse.check_class_weight(weight, 8, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("weight,error,match", [
+    (torch.ones(7), ValueError, r"pos_weight must be a dense \[V\]=\[8\]"),
+    (torch.ones(2, 8), ValueError, r"pos_weight must be a dense \[V\]"),
+    (torch.ones(8, dtype=torch.int32), TypeError, "pos_weight must be floating point"),
+    (2.5, TypeError, "pos_weight must be a tensor"),
+])
+def test_check_pos_weight_rejects(weight, error, match):
+    with pytest.raises(error, match=match):
+        sparse.check_pos_weight(weight, 8, torch.device("cpu"))
+    sparse.check_pos_weight(torch.ones(8), 8, torch.device("cpu"))  # [V] and one element are both fine
+    sparse.check_pos_weight(torch.tensor([2.0]), 8, torch.device("cpu"))

@@ -1,11 +1,12 @@
 // CPU kernel of hugehead::bce_chunk_: one-vs-all binary cross-entropy of a logits chunk against a CSR
 // target: the chunk's per-logit losses summed per row, and/or the chunk replaced by its gradient.
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_rows.h"
 #include "hugehead/cpu_simd.h"
+#include "hugehead/entry.h"
 #include "hugehead/sparse_target.h"
 
 #include <cmath>
@@ -83,36 +84,14 @@ void bce_chunk_rows(const BceChunkParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void bce_chunk_cpu(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
-                   const std::optional<at::Tensor>& entry_weight, int64_t class_start,
-                   const std::optional<at::Tensor>& row_loss, const std::optional<at::Tensor>& grad_rows) {
-  check_logits_chunk(logits);
-  check_csr_target(logits, crow, col, val);
-  if (row_loss.has_value()) check_row_vectors(logits, {{"row_loss", &*row_loss}});
-  if (grad_rows.has_value()) check_row_vectors(logits, {{"grad_rows", &*grad_rows}});
-  if (entry_weight.has_value()) {
-    TORCH_CHECK(entry_weight->sizes() == val.sizes() && entry_weight->scalar_type() == val.scalar_type() &&
-                    entry_weight->device() == val.device() && entry_weight->is_contiguous(),
-                "hugehead: entry_weight must be a contiguous ", val.scalar_type(), " tensor shaped like val ",
-                val.sizes(), ", got ", entry_weight->scalar_type(), " ", entry_weight->sizes());
-  }
-  BceChunkParams p{logits.data_ptr(),
-                   {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
-                   entry_weight.has_value() ? entry_weight->data_ptr() : nullptr,
-                   row_loss.has_value() ? row_loss->data_ptr() : nullptr,
-                   grad_rows.has_value() ? grad_rows->data_ptr() : nullptr,
-                   logits.size(0), logits.size(1), logits.stride(0), class_start};
-  if (p.rows == 0 || p.cols == 0 || (p.row_loss == nullptr && p.grad_rows == nullptr)) return;
+void bce_chunk_cpu(const BceChunkParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "bce_chunk_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.cols));
-    at::parallel_for(0, p.rows, grain,
-                     [&](int64_t begin, int64_t end) { bce_chunk_rows<scalar_t, acc_t>(p, begin, end); });
+    cpu::parallel_rows(p, bce_chunk_rows<scalar_t, at::opmath_type<scalar_t>>);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("bce_chunk_", &bce_chunk_cpu); }
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("bce_chunk_", &entry::bce_chunk<bce_chunk_cpu>); }
 
 }  // namespace hugehead

@@ -1,11 +1,12 @@
 // CPU kernel of hugehead::sparse_chunk_grad_: a logits chunk becomes the gradient of the softmax with
 // probability targets (a CSR target) in place.
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_rows.h"
 #include "hugehead/cpu_simd.h"
+#include "hugehead/entry.h"
 #include "hugehead/numerics.h"
 #include "hugehead/sparse_target.h"
 
@@ -34,23 +35,11 @@ void sparse_chunk_grad_rows(const SparseChunkGradParams& p, int64_t begin, int64
   const acc_t softcap = static_cast<acc_t>(p.softcap);
   const acc_t eps = static_cast<acc_t>(p.label_smoothing);
   const acc_t smooth = eps / static_cast<acc_t>(p.num_classes);
-  const auto* lse = static_cast<const acc_t*>(p.lse);
-  const auto* grad_rows = static_cast<const acc_t*>(p.grad_rows);
-  const auto* grad_lse = static_cast<const acc_t*>(p.grad_lse);
   const auto* mass = static_cast<const acc_t*>(p.target_mass);
   const auto* weight = static_cast<const acc_t*>(p.class_weight);
   const auto* val = static_cast<const acc_t*>(p.target.val);
   std::vector<acc_t> entry_logits;  // the entries' logits, read before the row is overwritten
-  for (int64_t row = begin; row < end; ++row) {
-    scalar_t* z = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
-    const acc_t g = grad_rows[row];
-    const acc_t gl = grad_lse == nullptr ? acc_t(0) : grad_lse[row];
-    if (g == acc_t(0) && gl == acc_t(0)) {  // rows without gradient: exact zeros, whatever the logits hold
-      for (int64_t j = 0; j < p.cols; ++j) z[j] = scalar_t(0);
-      continue;
-    }
-    const acc_t l = lse[row];
-    const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * l;
+  cpu::for_each_grad_row<scalar_t, acc_t>(p, begin, end, [&](int64_t row, scalar_t* z, const cpu::RowGrad<acc_t>& r) {
     const acc_t mass_row = mass[row];
     const EntryRange entries = chunk_entries(p.target.crow, p.target.col, row, p.class_start, p.cols);
     entry_logits.resize(static_cast<size_t>(entries.end - entries.begin));
@@ -60,56 +49,34 @@ void sparse_chunk_grad_rows(const SparseChunkGradParams& p, int64_t begin, int64
     bool done = false;
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (softcap <= acc_t(0) && weight == nullptr) {  // the common case, vectorized
-        row_grad_mass_f32(z, p.cols, l, g, gl, mass_row, z_term, smooth);
+        row_grad_mass_f32(z, p.cols, r.lse, r.g, r.g_lse, mass_row, r.z_term, smooth);
         done = true;
       }
     }
     if (!done) {
       for (int64_t j = 0; j < p.cols; ++j) {
         const acc_t sm = weight == nullptr ? smooth : smooth * weight[j];
-        z[j] = static_cast<scalar_t>(sparse_logit_grad(static_cast<acc_t>(z[j]), false, acc_t(0), l, g, gl,
-                                                       mass_row, z_term, sm, acc_t(1) - eps, softcap));
+        z[j] = static_cast<scalar_t>(sparse_logit_grad(static_cast<acc_t>(z[j]), false, acc_t(0), r.lse, r.g,
+                                                       r.g_lse, mass_row, r.z_term, sm, acc_t(1) - eps, softcap));
       }
     }
     for (int64_t e = entries.begin; e < entries.end; ++e) {
       const int64_t j = p.target.col[e] - p.class_start;
       const acc_t sm = weight == nullptr ? smooth : smooth * weight[j];
-      z[j] = static_cast<scalar_t>(sparse_logit_grad(entry_logits[e - entries.begin], true, val[e], l, g, gl,
-                                                     mass_row, z_term, sm, acc_t(1) - eps, softcap));
+      z[j] = static_cast<scalar_t>(sparse_logit_grad(entry_logits[e - entries.begin], true, val[e], r.lse, r.g,
+                                                     r.g_lse, mass_row, r.z_term, sm, acc_t(1) - eps, softcap));
     }
-  }
+  });
 }
 
-void sparse_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col,
-                           const at::Tensor& val, int64_t class_start, int64_t num_classes, const at::Tensor& lse,
-                           const at::Tensor& grad_rows, const at::Tensor& target_mass, double label_smoothing,
-                           double z_loss, double softcap, const std::optional<at::Tensor>& class_weight,
-                           const std::optional<at::Tensor>& grad_lse) {
-  check_logits_chunk(logits);
-  check_csr_target(logits, crow, col, val);
-  check_row_vectors(logits, {{"lse", &lse}, {"grad_rows", &grad_rows}, {"target_mass", &target_mass}});
-  if (grad_lse.has_value()) check_row_vectors(logits, {{"grad_lse", &*grad_lse}});
-  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
-  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
-  SparseChunkGradParams p{logits.data_ptr(),
-                          {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
-                          class_weight.has_value() ? class_weight->data_ptr() : nullptr,
-                          lse.data_ptr(), grad_rows.data_ptr(), target_mass.data_ptr(),
-                          grad_lse.has_value() ? grad_lse->data_ptr() : nullptr,
-                          logits.size(0), logits.size(1), logits.stride(0), class_start, num_classes,
-                          label_smoothing, z_loss, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
+void sparse_chunk_grad_cpu(const SparseChunkGradParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_grad_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.cols));
-    at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
-      sparse_chunk_grad_rows<scalar_t, acc_t>(p, begin, end);
-    });
+    cpu::parallel_rows(p, sparse_chunk_grad_rows<scalar_t, at::opmath_type<scalar_t>>);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("sparse_chunk_grad_", &sparse_chunk_grad_cpu); }
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("sparse_chunk_grad_", &entry::sparse_chunk_grad<sparse_chunk_grad_cpu>); }
 
 }  // namespace hugehead

@@ -4,7 +4,6 @@
 // (a later class loses a tie), checked a block of 64 at a time with a vectorized test. The few that pass
 // go to a buffer that is cut back to its best k (nth_element) whenever it reaches 2k, which raises the
 // bar; at the end the buffer is sorted and merged with the running top-k. Rows run in parallel.
-#include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
@@ -13,7 +12,9 @@
 #include <vector>
 
 #include "hugehead/common.h"
+#include "hugehead/cpu_rows.h"
 #include "hugehead/cpu_simd.h"
+#include "hugehead/entry.h"
 #include "hugehead/topk.h"
 
 namespace hugehead {
@@ -102,31 +103,16 @@ void chunk_topk_rows(const ChunkTopkParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void chunk_topk_cpu(const at::Tensor& logits_in, const c10::optional<at::Tensor>& bias, int64_t class_start,
-                    double softcap, const at::Tensor& values, const at::Tensor& indices) {
-  const at::Tensor logits = logits_in.dim() == 2 && logits_in.size(1) > 1 && logits_in.stride(1) != 1
-                                ? logits_in.contiguous()
-                                : logits_in;
-  check_chunk_topk(logits, bias, values, indices, class_start);
-  ChunkTopkParams p{logits.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr, values.data_ptr(), indices.data_ptr<int64_t>(), logits.size(0),
-                    logits.size(1), logits.stride(0), values.size(1), class_start, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
+void chunk_topk_cpu(const ChunkTopkParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "chunk_topk_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    // Grain: enough rows that a task reads ~64k elements.
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.cols));
-    at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
-      if (p.softcap > 0) {
-        chunk_topk_rows<scalar_t, acc_t, true>(p, begin, end);
-      } else {
-        chunk_topk_rows<scalar_t, acc_t, false>(p, begin, end);
-      }
+    HUGEHEAD_BOOL_SWITCH(p.softcap > 0, kSoftcap, [&] {
+      cpu::parallel_rows(p, chunk_topk_rows<scalar_t, at::opmath_type<scalar_t>, kSoftcap>);
     });
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("chunk_topk_", &chunk_topk_cpu); }
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("chunk_topk_", &entry::chunk_topk<chunk_topk_cpu>); }
 
 }  // namespace hugehead

@@ -2,24 +2,22 @@
 // logits chunk against a CSR target: the chunk's per-logit losses summed into the row, and/or each logit
 // replaced by its gradient, in one pass (16-byte loads and stores where the row allows; a pack finds the
 // row's entries among its columns by binary search, only in rows with entries in the chunk).
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/OpMathType.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <type_traits>
 
 #include "hugehead/common.h"
+#include "hugehead/cuda_launch.cuh"
 #include "hugehead/cuda_utils.cuh"
+#include "hugehead/entry.h"
 #include "hugehead/sparse_target.h"
 
 namespace hugehead {
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename scalar_t, typename acc_t, bool kLoss, bool kGrad>
-__global__ void __launch_bounds__(kThreads) bce_chunk_kernel(BceChunkParams p) {
+__global__ void __launch_bounds__(cuda::kRowThreads) bce_chunk_kernel(BceChunkParams p) {
   const int64_t row = blockIdx.x;
   scalar_t* logits = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
   const acc_t g = kGrad ? static_cast<const acc_t*>(p.grad_rows)[row] : acc_t(0);
@@ -67,45 +65,19 @@ __global__ void __launch_bounds__(kThreads) bce_chunk_kernel(BceChunkParams p) {
   }
 }
 
-void bce_chunk_cuda(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
-                    const std::optional<at::Tensor>& entry_weight, int64_t class_start,
-                    const std::optional<at::Tensor>& row_loss, const std::optional<at::Tensor>& grad_rows) {
-  check_logits_chunk(logits);
-  check_csr_target(logits, crow, col, val);
-  if (row_loss.has_value()) check_row_vectors(logits, {{"row_loss", &*row_loss}});
-  if (grad_rows.has_value()) check_row_vectors(logits, {{"grad_rows", &*grad_rows}});
-  if (entry_weight.has_value()) {
-    TORCH_CHECK(entry_weight->sizes() == val.sizes() && entry_weight->scalar_type() == val.scalar_type() &&
-                    entry_weight->device() == val.device() && entry_weight->is_contiguous(),
-                "hugehead: entry_weight must be a contiguous ", val.scalar_type(), " tensor shaped like val ",
-                val.sizes(), ", got ", entry_weight->scalar_type(), " ", entry_weight->sizes());
-  }
-  TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
-  const c10::cuda::CUDAGuard guard(logits.device());
-  BceChunkParams p{logits.data_ptr(),
-                   {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
-                   entry_weight.has_value() ? entry_weight->data_ptr() : nullptr,
-                   row_loss.has_value() ? row_loss->data_ptr() : nullptr,
-                   grad_rows.has_value() ? grad_rows->data_ptr() : nullptr,
-                   logits.size(0), logits.size(1), logits.stride(0), class_start};
-  if (p.rows == 0 || p.cols == 0 || (p.row_loss == nullptr && p.grad_rows == nullptr)) return;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(p.rows));
+void bce_chunk_cuda(const BceChunkParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "bce_chunk_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    if (p.row_loss != nullptr && p.grad_rows != nullptr) {
-      bce_chunk_kernel<scalar_t, acc_t, true, true><<<grid, kThreads, 0, stream>>>(p);
-    } else if (p.row_loss != nullptr) {
-      bce_chunk_kernel<scalar_t, acc_t, true, false><<<grid, kThreads, 0, stream>>>(p);
-    } else {
-      bce_chunk_kernel<scalar_t, acc_t, false, true><<<grid, kThreads, 0, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // The entry returned already when neither a loss nor a gradient is asked for.
+    auto* kernel = p.grad_rows == nullptr  ? bce_chunk_kernel<scalar_t, acc_t, /*kLoss=*/true, /*kGrad=*/false>
+                   : p.row_loss == nullptr ? bce_chunk_kernel<scalar_t, acc_t, false, true>
+                                           : bce_chunk_kernel<scalar_t, acc_t, true, true>;
+    cuda::launch_row_blocks(kernel, p, logits);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("bce_chunk_", &bce_chunk_cuda); }
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("bce_chunk_", &entry::bce_chunk<bce_chunk_cuda>); }
 
 }  // namespace hugehead

@@ -1,22 +1,20 @@
 // CUDA kernel of hugehead::chunk_grad_: one block per row turns a logits chunk into its gradient in
 // place (16-byte loads and stores where the row allows, two in flight per thread).
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/OpMathType.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <type_traits>
 
 #include "hugehead/common.h"
+#include "hugehead/cuda_launch.cuh"
 #include "hugehead/cuda_utils.cuh"
+#include "hugehead/entry.h"
 
 namespace hugehead {
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads) chunk_grad_kernel(ChunkGradParams p) {
+__global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGradParams p) {
   const int64_t row = blockIdx.x;
   scalar_t* logits = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
   const acc_t g = static_cast<const acc_t*>(p.grad_rows)[row];
@@ -54,30 +52,14 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(ChunkGradParams p)
   }
 }
 
-void chunk_grad_cuda(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
-                     int64_t num_classes, const at::Tensor& lse, const at::Tensor& grad_rows,
-                     double label_smoothing, double z_loss, double softcap,
-                     const std::optional<at::Tensor>& grad_lse) {
-  check_chunk_rows(logits, target, {{"lse", &lse}, {"grad_rows", &grad_rows}});
-  if (grad_lse.has_value()) check_chunk_rows(logits, target, {{"grad_lse", &*grad_lse}});
-  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
-  TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
-  const c10::cuda::CUDAGuard guard(logits.device());
-  ChunkGradParams p{logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr(), grad_rows.data_ptr(),
-                    grad_lse.has_value() ? grad_lse->data_ptr() : nullptr,
-                    logits.size(0), logits.size(1), logits.stride(0), class_start, num_classes,
-                    label_smoothing, z_loss, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
-  const auto stream = at::cuda::getCurrentCUDAStream();
+void chunk_grad_cuda(const ChunkGradParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "chunk_grad_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    chunk_grad_kernel<scalar_t, acc_t><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cuda::launch_row_blocks(chunk_grad_kernel<scalar_t, at::opmath_type<scalar_t>>, p, logits);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("chunk_grad_", &chunk_grad_cuda); }
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("chunk_grad_", &entry::chunk_grad<chunk_grad_cuda>); }
 
 }  // namespace hugehead

@@ -2,24 +2,22 @@
 // of the softmax with a CSR probability target, in place, in one pass: a pack of logits finds the row's
 // entries among its columns by binary search (only in rows with entries in the chunk), so every logit is
 // read once and written once (16-byte loads and stores where the row allows).
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/OpMathType.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <type_traits>
 
 #include "hugehead/common.h"
+#include "hugehead/cuda_launch.cuh"
 #include "hugehead/cuda_utils.cuh"
+#include "hugehead/entry.h"
 #include "hugehead/sparse_target.h"
 
 namespace hugehead {
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename scalar_t, typename acc_t, bool kWeighted>
-__global__ void __launch_bounds__(kThreads) sparse_chunk_grad_kernel(SparseChunkGradParams p) {
+__global__ void __launch_bounds__(cuda::kRowThreads) sparse_chunk_grad_kernel(SparseChunkGradParams p) {
   const int64_t row = blockIdx.x;
   scalar_t* logits = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
   const acc_t g = static_cast<const acc_t*>(p.grad_rows)[row];
@@ -68,42 +66,16 @@ __global__ void __launch_bounds__(kThreads) sparse_chunk_grad_kernel(SparseChunk
   });
 }
 
-void sparse_chunk_grad_cuda(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col,
-                            const at::Tensor& val, int64_t class_start, int64_t num_classes, const at::Tensor& lse,
-                            const at::Tensor& grad_rows, const at::Tensor& target_mass, double label_smoothing,
-                            double z_loss, double softcap, const std::optional<at::Tensor>& class_weight,
-                            const std::optional<at::Tensor>& grad_lse) {
-  check_logits_chunk(logits);
-  check_csr_target(logits, crow, col, val);
-  check_row_vectors(logits, {{"lse", &lse}, {"grad_rows", &grad_rows}, {"target_mass", &target_mass}});
-  if (grad_lse.has_value()) check_row_vectors(logits, {{"grad_lse", &*grad_lse}});
-  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
-  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
-  TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
-  const c10::cuda::CUDAGuard guard(logits.device());
-  SparseChunkGradParams p{logits.data_ptr(),
-                          {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
-                          class_weight.has_value() ? class_weight->data_ptr() : nullptr,
-                          lse.data_ptr(), grad_rows.data_ptr(), target_mass.data_ptr(),
-                          grad_lse.has_value() ? grad_lse->data_ptr() : nullptr,
-                          logits.size(0), logits.size(1), logits.stride(0), class_start, num_classes,
-                          label_smoothing, z_loss, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(p.rows));
+void sparse_chunk_grad_cuda(const SparseChunkGradParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_grad_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    if (p.class_weight != nullptr) {
-      sparse_chunk_grad_kernel<scalar_t, acc_t, true><<<grid, kThreads, 0, stream>>>(p);
-    } else {
-      sparse_chunk_grad_kernel<scalar_t, acc_t, false><<<grid, kThreads, 0, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    HUGEHEAD_BOOL_SWITCH(p.class_weight != nullptr, kWeighted, [&] {
+      cuda::launch_row_blocks(sparse_chunk_grad_kernel<scalar_t, at::opmath_type<scalar_t>, kWeighted>, p, logits);
+    });
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("sparse_chunk_grad_", &sparse_chunk_grad_cuda); }
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("sparse_chunk_grad_", &entry::sparse_chunk_grad<sparse_chunk_grad_cuda>); }
 
 }  // namespace hugehead

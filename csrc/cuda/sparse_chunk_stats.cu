@@ -1,24 +1,22 @@
 // CUDA kernel of hugehead::sparse_chunk_stats_: one block per row folds a logits chunk into running
 // (max, sumexp, logit_sum) as chunk_stats_ does, and adds the dot product of the row's CSR target
 // entries in the chunk (found by binary search on its sorted columns) with their logits.
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/OpMathType.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <type_traits>
 
 #include "hugehead/common.h"
+#include "hugehead/cuda_launch.cuh"
 #include "hugehead/cuda_utils.cuh"
+#include "hugehead/entry.h"
 #include "hugehead/sparse_target.h"
 
 namespace hugehead {
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename scalar_t, typename acc_t, bool kSoftcap, bool kWeighted>
-__global__ void __launch_bounds__(kThreads) sparse_chunk_stats_kernel(SparseChunkStatsParams p) {
+__global__ void __launch_bounds__(cuda::kRowThreads) sparse_chunk_stats_kernel(SparseChunkStatsParams p) {
   const int64_t row = blockIdx.x;
   const acc_t softcap = static_cast<acc_t>(p.softcap);
   auto* logits = const_cast<scalar_t*>(static_cast<const scalar_t*>(p.logits)) + row * p.row_stride;
@@ -58,48 +56,19 @@ __global__ void __launch_bounds__(kThreads) sparse_chunk_stats_kernel(SparseChun
   if (threadIdx.x == 0) static_cast<acc_t*>(p.target_dot)[row] += dot;
 }
 
-void sparse_chunk_stats_cuda(const at::Tensor& logits_in, const at::Tensor& crow, const at::Tensor& col,
-                             const at::Tensor& val, int64_t class_start, double softcap,
-                             const std::optional<at::Tensor>& class_weight, const at::Tensor& row_max,
-                             const at::Tensor& row_sumexp, const at::Tensor& target_dot,
-                             const at::Tensor& logit_sum) {
-  const at::Tensor logits = logits_in.dim() == 2 && logits_in.size(1) > 1 && logits_in.stride(1) != 1
-                                ? logits_in.contiguous()
-                                : logits_in;
-  check_logits_chunk(logits);
-  check_csr_target(logits, crow, col, val);
-  check_row_vectors(logits, {{"row_max", &row_max}, {"row_sumexp", &row_sumexp}, {"target_dot", &target_dot},
-                             {"logit_sum", &logit_sum}});
-  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
-  TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
-  const c10::cuda::CUDAGuard guard(logits.device());
-  SparseChunkStatsParams p{logits.data_ptr(),
-                           {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()},
-                           class_weight.has_value() ? class_weight->data_ptr() : nullptr,
-                           row_max.data_ptr(), row_sumexp.data_ptr(), target_dot.data_ptr(),
-                           logit_sum.data_ptr(), logits.size(0), logits.size(1), logits.stride(0),
-                           class_start, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(p.rows));
+void sparse_chunk_stats_cuda(const SparseChunkStatsParams& p, const at::Tensor& logits) {
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_stats_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const bool cap = p.softcap > 0, weighted = p.class_weight != nullptr;
-    if (cap && weighted) {
-      sparse_chunk_stats_kernel<scalar_t, acc_t, true, true><<<grid, kThreads, 0, stream>>>(p);
-    } else if (cap) {
-      sparse_chunk_stats_kernel<scalar_t, acc_t, true, false><<<grid, kThreads, 0, stream>>>(p);
-    } else if (weighted) {
-      sparse_chunk_stats_kernel<scalar_t, acc_t, false, true><<<grid, kThreads, 0, stream>>>(p);
-    } else {
-      sparse_chunk_stats_kernel<scalar_t, acc_t, false, false><<<grid, kThreads, 0, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    HUGEHEAD_BOOL_SWITCH(p.softcap > 0, kSoftcap, [&] {
+      HUGEHEAD_BOOL_SWITCH(p.class_weight != nullptr, kWeighted, [&] {
+        cuda::launch_row_blocks(sparse_chunk_stats_kernel<scalar_t, acc_t, kSoftcap, kWeighted>, p, logits);
+      });
+    });
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("sparse_chunk_stats_", &sparse_chunk_stats_cuda); }
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("sparse_chunk_stats_", &entry::sparse_chunk_stats<sparse_chunk_stats_cuda>); }
 
 }  // namespace hugehead

@@ -19,6 +19,7 @@
 
 #include "hugehead/common.h"
 #include "hugehead/cuda_utils.cuh"
+#include "hugehead/entry.h"
 #include "hugehead/topk.h"
 
 namespace hugehead {
@@ -363,33 +364,20 @@ void launch(const ChunkTopkParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void chunk_topk_cuda(const at::Tensor& logits_in, const c10::optional<at::Tensor>& bias, int64_t class_start,
-                     double softcap, const at::Tensor& values, const at::Tensor& indices) {
-  const at::Tensor logits = logits_in.dim() == 2 && logits_in.size(1) > 1 && logits_in.stride(1) != 1
-                                ? logits_in.contiguous()
-                                : logits_in;
-  check_chunk_topk(logits, bias, values, indices, class_start);
-  TORCH_CHECK(values.size(1) <= kMaxK, "hugehead: the CUDA top-k kernel takes k <= ", kMaxK, ", got k = ",
-              values.size(1));
-  TORCH_CHECK(logits.size(1) < std::numeric_limits<int32_t>::max(), "hugehead: a top-k chunk holds fewer than 2^31 "
-              "classes, got ", logits.size(1));
-  TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
+void chunk_topk_cuda(const ChunkTopkParams& p, const at::Tensor& logits) {
+  TORCH_CHECK(p.k <= kMaxK, "hugehead: the CUDA top-k kernel takes k <= ", kMaxK, ", got k = ", p.k);
+  TORCH_CHECK(p.cols < std::numeric_limits<int32_t>::max(), "hugehead: a top-k chunk holds fewer than 2^31 "
+              "classes, got ", p.cols);
+  TORCH_CHECK(p.rows <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
   const c10::cuda::CUDAGuard guard(logits.device());
-  ChunkTopkParams p{logits.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr, values.data_ptr(), indices.data_ptr<int64_t>(), logits.size(0),
-                    logits.size(1), logits.stride(0), values.size(1), class_start, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "chunk_topk_cuda", [&] {
-    if (p.softcap > 0) {
-      launch<scalar_t, true>(p, stream);
-    } else {
-      launch<scalar_t, false>(p, stream);
-    }
+    HUGEHEAD_BOOL_SWITCH(p.softcap > 0, kSoftcap, [&] { launch<scalar_t, kSoftcap>(p, stream); });
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("chunk_topk_", &chunk_topk_cuda); }
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("chunk_topk_", &entry::chunk_topk<chunk_topk_cuda>); }
 
 }  // namespace hugehead

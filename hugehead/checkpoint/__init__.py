@@ -18,10 +18,11 @@ from .dcp import is_checkpoint_dir, load_checkpoint, read_checkpoint, save_check
 from .optim import keep_optimizer_state_on_shards, place_optimizer_state
 from .safetensors import BLOCK_BYTES, _write_tensor_bytes, write_safetensors
 from .space import CheckpointSpaceError
-from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, sharded_state_dict, sharded_state_dict_requested
+from .sharded import (DCP_BLOCK_BYTES, ShardedRows, _for_dcp, optional_state_keys, sharded_state_dict,
+                      sharded_state_dict_requested)
 
 __all__ = [
     "place_optimizer_state", "keep_optimizer_state_on_shards", "ShardedRows", "sharded_state_dict",
     "save_checkpoint", "load_checkpoint", "is_checkpoint_dir", "write_safetensors", "atomic_path",
-    "CheckpointSpaceError",
+    "CheckpointSpaceError", "optional_state_keys",
 ]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from . import space
 from .atomic import PathLike, _as_rank_error, _atomic_dir_across_ranks, _fsync_dir, _remove_path, atomic_path
 from .optim import place_optimizer_state, state_bytes
-from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, sharded_state_dict
+from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, optional_state_keys, sharded_state_dict
 from .threads import reader as _reader, writer as _writer
 
 _FORMAT = "hugehead.checkpoint/1"
@@ -286,8 +286,8 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[Tensor]:
 
 def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
                     optimizers: Optional[Sequence[torch.optim.Optimizer]] = None, *, strict: bool = True, weights_only: Optional[bool] = None,
-                    block_bytes: int = DCP_BLOCK_BYTES, process_group=None, io_threads: Optional[int] = None
-                    ) -> Tuple[Dict[str, Any], List[dict], Any]:
+                    block_bytes: int = DCP_BLOCK_BYTES, process_group=None, io_threads: Optional[int] = None,
+                    optional_keys: Sequence[str] = ()) -> Tuple[Dict[str, Any], List[dict], Any]:
     """The loading half of :func:`load_checkpoint`, for callers that apply the states themselves
     (``hugehead.lightning``): loads in place into ``model_state`` (a :func:`sharded_state_dict`) and into
     optimizer state tensors allocated on each parameter's device.
@@ -297,7 +297,8 @@ def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
         ``optimizers`` is None or the checkpoint holds no optimizer state (nothing of it is read then).
     With ``process_group`` (a model whose heads span its ranks): collective; each rank reads its rows
     and, from a checkpoint saved by the same world size, its own optimizer state. ``io_threads``: files
-    read at once (None: :data:`IO_THREADS`).
+    read at once (None: :data:`IO_THREADS`). ``optional_keys``: keys of ``model_state`` the checkpoint may
+    lack even when ``strict`` (:func:`hugehead.checkpoint.optional_state_keys`); they keep their values.
 
     Raises:
         FileNotFoundError, ValueError: not a checkpoint; different shapes; optimizer state saved for other
@@ -317,7 +318,7 @@ def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
     model_state = dict(model_state)
     saved_shapes = meta["model_shapes"]
     if strict:
-        missing = [k for k in model_state if k not in meta["model_keys"]]
+        missing = [k for k in model_state if k not in meta["model_keys"] and k not in set(optional_keys)]
         unexpected = [k for k in meta["model_keys"] if k not in model_state]
         if missing or unexpected:
             raise RuntimeError(f"hugehead: {path} does not match the model: missing keys {missing}, "
@@ -420,7 +421,8 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizers=None, *, strict
     optimizers = None if optimizers is None else list(optimizers)
     state, optimizer_states, extra = read_checkpoint(path, sharded_state_dict(model), optimizers,
                                                      strict=strict, weights_only=weights_only,
-                                                     process_group=process_group, io_threads=io_threads)
+                                                     process_group=process_group, io_threads=io_threads,
+                                                     optional_keys=optional_state_keys(model))
     if optimizers and optimizer_states is None:
         raise ValueError(f"hugehead: {os.fspath(path)} holds no optimizer state (it was saved without optimizers)")
     model.load_state_dict(state, strict=strict)

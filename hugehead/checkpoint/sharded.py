@@ -170,6 +170,18 @@ def sharded_state_dict_requested() -> bool:
     return _SHARDED_STATE_DICT.get()
 
 
+def optional_state_keys(module: nn.Module) -> List[str]:
+    """The keys of ``module.state_dict()`` that a checkpoint may lack: those a submodule names in its
+    ``optional_state_keys`` attribute (a head's ``class_weight`` / ``pos_weight`` buffers, which
+    checkpoints of older releases do not have), with the submodule's prefix."""
+    keys = []
+    for prefix, sub in module.named_modules():
+        for name in getattr(sub, "optional_state_keys", ()):
+            if getattr(sub, name, None) is not None:
+                keys.append(f"{prefix}.{name}" if prefix else name)
+    return keys
+
+
 def sharded_state_dict(module: nn.Module, *, for_save: bool = False) -> Dict[str, Any]:
     """``module.state_dict()`` where every :class:`~hugehead.ChunkedClassifier` inside gives its logical
     ``weight [V, D]`` and ``bias [V]`` as :class:`ShardedRows` over its shards' tensors instead of a

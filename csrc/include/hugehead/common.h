@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 #define HUGEHEAD_CHECK_DIM(t, d) \
   TORCH_CHECK((t).dim() == (d), "hugehead: ", #t, " must have ", (d), " dims, got shape ", (t).sizes())
@@ -24,6 +26,19 @@
 // float16 / bfloat16 / float32 logits accumulate in float32; float64 (gradcheck) in float64.
 #define HUGEHEAD_DISPATCH_LOGITS(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+// Calls the lambda __VA_ARGS__ with constexpr bool NAME = COND: a runtime flag chosen as a kernel's template
+// argument (flash-attention's BOOL_SWITCH).
+#define HUGEHEAD_BOOL_SWITCH(COND, NAME, ...) \
+  [&] {                                       \
+    if (COND) {                               \
+      constexpr static bool NAME = true;      \
+      return __VA_ARGS__();                   \
+    } else {                                  \
+      constexpr static bool NAME = false;     \
+      return __VA_ARGS__();                   \
+    }                                         \
+  }()
 
 namespace hugehead {
 
@@ -59,33 +74,53 @@ struct ChunkGradParams {
   double softcap;  // <= 0: none
 };
 
-// Checks shared by both backends; returns the accumulation dtype for the logits' dtype.
+// The accumulation dtype of a logits dtype.
 inline at::ScalarType acc_type_for(at::ScalarType logits) {
   return logits == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-inline void check_chunk_rows(const at::Tensor& logits, const at::Tensor& target,
-                             std::initializer_list<std::pair<const char*, const at::Tensor*>> row_vecs) {
+// The argument checks both backends share (the sparse targets' are in sparse_target.h, top-k's in topk.h).
+
+// The logits chunk: 2-D floating point with unit column stride.
+inline void check_logits_chunk(const at::Tensor& logits) {
   HUGEHEAD_CHECK_DIM(logits, 2);
   TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1,
               "hugehead: logits chunk must have unit column stride, got strides ", logits.strides());
   TORCH_CHECK(at::isFloatingType(logits.scalar_type()), "hugehead: logits must be floating point, got ",
               logits.scalar_type());
+}
+
+// A chunk the op only reads may come with any column stride (a column slice of a transposed buffer): it is
+// copied once to unit column stride, which the kernels need.
+inline at::Tensor with_unit_column_stride(const at::Tensor& logits) {
+  return logits.dim() == 2 && logits.size(1) > 1 && logits.stride(1) != 1 ? logits.contiguous() : logits;
+}
+
+// [N] row vectors in the accumulation dtype, on the logits' device, contiguous.
+inline void check_row_vectors(const at::Tensor& logits,
+                              std::initializer_list<std::pair<const char*, const at::Tensor*>> row_vecs) {
+  const auto acc = acc_type_for(logits.scalar_type());
+  for (const auto& [name, t] : row_vecs) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "hugehead: ", name, " must have shape [",
+                logits.size(0), "], got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == acc, "hugehead: ", name, " must be ", acc, " for ", logits.scalar_type(),
+                " logits, got ", t->scalar_type());
+    TORCH_CHECK(t->device() == logits.device(), "hugehead: ", name, " is on ", t->device(),
+                " but logits are on ", logits.device());
+    TORCH_CHECK(t->is_contiguous(), "hugehead: ", name, " must be contiguous");
+  }
+}
+
+// The logits chunk, its [N] int64 target and its [N] row vectors.
+inline void check_chunk_rows(const at::Tensor& logits, const at::Tensor& target,
+                             std::initializer_list<std::pair<const char*, const at::Tensor*>> row_vecs) {
+  check_logits_chunk(logits);
   HUGEHEAD_CHECK_DIM(target, 1);
   HUGEHEAD_CHECK_SIZE(target, 0, logits.size(0));
   HUGEHEAD_CHECK_DTYPE(target, at::kLong);
   HUGEHEAD_CHECK_DEVICE(target, logits);
   HUGEHEAD_CHECK_CONTIGUOUS(target);
-  const auto acc = acc_type_for(logits.scalar_type());
-  for (const auto& [name, t] : row_vecs) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "hugehead: ", name, " must have shape [",
-                logits.size(0), "], got ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == acc, "hugehead: ", name, " must be ", acc, " for ",
-                logits.scalar_type(), " logits, got ", t->scalar_type());
-    TORCH_CHECK(t->device() == logits.device(), "hugehead: ", name, " is on ", t->device(),
-                " but logits are on ", logits.device());
-    TORCH_CHECK(t->is_contiguous(), "hugehead: ", name, " must be contiguous");
-  }
+  check_row_vectors(logits, row_vecs);
 }
 
 }  // namespace hugehead

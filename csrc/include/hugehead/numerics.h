@@ -34,16 +34,18 @@ C10_HOST_DEVICE inline void lse_merge(acc_t& m, acc_t& s, acc_t m2, acc_t s2) {
   m = mm;
 }
 
-// g * dLoss_row/dlogit + g_lse * dlse/dlogit for one element given the row's final lse:
-//   (g (p - eps / V - (1 - eps) [j == target] + p * 2 z_loss lse) + g_lse p) * dsoftcap/dz
-// where p = exp(c - lse) and c is the (softcapped) logit. The z-loss term is added after p - 1 rather
-// than folded into p * (1 + 2 z_loss lse): rounding 1 + 2 z_loss lse would otherwise swamp a small
-// z-loss gradient on a confident target (p ~ 1). g_lse is the gradient reaching a returned lse
-// (return_lse=True); with g_lse == 0 the rounding is exactly that of g * (d * dcdz).
+// g * dLoss_row/dlogit + g_lse * dlse/dlogit for one element of the softmax with probability targets:
+//   (g (mass p - smooth - target_scale v [entry] + p * 2 z_loss lse) + g_lse p) * dsoftcap/dz
+// where p = exp(c - lse) and c is the (softcapped) logit; mass = sum_j w_j t'_j (t' the smoothed target),
+// smooth = eps / V (times the class weight w_j), target_scale = 1 - eps and v the entry's (class-weighted)
+// target value. The z-loss term is added after the target term rather than folded into
+// p * (1 + 2 z_loss lse): rounding 1 + 2 z_loss lse would otherwise swamp a small z-loss gradient on a
+// confident target (p ~ 1). g_lse is the gradient reaching a returned lse (return_lse=True); with
+// g_lse == 0 the rounding is exactly that of g * (d * dcdz).
 template <typename acc_t>
-C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_t g, acc_t g_lse,
-                                        acc_t z_term, acc_t smooth_term, acc_t target_weight,
-                                        acc_t softcap) {
+C10_HOST_DEVICE inline acc_t sparse_logit_grad(acc_t z, bool is_entry, acc_t entry_value, acc_t lse, acc_t g,
+                                               acc_t g_lse, acc_t mass, acc_t z_term, acc_t smooth,
+                                               acc_t target_scale, acc_t softcap) {
   acc_t c = z;
   acc_t dcdz = acc_t(1);
   if (softcap > acc_t(0)) {
@@ -52,11 +54,21 @@ C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_
     dcdz = acc_t(1) - t * t;
   }
   const acc_t prob = std::exp(c - lse);
-  acc_t d = prob - smooth_term;
-  if (is_target) d -= target_weight;
+  acc_t d = mass * prob - smooth;
+  if (is_entry) d -= target_scale * entry_value;
   d += prob * z_term;
   if (g_lse == acc_t(0)) return g * (d * dcdz);
   return (g * d + g_lse * prob) * dcdz;
+}
+
+// The same for a one-hot target (chunk_grad_): mass 1 and v 1 at the target. Multiplying by 1 is exact, so
+// it rounds as that formula written out for one-hot targets does.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t logit_grad(acc_t z, bool is_target, acc_t lse, acc_t g, acc_t g_lse,
+                                        acc_t z_term, acc_t smooth_term, acc_t target_weight,
+                                        acc_t softcap) {
+  return sparse_logit_grad(z, is_target, acc_t(1), lse, g, g_lse, acc_t(1), z_term, smooth_term, target_weight,
+                           softcap);
 }
 
 }  // namespace hugehead

@@ -1,6 +1,7 @@
 // Sparse [N, V] targets in the kernels (CPU and CUDA): the CSR view of a chunk's entries, the params
-// structs of the sparse-target ops, their argument checks, and the per-element math of the softmax with
-// probability targets and of one-vs-all binary cross-entropy, shared so both backends compute one formula.
+// structs of the sparse-target ops, their argument checks, and the per-element math of one-vs-all binary
+// cross-entropy, shared so both backends compute one formula (the softmax with probability targets shares
+// numerics.h's sparse_logit_grad with the one-hot loss).
 //
 // A target reaches a kernel as CSR: crow [R + 1] (absolute offsets into col / val, so a row block of a
 // larger target is just a slice of crow), col [nnz] global class ids sorted ascending within each row,
@@ -14,9 +15,10 @@
 #include <cmath>
 #include <cstdint>
 
+#include "hugehead/numerics.h"
+
 #ifndef __CUDACC_RTC__
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
+#include "hugehead/common.h"
 #endif
 
 namespace hugehead {
@@ -162,30 +164,6 @@ C10_HOST_DEVICE inline acc_t bce_entry_grad(acc_t z, acc_t e, acc_t t, acc_t lw)
   return (acc_t(1) - t) - lw * sig_neg;
 }
 
-// g * dLoss_row/dlogit + g_lse * dlse/dlogit for one element of the softmax with probability targets:
-//   (g (mass p - smooth_j - (1 - eps) v [entry] + p * 2 z_loss lse) + g_lse p) * dsoftcap/dz
-// where p = exp(c - lse), mass = sum_j w_j t'_j (t' the smoothed target), smooth_j = eps / V * w_j and v
-// the entry's (class-weighted) target value. With mass = 1, smooth_j = eps / V and v = 1 this is
-// logit_grad's formula (numerics.h), term by term in the same order.
-template <typename acc_t>
-C10_HOST_DEVICE inline acc_t sparse_logit_grad(acc_t z, bool is_entry, acc_t entry_value, acc_t lse, acc_t g,
-                                               acc_t g_lse, acc_t mass, acc_t z_term, acc_t smooth,
-                                               acc_t target_scale, acc_t softcap) {
-  acc_t c = z;
-  acc_t dcdz = acc_t(1);
-  if (softcap > acc_t(0)) {
-    const acc_t t = std::tanh(z / softcap);
-    c = softcap * t;
-    dcdz = acc_t(1) - t * t;
-  }
-  const acc_t prob = std::exp(c - lse);
-  acc_t d = mass * prob - smooth;
-  if (is_entry) d -= target_scale * entry_value;
-  d += prob * z_term;
-  if (g_lse == acc_t(0)) return g * (d * dcdz);
-  return (g * d + g_lse * prob) * dcdz;
-}
-
 #ifndef __CUDACC_RTC__
 // Checks of a CSR target against R = logits.size(0) rows (both backends). The structure itself (sorted,
 // in-range columns) is validated in Python before any kernel runs (hugehead/sparse.py); here only what
@@ -198,7 +176,7 @@ inline void check_csr_target(const at::Tensor& logits, const at::Tensor& crow, c
               "hugehead: col and val must be 1-D of one length, got ", col.sizes(), " and ", val.sizes());
   TORCH_CHECK(crow.scalar_type() == at::kLong && col.scalar_type() == at::kLong,
               "hugehead: crow and col must be int64, got ", crow.scalar_type(), " and ", col.scalar_type());
-  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_type_for(logits.scalar_type());
   TORCH_CHECK(val.scalar_type() == acc, "hugehead: val must be ", acc, " for ", logits.scalar_type(),
               " logits, got ", val.scalar_type());
   for (const at::Tensor* t : {&crow, &col, &val}) {
@@ -208,33 +186,9 @@ inline void check_csr_target(const at::Tensor& logits, const at::Tensor& crow, c
   }
 }
 
-// [R] row vectors in the accumulation dtype, on the logits' device, contiguous.
-inline void check_row_vectors(const at::Tensor& logits,
-                              std::initializer_list<std::pair<const char*, const at::Tensor*>> row_vecs) {
-  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  for (const auto& [name, t] : row_vecs) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "hugehead: ", name, " must have shape [",
-                logits.size(0), "], got ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == acc, "hugehead: ", name, " must be ", acc, " for ", logits.scalar_type(),
-                " logits, got ", t->scalar_type());
-    TORCH_CHECK(t->device() == logits.device(), "hugehead: ", name, " is on ", t->device(),
-                " but logits are on ", logits.device());
-    TORCH_CHECK(t->is_contiguous(), "hugehead: ", name, " must be contiguous");
-  }
-}
-
-// The logits chunk: 2-D floating point with unit column stride.
-inline void check_logits_chunk(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2, "hugehead: logits must have 2 dims, got shape ", logits.sizes());
-  TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1,
-              "hugehead: logits chunk must have unit column stride, got strides ", logits.strides());
-  TORCH_CHECK(at::isFloatingType(logits.scalar_type()), "hugehead: logits must be floating point, got ",
-              logits.scalar_type());
-}
-
 // An optional [C] per-class vector of the chunk (class_weight) in the accumulation dtype.
 inline void check_chunk_classes(const at::Tensor& logits, const at::Tensor& t, const char* name) {
-  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_type_for(logits.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(1), "hugehead: ", name, " must have shape [",
               logits.size(1), "], got ", t.sizes());
   TORCH_CHECK(t.scalar_type() == acc, "hugehead: ", name, " must be ", acc, ", got ", t.scalar_type());

@@ -1,0 +1,135 @@
+// The host entry of every op, written once for both backends: the argument checks, the params struct
+// the kernels get, and the early return of an empty chunk. A backend's file supplies only how the params
+// are run (a Launch: dtype dispatch and kernel launch) and registers the entry with it, e.g.
+//   TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("chunk_stats_", &entry::chunk_stats<chunk_stats_cpu>); }
+// The argument lists follow the schemas in hugehead.cpp. What only one backend needs (the CUDA grid's row
+// limit, the device guard) is checked there, still before any kernel runs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "hugehead/common.h"
+#include "hugehead/sparse_target.h"
+#include "hugehead/topk.h"
+
+namespace hugehead {
+namespace entry {
+
+// Runs checked params on a backend; logits is the chunk they point into (for its dtype and device).
+template <typename Params>
+using Launch = void (*)(const Params& p, const at::Tensor& logits);
+
+// An optional tensor's data, or nullptr for none (the params' "absent" marker).
+inline void* data_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr() : nullptr;
+}
+
+template <Launch<ChunkStatsParams> launch>
+void chunk_stats(const at::Tensor& logits_in, const at::Tensor& target, int64_t class_start, double softcap,
+                 const at::Tensor& row_max, const at::Tensor& row_sumexp, const at::Tensor& target_logit,
+                 const at::Tensor& logit_sum) {
+  const at::Tensor logits = with_unit_column_stride(logits_in);
+  check_chunk_rows(logits, target,
+                   {{"row_max", &row_max}, {"row_sumexp", &row_sumexp}, {"target_logit", &target_logit},
+                    {"logit_sum", &logit_sum}});
+  const ChunkStatsParams p{logits.data_ptr(), target.data_ptr<int64_t>(), row_max.data_ptr(),
+                           row_sumexp.data_ptr(), target_logit.data_ptr(), logit_sum.data_ptr(),
+                           logits.size(0), logits.size(1), logits.stride(0), class_start, softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  launch(p, logits);
+}
+
+template <Launch<ChunkGradParams> launch>
+void chunk_grad(const at::Tensor& logits, const at::Tensor& target, int64_t class_start, int64_t num_classes,
+                const at::Tensor& lse, const at::Tensor& grad_rows, double label_smoothing, double z_loss,
+                double softcap, const std::optional<at::Tensor>& grad_lse) {
+  check_chunk_rows(logits, target, {{"lse", &lse}, {"grad_rows", &grad_rows}});
+  if (grad_lse.has_value()) check_row_vectors(logits, {{"grad_lse", &*grad_lse}});
+  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
+  const ChunkGradParams p{logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr(), grad_rows.data_ptr(),
+                          data_or_null(grad_lse), logits.size(0), logits.size(1), logits.stride(0),
+                          class_start, num_classes, label_smoothing, z_loss, softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  launch(p, logits);
+}
+
+template <Launch<ChunkTopkParams> launch>
+void chunk_topk(const at::Tensor& logits_in, const std::optional<at::Tensor>& bias, int64_t class_start,
+                double softcap, const at::Tensor& values, const at::Tensor& indices) {
+  const at::Tensor logits = with_unit_column_stride(logits_in);
+  check_chunk_topk(logits, bias, values, indices, class_start);
+  const ChunkTopkParams p{logits.data_ptr(), data_or_null(bias), values.data_ptr(), indices.data_ptr<int64_t>(),
+                          logits.size(0), logits.size(1), logits.stride(0), values.size(1), class_start, softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  launch(p, logits);
+}
+
+inline CsrTarget csr_target(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val) {
+  return {crow.data_ptr<int64_t>(), col.data_ptr<int64_t>(), val.data_ptr()};
+}
+
+template <Launch<SparseChunkStatsParams> launch>
+void sparse_chunk_stats(const at::Tensor& logits_in, const at::Tensor& crow, const at::Tensor& col,
+                        const at::Tensor& val, int64_t class_start, double softcap,
+                        const std::optional<at::Tensor>& class_weight, const at::Tensor& row_max,
+                        const at::Tensor& row_sumexp, const at::Tensor& target_dot, const at::Tensor& logit_sum) {
+  const at::Tensor logits = with_unit_column_stride(logits_in);
+  check_logits_chunk(logits);
+  check_csr_target(logits, crow, col, val);
+  check_row_vectors(logits, {{"row_max", &row_max}, {"row_sumexp", &row_sumexp}, {"target_dot", &target_dot},
+                             {"logit_sum", &logit_sum}});
+  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
+  const SparseChunkStatsParams p{logits.data_ptr(), csr_target(crow, col, val), data_or_null(class_weight),
+                                 row_max.data_ptr(), row_sumexp.data_ptr(), target_dot.data_ptr(),
+                                 logit_sum.data_ptr(), logits.size(0), logits.size(1), logits.stride(0),
+                                 class_start, softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  launch(p, logits);
+}
+
+template <Launch<SparseChunkGradParams> launch>
+void sparse_chunk_grad(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col,
+                       const at::Tensor& val, int64_t class_start, int64_t num_classes, const at::Tensor& lse,
+                       const at::Tensor& grad_rows, const at::Tensor& target_mass, double label_smoothing,
+                       double z_loss, double softcap, const std::optional<at::Tensor>& class_weight,
+                       const std::optional<at::Tensor>& grad_lse) {
+  check_logits_chunk(logits);
+  check_csr_target(logits, crow, col, val);
+  check_row_vectors(logits, {{"lse", &lse}, {"grad_rows", &grad_rows}, {"target_mass", &target_mass}});
+  if (grad_lse.has_value()) check_row_vectors(logits, {{"grad_lse", &*grad_lse}});
+  if (class_weight.has_value()) check_chunk_classes(logits, *class_weight, "class_weight");
+  TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
+  const SparseChunkGradParams p{logits.data_ptr(), csr_target(crow, col, val), data_or_null(class_weight),
+                                lse.data_ptr(), grad_rows.data_ptr(), target_mass.data_ptr(),
+                                data_or_null(grad_lse), logits.size(0), logits.size(1), logits.stride(0),
+                                class_start, num_classes, label_smoothing, z_loss, softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  launch(p, logits);
+}
+
+template <Launch<BceChunkParams> launch>
+void bce_chunk(const at::Tensor& logits, const at::Tensor& crow, const at::Tensor& col, const at::Tensor& val,
+               const std::optional<at::Tensor>& entry_weight, int64_t class_start,
+               const std::optional<at::Tensor>& row_loss, const std::optional<at::Tensor>& grad_rows) {
+  check_logits_chunk(logits);
+  check_csr_target(logits, crow, col, val);
+  if (row_loss.has_value()) check_row_vectors(logits, {{"row_loss", &*row_loss}});
+  if (grad_rows.has_value()) check_row_vectors(logits, {{"grad_rows", &*grad_rows}});
+  if (entry_weight.has_value()) {
+    TORCH_CHECK(entry_weight->sizes() == val.sizes() && entry_weight->scalar_type() == val.scalar_type() &&
+                    entry_weight->device() == val.device() && entry_weight->is_contiguous(),
+                "hugehead: entry_weight must be a contiguous ", val.scalar_type(), " tensor shaped like val ",
+                val.sizes(), ", got ", entry_weight->scalar_type(), " ", entry_weight->sizes());
+  }
+  const BceChunkParams p{logits.data_ptr(), csr_target(crow, col, val), data_or_null(entry_weight),
+                         data_or_null(row_loss), data_or_null(grad_rows), logits.size(0), logits.size(1),
+                         logits.stride(0), class_start};
+  if (p.rows == 0 || p.cols == 0 || (p.row_loss == nullptr && p.grad_rows == nullptr)) return;
+  launch(p, logits);
+}
+
+}  // namespace entry
+}  // namespace hugehead
