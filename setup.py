@@ -1,5 +1,7 @@
 # Drives CMakeLists.txt (the one real build) with Ninja and puts hugehead/_C*.so inside the package.
 # Build switches (environment): HUGEHEAD_CUDA=AUTO|ON|OFF, HUGEHEAD_CUDA_ARCHS="90" (CMake style),
+# HUGEHEAD_CUTLASS=AUTO|ON|OFF (the sm_90a GEMMs of csrc/cuda/gemm/, CUDA builds only) with HUGEHEAD_CUTLASS_DIR
+# (CUTLASS's include directory; default: the installed nvidia-cutlass package's cutlass_library/source/include),
 # HUGEHEAD_BUILD_DIR (default build/cmake-<python tag>: kept, so a rebuild is incremental; wiped and
 # configured again when it was configured for another Python or torch, see fresh_build_dir),
 # MAX_JOBS (parallel compile jobs; default: all cores), HUGEHEAD_BUILD_TYPE (default Release).
@@ -118,6 +120,9 @@ class CMakeBuild(build_ext):
             f"-DHUGEHEAD_OUTPUT_DIR={out_dir}",
             f"-DHUGEHEAD_CUDA={os.environ.get('HUGEHEAD_CUDA', 'AUTO').upper()}",
         ]
+        configure.append(f"-DHUGEHEAD_CUTLASS={os.environ.get('HUGEHEAD_CUTLASS', 'AUTO').upper()}")
+        # Passed every time (empty: look for the package), so a cached directory never outlives the variable.
+        configure.append(f"-DHUGEHEAD_CUTLASS_DIR={os.environ.get('HUGEHEAD_CUTLASS_DIR', '')}")
         if "HUGEHEAD_CUDA_ARCHS" in os.environ:
             configure.append(f"-DHUGEHEAD_CUDA_ARCHS={os.environ['HUGEHEAD_CUDA_ARCHS']}")
         try:

@@ -220,6 +220,8 @@ def render_markdown(doc: dict) -> str:
             )
             if r.get("plan") or r.get("plan_error"):
                 what = ", ".join(f"{k}={v}" for k, v in r["plan"].items()) if r.get("plan") else r["plan_error"]
+                if r.get("gemm"):  # the forward's logits GEMM (HUGEHEAD_GEMM): cutlass (fused) or cublas
+                    what += f", gemm={r['gemm']}"
                 plans.append(f"- {shape} / {impl}: {what}")
             if r.get("fwd_bwd_compile_ms") is not None or r.get("fwd_compile_ms") is not None:
                 cb, cf = _num(r, "fwd_bwd_compile_ms"), _num(r, "fwd_compile_ms")

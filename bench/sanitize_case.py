@@ -340,6 +340,108 @@ def bce_cases(device: torch.device) -> Iterator[Result]:
                 yield f"{name}: row_loss", row_loss.cpu(), ref_rows.detach(), 10 * ACC_TOLERANCE[acc]
 
 
+# (label, N, C, D, class_start, bias, softcap): rows and columns off the GEMM's 128 x 128 / 128 x 256 tiles
+GEMM_STATS_SHAPES = [
+    ("one row", 1, 300, 64, 0, False, 0.0),
+    ("tails, bias", 130, 257, 128, 1000, True, 0.0),
+    ("softcap, bias", 200, 1000, 768, 64, True, 30.0),
+]
+
+
+@kernel_case("gemm_chunk_stats_")
+def gemm_stats_cases(device: torch.device) -> Iterator[Result]:
+    """The CUTLASS statistics GEMM (CUDA builds with CUTLASS, sm_90 only), both schedules, from earlier
+    running statistics; the reference folds the float64 logits of the same bf16 inputs."""
+    import os
+
+    from hugehead import ops
+
+    if not ops.has_fused_gemm(device, torch.bfloat16):
+        return
+    for schedule in ("pingpong", "cooperative"):
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+        for label, n, c, d, c0, with_bias, softcap in GEMM_STATS_SHAPES:
+            name = f"{label} {schedule}"
+            g = _gen(name)
+            x = torch.randn(n, d, generator=g, dtype=torch.float64).to(torch.bfloat16)
+            w = (torch.randn(c, d, generator=g, dtype=torch.float64) * 3 / math.sqrt(d)).to(torch.bfloat16)
+            b = torch.randn(c, generator=g, dtype=torch.float64).to(torch.bfloat16) if with_bias else None
+            target = torch.randint(0, c0 + c + 50, (n,), generator=g)
+            target[::2] = torch.randint(c0, c0 + c, (n,), generator=g)[::2]
+            target[1::3] = IGNORE
+            row_max = torch.randn(n, generator=g, dtype=torch.float64).float()
+            row_max[0] = -math.inf
+            row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).float()
+            row_sumexp[0] = 0.0
+            target_logit = torch.randn(n, generator=g, dtype=torch.float64).float()
+            logit_sum = torch.randn(n, generator=g, dtype=torch.float64).float()
+            state = [t.to(device, copy=True) for t in (row_max, row_sumexp, target_logit, logit_sum)]
+            torch.ops.hugehead.gemm_chunk_stats_.default(
+                x.to(device), w.to(device), None if b is None else b.to(device), target.to(device), c0, softcap,
+                *state)
+            # the kernel rounds each logit once to bf16 (as a stored GEMM output), then softcaps in float32
+            z = (x.double() @ w.double().t() + (0 if b is None else b.double())).to(torch.bfloat16).double()
+            z = _softcapped(z, softcap)
+            m_old, s_old = row_max.double(), row_sumexp.double()
+            m_new = torch.maximum(m_old, z.max(dim=1).values)
+            s_new = s_old * torch.exp(m_old - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+            inside = (target >= c0) & (target < c0 + c)
+            picked = z.gather(1, (target - c0).clamp(0, c - 1)[:, None]).squeeze(1)
+            got = [t.cpu() for t in state]
+            tol = 1e-3  # float32 accumulation vs float64: now and then a logit rounds to the other bf16
+            yield f"{name}: row_max", got[0], m_new, tol
+            yield f"{name}: lse", got[0].double() + got[1].double().log(), m_new + s_new.log(), tol
+            yield f"{name}: target_logit", got[2], torch.where(inside, picked, target_logit.double()), tol
+            yield f"{name}: logit_sum", got[3], logit_sum.double() + z.sum(dim=1), 10 * tol
+    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+
+
+@kernel_case("gemm_chunk_grad_")
+def gemm_grad_cases(device: torch.device) -> Iterator[Result]:
+    """The CUTLASS gradient GEMM (CUDA builds with CUTLASS, sm_90 only) into a column slice of a wider buffer
+    (canaries beside it), every option; the reference is numerics.h's formula on the bf16-rounded float64
+    logits."""
+    from hugehead import ops
+
+    if not ops.has_fused_gemm(device, torch.bfloat16):
+        return
+    # (label, N, C, D, class_start, bias, label_smoothing, z_loss, softcap, grad_lse, row padding)
+    for label, n, c, d, c0, with_bias, eps, z_loss, softcap, with_gl, pad in [
+        ("plain", 7, 300, 64, 0, False, 0.0, 0.0, 0.0, False, 0),
+        ("odd C, strided, all options", 130, 257, 128, 1000, True, 0.1, 1e-3, 30.0, True, 5),
+    ]:
+        g = _gen(f"gemm grad {label}")
+        x = torch.randn(n, d, generator=g, dtype=torch.float64).to(torch.bfloat16)
+        w = (torch.randn(c, d, generator=g, dtype=torch.float64) * 3 / math.sqrt(d)).to(torch.bfloat16)
+        b = torch.randn(c, generator=g, dtype=torch.float64).to(torch.bfloat16) if with_bias else None
+        num_classes = c0 + c + 50
+        target = torch.randint(0, num_classes, (n,), generator=g)
+        target[::2] = torch.randint(c0, c0 + c, (n,), generator=g)[::2]
+        target[1::3] = IGNORE
+        lse = (torch.randn(n, generator=g, dtype=torch.float64) + 6).float()
+        grad_rows = torch.rand(n, generator=g, dtype=torch.float64).float() / n
+        grad_rows[1::3] = 0.0
+        grad_lse = (torch.randn(n, generator=g, dtype=torch.float64) / n).float() if with_gl else None
+        out = _chunk_on(device, torch.zeros(n, c, dtype=torch.bfloat16), 0, c, pad)
+        ops.gemm_chunk_grad_(x.to(device), w.to(device), None if b is None else b.to(device), target.to(device), c0,
+                             num_classes, lse.to(device), grad_rows.to(device), eps, z_loss, softcap,
+                             None if grad_lse is None else grad_lse.to(device), out)
+        z = (x.double() @ w.double().t() + (0 if b is None else b.double())).to(torch.bfloat16).double()
+        dcdz = torch.ones_like(z)
+        if softcap > 0:
+            th = torch.tanh(z / softcap)
+            z, dcdz = softcap * th, 1 - th * th
+        p = torch.exp(z - lse.double()[:, None])
+        dz = p - eps / num_classes + p * 2 * z_loss * lse.double()[:, None]
+        inside = (target >= c0) & (target < c0 + c)
+        rows = torch.nonzero(inside).squeeze(1)
+        dz[rows, target[rows] - c0] -= 1 - eps
+        expected = grad_rows.double()[:, None] * dz
+        if grad_lse is not None:
+            expected = expected + grad_lse.double()[:, None] * p
+        yield f"gemm grad {label}", out.cpu(), expected * dcdz, TOLERANCE[torch.bfloat16]
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if not torch.isfinite(a).all():

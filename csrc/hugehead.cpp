@@ -10,6 +10,18 @@ TORCH_LIBRARY(hugehead, m) {
   m.def(
       "chunk_stats_(Tensor logits, Tensor target, int class_start, float softcap, Tensor(a!) row_max, "
       "Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum) -> ()");
+  // chunk_stats_ of the logits chunk x [N, D] @ weight [C, D]^T (+ bias [C]) without materializing it: one
+  // GEMM whose epilogue does the statistics (CUTLASS, sm_90a; a CUDA kernel only in builds with CUTLASS).
+  // The logits are rounded to x's dtype (as a stored GEMM output would be) before the statistics.
+  m.def(
+      "gemm_chunk_stats_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, float softcap, "
+      "Tensor(a!) row_max, Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum) -> ()");
+  // chunk_grad_ of the logits chunk x @ weight^T (+ bias) without materializing it: the recompute GEMM's
+  // epilogue writes dLoss/dlogits into grad_logits [N, C] (x's dtype). CUTLASS builds only, as above.
+  m.def(
+      "gemm_chunk_grad_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, int num_classes, "
+      "Tensor lse, Tensor grad_rows, float label_smoothing, float z_loss, float softcap, Tensor? grad_lse, "
+      "Tensor(a!) grad_logits) -> ()");
   // Replace a logits chunk [N, C] by dLoss/dlogits in place, given every row's final lse and
   // dLoss/dloss_row (zero for ignored rows), with label smoothing, z-loss and softcap folded in.
   // grad_lse (optional, [N]): the gradient reaching a returned per-row lse, added as g_lse * softmax.
@@ -50,4 +62,6 @@ PYBIND11_MODULE(_C, module) {
   module.doc() = "hugehead kernels: importing this registers torch.ops.hugehead.*";
   module.def("cuda_built", []() { return bool(HUGEHEAD_WITH_CUDA); },
              "True when this build includes the CUDA kernels");
+  module.def("cutlass_built", []() { return bool(HUGEHEAD_WITH_CUTLASS); },
+             "True when this build includes the CUTLASS sm_90a GEMMs (csrc/cuda/gemm/)");
 }

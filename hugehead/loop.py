@@ -282,7 +282,8 @@ def forward_stats_steps(
         target is not in this shard, so shards merge by summing it), and the kept logits
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
-    if _overlapped(plan, x, source):
+    # The fused GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
+    if _overlapped(plan, x, source) and not _fused_applies(x, target, "stats"):
         return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
     return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan)
 
@@ -315,20 +316,75 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
     if n == 0 or v == 0:
         return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
+    fused = _fused_applies(x, target, "stats")
+    workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     for chunk in source.chunks(plan.cols):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
+            rows = RowStats(*(s[r0:r1] for s in stats))
+            if chunk.c0 >= kept_classes and fused and _fused_stats(x[r0:r1], chunk, target[r0:r1],
+                                                                   class_start + chunk.c0, softcap, rows):
+                continue
             if chunk.c0 < kept_classes:
                 z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
             else:
+                if workspace is None:
+                    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
                 z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
-            rows = RowStats(*(s[r0:r1] for s in stats))
             _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
         yield
     return stats, kept
+
+
+# -- gemm (issue 21): the chunk steps through the CUTLASS GEMMs with the statistics (forward) or dLoss/dlogits
+# (backward) in their epilogues.
+def _fused_applies(x: Tensor, target, kind: str) -> bool:
+    """Whether this shard's chunks may take :func:`ops.gemm_chunk_stats_` (``kind="stats"``) or
+    :func:`ops.gemm_chunk_grad_` (``"grad"``): class-id targets, a bf16/fp16 ``x`` on an sm_90 GPU of a
+    CUTLASS build, and :func:`ops.gemm_path` saying ``cutlass`` (or ``cutlass_forward`` for the statistics
+    alone); each chunk still checks its own layout (:func:`_fused_layout`). Not while torch.compile traces:
+    the layout checks read data pointers, which fake tensors do not have."""
+    if not (isinstance(target, Tensor) and x.is_cuda and x.shape[1] > 0 and x.shape[1] % 8 == 0
+            and not torch.compiler.is_compiling()):
+        return False
+    path = ops.gemm_path(x.device, x.dtype)
+    return path == "cutlass" or (path == "cutlass_forward" and kind == "stats")
+
+
+def _tma_ready(t: Tensor) -> bool:
+    """K-major with 16-byte aligned rows: what the GEMM's TMA loads take."""
+    return t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
+    """The chunk's operands suit the fused GEMMs (else the chunk takes cuBLAS and our kernels)."""
+    w, b = chunk.weight, chunk.bias
+    return (_tma_ready(x) and _tma_ready(w) and w.dtype == x.dtype
+            and (b is None or (b.is_contiguous() and b.dtype == x.dtype))
+            and x.shape[0] < 2**31 - 1 and w.shape[0] < 2**31 - 1)
+
+
+def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
+                 stats: RowStats) -> bool:
+    """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM; False (nothing done)
+    when this chunk's layout does not suit it."""
+    if not _fused_layout(x, chunk):
+        return False
+    ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target, class_start, softcap, *stats)
+    return True
+
+
+def _fused_grad(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, num_classes: int, lse: Tensor,
+                grad_rows: Tensor, options: LossOptions, grad_lse: Optional[Tensor], g: Tensor) -> bool:
+    """Write dLoss/dlogits of chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``g`` in one fused GEMM; False
+    (nothing done) when this chunk's layout does not suit it."""
+    if not _fused_layout(x, chunk):
+        return False
+    ops.gemm_chunk_grad_(x, chunk.weight, chunk.bias, target, class_start, num_classes, lse, grad_rows,
+                         options.label_smoothing, options.z_loss, options.kernel_softcap, grad_lse, g)
+    return True
 
 
 def _forward_overlapped(x, source, target, class_start, softcap, plan):
@@ -460,7 +516,8 @@ def backward_steps(
     """
     args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
             grad_lse)
-    if _overlapped(plan, x, source) and getattr(source, "lookahead", False):
+    # The fused gradient GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
+    if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not _fused_applies(x, target, "grad"):
         return _backward_overlapped(*args)
     return _backward_streamed(*args)
 
@@ -482,6 +539,7 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
             return grad_w, grad_b
         return None, None
     rows_split = plan.rows < n
+    fused = _fused_applies(x, target, "grad")
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     dx_partial = None
@@ -495,15 +553,22 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             xr = x[r0:r1]
+            rows_grad_lse = None if grad_lse is None else grad_lse[r0:r1]
             if c0 < kept_classes:
                 g = kept[c0 // plan.cols, :, : c1 - c0]
+                in_epilogue = False
             else:
-                g = _logits_into(xr, chunk, _workspace_view(workspace, r1 - r0, c1 - c0))
-            _chunk_grad(
-                target, r0, r1, g, class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
-                options.label_smoothing, options.z_loss, options.kernel_softcap,
-                None if grad_lse is None else grad_lse[r0:r1],
-            )
+                g = _workspace_view(workspace, r1 - r0, c1 - c0)
+                # dLoss/dlogits straight from the recompute GEMM's epilogue, where it applies
+                in_epilogue = fused and _fused_grad(xr, chunk, target[r0:r1], class_start + c0, num_classes,
+                                                    lse[r0:r1], grad_rows[r0:r1], options, rows_grad_lse, g)
+                if not in_epilogue:
+                    _logits_into(xr, chunk, g)
+            if not in_epilogue:
+                _chunk_grad(
+                    target, r0, r1, g, class_start + c0, num_classes, lse[r0:r1], grad_rows[r0:r1],
+                    options.label_smoothing, options.z_loss, options.kernel_softcap, rows_grad_lse,
+                )
             if grad_x is not None:
                 _add_dx(grad_x[r0:r1], g, chunk.weight, dx_partial)
             if need_weight:

@@ -13,7 +13,7 @@ from torch import Tensor
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_"]
+           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -49,6 +49,114 @@ def chunk_stats_(
     torch.ops.hugehead.chunk_stats_.default(
         logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum
     )
+
+
+def gemm_chunk_stats_(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_start: int,
+    softcap: float,
+    row_max: Tensor,
+    row_sumexp: Tensor,
+    target_logit: Tensor,
+    logit_sum: Tensor,
+) -> None:
+    """:func:`chunk_stats_` of the logits chunk ``x @ weight.T + bias`` without materializing it: one
+    CUTLASS sm_90a GEMM whose epilogue folds each (row, column tile) into partial statistics, then a merge
+    into the running ones (only where :func:`has_fused_gemm` is True).
+
+    Args:
+        x: ``[N, D]`` bfloat16/float16 on an sm_90 GPU, unit column stride, row stride a multiple of 8,
+            16-byte aligned; ``D`` a positive multiple of 8.
+        weight: ``[C, D]`` the chunk's classes ``[class_start, class_start + C)``, same dtype and layout rules.
+        bias: ``[C]`` contiguous in x's dtype, or None.
+        target, softcap, row_max, row_sumexp, target_logit, logit_sum: as for :func:`chunk_stats_` (float32
+            state). Each logit ``acc + bias`` is rounded once to x's dtype, as cuBLAS's stored output is, so
+            the statistics are those ``chunk_stats_`` computes on cuBLAS's logits up to the summation
+            orders (and the rare logit a different K order rounds the other way), and the forward's lse
+            stays consistent with the backward's recomputed logits.
+        ``HUGEHEAD_GEMM_SCHEDULE=pingpong|cooperative`` (environment, read per call) picks the CUTLASS
+        schedule (default pingpong).
+
+    Raises:
+        RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build
+            without CUTLASS (no CUDA kernel).
+    """
+    torch.ops.hugehead.gemm_chunk_stats_.default(
+        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum
+    )
+
+
+def gemm_chunk_grad_(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_start: int,
+    num_classes: int,
+    lse: Tensor,
+    grad_rows: Tensor,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    grad_lse: Optional[Tensor],
+    grad_logits: Tensor,
+) -> None:
+    """:func:`chunk_grad_` of the logits chunk ``x @ weight.T + bias`` without materializing it: the
+    recompute GEMM's epilogue writes ``dLoss/dlogits`` into ``grad_logits`` (only where
+    :func:`has_fused_gemm` is True; the pingpong schedule).
+
+    Args:
+        x, weight, bias: as for :func:`gemm_chunk_stats_` (each logit rounded once to x's dtype, as the
+            stored logits ``chunk_grad_`` reads are).
+        target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse: as
+            for :func:`chunk_grad_` (float32 ``[N]`` vectors).
+        grad_logits: ``[N, C]`` in x's dtype, unit column stride (any row stride), written.
+
+    Raises:
+        RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build
+            without CUTLASS.
+    """
+    torch.ops.hugehead.gemm_chunk_grad_.default(
+        x, weight, bias, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse,
+        grad_logits,
+    )
+
+
+_FUSED_GEMM_DEVICES = {}
+
+
+def has_fused_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`gemm_chunk_stats_` can run for inputs of ``dtype`` on ``device``: a build with the
+    CUTLASS GEMMs (asked of the dispatcher), a compute capability 9.0 GPU (the kernels are sm_90a machine
+    code only) and bfloat16/float16. Per-device answers are cached (a dict lookup that torch.compile traces
+    through)."""
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FUSED_GEMM_DEVICES:
+        _FUSED_GEMM_DEVICES[index] = (
+            torch._C._dispatch_has_kernel_for_dispatch_key("hugehead::gemm_chunk_stats_", "CUDA")
+            and torch.cuda.get_device_capability(index) == (9, 0)
+        )
+    return _FUSED_GEMM_DEVICES[index]
+
+
+def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
+    """Which logits GEMMs the chunk loop runs: ``"cutlass"`` (the fused statistics and gradient GEMMs,
+    :func:`gemm_chunk_stats_` / :func:`gemm_chunk_grad_`) or ``"cublas"`` (ATen GEMMs, then
+    :func:`chunk_stats_` / :func:`chunk_grad_`), or ``"cutlass_forward"`` (the fused statistics GEMM, the
+    backward on cuBLAS). The environment variable ``HUGEHEAD_GEMM=cutlass|cutlass_forward|cublas`` (read at
+    every call, default ``cutlass``) chooses; the CUTLASS ones fall back to cuBLAS where
+    :func:`has_fused_gemm` is False."""
+    import os
+
+    wanted = os.environ.get("HUGEHEAD_GEMM", "cutlass").lower()
+    if wanted not in ("cutlass", "cutlass_forward") or not has_fused_gemm(torch.device(device), dtype):
+        return "cublas"
+    return wanted
 
 
 def chunk_grad_(
@@ -226,6 +334,24 @@ def chunk_topk_(logits: Tensor, bias: Optional[Tensor], class_start: int, softca
 def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
+    return None
+
+
+@torch.library.register_fake("hugehead::gemm_chunk_stats_")
+def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit,
+                           logit_sum):
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
+    torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
+    torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")
+    return None
+
+
+@torch.library.register_fake("hugehead::gemm_chunk_grad_")
+def _gemm_chunk_grad_fake(x, weight, bias, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss,
+                          softcap, grad_lse, grad_logits):
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
+    torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
+    torch._check(grad_logits.shape == (x.shape[0], weight.shape[0]), lambda: "grad_logits must be [N, C]")
     return None
 
 

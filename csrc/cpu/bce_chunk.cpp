@@ -1,6 +1,5 @@
 // CPU kernel of hugehead::bce_chunk_: one-vs-all binary cross-entropy of a logits chunk against a CSR
 // target: the chunk's per-logit losses summed per row, and/or the chunk replaced by its gradient.
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
@@ -84,11 +83,7 @@ void bce_chunk_rows(const BceChunkParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void bce_chunk_cpu(const BceChunkParams& p, const at::Tensor& logits) {
-  HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "bce_chunk_cpu", [&] {
-    cpu::parallel_rows(p, bce_chunk_rows<scalar_t, at::opmath_type<scalar_t>>);
-  });
-}
+HUGEHEAD_CPU_ROWS_LAUNCH(bce_chunk_cpu, BceChunkParams, bce_chunk_rows)
 
 }  // namespace
 

@@ -1,5 +1,4 @@
 // CPU kernel of hugehead::chunk_grad_: a logits chunk becomes its gradient in place.
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
@@ -33,11 +32,7 @@ void chunk_grad_rows(const ChunkGradParams& p, int64_t begin, int64_t end) {
   });
 }
 
-void chunk_grad_cpu(const ChunkGradParams& p, const at::Tensor& logits) {
-  HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "chunk_grad_cpu", [&] {
-    cpu::parallel_rows(p, chunk_grad_rows<scalar_t, at::opmath_type<scalar_t>>);
-  });
-}
+HUGEHEAD_CPU_ROWS_LAUNCH(chunk_grad_cpu, ChunkGradParams, chunk_grad_rows)
 
 }  // namespace
 

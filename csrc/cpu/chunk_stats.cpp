@@ -1,5 +1,4 @@
 // CPU kernel of hugehead::chunk_stats_: fold a logits chunk into running per-row log-sum-exp stats.
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
@@ -22,11 +21,7 @@ void chunk_stats_rows(const ChunkStatsParams& p, int64_t begin, int64_t end) {
   }
 }
 
-void chunk_stats_cpu(const ChunkStatsParams& p, const at::Tensor& logits) {
-  HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "chunk_stats_cpu", [&] {
-    cpu::parallel_rows(p, chunk_stats_rows<scalar_t, at::opmath_type<scalar_t>>);
-  });
-}
+HUGEHEAD_CPU_ROWS_LAUNCH(chunk_stats_cpu, ChunkStatsParams, chunk_stats_rows)
 
 }  // namespace
 

@@ -1,6 +1,5 @@
 // CPU kernel of hugehead::sparse_chunk_grad_: a logits chunk becomes the gradient of the softmax with
 // probability targets (a CSR target) in place.
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
@@ -69,11 +68,7 @@ void sparse_chunk_grad_rows(const SparseChunkGradParams& p, int64_t begin, int64
   });
 }
 
-void sparse_chunk_grad_cpu(const SparseChunkGradParams& p, const at::Tensor& logits) {
-  HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_grad_cpu", [&] {
-    cpu::parallel_rows(p, sparse_chunk_grad_rows<scalar_t, at::opmath_type<scalar_t>>);
-  });
-}
+HUGEHEAD_CPU_ROWS_LAUNCH(sparse_chunk_grad_cpu, SparseChunkGradParams, sparse_chunk_grad_rows)
 
 }  // namespace
 

@@ -1,6 +1,5 @@
 // CPU kernel of hugehead::sparse_chunk_stats_: fold a logits chunk into running per-row log-sum-exp
 // stats and the dot product of each row's sparse target entries (those in the chunk) with its logits.
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "hugehead/common.h"
@@ -30,11 +29,7 @@ void sparse_chunk_stats_rows(const SparseChunkStatsParams& p, int64_t begin, int
   }
 }
 
-void sparse_chunk_stats_cpu(const SparseChunkStatsParams& p, const at::Tensor& logits) {
-  HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), "sparse_chunk_stats_cpu", [&] {
-    cpu::parallel_rows(p, sparse_chunk_stats_rows<scalar_t, at::opmath_type<scalar_t>>);
-  });
-}
+HUGEHEAD_CPU_ROWS_LAUNCH(sparse_chunk_stats_cpu, SparseChunkStatsParams, sparse_chunk_stats_rows)
 
 }  // namespace
 

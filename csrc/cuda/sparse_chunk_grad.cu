@@ -23,8 +23,7 @@ __global__ void __launch_bounds__(cuda::kRowThreads) sparse_chunk_grad_kernel(Sp
   const acc_t g = static_cast<const acc_t*>(p.grad_rows)[row];
   const acc_t gl = p.grad_lse == nullptr ? acc_t(0) : static_cast<const acc_t*>(p.grad_lse)[row];
   if (g == acc_t(0) && gl == acc_t(0)) {  // rows without gradient: exact zeros, whatever the logits hold
-    cuda::for_each_in_row<scalar_t, /*Write=*/true>(logits, p.cols,
-                                                    [&](int64_t, scalar_t& v) { v = scalar_t(0); });
+    cuda::zero_row(logits, p.cols);
     return;
   }
   const acc_t lse = static_cast<const acc_t*>(p.lse)[row];

@@ -3,6 +3,7 @@
 // sparse_chunk_grad_).
 #pragma once
 
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "hugehead/common.h"
 #include "hugehead/cpu_simd.h"
 #include "hugehead/numerics.h"
 
@@ -23,6 +25,16 @@ void parallel_rows(const Params& p, void (*rows)(const Params&, int64_t, int64_t
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.cols));
   at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) { rows(p, begin, end); });
 }
+
+// The launch of a CPU kernel written as ROWS<scalar_t, acc_t>(p, begin, end): defines
+// void NAME(const PARAMS& p, const at::Tensor& logits), which picks scalar_t by the logits' dtype (acc_t its
+// accumulation type) and runs it with parallel_rows. A macro because C++ cannot pass a function template.
+#define HUGEHEAD_CPU_ROWS_LAUNCH(NAME, PARAMS, ROWS)                                 \
+  void NAME(const PARAMS& p, const at::Tensor& logits) {                              \
+    HUGEHEAD_DISPATCH_LOGITS(logits.scalar_type(), #NAME, [&] {                       \
+      ::hugehead::cpu::parallel_rows(p, ROWS<scalar_t, at::opmath_type<scalar_t>>);   \
+    });                                                                               \
+  }
 
 // Folds row `row` (logits z) into p's running row_max, row_sumexp and logit_sum (+= sum_j w_j v_j, v the
 // softcapped logits, w the chunk's class weights or nullptr for all 1). Float32 without softcap or weights

@@ -20,35 +20,6 @@ struct alignas(16) Vec16 {
   T v[kSize];
 };
 
-// Calls f(j, value&) for j in [0, cols) of one row, spread over the block's threads; f may modify
-// the value (it is written back when Write is true). Same element order for every launch: deterministic.
-template <typename scalar_t, bool Write, typename F>
-__device__ __forceinline__ void for_each_in_row(scalar_t* row, int64_t cols, F&& f) {
-  constexpr int V = Vec16<scalar_t>::kSize;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(row);
-  int64_t head = static_cast<int64_t>(((16 - (addr & 15)) & 15) / sizeof(scalar_t));
-  if ((addr % sizeof(scalar_t)) != 0) head = cols;  // misaligned element pointer: all scalar
-  head = head < cols ? head : cols;
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
-    scalar_t v = row[j];
-    f(j, v);
-    if (Write) row[j] = v;
-  }
-  const int64_t body = (cols - head) / V;
-  auto* vrow = reinterpret_cast<Vec16<scalar_t>*>(row + head);
-  for (int64_t i = threadIdx.x; i < body; i += blockDim.x) {
-    Vec16<scalar_t> pack = vrow[i];
-#pragma unroll
-    for (int k = 0; k < V; ++k) f(head + i * V + k, pack.v[k]);
-    if (Write) vrow[i] = pack;
-  }
-  for (int64_t j = head + body * V + threadIdx.x; j < cols; j += blockDim.x) {
-    scalar_t v = row[j];
-    f(j, v);
-    if (Write) row[j] = v;
-  }
-}
-
 template <typename T>
 struct Vec1 {
   static constexpr int kSize = 1;
@@ -109,10 +80,19 @@ __device__ __forceinline__ void for_each_pack_in_row(scalar_t* row, int64_t cols
   }
 }
 
-// Reduce (max, sumexp, sum) over the block; the result is valid in thread 0. Fixed tree: deterministic.
+// Writes exact zeros over one row, whatever it holds (a row without gradient).
+template <typename scalar_t>
+__device__ __forceinline__ void zero_row(scalar_t* row, int64_t cols) {
+  for_each_pack_in_row<scalar_t, /*Write=*/true>(row, cols, [](auto& pack) {
+    constexpr int N = std::decay_t<decltype(pack)>::kSize;
+#pragma unroll
+    for (int k = 0; k < N; ++k) pack.v[k] = scalar_t(0);
+  });
+}
+
+// Reduce (max, sumexp, sum) over the warp; the result is valid in lane 0. Fixed tree: deterministic.
 template <typename acc_t>
-__device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum) {
-  __shared__ acc_t sm[kWarp], ss[kWarp], ssum[kWarp];
+__device__ __forceinline__ void warp_reduce_lse(acc_t& m, acc_t& s, acc_t& sum) {
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off /= 2) {
     const acc_t m2 = __shfl_down_sync(0xffffffffu, m, off);
@@ -120,6 +100,13 @@ __device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum)
     sum += __shfl_down_sync(0xffffffffu, sum, off);
     lse_merge(m, s, m2, s2);
   }
+}
+
+// Reduce (max, sumexp, sum) over the block; the result is valid in thread 0. Fixed tree: deterministic.
+template <typename acc_t>
+__device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum) {
+  __shared__ acc_t sm[kWarp], ss[kWarp], ssum[kWarp];
+  warp_reduce_lse(m, s, sum);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int warps = (blockDim.x + kWarp - 1) / kWarp;
   if (lane == 0) {
@@ -132,13 +119,7 @@ __device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum)
     m = lane < warps ? sm[lane] : neg_inf<acc_t>();
     s = lane < warps ? ss[lane] : acc_t(0);
     sum = lane < warps ? ssum[lane] : acc_t(0);
-#pragma unroll
-    for (int off = kWarp / 2; off > 0; off /= 2) {
-      const acc_t m2 = __shfl_down_sync(0xffffffffu, m, off);
-      const acc_t s2 = __shfl_down_sync(0xffffffffu, s, off);
-      sum += __shfl_down_sync(0xffffffffu, sum, off);
-      lse_merge(m, s, m2, s2);
-    }
+    warp_reduce_lse(m, s, sum);
   }
 }
 

@@ -1,0 +1,149 @@
+"""The fused CUTLASS GEMMs of issue 21 against the cuBLAS stages they replace, one chunk at a time (CUDA
+events, median), at the chunk width ``linear_cross_entropy`` plans for each shape:
+
+  forward   cuBLAS ``Z = X W_cᵀ`` (bf16 out) + ``chunk_stats_``  vs  ``gemm_chunk_stats_`` (pingpong, cooperative)
+  backward  cuBLAS recompute + ``chunk_grad_`` in place          vs  ``gemm_chunk_grad_``
+  the cuBLAS logits GEMM alone (its TFLOP/s: the stored-output GEMM the fused ones must beat)
+
+with TFLOP/s on 2·N·D·C, the per-step totals (× V / C), and how far the fused results are from the cuBLAS
+path's (max |Δ lse|, relative error of the gradient chunk). Needs a CUDA build with CUTLASS on an sm_90 GPU.
+
+    python -m bench.bench_gemm [--shapes xc1M,xc6M] [--out DIR] [--reps 10]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+from bench import harness  # first: decides which hugehead is imported
+from bench.common import find_shape, make_inputs
+
+import torch  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def _ms(fn, reps: int) -> float:
+    return harness.measure(fn, torch.device("cuda"), reps=reps, warmup=2).ms
+
+
+def bench_shape(name: str, reps: int) -> dict:
+    from hugehead import ops
+    from hugehead.loop import plan_chunks
+
+    shape = find_shape(name)
+    dev = torch.device("cuda")
+    x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
+    n, d, v = shape.n, shape.d, shape.v
+    plan = plan_chunks(n, d, v, BF16, dev)
+    cols = min(plan.cols, v)
+    wc = w[:cols]
+    tc = t.clamp(max=cols - 1)  # every row's target in this chunk: the target-logit path is exercised
+    z = x.new_empty(n, cols)
+    fresh = lambda: (torch.full((n,), -math.inf, device=dev), torch.zeros(n, device=dev),  # noqa: E731
+                     torch.zeros(n, device=dev), torch.zeros(n, device=dev))
+    state = fresh()
+    torch.mm(x, wc.t(), out=z)
+    lse = torch.logsumexp(z.float(), dim=1) + 3.0  # as if other chunks added mass
+    grad_rows = torch.full((n,), 1.0 / n, device=dev)
+
+    def cublas_logits():
+        torch.mm(x, wc.t(), out=z)
+
+    def cublas_stats():
+        torch.mm(x, wc.t(), out=z)
+        ops.chunk_stats_(z, tc, 0, 0.0, *state)
+
+    def fused_stats():
+        ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state)
+
+    def cublas_grad():
+        torch.mm(x, wc.t(), out=z)
+        ops.chunk_grad_(z, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None)
+
+    def fused_grad():
+        ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z)
+
+    flops = 2.0 * n * d * cols
+    per_step = v / cols
+    row = {"shape": name, "n": n, "d": d, "v": v, "cols": cols, "plan": dict(vars(plan))}
+    timings = {"cublas_logits": _ms(cublas_logits, reps), "cublas_stats": _ms(cublas_stats, reps)}
+    for schedule in ("pingpong", "cooperative"):
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+        timings[f"fused_stats_{schedule}"] = _ms(fused_stats, reps)
+    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+    timings["cublas_grad"] = _ms(cublas_grad, reps)
+    timings["fused_grad"] = _ms(fused_grad, reps)
+    row["chunk_ms"] = timings
+    row["chunk_tflops"] = {k: flops / ms / 1e9 for k, ms in timings.items()}
+    row["step_ms"] = {k: ms * per_step for k, ms in timings.items()}
+
+    # How far the fused results are from the cuBLAS path's on this chunk.
+    a, b = fresh(), fresh()
+    torch.mm(x, wc.t(), out=z)
+    ops.chunk_stats_(z, tc, 0, 0.0, *a)
+    ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *b)
+    row["max_abs_lse_diff"] = float(((a[0] + a[1].log()) - (b[0] + b[1].log())).abs().max())
+    row["max_abs_target_logit_diff"] = float((a[2] - b[2]).abs().max())
+    cublas_grad()
+    g_cublas = z.float().clone()
+    fused_grad()
+    row["grad_rel_diff"] = float((z.float() - g_cublas).norm() / g_cublas.norm())
+    del x, w, t, z
+    torch.cuda.empty_cache()
+    return row
+
+
+def render(doc: dict) -> str:
+    m = doc["meta"]
+    lines = [harness.header(f"Fused CUTLASS GEMMs vs cuBLAS + kernels, one chunk: {m['machine']} (bfloat16)", m),
+             "ms per chunk (TFLOP/s on 2·N·D·C); per step = × V / C. Fused = no logits in HBM.", "",
+             "| shape | C | cuBLAS logits GEMM | cuBLAS + chunk_stats_ | fused stats pingpong | fused stats cooperative "
+             "| cuBLAS + chunk_grad_ | fused grad | fwd per step cuBLAS → best fused | Δlse max | grad rel Δ |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|"]
+    for r in doc["results"]:
+        c, tf, s = r["chunk_ms"], r["chunk_tflops"], r["step_ms"]
+
+        def cell(k):
+            return f"{c[k]:.3f} ({tf[k]:.0f})"
+
+        best = min(s["fused_stats_pingpong"], s["fused_stats_cooperative"])
+        lines.append(f"| {r['shape']} | {r['cols']} | {cell('cublas_logits')} | {cell('cublas_stats')} | "
+                     f"{cell('fused_stats_pingpong')} | {cell('fused_stats_cooperative')} | {cell('cublas_grad')} | "
+                     f"{cell('fused_grad')} | {s['cublas_stats']:.1f} → {best:.1f} ms | "
+                     f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} |")
+    return "\n".join(lines) + "\n" + harness.footer(m)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="xc1M,xc6M")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=None, help="folder for gemm.json / gemm.md")
+    opts = p.parse_args(argv)
+    from hugehead import ops
+
+    if not ops.has_fused_gemm(torch.device("cuda"), BF16):
+        print("no fused GEMMs here: needs a CUDA build with CUTLASS (HUGEHEAD_CUTLASS=ON) and an sm_90 GPU")
+        return 2
+    meta = harness.run_meta("gemm", torch.device("cuda"), options=opts,
+                            command=" ".join(["python", "-m", "bench.bench_gemm", *sys.argv[1:]]))
+    results = []
+    for name in opts.shapes.split(","):
+        results.append(bench_shape(name, opts.reps))
+        r = results[-1]
+        print(f"{name:<9} C={r['cols']}: " + ", ".join(f"{k} {ms:.3f} ms ({r['chunk_tflops'][k]:.0f} TFLOP/s)"
+                                                      for k, ms in r["chunk_ms"].items())
+              + f"; max |Δlse| {r['max_abs_lse_diff']:.2g}, grad rel Δ {r['grad_rel_diff']:.2g}", flush=True)
+        doc = {"meta": meta, "results": results}
+        if opts.out:
+            harness.write_report(Path(opts.out), "gemm", doc, render)
+    print(render({"meta": meta, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

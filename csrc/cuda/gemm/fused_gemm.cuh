@@ -1,0 +1,175 @@
+// The GEMM every fused kernel of csrc/cuda/gemm/ shares: z = x W^T with x [rows, depth] and W [cols, depth]
+// both K-major (a TN GEMM), a CUTLASS sm_90a warp-specialized TMA mainloop from the collective builder under
+// GemmUniversal (persistent tile scheduler), and an epilogue of ours of the register-only kind CUTLASS's
+// DefaultEpilogue is (wrapped by Sm90TmaWarpSpecializedAdapter): it gets the float32 accumulator fragment
+// and the tiled MMA, and never stores z.
+//
+// Fragment layout the epilogues rely on (static_asserts check its shape): a warpgroup MMA (wgmma)
+// accumulator is ((2, 2, N/8), MMA_M, MMA_N) per thread: mode 0's first 2 are adjacent columns, its second 2
+// rows r and r + 8, its last N/8 8-column steps. Every row of a tile is held by the four lanes of one quad
+// of one warp (lane / 4 picks the row, lane % 4 the column pair), and the builder's warpgroups split a tile
+// along M only. Row and column indices come from the identity tensor partitioned like the accumulator.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/detail.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/kernel_hardware_info.h>
+
+#include <cstdint>
+
+#include "hugehead/gemm.h"
+
+namespace hugehead {
+namespace gemm {
+
+template <Schedule S>
+struct ScheduleConfig;
+// Pingpong: two consumer warpgroups on alternate tiles, so one's epilogue (the exps) runs while the
+// other's MMAs do.
+template <>
+struct ScheduleConfig<Schedule::kPingpong> {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+};
+// Cooperative: both warpgroups on one 128 x 256 tile (half the partials, no epilogue overlap).
+template <>
+struct ScheduleConfig<Schedule::kCooperative> {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+};
+
+// Names the kernel wants of an epilogue that reads and writes no C or D through CUTLASS, and the host-side
+// hooks it calls (no workspace, nothing to initialize); an epilogue derives from this.
+template <class Element>
+struct EpilogueBase {
+  using ElementC = Element;
+  using ElementD = Element;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using ThreadEpilogueOp = void;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct SharedStorage {};
+
+  template <class ProblemShape, class Arguments>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape, class Arguments>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+};
+
+template <class FrgLayout, class TiledMma>
+CUTLASS_DEVICE constexpr void check_fragment() {
+  using namespace cute;
+  static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected a wgmma accumulator");
+  static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected a wgmma accumulator");
+  static_assert(size<2>(typename TiledMma::ThrLayoutVMNK{}) == 1,
+                "warpgroups must split the tile along M only: a row's columns stay in one quad");
+}
+
+// (row, column) in the chunk of each accumulator element of this thread: (MMA, MMA_M, MMA_N) like acc.
+template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class TiledMma>
+CUTLASS_DEVICE auto tile_coordinates(ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const& blk_shape_MNK,
+                                     BlockCoordMNKL const& blk_coord_mnkl, TiledMma const& tiled_mma, int thread_idx) {
+  using namespace cute;
+  const int M = static_cast<int>(get<0>(problem_shape_mnkl));
+  const int N = static_cast<int>(get<1>(problem_shape_mnkl));
+  auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+  Tensor cD = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(blk_shape_MNK),
+                         make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
+  return thr_mma.partition_C(cD);
+}
+
+// In place: acc -> z = acc + bias rounded once to Element, then softcapped in float32. These are exactly
+// the logits cuBLAS's addmm stores and chunk_stats_ / chunk_grad_ read (up to the GEMM's summation order),
+// so the forward's lse stays consistent with the backward's recomputed logits whichever GEMM computes
+// either (a float32 lse against bf16 logits would put a confident row's p_target - 1 off by the logit's
+// rounding). A column's bias is read once for all of the thread's rows; everything stays in the
+// accumulator registers (per-row copies spilled).
+template <class Element, class Acc, class Coords>
+CUTLASS_DEVICE void logits_in_place(Acc& acc, Coords const& tCcD, int N, const Element* bias, float cap) {
+  using namespace cute;
+  using FrgLayout = typename Acc::layout_type;
+  constexpr int kSteps = size<0, 2>(FrgLayout{});
+  constexpr int kMmaM = size<1>(FrgLayout{});
+  constexpr int kMmaN = size<2>(FrgLayout{});
+  // z * (1 / cap), not z / cap: an IEEE division is a called subroutine, and any call inside the kernel
+  // serializes the wgmma pipeline.
+  const float inv_cap = cap > 0.f ? __frcp_rn(cap) : 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int ni = 0; ni < kMmaN; ++ni) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int st = 0; st < kSteps; ++st) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 2; ++c) {
+        const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni)));
+        const float b = (bias != nullptr && col < N) ? static_cast<float>(bias[col]) : 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mi = 0; mi < kMmaM; ++mi) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            float z = static_cast<float>(static_cast<Element>(acc(make_coord(make_coord(c, r, st), mi, ni)) + b));
+            if (cap > 0.f) z = cap * ::tanhf(z * inv_cap);
+            acc(make_coord(make_coord(c, r, st), mi, ni)) = z;
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class Element, Schedule S, class EpilogueOp>
+struct FusedGemm {
+  using Config = ScheduleConfig<S>;
+  static constexpr int kTileCols = cute::size<1>(typename Config::Tile{});
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp>;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
+      cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, cute::Shape<cute::_1, cute::_1, cute::_1>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::Kernel>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Device::Arguments arguments(const void* x, int64_t x_stride, const void* weight,
+                                              int64_t weight_stride, int64_t rows, int64_t cols, int64_t depth,
+                                              typename EpilogueOp::Arguments const& epi, int sm_count) {
+    typename Kernel::StrideA stride_a{x_stride, cute::Int<1>{}, x_stride * rows};
+    typename Kernel::StrideB stride_b{weight_stride, cute::Int<1>{}, weight_stride * cols};
+    cutlass::KernelHardwareInfo hw;
+    cudaGetDevice(&hw.device_id);
+    hw.sm_count = sm_count;
+    return typename Device::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(depth), 1},
+        {static_cast<const Element*>(x), stride_a, static_cast<const Element*>(weight), stride_b},
+        epi,
+        hw};
+  }
+
+  static const char* run(typename Device::Arguments const& args, void* workspace, cudaStream_t stream) {
+    Device gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+      return "CUTLASS cannot implement this fused GEMM (alignment of x / weight / strides?)";
+    }
+    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+      return "CUTLASS failed to initialize the fused GEMM";
+    }
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS failed to launch the fused GEMM";
+    return nullptr;
+  }
+};
+
+}  // namespace gemm
+}  // namespace hugehead

@@ -1,0 +1,127 @@
+// CUDA implementation of hugehead::gemm_chunk_stats_ (CUDA builds with CUTLASS only): the statistics GEMM
+// (stats_gemm.cuh) folds z = x W_c^T + b_c into one partial (max, sum-exp, logit sum) per (row, column tile)
+// and writes the target logits; a merge kernel then folds each row's partials, in tile order, into the
+// running statistics exactly as chunk_stats_ folds a chunk: lse_merge into (row_max, row_sumexp), += into
+// logit_sum. The logits never reach global memory.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <optional>
+
+#include "hugehead/common.h"
+#include "hugehead/cuda_utils.cuh"
+#include "hugehead/gemm.h"
+
+namespace hugehead {
+namespace {
+
+constexpr int kMergeThreads = 256;
+constexpr int kRowsPerBlock = kMergeThreads / cuda::kWarp;
+
+// One warp per row: lanes fold tiles lane, lane + 32, ... then a fixed shuffle tree: deterministic.
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_partials_kernel(const float4* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
+                          float* row_sumexp, float* logit_sum) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / cuda::kWarp;
+  const int lane = threadIdx.x % cuda::kWarp;
+  if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
+  float m = neg_inf<float>(), s = 0.f, sum = 0.f;
+  for (int64_t j = lane; j < tiles; j += cuda::kWarp) {
+    const float4 part = partials[row * tiles + j];
+    lse_merge(m, s, part.x, part.y);
+    sum += part.z;
+  }
+#pragma unroll
+  for (int off = cuda::kWarp / 2; off > 0; off /= 2) {
+    const float m2 = __shfl_down_sync(0xffffffffu, m, off);
+    const float s2 = __shfl_down_sync(0xffffffffu, s, off);
+    sum += __shfl_down_sync(0xffffffffu, sum, off);
+    lse_merge(m, s, m2, s2);
+  }
+  if (lane == 0) {
+    lse_merge(row_max[row], row_sumexp[row], m, s);
+    logit_sum[row] += sum;
+  }
+}
+
+gemm::Schedule schedule_from_env() {
+  // HUGEHEAD_GEMM_SCHEDULE=cooperative|pingpong (default pingpong): read per call so one process can A/B.
+  const char* v = std::getenv("HUGEHEAD_GEMM_SCHEDULE");
+  return (v != nullptr && std::strcmp(v, "cooperative") == 0) ? gemm::Schedule::kCooperative
+                                                               : gemm::Schedule::kPingpong;
+}
+
+void check_k_major(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, "hugehead: ", name, " must have 2 dims, got shape ", t.sizes());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "hugehead: ", name, " must have unit column stride, got strides ",
+              t.strides());
+  TORCH_CHECK(t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              "hugehead: ", name, " must be 16-byte aligned with a row stride that is a multiple of 8 elements "
+              "(TMA), got stride ", t.stride(0));
+}
+
+void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
+                           const at::Tensor& row_sumexp, const at::Tensor& target_logit,
+                           const at::Tensor& logit_sum) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "hugehead: gemm_chunk_stats_ takes bfloat16 or float16 x, got ", x.scalar_type());
+  HUGEHEAD_CHECK_DTYPE(weight, x.scalar_type());
+  HUGEHEAD_CHECK_DEVICE(weight, x);
+  check_k_major(x, "x");
+  check_k_major(weight, "weight");
+  TORCH_CHECK(weight.size(1) == x.size(1), "hugehead: weight has ", weight.size(1), " features but x has ",
+              x.size(1));
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) % 8 == 0,
+              "hugehead: gemm_chunk_stats_ needs a positive feature count divisible by 8, got ", x.size(1));
+  TORCH_CHECK(x.size(0) < std::numeric_limits<int32_t>::max() && weight.size(0) < std::numeric_limits<int32_t>::max(),
+              "hugehead: too many rows or classes in one chunk for gemm_chunk_stats_");
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == weight.size(0), "hugehead: bias must have shape [", weight.size(0),
+                "], got ", b.sizes());
+    TORCH_CHECK(b.scalar_type() == x.scalar_type(), "hugehead: bias must be ", x.scalar_type(), ", got ",
+                b.scalar_type());
+    TORCH_CHECK(b.device() == x.device(), "hugehead: bias is on ", b.device(), " but x is on ", x.device());
+    TORCH_CHECK(b.is_contiguous(), "hugehead: bias must be contiguous");
+  }
+  // x stands in for the logits chunk: its row count, device and the state's accumulation dtype.
+  check_chunk_rows(x, target,
+                   {{"row_max", &row_max}, {"row_sumexp", &row_sumexp},
+                    {"target_logit", &target_logit}, {"logit_sum", &logit_sum}});
+  const int64_t rows = x.size(0), cols = weight.size(0), depth = x.size(1);
+  if (rows == 0 || cols == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const gemm::Schedule schedule = schedule_from_env();
+  const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
+  const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
+  at::Tensor partials = at::empty({rows, tiles, 4}, x.options().dtype(at::kFloat));
+  gemm::StatsGemmParams p{x.data_ptr(), weight.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr,
+                          target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), partials.data_ptr<float>(),
+                          rows, cols, depth, x.stride(0), weight.stride(0), class_start,
+                          static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
+  const bool half = x.scalar_type() == at::kHalf;
+  const size_t ws_bytes = gemm::stats_gemm_workspace_bytes(p, half, schedule);
+  at::Tensor workspace;
+  if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  const char* error = gemm::run_stats_gemm(p, half, schedule, ws_bytes > 0 ? workspace.data_ptr() : nullptr, stream);
+  TORCH_CHECK(error == nullptr, "hugehead: ", error == nullptr ? "" : error);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  merge_partials_kernel<<<blocks, kMergeThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(partials.data_ptr<float>()), rows, tiles, row_max.data_ptr<float>(),
+      row_sumexp.data_ptr<float>(), logit_sum.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("gemm_chunk_stats_", &gemm_chunk_stats_cuda); }
+
+}  // namespace hugehead

@@ -1,0 +1,75 @@
+// What crosses from the host entry of the fused GEMMs (csrc/cuda/gemm/gemm_chunk_stats.cu, ATen) to their
+// CUTLASS instantiations (csrc/cuda/gemm/stats_gemm_*.cu, no ATen): a plain params struct and the
+// launchers. Kept free of both ATen and CUTLASS so each side compiles without the other's headers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hugehead {
+namespace gemm {
+
+// z = x @ weight^T (+ bias), softcapped, folded per (row, column tile) into partials; the logits are
+// never stored. x [rows, depth] and weight [cols, depth] are K-major (unit stride along depth).
+struct StatsGemmParams {
+  const void* x;          // [rows, depth], row stride x_stride elements; bf16 or fp16
+  const void* weight;     // [cols, depth], row stride weight_stride elements; x's dtype
+  const void* bias;       // [cols] x's dtype, or nullptr
+  const int64_t* target;  // [rows] global class ids; a row whose target is in [class_start, +cols) gets
+  float* target_logit;    //   target_logit[row] set to its (softcapped) logit, others are left alone
+  float* partials;        // [rows, num_col_tiles, 4]: (max, sum of exp(z - max), sum of z, unused)
+  int64_t rows;
+  int64_t cols;
+  int64_t depth;
+  int64_t x_stride;
+  int64_t weight_stride;
+  int64_t class_start;
+  float softcap;  // <= 0: none
+  int sm_count;   // SMs the persistent kernel spreads its tiles over
+};
+
+// z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
+// stored logits) and written to grad_logits; the logits themselves are never stored.
+struct GradGemmParams {
+  const void* x;            // [rows, depth] as in StatsGemmParams
+  const void* weight;       // [cols, depth]
+  const void* bias;         // [cols] or nullptr
+  const int64_t* target;    // [rows] global class ids
+  const float* lse;         // [rows] every row's final lse
+  const float* grad_rows;   // [rows] dLoss/dloss_row (0 for ignored rows: their gradient is exact zeros)
+  const float* grad_lse;    // [rows] gradient reaching a returned lse, or nullptr
+  void* grad_logits;        // [rows, cols] x's dtype, row stride grad_stride, column stride 1
+  int64_t grad_stride;
+  int64_t rows;
+  int64_t cols;
+  int64_t depth;
+  int64_t x_stride;
+  int64_t weight_stride;
+  int64_t class_start;
+  int64_t num_classes;      // V over all shards (label smoothing's eps / V)
+  float label_smoothing;
+  float z_loss;
+  float softcap;  // <= 0: none
+  int sm_count;
+};
+
+enum class Schedule { kPingpong = 0, kCooperative = 1 };
+
+// Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)).
+int stats_gemm_tile_cols(Schedule schedule);
+
+// Bytes of device workspace CUTLASS's kernel needs for these params (0 for the persistent scheduler).
+size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule);
+
+// Queue the fused GEMM on stream. Returns nullptr, or a message saying why CUTLASS refused the problem.
+const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
+                           cudaStream_t stream);
+
+// The gradient GEMM (pingpong schedule): workspace bytes and launch, as for the statistics GEMM.
+size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half);
+const char* run_grad_gemm(const GradGemmParams& p, bool half, void* workspace, cudaStream_t stream);
+
+}  // namespace gemm
+}  // namespace hugehead

@@ -1,0 +1,491 @@
+"""The CUTLASS sm_90a logits GEMM with the statistics in its epilogue (hugehead::gemm_chunk_stats_, issue 21):
+the op against float64 and against the cuBLAS + chunk_stats_ path it replaces, both schedules, and the whole
+linear_cross_entropy with HUGEHEAD_GEMM=cutlass vs cublas. The GPU tests skip unless the build has the
+CUTLASS GEMMs and the GPU is sm_90; the dispatch and fake-kernel tests run everywhere."""
+import math
+
+import pytest
+import torch
+
+import hugehead
+from hugehead import ops
+
+from hugehead.functional import plan_chunks
+
+from conftest import HAS_CUDA_KERNELS, rel_err
+
+HAS_FUSED = HAS_CUDA_KERNELS and ops.has_fused_gemm(torch.device("cuda"), torch.bfloat16)
+requires_fused = pytest.mark.skipif(
+    not HAS_FUSED, reason="needs a CUDA GPU of compute capability 9.0 and hugehead's CUTLASS GEMMs")
+SCHEDULES = ["pingpong", "cooperative"]
+IGNORE = -100
+
+
+@pytest.fixture(params=SCHEDULES)
+def schedule(request, monkeypatch):
+    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", request.param)
+    return request.param
+
+
+def _inputs(n, c, d, dtype, *, bias, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).to(dtype)
+    w = (scale * torch.randn(c, d, generator=g) / math.sqrt(d) * 3).to(dtype)
+    b = torch.randn(c, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def _start_state(n, seed):
+    """Running statistics as after an earlier chunk (row 0 as at the very start)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    row_max = torch.randn(n, generator=g)
+    row_max[:1] = -math.inf
+    row_sumexp = torch.rand(n, generator=g) + 0.5
+    row_sumexp[:1] = 0.0
+    return [row_max, row_sumexp, torch.randn(n, generator=g), torch.randn(n, generator=g)]
+
+
+def _float64_stats(x, w, b, target, class_start, softcap, state):
+    """The chunk_stats_ update computed in float64 (plain PyTorch, on the GPU for speed) from the same
+    (rounded) inputs; returned on the CPU."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    z = x.double().to(dev) @ w.double().to(dev).t()
+    if b is not None:
+        z = z + b.double().to(dev)
+    if softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
+    m_old, s_old, t_old, sum_old = (t.double().to(dev) for t in state)
+    target = target.to(dev)
+    m_new = torch.maximum(m_old, z.max(dim=1).values)
+    s_new = torch.where(m_old == -math.inf, 0.0, s_old * torch.exp(m_old - m_new)) + torch.exp(
+        z - m_new[:, None]).sum(dim=1)
+    local = target - class_start
+    inside = (local >= 0) & (local < w.shape[0])
+    picked = z.gather(1, local.clamp(0, w.shape[0] - 1)[:, None]).squeeze(1)
+    return [t.cpu() for t in (m_new + s_new.log(), torch.where(inside, picked, t_old), sum_old + z.sum(dim=1))]
+
+
+def _targets(n, c, class_start, v, seed):
+    """Half the rows hit the chunk, the rest are elsewhere in [0, v) or ignored."""
+    g = torch.Generator().manual_seed(seed + 2)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::2] = torch.randint(class_start, class_start + c, (n,), generator=g)[::2]
+    target[1::5] = IGNORE
+    return target
+
+
+def _run(fn, x, w, b, target, class_start, softcap, state):
+    dev = [t.cuda() for t in state]
+    fn(x, w, b, target, class_start, softcap, dev)
+    return [t.cpu() for t in dev]
+
+
+def _fused(x, w, b, target, class_start, softcap, state):
+    ops.gemm_chunk_stats_(x.cuda(), w.cuda(), None if b is None else b.cuda(), target.cuda(), class_start, softcap,
+                          *state)
+
+
+def _cublas(x, w, b, target, class_start, softcap, state):
+    xc, wc = x.cuda(), w.cuda()
+    z = xc @ wc.t() if b is None else torch.addmm(b.cuda(), xc, wc.t())
+    ops.chunk_stats_(z, target.cuda(), class_start, softcap, *state)
+
+
+# (N, C, D, class_start, bias, softcap): N and C off the tiles (128 rows; 128 / 256 columns), one row,
+# one column, the seed's D = 768, a chunk in the middle of the classes.
+SHAPES = [
+    (1, 1, 8, 0, False, 0.0),
+    (5, 300, 64, 0, True, 0.0),
+    (130, 257, 128, 1000, False, 30.0),
+    (257, 1000, 768, 500, True, 0.0),
+    (1000, 3000, 768, 4096, True, 15.0),
+    (4096, 8192 + 17, 768, 64, False, 0.0),
+]
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,c,d,class_start,bias,softcap", SHAPES)
+def test_stats_match_float64_and_the_cublas_path(schedule, dtype, n, c, d, class_start, bias, softcap):
+    seed = n * 7 + c
+    x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
+    target = _targets(n, c, class_start, class_start + c + 100, seed)
+    state = _start_state(n, seed)
+    fused = _run(_fused, x, w, b, target, class_start, softcap, state)
+    cublas = _run(_cublas, x, w, b, target, class_start, softcap, state)
+    ref_lse, ref_t, ref_sum = _float64_stats(x, w, b, target, class_start, softcap, state)
+
+    def lse(s):
+        return s[0].double() + s[1].double().log()
+
+    # Both paths fold the same logits (acc + bias rounded once to the dtype) up to the GEMM's and the sums'
+    # orders: elementwise within a couple of the dtype's epsilons of each other (a logit the two K orders
+    # round apart moves by one ulp), and norm-wise as close to float64 as the cuBLAS path (2x, the rule).
+    eps = torch.finfo(dtype).eps
+    for what, got, other, ref in (("lse", lse(fused), lse(cublas), ref_lse), ("target_logit", fused[2], cublas[2], ref_t),
+                                  ("logit_sum", fused[3], cublas[3], ref_sum)):
+        assert torch.isfinite(got).all(), what
+        scale = (1 + ref.abs()) if what != "logit_sum" else (c + ref.abs())
+        diff = (got.double() - other.double()).abs()
+        assert (diff <= 2 * eps * scale).all(), f"{what}: max |fused - cublas| {float(diff.max()):.3g}"
+        err, err_cublas = rel_err(got, ref), rel_err(other, ref)
+        assert err <= 2 * err_cublas + 1e-6, f"{what}: rel err {err:.3g} vs float64, cuBLAS path {err_cublas:.3g}"
+    # rows whose target is outside the chunk keep their earlier target logit exactly
+    outside = ~((target >= class_start) & (target < class_start + c))
+    assert torch.equal(fused[2][outside], state[2][outside])
+    # the running max is a max of values of this chunk or the earlier one: exactly the float32 one
+    assert torch.all(fused[0] >= state[0])
+
+
+@requires_fused
+@pytest.mark.parametrize("n,c,d", [(257, 1000, 768), (4096, 20000, 768)])
+def test_repeated_runs_are_bitwise_identical(schedule, n, c, d):
+    x, w, b = _inputs(n, c, d, torch.bfloat16, bias=True, seed=3)
+    target = _targets(n, c, 0, c, 3)
+    state = _start_state(n, 3)
+    first = _run(_fused, x, w, b, target, 0, 0.0, state)
+    for _ in range(3):
+        again = _run(_fused, x, w, b, target, 0, 0.0, state)
+        for a, r in zip(again, first):
+            assert torch.equal(a, r)
+
+
+@requires_fused
+def test_schedules_agree():
+    x, w, b = _inputs(300, 5000, 768, torch.bfloat16, bias=True, seed=5)
+    target = _targets(300, 5000, 0, 5000, 5)
+    state = _start_state(300, 5)
+    results = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for s in SCHEDULES:
+            mp.setenv("HUGEHEAD_GEMM_SCHEDULE", s)
+            results[s] = _run(_fused, x, w, b, target, 0, 0.0, state)
+    for a, r in zip(results["pingpong"], results["cooperative"]):
+        torch.testing.assert_close(a, r, rtol=2e-6, atol=2e-6)
+
+
+@requires_fused
+def test_non_finite_inputs_propagate_like_chunk_stats():
+    x, w, b = _inputs(64, 300, 64, torch.bfloat16, bias=False, seed=9)
+    x[3, 0] = float("nan")
+    x[5, :] = float("inf")  # +inf and -inf logits in one row: NaN, as F.cross_entropy
+    target = torch.zeros(64, dtype=torch.long)
+    state = [torch.full((64,), -math.inf), torch.zeros(64), torch.zeros(64), torch.zeros(64)]
+    fused = _run(_fused, x, w, b, target, 0, 0.0, state)
+    cublas = _run(_cublas, x, w, b, target, 0, 0.0, state)
+    lse_f = fused[0] + fused[1].log()
+    lse_c = cublas[0] + cublas[1].log()
+    assert torch.equal(lse_f.isnan(), lse_c.isnan())
+    assert lse_f[3].isnan() and lse_f[5].isnan() and torch.isfinite(lse_f[:3]).all()
+
+
+@requires_fused
+def test_bad_inputs_raise_before_any_kernel():
+    x, w, b = _inputs(16, 64, 64, torch.bfloat16, bias=True, seed=1)
+    x, w, b = x.cuda(), w.cuda(), b.cuda()
+    target = torch.zeros(16, dtype=torch.long, device="cuda")
+    state = [torch.full((16,), -math.inf, device="cuda")] + [torch.zeros(16, device="cuda") for _ in range(3)]
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        ops.gemm_chunk_stats_(x.float(), w.float(), None, target, 0, 0.0, *state)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.gemm_chunk_stats_(x, w[:, :32], None, target, 0, 0.0, *state)
+    with pytest.raises(RuntimeError, match="divisible by 8"):
+        ops.gemm_chunk_stats_(x[:, :12], w[:, :12], None, target, 0, 0.0, *state)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.gemm_chunk_stats_(x, w, b[:10], target, 0, 0.0, *state)
+    with pytest.raises(RuntimeError, match="row_max"):
+        ops.gemm_chunk_stats_(x, w, b, target, 0, 0.0, state[0][:3], *state[1:])
+    torch.cuda.synchronize()  # the context is still usable
+
+
+@requires_fused
+def test_opcheck():
+    x, w, b = _inputs(40, 300, 64, torch.bfloat16, bias=True, seed=2)
+    target = _targets(40, 300, 0, 300, 2).cuda()
+    state = [t.cuda() for t in _start_state(40, 2)]
+    torch.library.opcheck(torch.ops.hugehead.gemm_chunk_stats_.default,
+                          (x.cuda(), w.cuda(), b.cuda(), target, 0, 0.0, *state))
+
+
+def _grad_inputs(n, c, seed, with_grad_lse):
+    g = torch.Generator().manual_seed(seed + 3)
+    lse = (torch.randn(n, generator=g) + 8.0).float()  # about the log-sum-exp of a few thousand N(0, 9) logits
+    grad_rows = torch.rand(n, generator=g) / n
+    grad_rows[1::5] = 0.0  # ignored rows
+    grad_lse = (torch.randn(n, generator=g) / n) if with_grad_lse else None
+    if grad_lse is not None:
+        grad_lse[1::10] = 0.0  # some ignored rows get no lse gradient either: exact zeros
+    return lse, grad_rows, grad_lse
+
+
+def _float64_grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse):
+    """numerics.h's logit_grad in float64 on the exact logits (GPU for speed, returned on the CPU)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    z = x.double().to(dev) @ w.double().to(dev).t()
+    if b is not None:
+        z = z + b.double().to(dev)
+    dcdz = torch.ones_like(z)
+    if softcap > 0:
+        t = torch.tanh(z / softcap)
+        z, dcdz = softcap * t, 1 - t * t
+    lse64, g = lse.double().to(dev)[:, None], grad_rows.double().to(dev)[:, None]
+    p = torch.exp(z - lse64)
+    d = p - eps / num_classes + p * 2 * z_loss * lse64
+    local = (target - class_start).to(dev)
+    inside = (local >= 0) & (local < w.shape[0])
+    rows = torch.nonzero(inside).squeeze(1)
+    d[rows, local[rows]] -= 1 - eps
+    out = g * d
+    if grad_lse is not None:
+        out = out + grad_lse.double().to(dev)[:, None] * p
+    return (out * dcdz).cpu()
+
+
+# (N, C, D, class_start, bias, label_smoothing, z_loss, softcap, grad_lse, padded row stride)
+GRAD_CASES = [
+    (5, 300, 64, 0, False, 0.0, 0.0, 0.0, False, 0),
+    (130, 257, 128, 1000, True, 0.1, 1e-3, 30.0, True, 0),  # odd C: scalar stores
+    (257, 1000, 768, 500, True, 0.0, 0.0, 0.0, True, 6),    # a column slice of a wider buffer
+    (1000, 3000 + 3, 768, 0, False, 0.1, 0.0, 15.0, False, 1),
+]
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,c,d,class_start,bias,eps,z_loss,softcap,with_grad_lse,pad", GRAD_CASES)
+def test_grad_matches_float64_and_the_cublas_path(dtype, n, c, d, class_start, bias, eps, z_loss, softcap,
+                                                  with_grad_lse, pad):
+    seed = n * 3 + c
+    x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
+    num_classes = class_start + c + 100
+    target = _targets(n, c, class_start, num_classes, seed)
+    lse, grad_rows, grad_lse = _grad_inputs(n, c, seed, with_grad_lse)
+    xc, wc, bc, tc = x.cuda(), w.cuda(), None if b is None else b.cuda(), target.cuda()
+    lc, gc, glc = lse.cuda(), grad_rows.cuda(), None if grad_lse is None else grad_lse.cuda()
+    wide = torch.full((n, c + pad), 7.0, dtype=dtype, device="cuda")  # canaries beside the slice
+    fused = wide[:, :c]
+    ops.gemm_chunk_grad_(xc, wc, bc, tc, class_start, num_classes, lc, gc, eps, z_loss, softcap, glc, fused)
+    cublas = xc @ wc.t() if bc is None else torch.addmm(bc, xc, wc.t())
+    ops.chunk_grad_(cublas, tc, class_start, num_classes, lc, gc, eps, z_loss, softcap, glc)
+    ref = _float64_grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse)
+    assert torch.all(wide[:, c:] == 7.0), "wrote outside the chunk"
+    got = fused.cpu()
+    assert torch.isfinite(got.float()).all()
+    err, err_cublas = rel_err(got, ref), rel_err(cublas, ref)
+    assert err <= 2 * err_cublas + torch.finfo(dtype).eps, f"rel err {err:.3g} vs float64, cuBLAS path {err_cublas:.3g}"
+    zero = (grad_rows == 0) & (grad_lse == 0 if grad_lse is not None else torch.ones_like(grad_rows, dtype=torch.bool))
+    assert torch.all(got[zero] == 0), "ignored rows must be exact zeros"
+    # and row by row it is the cuBLAS path's gradient up to rounding
+    torch.testing.assert_close(got.float(), cublas.cpu().float(), rtol=0.05, atol=1e-3 * float(ref.abs().max()))
+
+
+@requires_fused
+def test_grad_repeated_runs_are_bitwise_identical():
+    n, c, d = 1000, 5000, 768
+    x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=4))
+    target = _targets(n, c, 0, c, 4).cuda()
+    lse, grad_rows, grad_lse = (t.cuda() for t in _grad_inputs(n, c, 4, True))
+    outs = []
+    for _ in range(3):
+        out = torch.empty(n, c, dtype=torch.bfloat16, device="cuda")
+        ops.gemm_chunk_grad_(x, w, b, target, 0, c, lse, grad_rows, 0.1, 1e-4, 0.0, grad_lse, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@requires_fused
+def test_grad_opcheck_and_bad_inputs():
+    n, c, d = 40, 300, 64
+    x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=6))
+    target = _targets(n, c, 0, c, 6).cuda()
+    lse, grad_rows, grad_lse = (t.cuda() for t in _grad_inputs(n, c, 6, True))
+    out = torch.empty(n, c, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.hugehead.gemm_chunk_grad_.default,
+                          (x, w, b, target, 0, c, lse, grad_rows, 0.1, 0.0, 0.0, grad_lse, out))
+    with pytest.raises(RuntimeError, match="grad_logits must have shape"):
+        ops.gemm_chunk_grad_(x, w, b, target, 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None, out[:, :10])
+    with pytest.raises(RuntimeError, match="grad_logits must be"):
+        ops.gemm_chunk_grad_(x, w, b, target, 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None, out.float())
+    with pytest.raises(RuntimeError, match="lse"):
+        ops.gemm_chunk_grad_(x, w, b, target, 0, c, lse[:5], grad_rows, 0.0, 0.0, 0.0, None, out)
+    torch.cuda.synchronize()
+
+
+def _count_fused_calls(monkeypatch):
+    """Record the row count of every fused GEMM call the chunk loop makes: {"stats": [...], "grad": [...]}."""
+    calls = {"stats": [], "grad": []}
+
+    def counting(kind, real):
+        def call(x, *args):
+            calls[kind].append(x.shape[0])
+            return real(x, *args)
+        return call
+
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", counting("stats", ops.gemm_chunk_stats_))
+    monkeypatch.setattr(ops, "gemm_chunk_grad_", counting("grad", ops.gemm_chunk_grad_))
+    return calls
+
+
+def _lce_grads(x, w, b, target, **opts):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_() if b is not None else None
+    loss = hugehead.linear_cross_entropy(x, w, target, b, **opts)
+    loss.backward()
+    return [loss.detach()] + [t.grad for t in (x, w, b) if t is not None]
+
+
+def _lce_float64(x, w, b, target, **opts):
+    from hugehead import reference
+
+    x64 = x.detach().double().cpu().requires_grad_()
+    w64 = w.detach().double().cpu().requires_grad_()
+    b64 = b.detach().double().cpu().requires_grad_() if b is not None else None
+    opts = {k: v for k, v in opts.items() if k not in ("chunk_size", "memory_budget")}
+    loss = reference.linear_cross_entropy(x64, w64, target.cpu(), b64, **opts)
+    loss.backward()
+    return [loss.detach()] + [t.grad for t in (x64, w64, b64) if t is not None]
+
+
+@requires_fused
+@pytest.mark.parametrize("opts", [
+    dict(chunk_size=1024),
+    dict(chunk_size=2048, label_smoothing=0.1, softcap=30.0, z_loss=1e-3),
+    dict(),  # planned chunks
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bias):
+    n, d, v = 1000, 768, 5000
+    x, w, b = _inputs(n, v, d, torch.bfloat16, bias=bias, seed=11)
+    x, w = x.cuda(), w.cuda()
+    b = b.cuda() if b is not None else None
+    target = _targets(n, v, 0, v, 11).cuda()
+    results = {}
+    for path in ("cublas", "cutlass_forward", "cutlass"):
+        monkeypatch.setenv("HUGEHEAD_GEMM", path)
+        assert ops.gemm_path(x.device, x.dtype) == path
+        calls = _count_fused_calls(monkeypatch)
+        results[path] = _lce_grads(x, w, b, target, **opts)
+        assert (len(calls["stats"]) > 0) == (path != "cublas"), f"{path}: {calls}"
+        assert (len(calls["grad"]) > 0) == (path == "cutlass"), f"{path}: {calls}"
+    ref = _lce_float64(x, w, b, target, **opts)
+    names = ["loss", "dx", "dw", "db"]
+    for path in ("cutlass_forward", "cutlass"):
+        for what, ours, theirs, r in zip(names, results[path], results["cublas"], ref):
+            err, err_cublas = rel_err(ours, r), rel_err(theirs, r)
+            # the same logits up to the GEMMs' summation orders: within 2x the cuBLAS path's error (the
+            # numerics rule), plus a bf16 epsilon floor
+            assert err <= 2 * err_cublas + torch.finfo(torch.bfloat16).eps, \
+                f"{path} {what}: {err:.3g} vs cublas {err_cublas:.3g}"
+    # bitwise repeatable through the whole loss
+    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    again = _lce_grads(x, w, b, target, **opts)
+    for a, r in zip(again, results["cutlass"]):
+        assert torch.equal(a, r)
+
+
+@requires_fused
+def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
+    """Rows split into blocks (a tiny budget): each block's chunk goes through the fused GEMM."""
+    n, d, v, cols, split = 700, 128, 3000, 512, 128
+    x, w, b = _inputs(n, v, d, torch.bfloat16, bias=True, seed=13)
+    x, w, b = x.cuda(), w.cuda(), b.cuda()
+    target = _targets(n, v, 0, v, 13).cuda()
+    opts = dict(chunk_size=cols, memory_budget=split * (cols * 2 + d * (2 + 4)))
+    plan = plan_chunks(n, d, v, torch.bfloat16, x.device, cols, opts["memory_budget"])
+    assert plan.rows < n and plan.cols == cols
+    results = {}
+    for path in ("cublas", "cutlass"):
+        monkeypatch.setenv("HUGEHEAD_GEMM", path)
+        calls = _count_fused_calls(monkeypatch)
+        results[path] = _lce_grads(x, w, b, target, **opts)
+        for kind in ("stats", "grad"):
+            assert (len(calls[kind]) > 0) == (path == "cutlass")
+            if path == "cutlass":  # every (chunk, row block) pair, no stored-logits chunk
+                assert len(calls[kind]) == math.ceil(v / cols) * math.ceil(n / plan.rows)
+                assert max(calls[kind]) <= plan.rows
+    ref = _lce_float64(x, w, b, target, **opts)
+    for ours, theirs, r in zip(results["cutlass"], results["cublas"], ref):
+        assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + torch.finfo(torch.bfloat16).eps
+
+
+# -- everywhere (CI): the dispatch rules and the fake kernel ------------------------------------------------
+def test_gemm_path_rules(monkeypatch):
+    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    assert ops.gemm_path(torch.device("cpu"), torch.bfloat16) == "cublas"  # no CUTLASS on the CPU
+    assert not ops.has_fused_gemm(torch.device("cpu"), torch.bfloat16)
+    if torch.cuda.is_available():
+        assert not ops.has_fused_gemm(torch.device("cuda"), torch.float32)
+    for forced in ("cublas", "anything else"):
+        monkeypatch.setenv("HUGEHEAD_GEMM", forced)
+        if torch.cuda.is_available():
+            assert ops.gemm_path(torch.device("cuda"), torch.bfloat16) == "cublas"
+    if not hugehead._C.cutlass_built():
+        assert not hugehead.has_kernel("gemm_chunk_stats_", "CUDA")
+
+
+def test_fake_kernel_checks_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(8, 64, dtype=torch.bfloat16)
+        w = torch.empty(100, 64, dtype=torch.bfloat16)
+        t = torch.empty(8, dtype=torch.long)
+        state = [torch.empty(8) for _ in range(4)]
+        torch.ops.hugehead.gemm_chunk_stats_.default(x, w, None, t, 0, 0.0, *state)
+        with pytest.raises(Exception, match="feature count"):
+            torch.ops.hugehead.gemm_chunk_stats_.default(x, w[:, :32], None, t, 0, 0.0, *state)
+        out = torch.empty(8, 100, dtype=torch.bfloat16)
+        torch.ops.hugehead.gemm_chunk_grad_.default(x, w, None, t, 0, 100, state[0], state[1], 0.0, 0.0, 0.0, None,
+                                                    out)
+        with pytest.raises(Exception, match="grad_logits"):
+            torch.ops.hugehead.gemm_chunk_grad_.default(x, w, None, t, 0, 100, state[0], state[1], 0.0, 0.0, 0.0,
+                                                        None, out[:, :10])
+
+
+def _emulate_fused_ops(monkeypatch):
+    """Run the chunk loop's fused branches on any device: _fused_applies says yes for class-id targets and
+    the fused ops are emulated by addmm + chunk_stats_ / chunk_grad_ (the arithmetic of the cuBLAS path)."""
+    from hugehead import loop
+
+    monkeypatch.setattr(loop, "_fused_applies", lambda x, target, kind: isinstance(target, torch.Tensor))
+
+    def logits(x, w, b):
+        return x @ w.t() if b is None else torch.addmm(b, x, w.t())
+
+    def stats(x, w, b, target, class_start, softcap, *state):
+        ops.chunk_stats_(logits(x, w, b), target, class_start, softcap, *state)
+
+    def grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse, out):
+        out.copy_(logits(x, w, b))
+        ops.chunk_grad_(out, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse)
+
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", stats)
+    monkeypatch.setattr(ops, "gemm_chunk_grad_", grad)
+
+
+@pytest.mark.parametrize("budget", ["default", "rows", "keep_all"])
+def test_loop_fused_branches_with_emulated_ops(monkeypatch, budget):
+    """The loop's fused branches (forward and backward, row blocks, kept chunks) give bitwise the cuBLAS
+    path's results when the fused ops compute what cuBLAS + our kernels do; they run on the CPU here."""
+    n, d, v, cols = 37, 16, 300, 64
+    x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=21)
+    target = _targets(n, v, 0, v, 21)
+    opts = dict(chunk_size=cols, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
+    if budget == "rows":  # rows split into blocks of 8
+        opts["memory_budget"] = 8 * (cols * 4 + d * (4 + 4))
+    elif budget == "keep_all":  # the planner keeps all logits as one chunk: nothing is recomputed
+        opts["chunk_size"] = None
+    plan = plan_chunks(n, d, v, torch.float32, x.device, opts["chunk_size"], opts.get("memory_budget"))
+    assert (budget == "rows") == (plan.rows < n) and (budget == "keep_all") == plan.keep_logits
+    plain = _lce_grads(x, w, b, target, **opts)
+    _emulate_fused_ops(monkeypatch)
+    calls = _count_fused_calls(monkeypatch)
+    fused = _lce_grads(x, w, b, target, **opts)
+    for a, r in zip(fused, plain):
+        assert torch.equal(a, r)
+    kept = plan.kept_chunks if plan.keep_logits else 0
+    blocks = math.ceil(n / plan.rows)
+    expected = (math.ceil(v / plan.cols) - kept) * blocks
+    assert len(calls["stats"]) == expected, (plan, calls)
+    assert len(calls["grad"]) == expected, (plan, calls)
