@@ -9,6 +9,8 @@ with TFLOP/s on 2·N·D·C, the per-step totals (× V / C), and how far the fuse
 path's (max |Δ lse|, relative error of the gradient chunk). Needs a CUDA build with CUTLASS on an sm_90 GPU.
 
     python -m bench.bench_gemm [--shapes xc1M,xc6M] [--out DIR] [--reps 10]
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
+        python -m bench.bench_gemm --ncu xc6M       # one fused chunk of each kind, for Nsight Compute
 """
 from __future__ import annotations
 
@@ -97,6 +99,38 @@ def bench_shape(name: str, reps: int) -> dict:
     return row
 
 
+def ncu_one(name: str) -> None:
+    """One planned chunk of the fused statistics GEMM (both schedules) and of the fused gradient GEMM between
+    cudaProfilerStart/Stop, after a warm-up."""
+    from hugehead import ops
+    from hugehead.loop import plan_chunks
+
+    shape = find_shape(name)
+    dev = torch.device("cuda")
+    x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
+    n, v = shape.n, shape.v
+    cols = min(plan_chunks(n, shape.d, v, BF16, dev).cols, v)
+    wc, tc = w[:cols], t.clamp(max=cols - 1)
+    state = (torch.full((n,), -math.inf, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev),
+             torch.zeros(n, device=dev))
+    g = x.new_empty(n, cols)
+    lse, grad_rows = torch.full((n,), 12.0, device=dev), torch.full((n,), 1.0 / n, device=dev)
+
+    def chunk():
+        for schedule in ("pingpong", "cooperative"):
+            os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+            ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state)
+        ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, g)
+
+    chunk()
+    torch.cuda.synchronize()
+    print(f"ncu: {name} width {cols}: stats GEMM pingpong, merge, stats GEMM cooperative, merge, grad GEMM", flush=True)
+    torch.cuda.profiler.start()
+    chunk()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def render(doc: dict) -> str:
     m = doc["meta"]
     lines = [harness.header(f"Fused CUTLASS GEMMs vs cuBLAS + kernels, one chunk: {m['machine']} (bfloat16)", m),
@@ -123,12 +157,16 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="xc1M,xc6M")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None, help="folder for gemm.json / gemm.md")
+    p.add_argument("--ncu", metavar="SHAPE", help="run one fused chunk of each kind for Nsight Compute and exit")
     opts = p.parse_args(argv)
     from hugehead import ops
 
     if not ops.has_fused_gemm(torch.device("cuda"), BF16):
         print("no fused GEMMs here: needs a CUDA build with CUTLASS (HUGEHEAD_CUTLASS=ON) and an sm_90 GPU")
         return 2
+    if opts.ncu:
+        ncu_one(opts.ncu)
+        return 0
     meta = harness.run_meta("gemm", torch.device("cuda"), options=opts,
                             command=" ".join(["python", "-m", "bench.bench_gemm", *sys.argv[1:]]))
     results = []

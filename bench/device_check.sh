@@ -138,6 +138,10 @@ print('hugehead', hugehead.__version__, 'from', hugehead.__file__, '| cuda_built
 for op in ('chunk_stats_', 'chunk_grad_'):
     print(getattr(torch.ops.hugehead, op).default._schema)
     print('  CPU kernel:', hugehead.has_kernel(op, 'CPU'), '| CUDA kernel:', hugehead.has_kernel(op, 'CUDA'))
+print('CUTLASS GEMMs built:', hugehead._C.cutlass_built(), '| CUDA kernel of gemm_chunk_stats_ / gemm_chunk_grad_:',
+      hugehead.has_kernel('gemm_chunk_stats_', 'CUDA'), hugehead.has_kernel('gemm_chunk_grad_', 'CUDA'),
+      '| forward/backward GEMMs here:', hugehead.ops.gemm_path(torch.device('cuda'), torch.bfloat16)
+      if torch.cuda.is_available() else '-')
 print(torch._C._dispatch_dump('hugehead::chunk_stats_'))
 raise SystemExit(0 if hugehead.has_kernel('chunk_stats_', 'CUDA') else 'no CUDA kernel registered for hugehead::chunk_stats_')
 "

@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._extension import require_kernels
 from .sparse import is_sparse_target
 from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
@@ -34,6 +33,7 @@ from .options import (  # noqa: F401  (re-exported: the loss's rules were public
     LossOptions,
     autocast_dtype,
     check_chunk_size,
+    check_inputs,
     check_memory_budget,
     check_target_tensor,
     check_targets,
@@ -62,47 +62,6 @@ __all__ = [
     "validate_options",
     "reduce_loss",
 ]
-
-
-def _check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]) -> Optional[torch.dtype]:
-    """Check the inputs (``x [..., D]``, ``target [...]``); returns the autocast compute dtype, or None
-    when the inputs' dtype decides."""
-    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
-        raise TypeError("hugehead: x, weight and target must be tensors")
-    if x.dim() < 2:
-        raise ValueError(f"hugehead: x must be [N, D] (or [..., D]), got shape {tuple(x.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(f"hugehead: weight must be [V, D], got shape {tuple(weight.shape)}")
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"hugehead: x has D={x.shape[-1]} features but weight is {tuple(weight.shape)} "
-            f"(expected [V, {x.shape[-1]}])"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("hugehead: weight has no classes (V=0)")
-    check_target_tensor(target, x)
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"hugehead: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"hugehead: bias must be [V]=[{weight.shape[0]}], got shape {tuple(bias.shape)}")
-    compute = autocast_dtype(x.device.type, x.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
-    if compute is None:  # as plain PyTorch outside autocast: the dtypes must agree
-        if weight.dtype != x.dtype:
-            raise TypeError(
-                f"hugehead: weight dtype {weight.dtype} differs from x dtype {x.dtype} (outside torch.autocast "
-                f"the dtypes must match, as for F.linear)"
-            )
-        if bias is not None and bias.dtype != x.dtype:
-            raise TypeError(f"hugehead: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
-    tensors = {"weight": weight}
-    if bias is not None:
-        tensors["bias"] = bias
-    for name, t in tensors.items():
-        if t.device != x.device:
-            raise ValueError(f"hugehead: {name} is on {t.device} but x is on {x.device}")
-    require_kernels(x.device)
-    return compute
 
 
 def _is_dtensor(t) -> bool:
@@ -452,7 +411,7 @@ def linear_cross_entropy(
     if is_sparse_target(target) or class_weight is not None:
         return _linear_cross_entropy_weighted(x, weight, target, bias, options, chunk_size, memory_budget, return_lse,
                                               class_weight)
-    compute = _check_inputs(x, weight, target, bias)
+    compute = check_inputs(x, weight, target, bias)
     shape = target.shape
     flattened = x.dim() != 2 and not _is_dtensor(x)
     if flattened:  # [..., D] with target [...]: the rows are the leading dimensions
@@ -541,7 +500,7 @@ def _linear_cross_entropy_weighted(x, weight, target, bias, options: LossOptions
     sparse_target = is_sparse_target(target)
     if sparse_target and isinstance(x, Tensor) and x.dim() != 2:
         raise ValueError(f"hugehead: with a sparse [N, V] target x must be [N, D], got shape {tuple(x.shape)}")
-    compute = _check_inputs(x, weight, torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
+    compute = check_inputs(x, weight, torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
                             if sparse_target else target, bias)
     shape = None
     if not sparse_target:

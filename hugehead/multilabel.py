@@ -204,13 +204,13 @@ def check_head_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Opti
     Raises:
         TypeError: not tensors, unsupported or mismatched dtypes. ValueError: shapes, devices.
     """
-    from .functional import _check_inputs
+    from .options import check_inputs
 
     if isinstance(x, Tensor) and x.dim() != 2:
         raise ValueError(f"hugehead: x must be [N, D] with a sparse [N, V] target, got shape {tuple(x.shape)}")
     placeholder = torch.zeros(x.shape[0] if isinstance(x, Tensor) and x.dim() >= 1 else 0, dtype=torch.int64,
                               device=x.device if isinstance(x, Tensor) else None)
-    return _check_inputs(x, weight, placeholder, bias)
+    return check_inputs(x, weight, placeholder, bias)
 
 
 def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: bool):

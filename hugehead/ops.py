@@ -133,7 +133,7 @@ def has_fused_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     CUTLASS GEMMs (asked of the dispatcher), a compute capability 9.0 GPU (the kernels are sm_90a machine
     code only) and bfloat16/float16. Per-device answers are cached (a dict lookup that torch.compile traces
     through)."""
-    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _FUSED_GEMM_DEVICES:

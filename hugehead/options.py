@@ -21,11 +21,13 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._extension import require_kernels
 
 __all__ = [
     "LossOptions",
     "REDUCTIONS",
     "check_chunk_size",
+    "check_inputs",
     "check_memory_budget",
     "check_target_tensor",
     "check_targets",
@@ -231,6 +233,54 @@ def check_targets(target: Tensor, num_classes: int, ignore_index: Optional[int],
 # --------------------------------------------------------------------------------------------------
 # Dtypes
 # --------------------------------------------------------------------------------------------------
+def check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]) -> Optional[torch.dtype]:
+    """Check a loss's inputs ``x [..., D]``, ``weight [V, D]``, ``target [...]`` (x's leading shape) and
+    ``bias [V]`` or None: types, shapes, float dtypes, devices, and that this build has kernels for x's device.
+    Returns the autocast compute dtype, or None when the inputs' dtype decides (they must then agree).
+
+    Raises:
+        TypeError: a non-tensor, an unsupported or (outside autocast) mismatched dtype.
+        ValueError: a shape or device mismatch, no classes.
+        RuntimeError: no hugehead kernels for x's device.
+    """
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
+        raise TypeError("hugehead: x, weight and target must be tensors")
+    if x.dim() < 2:
+        raise ValueError(f"hugehead: x must be [N, D] (or [..., D]), got shape {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"hugehead: weight must be [V, D], got shape {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"hugehead: x has D={x.shape[-1]} features but weight is {tuple(weight.shape)} "
+            f"(expected [V, {x.shape[-1]}])"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("hugehead: weight has no classes (V=0)")
+    check_target_tensor(target, x)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"hugehead: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"hugehead: bias must be [V]=[{weight.shape[0]}], got shape {tuple(bias.shape)}")
+    compute = autocast_dtype(x.device.type, x.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+    if compute is None:  # as plain PyTorch outside autocast: the dtypes must agree
+        if weight.dtype != x.dtype:
+            raise TypeError(
+                f"hugehead: weight dtype {weight.dtype} differs from x dtype {x.dtype} (outside torch.autocast "
+                f"the dtypes must match, as for F.linear)"
+            )
+        if bias is not None and bias.dtype != x.dtype:
+            raise TypeError(f"hugehead: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+    tensors = {"weight": weight}
+    if bias is not None:
+        tensors["bias"] = bias
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise ValueError(f"hugehead: {name} is on {t.device} but x is on {x.device}")
+    require_kernels(x.device)
+    return compute
+
+
 def autocast_dtype(device_type: str, *dtypes: torch.dtype) -> Optional[torch.dtype]:
     """The dtype the head computes in under ``torch.autocast`` on ``device_type``, or None when autocast
     is off there (or, as for ``F.linear``, when an input is float64, which autocast leaves alone)."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import hugehead
 from hugehead import multilabel
 
-from conftest import rel_err, requires_cuda, requires_multigpu
+from conftest import load_example, rel_err, requires_cuda, requires_multigpu
 
 N, D, V = 13, 16, 700
 
@@ -710,13 +710,17 @@ def test_functional_losses_under_compile_take_a_csr_target():
     assert torch._dynamo.explain(step)(x, w, b).graph_count >= 2
 
 
-def test_csr_target_matches_the_sparse_tensor_and_is_checked_again():
-    x, w, b = make_inputs("cpu")
+def test_csr_target_matches_the_sparse_tensor_and_is_checked_again(device):
+    x, w, b = make_inputs(device)
     t = make_target()
     coo = unsorted_coo(t, "cpu")
-    converted = hugehead.csr_target(coo)
+    converted = hugehead.csr_target(coo, device=device)
     assert isinstance(converted, hugehead.CsrTarget) and converted.val.dtype == torch.float64
+    assert converted.device.type == torch.device(device).type
     assert converted.crow.tolist() == t.to_sparse_csr().crow_indices().tolist()
+    assert hugehead.csr_target(coo).device.type == "cpu"  # a CPU CsrTarget with x elsewhere is copied over
+    torch.testing.assert_close(hugehead.linear_cross_entropy(x, w, hugehead.csr_target(coo), b),
+                               hugehead.linear_cross_entropy(x, w, coo, b), rtol=0, atol=0)
     torch.testing.assert_close(hugehead.linear_cross_entropy(x, w, converted, b),
                                hugehead.linear_cross_entropy(x, w, coo, b), rtol=0, atol=0)
     # Values are checked by the loss that reads them; the row pointers and shapes by any.
@@ -762,13 +766,7 @@ def _reference_ranking_metrics(order, label_sets, ks):
 @pytest.mark.parametrize("loss,steps", [("cross_entropy", 15), ("binary_cross_entropy", 2)])
 def test_lightning_example_multilabel_reports_precision_and_ndcg(loss, steps, capsys):
     pytest.importorskip("lightning", reason="examples/lightning_6m.py needs PyTorch Lightning")
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "lightning_6m.py"
-    spec = importlib.util.spec_from_file_location("lightning_6m_multilabel", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("lightning_6m", "lightning_6m_multilabel")
     v, n_test = 3000, 256
     argv = ["--cpu", "--classes", str(v), "--dim", "32", "--steps", str(steps), "--batch", "64", "--test-size",
             str(n_test), "--no-progress", "--labels", "3", "--multilabel-loss", loss]
@@ -800,3 +798,13 @@ def test_lightning_example_multilabel_reports_precision_and_ndcg(loss, steps, ca
     if loss == "cross_entropy":  # it learned: above chance (3 labels of 3000) at precision@1
         assert metrics["test_p@1"] > 0.05
     assert "test_p@1=" in capsys.readouterr().out
+
+
+def test_ignore_heads_in_ddp_lists_a_distributed_heads_loss_buffers():
+    """A head spanning ranks (its engine names a process group) holds the same class_weight on every rank:
+    DDP must not broadcast it each step. (The spawned-world DDP step is in tests/test_distributed.py.)"""
+    head = hugehead.ChunkedClassifier(D, V, devices=["cpu"], class_weight=torch.ones(V))
+    model = torch.nn.Sequential(torch.nn.Linear(3, D), head)
+    assert hugehead.ignore_heads_in_ddp(model) == []  # one process: nothing to ignore
+    head.engine.checkpoint_group = lambda: "a group"
+    assert hugehead.ignore_heads_in_ddp(model) == ["1.shards.0.weight", "1.shards.0.bias", "1.class_weight"]

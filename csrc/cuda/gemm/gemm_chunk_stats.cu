@@ -36,13 +36,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     lse_merge(m, s, part.x, part.y);
     sum += part.z;
   }
-#pragma unroll
-  for (int off = cuda::kWarp / 2; off > 0; off /= 2) {
-    const float m2 = __shfl_down_sync(0xffffffffu, m, off);
-    const float s2 = __shfl_down_sync(0xffffffffu, s, off);
-    sum += __shfl_down_sync(0xffffffffu, sum, off);
-    lse_merge(m, s, m2, s2);
-  }
+  cuda::warp_reduce_lse(m, s, sum);
   if (lane == 0) {
     lse_merge(row_max[row], row_sumexp[row], m, s);
     logit_sum[row] += sum;
