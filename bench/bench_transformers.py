@@ -7,8 +7,11 @@
     14336, 32 heads / 8 KV heads, vocab 128,256), bfloat16 parameters, 8 sequences x 2048 tokens, every
     token a label. One training step = ``model(input_ids, labels=labels).loss.backward()`` (gradients set to
     None after each). Models from the same seed: unpatched (transformers' own ``lm_head`` + float32
-    cross-entropy), ``patch(model)`` (default 4 GiB workspace: the 16384 x 128256 bf16 logits fit it and are
-    kept for the backward), ``patch(model, memory_budget=1 GiB)`` (chunks, recomputed), and Liger-Kernel's
+    cross-entropy), ``patch(model)`` (the default plan: ``rows``, every gradient computed in the forward over
+    6 blocks of 2752 rows, a sixth of the logits' memory, three GEMMs), ``hugehead_kept`` (the default
+    budget without the rows plan, ``HUGEHEAD_ROWS=0``: the 16384 x 128256 bf16 logits are kept for the
+    backward), ``hugehead_recompute_<X>gib`` (``memory_budget`` X GiB without the rows plan: chunks
+    recomputed, four GEMMs), ``hugehead_<X>gib`` for each ``--budgets`` entry, and Liger-Kernel's
     ``apply_liger_kernel_to_llama`` with only its fused
     linear cross-entropy on (``rope``/``rms_norm``/``swiglu`` off, so that the rows differ in the loss
     alone); a Liger that cannot be imported is recorded as such.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,6 +105,30 @@ def _liger_llama():
                                 fused_linear_cross_entropy=True)
 
 
+def _budget_of(kind: str) -> Optional[int]:
+    """``hugehead_<X>gib`` / ``hugehead_recompute_<X>gib``: memory_budget X GiB; other kinds: the default."""
+    tail = kind.rsplit("_", 1)[-1]
+    return int(float(tail[:-len("gib")]) * (1 << 30)) if tail.endswith("gib") else None
+
+
+def _rows_allowed(kind: str) -> bool:
+    # hugehead_kept / hugehead_recompute_<X>gib: the planner without its rows plan (HUGEHEAD_ROWS=0), i.e.
+    # the plans of before it, for the A/B in the same run.
+    return not (kind == "hugehead_kept" or kind.startswith("hugehead_recompute_"))
+
+
+def _llama_plan(s, device, dtype, kind) -> Dict[str, object]:
+    """The plan linear_cross_entropy makes for this row's loss (every token a row: the shifted labels are
+    padded), as the planner is asked inside the step."""
+    from hugehead.plan import plan_loss
+
+    n = s["batch"] * s["seq"]
+    plan = plan_loss(n, s["hidden"], s["vocab"], dtype, device, None, _budget_of(kind), allow_rows=True,
+                     direct_dx=True)
+    return dict(kind=plan.kind, rows=plan.rows, cols=plan.cols, blocks=-(-n // plan.rows),
+                kept_chunks=plan.kept_chunks, budget=plan.budget, reason=plan.reason)
+
+
 def run_llama(s, device, dtype, args) -> List[Dict[str, object]]:
     from hugehead.integrations.transformers import patch
 
@@ -109,13 +137,15 @@ def run_llama(s, device, dtype, args) -> List[Dict[str, object]]:
 
     def build(kind):
         def make():
+            if kind.startswith("hugehead") and not _rows_allowed(kind):
+                os.environ["HUGEHEAD_ROWS"] = "0"
+            else:
+                os.environ.pop("HUGEHEAD_ROWS", None)
             if kind == "liger":
                 _liger_llama()
             model = _llama(s, device, dtype)
-            if kind == "hugehead":
-                patch(model)
-            elif kind.startswith("hugehead_"):  # hugehead_<X>gib: a smaller workspace (some logits recomputed)
-                patch(model, memory_budget=int(float(kind[len("hugehead_"):-len("gib")]) * (1 << 30)))
+            if kind.startswith("hugehead"):
+                patch(model, memory_budget=_budget_of(kind))
 
             def step():
                 loss = model(input_ids=ids, labels=ids).loss
@@ -129,9 +159,32 @@ def run_llama(s, device, dtype, args) -> List[Dict[str, object]]:
 
     rows = []
     budgets = [f"hugehead_{b.strip()}gib" for b in args.budgets.split(",") if b.strip()]
-    for kind in ("unpatched", "hugehead", *budgets, "liger"):  # Liger last: it patches the class for good
-        rows.append(_measured(kind, build(kind), device, args))
+    recompute = [f"hugehead_recompute_{b.strip()}gib" for b in args.recompute_budgets.split(",") if b.strip()]
+    # Liger last: it patches the class for good.
+    for kind in ("unpatched", "hugehead", "hugehead_kept", *budgets, *recompute, "liger"):
+        row = _measured(kind, build(kind), device, args)
+        if kind.startswith("hugehead"):
+            with _rows_env(kind):
+                row["plan"] = _llama_plan(s, device, dtype, kind)
+        rows.append(row)
+    os.environ.pop("HUGEHEAD_ROWS", None)
     return rows
+
+
+class _rows_env:
+    """HUGEHEAD_ROWS as the row ``kind`` ran with, while its plan is asked again for the report."""
+
+    def __init__(self, kind: str):
+        self.allowed = _rows_allowed(kind)
+
+    def __enter__(self):
+        if self.allowed:
+            os.environ.pop("HUGEHEAD_ROWS", None)
+        else:
+            os.environ["HUGEHEAD_ROWS"] = "0"
+
+    def __exit__(self, *exc):
+        os.environ.pop("HUGEHEAD_ROWS", None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,10 +246,14 @@ def _table(rows, baseline: str) -> str:
     for r in rows:
         speed = (f"{base['step_ms'] / r['step_ms']:.2f}x" if base is not None and r.get("status") == "ok" else "-")
         status = r.get("status") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error', '')[:160]}"
-        out.append([r["impl"], harness.fmt(r.get("step_ms"), ".1f"), speed, harness.fmt(r.get("peak_extra_gib"), ".2f"),
-                    harness.fmt(r.get("peak_gib"), ".2f"), harness.fmt(r.get("loss"), ".5f"), status])
-    return harness.md_table(["impl", "step ms", f"speed vs {baseline}", "peak beyond model GiB", "peak GiB", "loss",
-                             "status"], out)
+        plan = r.get("plan") or {}
+        plan_text = "-" if not plan else (
+            f"rows: {plan['blocks']} x {plan['rows']}" if plan["kind"] == "rows" else plan["kind"])
+        out.append([r["impl"], plan_text, harness.fmt(r.get("step_ms"), ".1f"), speed,
+                    harness.fmt(r.get("peak_extra_gib"), ".2f"), harness.fmt(r.get("peak_gib"), ".2f"),
+                    harness.fmt(r.get("loss"), ".5f"), status])
+    return harness.md_table(["impl", "hugehead plan", "step ms", f"speed vs {baseline}", "peak beyond model GiB",
+                             "peak GiB", "loss", "status"], out)
 
 
 def render_markdown(doc) -> str:
@@ -210,6 +267,9 @@ def render_markdown(doc) -> str:
                   _table(doc["llama"], "unpatched"), "",
                   "Liger: `apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)` with its other kernels off, "
                   "so the rows differ only in the loss. hugehead_<X>gib: `patch(model, memory_budget=X GiB)`. "
+                  "hugehead_kept / hugehead_recompute_<X>gib: the same without the rows plan (`HUGEHEAD_ROWS=0`). "
+                  "hugehead plan: the plan's kind (`rows`: gradients in the forward over blocks x rows; `kept`: all "
+                  "logits kept for the backward; `recompute`: chunks recomputed in the backward). "
                   "Peak beyond model: over the bf16 parameters (their gradients, "
                   "activations, logits or their chunks).", ""]
     if "bert_6m" in doc:
@@ -231,7 +291,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--parts", default="llama,bert", help="comma list of llama, bert")
-    p.add_argument("--budgets", default="1,2,3", help="comma list of GiB: a patched-Llama row at each memory_budget")
+    p.add_argument("--budgets", default="", help="comma list of GiB: a patched-Llama row at each memory_budget")
+    p.add_argument("--recompute-budgets", default="1.5",
+                   help="comma list of GiB: a patched-Llama row at each memory_budget without the rows plan "
+                        "(HUGEHEAD_ROWS=0: chunks recomputed, the low-memory setting before it)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     if args.cpu_smoke:

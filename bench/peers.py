@@ -61,20 +61,29 @@ def _load_hugehead():
 
 
 def _hugehead_plan(n, d, v, dtype, device) -> dict:
-    """What ``hugehead.functional.plan_chunks`` picks with the defaults (whatever fields ``Plan`` has) for
-    forward + backward, and, where the planner can be told that nothing will be kept (``allow_keep``),
-    for the forward alone (prefixed ``fwd_``)."""
+    """What ``hugehead.linear_cross_entropy`` plans with the defaults (whatever fields ``Plan`` has, and its
+    ``kind``: ``rows``, ``kept`` or ``recompute``) for forward + backward of the mean loss, and, where the
+    planner can be told that nothing will be kept (``allow_keep``), for the forward alone (prefixed
+    ``fwd_``). An older hugehead without ``plan_loss`` is asked through ``plan_chunks``."""
     import inspect
 
     from hugehead import functional
 
+    planner = getattr(functional, "plan_loss", None)
+    if planner is not None:  # the functional's own planner: kept logits, rows, or recomputed chunks
+        chosen = planner(n, d, v, dtype, device, None, None, allow_rows=True, direct_dx=True)
+    else:
+        params = inspect.signature(functional.plan_chunks).parameters
+        # linear_cross_entropy plans with direct_dx=True (its dX of a one-chunk plan is one GEMM)
+        chosen = functional.plan_chunks(n, d, v, dtype, device, None, None,
+                                        **({"direct_dx": True} if "direct_dx" in params else {}))
+    plan = _plain(chosen)
+    if hasattr(chosen, "kind"):
+        plan["kind"] = chosen.kind
     params = inspect.signature(functional.plan_chunks).parameters
-    # linear_cross_entropy plans with direct_dx=True (its dX of a one-chunk plan is one GEMM)
-    plan = _plain(functional.plan_chunks(n, d, v, dtype, device, None, None,
-                                         **({"direct_dx": True} if "direct_dx" in params else {})))
     if "allow_keep" in params:
         fwd = _plain(functional.plan_chunks(n, d, v, dtype, device, None, None, allow_keep=False))
-        plan.update({f"fwd_{k}": val for k, val in fwd.items() if k != "keep_logits"})
+        plan.update({f"fwd_{k}": val for k, val in fwd.items() if k not in ("keep_logits", "reason")})
     return plan
 
 

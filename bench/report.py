@@ -240,7 +240,8 @@ def render_markdown(doc: dict) -> str:
     lines += ["", f"Relative errors above {suspect_limit(meta.get('dtype')):g} (far beyond {meta.get('dtype', 'bfloat16')} "
                   "rounding) are in bold."]
     if plans:
-        lines += ["", "Chunking each planner chose (hugehead: `hugehead.functional.plan_chunks` with the defaults; "
+        lines += ["", "Chunking each planner chose (hugehead: `hugehead.functional.plan_loss` with the defaults, its `kind` "
+                      "rows / kept / recompute; "
                       "torch_lce: the options `LinearCrossEntropyOptions()` resolves to; torch_chunked: its chunk width):",
                   *plans]
     if compiles:

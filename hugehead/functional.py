@@ -22,6 +22,8 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     ResidentChunks,
     RowStats,
     merge_row_stats,
+    rows_steps,
+    run_steps,
     shard_backward,
     shard_forward_stats,
     whole_head_backward,
@@ -47,6 +49,7 @@ from .plan import (  # noqa: F401  (re-exported: the planner's names were public
     kept_plan,
     kept_shape,
     plan_chunks,
+    plan_loss,
     plan_topk_chunks,
     shard_oom_guard,
 )
@@ -227,6 +230,120 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
 _lce_forward.register_autograd(_lce_backward_autograd, setup_context=_lce_setup_context)
 
 
+# --------------------------------------------------------------------------------------------------
+# The rows plan's op: a scalar loss and its gradients in one pass (hugehead.plan.plan_rows)
+# --------------------------------------------------------------------------------------------------
+def _rows_plan(plan: List[int]) -> Plan:
+    """The rows plan that travelled with the call: ``[rows, cols, budget]``."""
+    rows, cols, budget = (int(p) for p in plan)
+    return Plan(rows=rows, cols=cols, grad_in_forward=True, budget=budget,
+                budget_reason=f"a budget of {budget} bytes")
+
+
+@torch.library.custom_op("hugehead::linear_cross_entropy_rows", mutates_args=())
+def _lce_rows(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    mean: bool,
+    need_x: bool,
+    need_weight: bool,
+    hold: bool,
+    plan: List[int],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The loss reduced to a scalar (``mean``: over the rows not ignored, else the sum; 0-d, accumulation
+    dtype) and its gradients for an incoming gradient of 1: ``(dX [N, D] in x's dtype, dW [V, D] in the
+    weight's dtype, db [V])`` (empty when not asked for), in one pass over row blocks of ``plan``
+    (``[rows, cols, budget]``). For the "mean", the count of rows not ignored is taken on the device first:
+    no host synchronization. ``hold``: the gradients ride on the autograd ctx (eager) instead of being saved
+    for backward (torch.compile)."""
+    acc = ops.acc_dtype(x.dtype)
+    v = weight.shape[0]
+    options = _options(ignore_index, label_smoothing, z_loss, softcap)
+    target = check_targets(target, v, ignore_index)
+    step_plan = _rows_plan(plan)
+    with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, step_plan, None):
+        valid = target != ignore_index
+        count = valid.sum(dtype=acc)
+        scale = 1.0 / count if mean else torch.ones((), dtype=acc, device=x.device)
+        # 1 / 0 on an all-ignored "mean" is inf: where() keeps those rows' gradient at exactly 0, and the
+        # loss is 0 / 0 = NaN as F.cross_entropy's.
+        grad_rows = torch.where(valid, scale, torch.zeros((), dtype=acc, device=x.device))
+        loss_rows, grad_x, grad_w, grad_b = run_steps(rows_steps(
+            x, ResidentChunks(weight, bias, x.dtype), target, options, step_plan, grad_rows, need_x, need_weight))
+        loss = loss_rows.sum() / count if mean else loss_rows.sum()
+    # A gradient not asked for is a fresh empty tensor each: custom op outputs may not alias each other.
+    return (
+        loss,
+        grad_x if grad_x is not None else x.new_empty(0),
+        grad_w if grad_w is not None else x.new_empty(0),
+        grad_b if grad_b is not None else x.new_empty(0),
+    )
+
+
+@_lce_rows.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, mean, need_x, need_weight, hold,
+      plan):
+    acc = ops.acc_dtype(x.dtype)
+    return (
+        x.new_empty((), dtype=acc),
+        x.new_empty(x.shape) if need_x else x.new_empty(0),
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty(0),
+        torch.empty_like(bias) if (need_weight and bias is not None) else x.new_empty(0),
+    )
+
+
+def _lce_rows_setup_context(ctx, inputs, output):
+    x, weight, bias = inputs[:3]
+    hold = inputs[11]
+    _, grad_x, grad_w, grad_b = output
+    ctx.mark_non_differentiable(grad_x, grad_w, grad_b)
+    ctx.hold = hold
+    ctx.has_bias = bias is not None
+    if hold:
+        # Held on ctx (not saved for backward): the backward scales them in place and lets go of them, so
+        # autograd can take them as the .grad tensors without a copy.
+        ctx.grads = (grad_x, grad_w, grad_b)
+    else:
+        ctx.save_for_backward(grad_x, grad_w, grad_b)
+    ctx.set_materialize_grads(False)
+
+
+def _lce_rows_backward(ctx, grad_loss, *unused):
+    if ctx.hold:
+        if ctx.grads is None:
+            raise RuntimeError(
+                "hugehead: linear_cross_entropy's gradients were produced in its forward (the rows plan) and "
+                "were already used by a first backward; backpropagate through it once, or set HUGEHEAD_ROWS=0 "
+                "(the logits are then kept or recomputed) to call backward with retain_graph=True twice")
+        grad_x, grad_w, grad_b = ctx.grads
+        ctx.grads = None
+    else:
+        grad_x, grad_w, grad_b = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 13
+    needs = ctx.needs_input_grad
+    want = (needs[0], needs[1], ctx.has_bias and needs[2])
+    # In place when held (eager): the forward's gradient tensors become the gradients, no copy; a 0-d
+    # grad_loss keeps each gradient's dtype.
+    grads = [None if not wanted else (g.mul_(grad_loss) if ctx.hold else g * grad_loss)
+             for g, wanted in zip((grad_x, grad_w, grad_b), want)]
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the gradients were made in the forward, without a graph; tie them to a node
+        # whose backward raises, so differentiating them is a clear error, never a silent zero.
+        anchor = torch.zeros((), device=grad_loss.device, requires_grad=True)
+        grads = no_second_order("linear_cross_entropy", [anchor], grads)
+    return (*grads, *(None,) * 10)
+
+
+_lce_rows.register_autograd(_lce_rows_backward, setup_context=_lce_rows_setup_context)
+
+
 def linear_cross_entropy(
     x: Tensor,
     weight: Tensor,
@@ -306,7 +423,8 @@ def linear_cross_entropy(
             memory_budget=memory_budget, return_lse=return_lse)
         loss, lse = out if return_lse else (out, None)
     else:
-        loss, lse = _linear_cross_entropy(x, weight, target, bias, compute, options, chunk_size, memory_budget)
+        loss, lse = _linear_cross_entropy(x, weight, target, bias, compute, options, chunk_size, memory_budget,
+                                          return_lse)
     if flattened and options.reduction == "none":
         loss = loss.view(shape)
     if not return_lse:
@@ -316,24 +434,57 @@ def linear_cross_entropy(
 
 def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
                           compute: Optional[torch.dtype], options: LossOptions, chunk_size: Optional[int],
-                          memory_budget: Optional[int]) -> Tuple[Tensor, Tensor]:
-    """The single-device loss of checked inputs ``x [N, D]``, ``target [N]``: ``(loss, lse [N])``."""
+                          memory_budget: Optional[int], return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """The single-device loss of checked inputs ``x [N, D]``, ``target [N]``: ``(loss, lse [N])`` (lse None
+    when the rows plan ran, which only happens without ``return_lse``)."""
     if compute is not None and x.dtype != compute:
         x = x.to(compute)  # differentiable: x.grad comes back in x's own dtype
     target = target.long().contiguous()
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
-    keep = wants_grad and not torch.compiler.is_compiling()
+    compiling = torch.compiler.is_compiling()
+    keep = wants_grad and not compiling
     # The one plan of this step: the forward follows it, and it travels to the backward with the op's inputs.
-    plan = plan_chunks(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
-                       weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True)
+    plan = plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
+                     weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
+                     allow_rows=wants_grad and not return_lse and options.reduction != "none")
+    if plan.grad_in_forward:
+        return _rows_op(x, weight, bias, target, options, plan), None
     loss_rows, lse, _ = torch.ops.hugehead.linear_cross_entropy_forward(
         x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
         options.kernel_softcap, int(chunk_size or 0), int(memory_budget or 0), plan.keep_logits,
         _plan_list(plan),
     )
     return reduce_loss(loss_rows, target != options.ignore_index, options.reduction), lse
+
+
+def _rows_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, options: LossOptions,
+             plan: Plan) -> Tensor:
+    """The scalar loss of ``plan`` (a rows plan) through ``hugehead::linear_cross_entropy_rows``."""
+    need_weight = weight.requires_grad or (bias is not None and bias.requires_grad)
+    loss, _, _, _ = torch.ops.hugehead.linear_cross_entropy_rows(
+        x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
+        options.kernel_softcap, options.reduction == "mean", x.requires_grad, need_weight,
+        not torch.compiler.is_compiling(), [plan.rows, plan.cols, plan.budget],
+    )
+    return loss
+
+
+def rows_loss(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], options: LossOptions,
+              chunk_size: Optional[int] = None, memory_budget=None) -> Optional[Tensor]:
+    """The scalar loss of checked inputs (``x [N, D]`` in the compute dtype, ``target [N]`` int64, all on
+    one device; the weight in x's dtype, or float32 under autocast) through the rows plan when :func:`hugehead.plan.plan_loss` picks it for them — a
+    ``"mean"``/``"sum"`` loss with gradients wanted — else None (the caller runs its own chunk loop).
+    ``ChunkedClassifier`` asks this for a head of one local shard."""
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if not wants_grad or options.reduction == "none":
+        return None
+    plan = plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
+                     weight_dtype=weight.dtype, allow_keep=not torch.compiler.is_compiling(), direct_dx=True,
+                     allow_rows=True)
+    return _rows_op(x, weight, bias, target, options, plan) if plan.grad_in_forward else None
 
 
 # Under torch.compile the sparse/weighted loss runs eagerly, as one graph break: its target preparation

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ._extension import require_kernels
 from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
 from .engines.local import LocalEngine
+from .functional import rows_loss
 from .init import hashed_uniform_
 from .multilabel import prepare_target
 from .ops import acc_dtype
@@ -484,6 +485,11 @@ class ChunkedClassifier(nn.Module):
         return LossOptions(reduction=self.reduction, ignore_index=self.ignore_index,
                            label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap)
 
+    def _one_local_shard_on(self, device: torch.device) -> bool:
+        """One shard, resident on ``device``, under the local engine (not offloaded, not across ranks)."""
+        return (type(self.engine) is LocalEngine and len(self.shards) == 1
+                and self.shards[0].weight.device == device)
+
     def _spec(self) -> LossSpec:
         return LossSpec(self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes,
                         self.loss_options())
@@ -530,6 +536,13 @@ class ChunkedClassifier(nn.Module):
         spec = self._spec()
         options = spec.options
         target = check_targets(target, self.num_classes, options.ignore_index)  # the step's one host synchronization
+        if not return_lse and self._one_local_shard_on(x.device):
+            # A scalar loss of one shard beside x: the functional's rows plan when the planner picks it.
+            shard = self.shards[0]
+            loss = rows_loss(x, shard.weight, target, shard.bias if self.has_bias else None, options,
+                             self.engine.chunk_size, self.engine.memory_budget)
+            if loss is not None:
+                return loss
         loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
         loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
         if options.reduction == "none":

@@ -32,6 +32,12 @@ __all__ = [
     "resolve_budget",
     "device_budgets",
     "plan_chunks",
+    "plan_rows",
+    "plan_loss",
+    "rows_enabled",
+    "ROWS_BLOCKS",
+    "ROWS_MIN_BLOCK_ROWS",
+    "ROWS_MIN_SPLIT_ROWS",
     "plan_topk_chunks",
     "plan_streamed",
     "kept_plan",
@@ -161,6 +167,10 @@ class Plan:
     ``overlap`` (CUDA): two workspaces, and each chunk's memory-bound kernel (statistics, gradient) runs
     on a side stream while the main stream's GEMMs go on with the next chunk.
 
+    ``grad_in_forward`` (the ``"rows"`` plan of :func:`plan_rows`): a scalar loss whose forward computes
+    every gradient, ``rows`` rows at a time over all classes (``cols`` classes a chunk), and whose backward
+    only scales them; ``reason`` says why the planner chose it (and how ``dW`` accumulates).
+
     ``budget``/``budget_reason``: the bytes the planner worked within and why (not part of equality).
     """
 
@@ -169,8 +179,19 @@ class Plan:
     keep_logits: bool = False
     kept_chunks: int = 0
     overlap: bool = False
+    grad_in_forward: bool = False
     budget: int = field(default=0, compare=False)
     budget_reason: str = field(default="", compare=False)
+    reason: str = field(default="", compare=False)
+
+    @property
+    def kind(self) -> str:
+        """``"rows"`` (gradients in the forward over row blocks, 3 GEMMs), ``"kept"`` (all or the leading
+        chunks' logits kept for the backward: 3 GEMMs for the kept classes) or ``"recompute"`` (the
+        backward recomputes every chunk's logits: 4 GEMMs)."""
+        if self.grad_in_forward:
+            return "rows"
+        return "kept" if self.keep_logits else "recompute"
 
     def as_list(self) -> List[int]:
         """``[rows, cols, kept_chunks, overlap]``: the plan as a custom op's ``int[]`` argument."""
@@ -277,6 +298,111 @@ def plan_chunks(
         if kept_chunks >= 1:
             return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks), overlap=overlap, **chosen)
     return Plan(rows=min(rows, n), cols=max(cols, 1), overlap=overlap, **chosen)
+
+
+# --------------------------------------------------------------------------------------------------
+# The "rows" plan: a scalar loss's gradients in the forward, over row blocks
+# --------------------------------------------------------------------------------------------------
+# Row blocks the rows plan prefers (when each keeps at least ROWS_MIN_BLOCK_ROWS rows): a sixth of the kept
+# logits' memory at the same three GEMMs. It is also the most a 16-bit weight gradient is accumulated
+# over: dW += G_bᵀ X_b in the weight's dtype rounds once per block, and the error grows about like
+# sqrt((b + 1) / 2) times a single rounding. Measured on the CPU (bf16, N 4096, D 128, V 2048, dW error
+# over plain PyTorch's, both against float64, three seeds; tests/test_rows.py): with small logits (where
+# rounding, not the logits, dominates) 1.51x / 1.65x / 1.80x / 2.01x at 4 / 5 / 6 / 8 blocks; with logits of
+# std 3.4, 1.07x at 4 and 1.19x at 8. Six blocks keep DESIGN.md's 2x rule at any logit scale.
+ROWS_BLOCKS = 6
+# Rows a block keeps at least when the planner splits by choice (not for the budget): the dW GEMM of a
+# block reads and writes all of dW once (V x D), about 4% of a K = 2752 GEMM's time on an H200 in bf16.
+ROWS_MIN_BLOCK_ROWS = 2048
+# Rows a block keeps at least when the budget forces the split: every block reads and writes all of dW
+# (2 V D itemsize bytes) beside its 6 r V D FLOPs, so on an H200 (~175 FLOP a byte) the traffic costs about
+# 58 itemsize / r of the GEMMs' time: 11% for bf16 at 1024 rows, while recomputing the logits costs 33%.
+# Below the floor the chunk loop (which recomputes) is the cheaper plan. The CPU's balance is lower.
+ROWS_MIN_SPLIT_ROWS = {"cuda": 1024, "cpu": 32}
+
+
+def rows_enabled() -> bool:
+    # HUGEHEAD_ROWS=0 turns the rows plan off (A/B measurements; a loss backpropagated twice).
+    return os.environ.get("HUGEHEAD_ROWS", "1") != "0"
+
+
+def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, memory_budget=None, *,
+              weight_dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
+    """The ``"rows"`` plan of a scalar loss (``"mean"``/``"sum"`` with gradients), or None where it does
+    not apply: the forward computes, for each block of ``rows`` rows, the block's ``rows × V`` logits (one
+    GEMM into a reused workspace), its full-row statistics, the row losses and the logits' gradient in
+    place, then ``dX`` rows ``= G W`` and ``dW += Gᵀ X_b`` (and ``db``); the backward only scales the held
+    gradients. Three GEMMs like kept logits, but the workspace is one block's logits.
+
+    Blocks: the fewest whose logits fit the budget beside ``dX`` (``N × D`` in ``dtype``, written in the
+    forward), and no fewer than the most (up to :data:`ROWS_BLOCKS`) that keep :data:`ROWS_MIN_BLOCK_ROWS`
+    rows each: less memory at the same cost.
+    ``dW`` accumulates in the weight's dtype: a float32/float64 weight any number of blocks; a 16-bit one
+    at most :data:`ROWS_BLOCKS` (its rounding per block; the plan is None beyond). Blocks of fewer than
+    :data:`ROWS_MIN_SPLIT_ROWS` rows are not planned (None: rereading dW per block would cost more than the
+    recompute it saves). A weight stored in another dtype than ``dtype`` (float32 under autocast) is cast
+    a chunk of the streaming width at a time, twice a block, never whole; each block's dW partial is rounded
+    to ``dtype`` once (as autocast's ``F.linear`` rounds its dW) and summed in the weight's dtype.
+    """
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    budget = _as_budget(memory_budget, device)
+    itemsize = _itemsize(dtype)
+    n, v = max(n, 1), max(v, 1)
+    cols, extra, per_row = v, 0, v * itemsize
+    if weight_dtype != dtype:
+        # Autocast: the weight is cast a chunk at a time, twice a block (logits, then dX), never whole: a
+        # cast chunk, the next one and a dW partial in the compute dtype live, and dX of a block sums its
+        # chunks in the accumulation dtype (plus one partial in the compute dtype).
+        cols = min(v, _MAX_COLS.get(device.type, _MAX_COLS["cpu"]))
+        extra = 3 * cols * d * itemsize
+        per_row += d * (4 + itemsize)
+    fit = (budget.bytes - n * d * itemsize - extra) // per_row  # rows whose logits fit beside dX
+    if fit < 1:
+        return None
+    wide = _itemsize(weight_dtype) >= 4
+    blocks = max(-(-n // fit), min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS), 1)
+    if not wide and blocks > ROWS_BLOCKS:
+        return None
+    rows = -(-n // blocks)
+    if rows < n and -(-rows // 64) * 64 <= fit:
+        rows = min(n, -(-rows // 64) * 64)  # whole 64-row tiles for the GEMMs
+    blocks = -(-n // rows)
+    if blocks > 1 and rows < ROWS_MIN_SPLIT_ROWS.get(device.type, ROWS_MIN_SPLIT_ROWS["cuda"]):
+        return None
+    accumulate = (f"dW accumulated in {weight_dtype} (exact enough at any block count)" if wide else
+                  f"dW accumulated in {weight_dtype} over at most {ROWS_BLOCKS} blocks (one rounding each)")
+    why = "the fewest blocks whose logits fit the budget" if blocks > min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS) \
+        else f"up to {ROWS_BLOCKS} blocks of at least {ROWS_MIN_BLOCK_ROWS} rows: less memory than kept logits"
+    chunks = "" if cols >= v else f", {cols} classes a chunk (the weight cast chunk by chunk)"
+    return Plan(rows=rows, cols=cols, grad_in_forward=True, budget=budget.bytes, budget_reason=budget.reason,
+                reason=f"rows: {blocks} block(s) of {rows} rows x {v} classes{chunks} ({why}); {accumulate}")
+
+
+def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
+              memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
+              allow_rows: bool = False, direct_dx: bool = False) -> Plan:
+    """The plan of one loss call: the cheapest that fits the budget.
+
+    Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
+    passes, recomputing the logits four. ``allow_rows`` (the caller's loss is a scalar with gradients, one
+    local weight, class-id targets, no returned lse; ``HUGEHEAD_ROWS=0`` turns it off) makes
+    :func:`plan_rows` a candidate: it is chosen when it needs fewer bytes than keeping all logits (two or
+    more row blocks) or when all logits do not fit. Otherwise :func:`plan_chunks` decides (kept logits
+    when they fit, some kept, or all recomputed). A pinned ``chunk_size`` asks for the chunk loop: no rows.
+    """
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    budget = _as_budget(memory_budget, device)
+    plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
+                       allow_keep=allow_keep, direct_dx=direct_dx)
+    if not (allow_rows and chunk_size is None and rows_enabled()):
+        return plan
+    rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)
+    if rows is None:
+        return plan
+    kept_all = plan.keep_logits and plan.kept_chunks * plan.cols >= v
+    if kept_all and rows.rows >= max(n, 1):
+        return plan
+    return rows
 
 
 def plan_topk_chunks(

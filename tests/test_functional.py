@@ -592,6 +592,7 @@ def test_partly_kept_logits_match_float64(device, bias, monkeypatch):
     from hugehead.loop import _MAX_COLS
 
     monkeypatch.setenv("HUGEHEAD_OVERLAP", "0")  # one workspace (the overlap's second has its own test)
+    monkeypatch.setenv("HUGEHEAD_ROWS", "0")  # the chunk loop's kept chunks (tests/test_rows.py: the rows plan)
     cols = _MAX_COLS[device.type]
     n, d, v = 6, 5, 3 * cols - 100
     itemsize = 8

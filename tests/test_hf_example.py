@@ -48,7 +48,9 @@ def test_bench_transformers_cpu_smoke(tmp_path):
     from bench import bench_transformers
 
     out = tmp_path / "transformers.json"
-    assert bench_transformers.main(["--cpu-smoke", "--out", str(out), "--reps", "1", "--warmup", "0"]) == 0
+    # 0.00014 GiB: the tiny Llama's 64 rows go through the rows plan in 2 blocks (gradients in the forward).
+    assert bench_transformers.main(["--cpu-smoke", "--out", str(out), "--reps", "1", "--warmup", "0",
+                                    "--budgets", "0.00014"]) == 0
     doc = json.loads(out.read_text())
     assert doc["meta"]["smoke"] and doc["meta"]["transformers"] == __import__("transformers").__version__
     for section in ("llama", "bert_6m"):
@@ -56,5 +58,11 @@ def test_bench_transformers_cpu_smoke(tmp_path):
         assert rows["hugehead"]["status"] == rows["unpatched"]["status"] == "ok"
         assert rows["hugehead"]["loss"] == pytest.approx(rows["unpatched"]["loss"], rel=1e-5 if section == "llama" else 5e-3)
         assert rows["hugehead"]["step_ms"] > 0
-    assert {r["impl"] for r in doc["llama"]} == {"unpatched", "hugehead", "hugehead_1gib", "hugehead_2gib", "hugehead_3gib", "liger"}
+    llama = {r["impl"]: r for r in doc["llama"]}
+    assert set(llama) == {"unpatched", "hugehead", "hugehead_kept", "hugehead_0.00014gib", "hugehead_recompute_1.5gib",
+                          "liger"}
+    # Each hugehead row records its plan's kind; the tiny budget's is the rows plan, and its loss is the same.
+    assert llama["hugehead_0.00014gib"]["plan"]["kind"] == "rows" and llama["hugehead_0.00014gib"]["plan"]["blocks"] > 1
+    assert llama["hugehead_kept"]["plan"]["kind"] == "kept"
+    assert llama["hugehead_0.00014gib"]["loss"] == pytest.approx(llama["unpatched"]["loss"], rel=1e-5)
     assert "LlamaForCausalLM" in (tmp_path / "transformers.md").read_text()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from conftest import NUM_GPUS, requires_cuda, requires_multigpu  # noqa: E402
+from hugehead import plan as hh_plan  # noqa: E402
 from hugehead.integrations import transformers as hh_tf  # noqa: E402
 from hugehead.integrations.transformers import ClassifierHead, head_inputs, patch  # noqa: E402
 
@@ -97,6 +98,31 @@ def test_causal_lm_loss_and_every_gradient_float64(name, num_items):
     _assert_grads_equal(model, ref, rtol=1e-10)
 
 
+@pytest.mark.parametrize("num_items", [None, 17])
+@pytest.mark.parametrize("name", CAUSAL)
+def test_causal_lm_rows_plan_loss_and_every_gradient_float64(name, num_items, monkeypatch):
+    """patch(model, memory_budget=...) small enough that the loss takes the rows plan (every gradient made in
+    the forward, over row blocks; the backward scales them by 1 / num_items_in_batch when that is given)."""
+    model = _causal_lm(name)
+    ref = copy.deepcopy(model)
+    ids, labels = _tokens()
+    rows_per_block = 8  # 27 rows (3 x 9 tokens): 4 blocks
+    monkeypatch.setattr(hh_plan, "ROWS_MIN_SPLIT_ROWS", {"cpu": 1, "cuda": 1})
+    patch(model, memory_budget=rows_per_block * V * 8 + ids.numel() * D * 8)
+    calls = []
+    rows_op = torch.ops.hugehead.linear_cross_entropy_rows
+    monkeypatch.setattr(torch.ops.hugehead, "linear_cross_entropy_rows",
+                        lambda *args: calls.append(args[-1]) or rows_op(*args))
+    n = None if num_items is None else torch.tensor(num_items)
+    out = model(input_ids=ids, labels=labels, num_items_in_batch=n)
+    assert calls and -(-ids.numel() // calls[0][0]) == 4, calls  # the plan's [rows, cols, budget]: 4 blocks
+    expected = _hf_loss_float64(ref(input_ids=ids).logits, labels, n)
+    torch.testing.assert_close(out.loss, expected, rtol=1e-12, atol=0)
+    out.loss.backward()
+    expected.backward()
+    _assert_grads_equal(model, ref, rtol=1e-10)
+
+
 @pytest.mark.parametrize("name", CAUSAL)
 def test_causal_lm_float32_equals_the_unpatched_models_own_loss(name):
     model = _causal_lm(name, torch.float32)
@@ -176,7 +202,7 @@ def test_shift_labels_and_logits_to_keep():
         model(input_ids=ids, labels=labels, logits_to_keep=4)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2"])
+@pytest.mark.parametrize("name", CAUSAL)
 def test_without_labels_and_generate_unchanged(name):
     model = _causal_lm(name, torch.float32)
     ref = copy.deepcopy(model)
