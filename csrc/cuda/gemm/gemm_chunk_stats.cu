@@ -16,6 +16,7 @@
 #include "hugehead/common.h"
 #include "hugehead/cuda_utils.cuh"
 #include "hugehead/gemm.h"
+#include "operand_checks.h"
 
 namespace hugehead {
 namespace {
@@ -50,40 +51,11 @@ gemm::Schedule schedule_from_env() {
                                                                : gemm::Schedule::kPingpong;
 }
 
-void check_k_major(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2, "hugehead: ", name, " must have 2 dims, got shape ", t.sizes());
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "hugehead: ", name, " must have unit column stride, got strides ",
-              t.strides());
-  TORCH_CHECK(t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-              "hugehead: ", name, " must be 16-byte aligned with a row stride that is a multiple of 8 elements "
-              "(TMA), got stride ", t.stride(0));
-}
-
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
                            const at::Tensor& logit_sum) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "hugehead: gemm_chunk_stats_ takes bfloat16 or float16 x, got ", x.scalar_type());
-  HUGEHEAD_CHECK_DTYPE(weight, x.scalar_type());
-  HUGEHEAD_CHECK_DEVICE(weight, x);
-  check_k_major(x, "x");
-  check_k_major(weight, "weight");
-  TORCH_CHECK(weight.size(1) == x.size(1), "hugehead: weight has ", weight.size(1), " features but x has ",
-              x.size(1));
-  TORCH_CHECK(x.size(1) > 0 && x.size(1) % 8 == 0,
-              "hugehead: gemm_chunk_stats_ needs a positive feature count divisible by 8, got ", x.size(1));
-  TORCH_CHECK(x.size(0) < std::numeric_limits<int32_t>::max() && weight.size(0) < std::numeric_limits<int32_t>::max(),
-              "hugehead: too many rows or classes in one chunk for gemm_chunk_stats_");
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == weight.size(0), "hugehead: bias must have shape [", weight.size(0),
-                "], got ", b.sizes());
-    TORCH_CHECK(b.scalar_type() == x.scalar_type(), "hugehead: bias must be ", x.scalar_type(), ", got ",
-                b.scalar_type());
-    TORCH_CHECK(b.device() == x.device(), "hugehead: bias is on ", b.device(), " but x is on ", x.device());
-    TORCH_CHECK(b.is_contiguous(), "hugehead: bias must be contiguous");
-  }
+  check_gemm_operands(x, weight, bias, "gemm_chunk_stats_");
   // x stands in for the logits chunk: its row count, device and the state's accumulation dtype.
   check_chunk_rows(x, target,
                    {{"row_max", &row_max}, {"row_sumexp", &row_sumexp},
