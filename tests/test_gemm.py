@@ -160,8 +160,10 @@ def test_schedules_agree():
         for s in SCHEDULES:
             mp.setenv("HUGEHEAD_GEMM_SCHEDULE", s)
             results[s] = _run(_fused, x, w, b, target, 0, 0.0, state)
+    # The two schedules fold a row's column tiles in another order: float32 rounding apart (H200: 1 of 300
+    # values 2.3e-6 apart, relative).
     for a, r in zip(results["pingpong"], results["cooperative"]):
-        torch.testing.assert_close(a, r, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
 @requires_fused
