@@ -7,11 +7,11 @@
     14336, 32 heads / 8 KV heads, vocab 128,256), bfloat16 parameters, 8 sequences x 2048 tokens, every
     token a label. One training step = ``model(input_ids, labels=labels).loss.backward()`` (gradients set to
     None after each). Models from the same seed: unpatched (transformers' own ``lm_head`` + float32
-    cross-entropy), ``patch(model)`` (the default plan: ``rows``, every gradient computed in the forward over
-    6 blocks of 2752 rows, a sixth of the logits' memory, three GEMMs), ``hugehead_kept`` (the default
-    budget without the rows plan, ``HUGEHEAD_ROWS=0``: the 16384 x 128256 bf16 logits are kept for the
-    backward), ``hugehead_recompute_<X>gib`` (``memory_budget`` X GiB without the rows plan: chunks
-    recomputed, four GEMMs), ``hugehead_<X>gib`` for each ``--budgets`` entry, and Liger-Kernel's
+    cross-entropy), ``patch(model)`` (the default 4 GiB budget: the 16384 x 128256 bf16 logits are kept for
+    the backward, three GEMMs), ``hugehead_<X>gib`` for each ``--budgets`` entry (default 1: the rows plan,
+    every gradient computed in the forward over 6 blocks of 2752 rows, a sixth of the logits' memory, three
+    GEMMs), ``hugehead_recompute_<X>gib`` (``memory_budget`` X GiB without the rows plan,
+    ``HUGEHEAD_ROWS=0``: chunks recomputed, four GEMMs), and Liger-Kernel's
     ``apply_liger_kernel_to_llama`` with only its fused
     linear cross-entropy on (``rope``/``rms_norm``/``swiglu`` off, so that the rows differ in the loss
     alone); a Liger that cannot be imported is recorded as such.
@@ -112,9 +112,9 @@ def _budget_of(kind: str) -> Optional[int]:
 
 
 def _rows_allowed(kind: str) -> bool:
-    # hugehead_kept / hugehead_recompute_<X>gib: the planner without its rows plan (HUGEHEAD_ROWS=0), i.e.
-    # the plans of before it, for the A/B in the same run.
-    return not (kind == "hugehead_kept" or kind.startswith("hugehead_recompute_"))
+    # hugehead_recompute_<X>gib: the planner without its rows plan (HUGEHEAD_ROWS=0), i.e. the plan of
+    # before it at that budget, for the A/B in the same run.
+    return not kind.startswith("hugehead_recompute_")
 
 
 def _llama_plan(s, device, dtype, kind) -> Dict[str, object]:
@@ -161,7 +161,7 @@ def run_llama(s, device, dtype, args) -> List[Dict[str, object]]:
     budgets = [f"hugehead_{b.strip()}gib" for b in args.budgets.split(",") if b.strip()]
     recompute = [f"hugehead_recompute_{b.strip()}gib" for b in args.recompute_budgets.split(",") if b.strip()]
     # Liger last: it patches the class for good.
-    for kind in ("unpatched", "hugehead", "hugehead_kept", *budgets, *recompute, "liger"):
+    for kind in ("unpatched", "hugehead", *budgets, *recompute, "liger"):
         row = _measured(kind, build(kind), device, args)
         if kind.startswith("hugehead"):
             with _rows_env(kind):
@@ -267,7 +267,7 @@ def render_markdown(doc) -> str:
                   _table(doc["llama"], "unpatched"), "",
                   "Liger: `apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)` with its other kernels off, "
                   "so the rows differ only in the loss. hugehead_<X>gib: `patch(model, memory_budget=X GiB)`. "
-                  "hugehead_kept / hugehead_recompute_<X>gib: the same without the rows plan (`HUGEHEAD_ROWS=0`). "
+                  "hugehead_recompute_<X>gib: the same without the rows plan (`HUGEHEAD_ROWS=0`). "
                   "hugehead plan: the plan's kind (`rows`: gradients in the forward over blocks x rows; `kept`: all "
                   "logits kept for the backward; `recompute`: chunks recomputed in the backward). "
                   "Peak beyond model: over the bf16 parameters (their gradients, "
@@ -291,7 +291,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--parts", default="llama,bert", help="comma list of llama, bert")
-    p.add_argument("--budgets", default="", help="comma list of GiB: a patched-Llama row at each memory_budget")
+    p.add_argument("--budgets", default="1", help="comma list of GiB: a patched-Llama row at each memory_budget "
+                   "(1: the rows plan, issue 23's Liger-comparable setting)")
     p.add_argument("--recompute-budgets", default="1.5",
                    help="comma list of GiB: a patched-Llama row at each memory_budget without the rows plan "
                         "(HUGEHEAD_ROWS=0: chunks recomputed, the low-memory setting before it)")
