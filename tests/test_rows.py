@@ -485,24 +485,28 @@ def test_bf16_autocast_within_2x_of_plain_autocast(api, reduction, monkeypatch):
 
 @requires_cuda
 def test_cuda_rows_plan_peak_memory_is_a_block_not_the_logits(monkeypatch):
-    """16384 x 32768 bf16 logits (1 GiB) fit the default budget; the rows plan's 6 blocks need a sixth of
-    that beside the same gradients, and give the same loss and gradients as keeping all logits."""
+    """16384 x 32768 bf16 logits (1 GiB) fit the default budget and are kept; at a quarter of that budget the
+    rows plan's 6 blocks need a sixth of it beside the same gradients, and give the same loss and gradients
+    as keeping all logits."""
     n, d, v = 16384, 1024, 32768
     x, w, _, target = _inputs(n, d, v, torch.bfloat16, "cuda", False, ignore=True, scale=4.0)
+    logits = n * v * 2
+    budgets = {"1": logits // 4, "0": None}
+    plans = {k: plan_loss(n, d, v, torch.bfloat16, torch.device("cuda"), None, b, allow_rows=True, direct_dx=True)
+             for k, b in budgets.items()}
+    assert plans["1"].kind == "rows" and plans["0"].kind == "kept", plans
     peaks, results = {}, {}
     for rows in ("1", "0"):
-        monkeypatch.setenv("HUGEHEAD_ROWS", rows)
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss = hugehead.linear_cross_entropy(xg, wg, target)
+        loss = hugehead.linear_cross_entropy(xg, wg, target, memory_budget=budgets[rows])
         loss.backward()
         torch.cuda.synchronize()
         peaks[rows] = torch.cuda.max_memory_allocated() - base
         results[rows] = (loss.detach(), xg.grad, wg.grad)
         del xg, wg, loss
-    logits = n * v * 2
     assert peaks["1"] <= peaks["0"] - logits // 2, peaks
     torch.testing.assert_close(results["1"][0], results["0"][0], rtol=1e-5, atol=0)
     for a, k in zip(results["1"][1:], results["0"][1:]):
