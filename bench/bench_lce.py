@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Tuple
 from bench import harness  # first: decides which hugehead is imported
 from bench.child import run_child, tail
 from bench.common import ALL_SHAPES, CPU_SHAPES, REPO_ROOT, SHAPES, SMOKE_SHAPES, Shape, find_shape
-from bench.lce_case import case_json as lce_case_json, group_json as lce_group_json
+from bench.lce_case import budget_from_row as lce_budget_from_row, case_json as lce_case_json
+from bench.lce_case import group_json as lce_group_json
 from bench.peers import CPU_PEERS, DEFAULT_PEERS, IMPLS
 
 import torch  # noqa: E402
@@ -160,6 +161,7 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
             if row.get("status") not in ("ok", "skipped"):
                 row["log_tail"] = tail(log)
             row["log"] = log.name
+            harness.write_json(paths[impl], row)  # as recorded: what a case at this one's memory reads
             rows.append(row)
         if len(rerun) == len(pending):  # no progress: stop rather than loop
             for impl in rerun:
@@ -181,6 +183,7 @@ def _fmt_case(row: dict) -> str:
             f"peak+ {num('fwd_bwd_peak_extra_gib', '6.2f')} GiB  loss rel {num('loss_rel_err', '.1e')}  "
             f"dW rel {num('grad_w_rel_err', '.1e')}  ({row.get('wall_s', 0):.0f} s"
             + (f", compile {compile_s / 1e3:.1f} s" if compile_s is not None else "") + ")"
+            + (f"  memory_budget {row['memory_budget'] / 2**30:.2f} GiB" if row.get("memory_budget") else "")
             + (f"  plan {row['plan']}" if row.get("plan") else "")
             + (f"\n        {row['error']}" if row.get("error") else ""))
 
@@ -191,6 +194,20 @@ def _parse_list(text: Optional[str], known: Dict[str, object], default: List[str
     if unknown:
         raise SystemExit(f"unknown {what}: {', '.join(unknown)}; known: {', '.join(known)}")
     return names
+
+
+def _budget_order(impls: List[str]) -> List[str]:
+    """``impls`` with each implementation that runs at another's measured memory (``Impl.budget_from``)
+    moved right after that one (when both run), so that its measurement exists when it starts."""
+    out = [i for i in impls if IMPLS[i].budget_from not in impls]
+    for i in impls:
+        source = IMPLS[i].budget_from
+        if source in impls:
+            k = out.index(source) + 1
+            while k < len(out) and IMPLS[out[k]].budget_from == source:
+                k += 1
+            out.insert(k, i)
+    return out
 
 
 def _parse_skips(text: Optional[str]) -> List[Tuple[str, str]]:
@@ -239,7 +256,7 @@ def run_all(opts) -> int:
     mode_shapes = SMOKE_SHAPES if opts.cpu_smoke else CPU_SHAPES if opts.device == "cpu" else SHAPES
     shapes = [ALL_SHAPES[s] for s in _parse_list(opts.shapes, ALL_SHAPES, list(mode_shapes), "shapes")]
     default_peers = CPU_PEERS if (opts.device == "cpu" and not opts.cpu_smoke) else DEFAULT_PEERS
-    impls = _parse_list(opts.peers, IMPLS, default_peers, "implementations")
+    impls = _budget_order(_parse_list(opts.peers, IMPLS, default_peers, "implementations"))
     skips = _parse_skips(opts.skip)
     if opts.cpu_smoke and not opts.ref_chunk:
         opts.ref_chunk = 700  # several reference chunks, the last one partial, on the tiny shapes
@@ -349,9 +366,32 @@ def run_all(opts) -> int:
             doc["rows"].append(row)
             done += 1
             print(f"[{done:2d}/{len(shapes) * len(impls)}] {shape.name:<9} {impl:<14} {_fmt_case(row)}", flush=True)
-        # the implementations that cannot break a process share one (inputs, reference); the others run alone
-        shared = [i for i in runnable if not IMPLS[i].isolate]
-        groups = ([shared] if shared and opts.share else [[i] for i in shared]) + [[i] for i in runnable if IMPLS[i].isolate]
+        for impl in [i for i in runnable if IMPLS[i].budget_from]:
+            # Its budget is the source's measured peak, read from the source's case JSON. A source that does
+            # not run here (reused from the earlier part, skipped, not among the peers) has its row put there
+            # now; without a measurement to match, the case is skipped without a process.
+            source = IMPLS[impl].budget_from
+            if source in runnable:
+                continue
+            source_row = next((r for r in doc["rows"] if r["shape"] == shape.name and r["impl"] == source), None)
+            path = lce_case_json(work, shape.name, source)
+            if source_row is None:
+                path.unlink(missing_ok=True)  # never an older run's row from a reused --work folder
+            else:
+                harness.write_json(path, source_row)
+            budget, why = lce_budget_from_row(source, source_row)
+            if budget is None:
+                runnable.remove(impl)
+                row = _skeleton(shape, impl, opts, "skipped", why)
+                doc["rows"].append(row)
+                done += 1
+                print(f"[{done:2d}/{len(shapes) * len(impls)}] {shape.name:<9} {impl:<14} {_fmt_case(row)}", flush=True)
+        # the implementations that cannot break a process share one (inputs, reference); the others run alone,
+        # and so does one that runs at an isolated implementation's memory (after it)
+        alone = [i for i in runnable if IMPLS[i].isolate or (IMPLS[i].budget_from in runnable
+                                                            and IMPLS[IMPLS[i].budget_from].isolate)]
+        shared = [i for i in runnable if i not in alone]
+        groups = ([shared] if shared and opts.share else [[i] for i in shared]) + [[i] for i in alone]
         for group in groups:
             remaining = None if deadline is None else deadline - time.perf_counter()
             if remaining is not None and remaining < opts.min_case_s:
@@ -379,8 +419,10 @@ def run_all(opts) -> int:
         print(f"  (no plot: {doc['meta']['png_error']})")
     print()
     print(report.render_markdown(doc), flush=True)
-    hugehead_rows = [r for r in doc["rows"] if r["impl"] == "hugehead"]
-    hugehead_ok = all(r.get("status") == "ok" for r in hugehead_rows)
+    hugehead_rows = [r for r in doc["rows"] if r["impl"].startswith("hugehead")]
+    # hugehead at another implementation's memory is skipped where that one has no measured peak
+    hugehead_ok = all(r.get("status") == "ok" or (IMPLS[r["impl"]].budget_from and r.get("status") == "skipped")
+                      for r in hugehead_rows if r["impl"] in IMPLS)
     limit = report.suspect_limit(opts.dtype)
     accurate = not any(report.suspect(harness.as_float(r.get(k)), opts.dtype) for r in hugehead_rows
                        for k in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err"))

@@ -8,16 +8,22 @@ Several implementations share a process only when none is expected to break it (
 they then share the process start, the inputs and the reference, which dominate short cases. Between
 implementations the allocator cache is emptied, so each one's peak memory is measured from the same
 baseline as in a process of its own.
+
+An implementation with ``Impl.budget_from`` (``hugehead_eqmem``: hugehead at torch.compile's memory) takes
+its ``memory_budget`` from that implementation's row at the same shape, read from its case JSON when its
+turn comes: written by this process (the parent orders the source first) or, when the source ran in an
+earlier process or an earlier part of a resumed run, put there by the parent.
 """
 from __future__ import annotations
 
 import gc
+import json
 import time
 import traceback
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from bench import common  # first: decides which hugehead is imported
 from bench.common import (
@@ -45,6 +51,36 @@ def case_json(json_dir: Path, shape_name: str, impl: str) -> Path:
 def group_json(json_dir: Path, shape_name: str) -> Path:
     """Which implementation (or "reference") the group process is in: where to look if it dies."""
     return Path(json_dir) / f"{shape_name}__group.json"
+
+
+def read_row(path: Path) -> Optional[dict]:
+    """A case's row as its JSON holds it, or None when there is none (or it is unreadable)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def budget_from_row(source_impl: str, source: Optional[dict]) -> Tuple[Optional[int], str]:
+    """The ``memory_budget`` of an implementation that runs at ``source_impl``'s memory (``Impl.budget_from``):
+    ``(bytes, why)`` from ``source``, that implementation's row at the same shape — its measured
+    forward+backward peak extra memory — or ``(None, the skip reason)`` when the row has no such
+    measurement (no row, unfinished, failed, or not measured on this device): no number is made up."""
+    if source is None:
+        return None, f"skipped: {source_impl} has no row at this shape (not among the --peers, or not run)"
+    if not source.get("done"):
+        return None, f"skipped: {source_impl}'s case at this shape did not finish (stage {source.get('stage')})"
+    status = source.get("fwd_bwd_status") or source.get("status")
+    if status != "ok":
+        why = str(source.get("fwd_bwd_error") or source.get("error") or "")[:200]
+        return None, (f"skipped: {source_impl} {str(status).upper()} at this shape, no peak memory to match"
+                      + (f" ({why})" if why else ""))
+    peak = source.get("fwd_bwd_peak_extra_bytes")
+    if not isinstance(peak, (int, float)) or isinstance(peak, bool):
+        return None, f"skipped: {source_impl}'s peak memory was not measured here (measured on CUDA only)"
+    if peak < 1:
+        return None, f"skipped: {source_impl}'s measured peak extra memory is {peak} bytes (below 1)"
+    return int(peak), f"{source_impl}'s fwd+bwd peak extra memory at this shape: {peak / 2**30:.2f} GiB"
 
 
 def _measure(step: Callable[[], object], device: torch.device, reps: int, warmup: int, budget_s: float,
@@ -148,7 +184,8 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
     row, device, impl = case.row, case.device, case.impl
     if impl.plan is not None:
         try:  # what the implementation's planner picks for this shape, with the inputs allocated
-            row["plan"] = impl.plan(shape.n, shape.d, shape.v, dtype, device)
+            given = {"memory_budget": row["memory_budget"]} if impl.budget_from else {}
+            row["plan"] = impl.plan(shape.n, shape.d, shape.v, dtype, device, **given)
         except Exception as exc:  # noqa: BLE001  (a planner API change must not lose the measurement)
             row["plan_error"] = error_text(exc)
     if impl.name.startswith("hugehead"):  # which logits GEMM its forward ran (HUGEHEAD_GEMM, issue 21)
@@ -340,6 +377,24 @@ def run_cases(impl_names: List[str], shape: Shape, device: torch.device, dtype: 
         current[0] = case.impl.name
         running(case.impl.name)
         case.start()
+        if case.impl.budget_from:  # its budget: the measured peak of a case run before it (this process or earlier)
+            source_impl = case.impl.budget_from
+            source = read_row(case_json(json_dir, shape.name, source_impl))
+            budget, why = budget_from_row(source_impl, source)
+            if budget is None:
+                case.row["error"] = why
+                finished.append(case.finish("skipped"))
+                continue
+            case.row.update(memory_budget=budget, memory_budget_gib=budget / 2**30, memory_budget_reason=why,
+                            memory_budget_from={k: source.get(k) for k in (
+                                "impl", "fwd_bwd_peak_extra_bytes", "fwd_bwd_ms", "process_group", "log")})
+            try:
+                loss_fns[case.impl.name], _ = case.impl.load(memory_budget=budget)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                case.row["error"] = error_text(exc)
+                finished.append(case.finish("import-error"))
+                continue
         case.row["input_bytes"] = tensor_bytes(x, weight, target)
         case.row["grad_bytes"] = tensor_bytes(x, weight)
         case.row["ref_shared_by"] = len(cases)

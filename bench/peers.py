@@ -1,6 +1,7 @@
-"""The implementations the linear cross-entropy benchmark measures: hugehead and its peers (plain PyTorch,
-torch.compile, a pure-PyTorch vocabulary-chunked function, PyTorch's own F.linear_cross_entropy, Cut
-Cross-Entropy, Liger-Kernel) and the harness self-tests. Each loads lazily: a peer that does not import
+"""The implementations the linear cross-entropy benchmark measures: hugehead (with the default budget, and
+at torch.compile's measured memory) and its peers (plain PyTorch, torch.compile, a pure-PyTorch
+vocabulary-chunked function, PyTorch's own F.linear_cross_entropy, Cut Cross-Entropy, Liger-Kernel) and the
+harness self-tests. Each loads lazily: a peer that does not import
 or does not exist in the installed torch is a result, not a crash.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-PlanFn = Callable[[int, int, int, torch.dtype, torch.device], dict]
+PlanFn = Callable[..., dict]  # (n, d, v, dtype, device[, memory_budget=]) -> dict
 
 
 class PeerUnavailable(RuntimeError):
@@ -30,12 +31,16 @@ class PeerUnavailable(RuntimeError):
 class Impl:
     name: str
     needs_cuda: bool
-    load: Callable[[], Tuple[LossFn, Optional[str]]]  # -> (loss_fn(x, weight, target), version)
+    load: Callable[..., Tuple[LossFn, Optional[str]]]  # ([memory_budget=]) -> (loss_fn(x, weight, target), version)
     about: str
     exact: bool = True  # computes the exact gradients (False: skips terms, e.g. CCE's gradient filter)
     compiles: bool = False  # its first call compiles: timed separately, excluded from the medians
     plan: Optional[PlanFn] = None  # (n, d, v, dtype, device) -> the chunking it will use, for the record
     isolate: bool = False  # may break its process (illegal memory access, hang): runs in a process of its own
+    # Runs with memory_budget = this implementation's measured fwd+bwd peak extra memory at the same shape
+    # (load and plan then take memory_budget=...); it runs after that one, and is skipped where that
+    # one has no measured peak (lce_case.budget_from_row).
+    budget_from: Optional[str] = None
 
 
 def _plain(obj) -> dict:
@@ -54,35 +59,38 @@ def _plain(obj) -> dict:
 # --------------------------------------------------------------------------------------------------
 # hugehead
 # --------------------------------------------------------------------------------------------------
-def _load_hugehead():
+def _load_hugehead(memory_budget: Optional[int] = None):
     import hugehead
 
-    return (lambda x, w, t: hugehead.linear_cross_entropy(x, w, t)), hugehead.__version__
+    if memory_budget is None:  # the defaults, as a user calls it
+        return (lambda x, w, t: hugehead.linear_cross_entropy(x, w, t)), hugehead.__version__
+    return (lambda x, w, t: hugehead.linear_cross_entropy(x, w, t, memory_budget=memory_budget)), hugehead.__version__
 
 
-def _hugehead_plan(n, d, v, dtype, device) -> dict:
-    """What ``hugehead.linear_cross_entropy`` plans with the defaults (whatever fields ``Plan`` has, and its
-    ``kind``: ``rows``, ``kept`` or ``recompute``) for forward + backward of the mean loss, and, where the
-    planner can be told that nothing will be kept (``allow_keep``), for the forward alone (prefixed
-    ``fwd_``). An older hugehead without ``plan_loss`` is asked through ``plan_chunks``."""
+def _hugehead_plan(n, d, v, dtype, device, memory_budget: Optional[int] = None) -> dict:
+    """What ``hugehead.linear_cross_entropy`` plans with ``memory_budget`` (None: the default) for forward +
+    backward of the mean loss (whatever fields ``Plan`` has, and its ``kind``: ``rows``, ``kept`` or
+    ``recompute``), and, where the planner can be told that nothing will be kept (``allow_keep``), for the
+    forward alone (prefixed ``fwd_``). An older hugehead without ``plan_loss`` is asked through
+    ``plan_chunks``."""
     import inspect
 
     from hugehead import functional
 
     planner = getattr(functional, "plan_loss", None)
     if planner is not None:  # the functional's own planner: kept logits, rows, or recomputed chunks
-        chosen = planner(n, d, v, dtype, device, None, None, allow_rows=True, direct_dx=True)
+        chosen = planner(n, d, v, dtype, device, None, memory_budget, allow_rows=True, direct_dx=True)
     else:
         params = inspect.signature(functional.plan_chunks).parameters
         # linear_cross_entropy plans with direct_dx=True (its dX of a one-chunk plan is one GEMM)
-        chosen = functional.plan_chunks(n, d, v, dtype, device, None, None,
+        chosen = functional.plan_chunks(n, d, v, dtype, device, None, memory_budget,
                                         **({"direct_dx": True} if "direct_dx" in params else {}))
     plan = _plain(chosen)
     if hasattr(chosen, "kind"):
         plan["kind"] = chosen.kind
     params = inspect.signature(functional.plan_chunks).parameters
     if "allow_keep" in params:
-        fwd = _plain(functional.plan_chunks(n, d, v, dtype, device, None, None, allow_keep=False))
+        fwd = _plain(functional.plan_chunks(n, d, v, dtype, device, None, memory_budget, allow_keep=False))
         plan.update({f"fwd_{k}": val for k, val in fwd.items() if k not in ("keep_logits", "reason")})
     return plan
 
@@ -197,6 +205,10 @@ IMPLS: Dict[str, Impl] = {
     i.name: i
     for i in [
         Impl("hugehead", False, _load_hugehead, "hugehead.linear_cross_entropy (planned chunks)", plan=_hugehead_plan),
+        # issue 21: hugehead and torch.compile compared at equal memory
+        Impl("hugehead_eqmem", False, _load_hugehead,
+             "hugehead.linear_cross_entropy with memory_budget = torch_compile's measured fwd+bwd peak extra "
+             "memory at the same shape", plan=_hugehead_plan, budget_from="torch_compile"),
         Impl("torch", False, _load_torch, "F.cross_entropy(F.linear(x, W), t), eager"),
         Impl("torch_compile", False, _load_torch_compile,
              "torch.compile of F.cross_entropy(F.linear(x, W), t), default mode; compile time reported apart",
@@ -227,6 +239,7 @@ IMPLS: Dict[str, Impl] = {
              exact=False),
     ]
 }
-DEFAULT_PEERS: List[str] = ["hugehead", "torch", "torch_compile", "torch_chunked", "torch_lce", "cce", "liger"]
+DEFAULT_PEERS: List[str] = ["hugehead", "torch", "torch_compile", "hugehead_eqmem", "torch_chunked", "torch_lce",
+                            "cce", "liger"]
 CPU_PEERS: List[str] = ["hugehead", "torch", "torch_chunked", "torch_lce"]  # --device cpu (fp32)
 PROBED: List[str] = ["hugehead", "torch_compile", "torch_lce", "cce", "liger"]  # imports reported in the meta

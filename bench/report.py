@@ -21,8 +21,10 @@ from bench.harness import as_float, short_sha as _short_sha
 SLOW_REPS = 5  # fewer timed repetitions than this are marked in the table
 SUSPECT_REL_ERR = 2e-2  # bf16 results are ~1e-3 off the float32 reference; far more is shown in bold
 SUSPECT_REL_ERR_FP32 = 1e-4  # float32 inputs: ~1e-6 off the float32 reference
-IMPL_ORDER = ["hugehead", "torch", "torch_compile", "torch_chunked", "torch_lce", "cce", "liger", "cce_filter",
-              "liger_fp32acc"]
+IMPL_ORDER = ["hugehead", "torch", "torch_compile", "hugehead_eqmem", "torch_chunked", "torch_lce", "cce", "liger",
+              "cce_filter", "liger_fp32acc"]
+# hugehead at torch.compile's measured memory (issue 21), compared with it in its own table
+EQMEM, EQMEM_SOURCE = "hugehead_eqmem", "torch_compile"
 INEXACT = {"cce_filter"}
 CROWDED = 0.10  # CPU runs: others' share of the machine during a timing above which the table says so  # rows written before "impl_exact" existed
 
@@ -97,7 +99,8 @@ def headline_rows(doc: dict) -> List[dict]:
     for shape in _shape_order(doc):
         rows = by_shape[shape]
         mine = next((r for r in rows if r["impl"] == "hugehead"), None)
-        peers = [r for r in rows if r["impl"] != "hugehead" and _exact(r)]
+        # hugehead at other settings (e.g. at torch.compile's memory) is not its own peer
+        peers = [r for r in rows if not r["impl"].startswith("hugehead") and _exact(r)]
         timed = sorted((r for r in peers if _fb_ms(r) is not None and _accurate(doc, r)), key=_fb_ms)
         best = timed[0] if timed else None
         failed = [f"{r['impl']} {_status_word(r.get('fwd_bwd_status') or r.get('status'))}"
@@ -134,6 +137,62 @@ def render_headline(doc: dict) -> str:
         lines.append(f"| {h['shape']} | {h['dims']} | {mine} | {peer} | {peer_ms} | {speed} | "
                      f"{', '.join(h['not_run']) or '-'} |")
     lines += ["", "speed-up = best peer's time / hugehead's time (above 1: hugehead is faster)."]
+    equal = render_equal_memory(doc)
+    return "\n".join(lines) + "\n" + (f"\n{equal}" if equal else "")
+
+
+def _gib(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v / 2**30:.2f}"
+
+
+def equal_memory_rows(doc: dict) -> List[dict]:
+    """Per shape with a ``hugehead_eqmem`` row: torch.compile's fwd+bwd ms and peak extra bytes, hugehead's
+    at that memory_budget (ms, peak, plan kind, the GEMM path), and the speed-up (torch.compile ms /
+    hugehead ms); ``hugehead_status`` says why a row has no time (e.g. skipped: torch.compile OOM)."""
+    by_key = {(r["shape"], r["impl"]): r for r in doc["rows"]}
+    out = []
+    for shape in _shape_order(doc):
+        mine = by_key.get((shape, EQMEM))
+        if mine is None:
+            continue
+        theirs = by_key.get((shape, EQMEM_SOURCE)) or {}
+        plan = mine.get("plan") or {}
+        mine_ms, their_ms = _fb_ms(mine), _fb_ms(theirs)
+        out.append({
+            "shape": shape, "dims": f"{mine['n']}×{mine['d']}×{mine['v']}",
+            "compile_ms": their_ms,
+            "compile_status": theirs.get("fwd_bwd_status") or theirs.get("status"),
+            "compile_peak_bytes": _num(theirs, "fwd_bwd_peak_extra_bytes") if their_ms is not None else None,
+            "budget_bytes": _num(mine, "memory_budget"),
+            "hugehead_ms": mine_ms, "hugehead_status": mine.get("fwd_bwd_status") or mine.get("status"),
+            "hugehead_peak_bytes": _num(mine, "fwd_bwd_peak_extra_bytes") if mine_ms is not None else None,
+            "plan_kind": plan.get("kind"), "gemm": mine.get("gemm"),
+            "speedup": their_ms / mine_ms if mine_ms and their_ms else None,
+        })
+    return out
+
+
+def render_equal_memory(doc: dict) -> str:
+    """The table comparing hugehead and torch.compile at equal memory ('' without hugehead_eqmem rows)."""
+    rows = equal_memory_rows(doc)
+    if not rows:
+        return ""
+    lines = [
+        "At torch.compile's memory: hugehead with `memory_budget` = torch.compile's measured fwd+bwd peak extra "
+        "memory at the same shape (in this run), fwd+bwd median ms:",
+        "",
+        "| shape | N×D×V | torch.compile ms | its peak extra GiB | hugehead ms | memory_budget GiB | hugehead peak "
+        "extra GiB | plan | GEMM | speed-up |",
+        "|---|---|--:|--:|--:|--:|--:|---|---|--:|",
+    ]
+    for h in rows:
+        compile_ms = f"{h['compile_ms']:.2f}" if h["compile_ms"] is not None else _status_word(h["compile_status"])
+        mine = f"{h['hugehead_ms']:.2f}" if h["hugehead_ms"] is not None else _status_word(h["hugehead_status"])
+        speed = f"{h['speedup']:.2f}×" if h["speedup"] is not None else "-"
+        lines.append(f"| {h['shape']} | {h['dims']} | {compile_ms} | {_gib(h['compile_peak_bytes'])} | {mine} | "
+                     f"{_gib(h['budget_bytes'])} | {_gib(h['hugehead_peak_bytes'])} | {h['plan_kind'] or '-'} | "
+                     f"{h['gemm'] or '-'} | {speed} |")
+    lines += ["", "speed-up = torch.compile's time / hugehead's time at its memory (above 1: hugehead is faster)."]
     return "\n".join(lines) + "\n"
 
 
@@ -241,7 +300,7 @@ def render_markdown(doc: dict) -> str:
                   "rounding) are in bold."]
     if plans:
         lines += ["", "Chunking each planner chose (hugehead: `hugehead.functional.plan_loss` with the defaults, its `kind` "
-                      "rows / kept / recompute; "
+                      "rows / kept / recompute; hugehead_eqmem: the same with its `memory_budget`; "
                       "torch_lce: the options `LinearCrossEntropyOptions()` resolves to; torch_chunked: its chunk width):",
                   *plans]
     if compiles:

@@ -148,6 +148,7 @@ def test_sanitizer_harness_reports_a_wrong_result(monkeypatch, capsys):
 # --------------------------------------------------------------------------------------------------
 # bench_lce's peers and report (tiny CPU problems; the GPU run uses the same code)
 # --------------------------------------------------------------------------------------------------
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -383,3 +384,145 @@ def _write(tmp_path, doc):
     path = tmp_path / "lce.json"
     path.write_text(json.dumps(doc))
     return path
+
+
+# --------------------------------------------------------------------------------------------------
+# hugehead at torch.compile's memory (hugehead_eqmem, issue 21): the budget hand-off
+# --------------------------------------------------------------------------------------------------
+def test_budget_from_row_takes_the_measured_peak_and_never_makes_one_up():
+    ok = {"done": True, "status": "ok", "fwd_bwd_status": "ok", "fwd_bwd_peak_extra_bytes": 3 * 2**30}
+    assert lce_case.budget_from_row("torch_compile", ok) == (
+        3 * 2**30, "torch_compile's fwd+bwd peak extra memory at this shape: 3.00 GiB")
+    for source, why in [
+        (None, "torch_compile has no row at this shape"),
+        ({**ok, "done": False, "stage": "fwd_bwd"}, "did not finish (stage fwd_bwd)"),
+        ({**ok, "status": "oom", "fwd_bwd_status": "oom", "fwd_bwd_error": "OutOfMemoryError: 183.11 GiB"},
+         "torch_compile OOM at this shape, no peak memory to match (OutOfMemoryError: 183.11 GiB)"),
+        ({"done": True, "status": "skipped", "error": "skipped: --skip xc6M*:torch_compile"},
+         "torch_compile SKIPPED at this shape"),
+        ({**ok, "fwd_bwd_peak_extra_bytes": None}, "peak memory was not measured here"),
+        ({**ok, "fwd_bwd_peak_extra_bytes": 0}, "is 0 bytes"),
+    ]:
+        budget, text = lce_case.budget_from_row("torch_compile", source)
+        assert budget is None and text.startswith("skipped: ") and why in text, (source, text)
+
+
+def test_budget_order_puts_a_case_after_the_one_whose_memory_it_takes():
+    from bench.bench_lce import _budget_order
+
+    assert _budget_order(["hugehead_eqmem", "hugehead", "torch_compile", "torch"]) == [
+        "hugehead", "torch_compile", "hugehead_eqmem", "torch"]
+    assert _budget_order(["hugehead_eqmem", "torch"]) == ["hugehead_eqmem", "torch"]  # no source: left as is
+
+
+def _fake_cpu_peak(monkeypatch, peak_bytes):
+    """The CPU measures no peak memory: report ``peak_bytes`` beyond the inputs for every timed stage (the
+    times stay real), as a GPU would."""
+    real = lce_case.measure
+
+    def measure(*args, **kwargs):
+        t = real(*args, **kwargs)
+        t.peak_extra_bytes = peak_bytes
+        return t
+
+    monkeypatch.setattr(lce_case, "measure", measure)
+
+
+def _recorded_budgets(monkeypatch):
+    """Every memory_budget hugehead.linear_cross_entropy is called with."""
+    import hugehead
+
+    real, seen = hugehead.linear_cross_entropy, []
+
+    def lce(*args, memory_budget=None, **kwargs):
+        seen.append(memory_budget)
+        return real(*args, memory_budget=memory_budget, **kwargs)
+
+    monkeypatch.setattr(hugehead, "linear_cross_entropy", lce)
+    return seen
+
+
+def test_eqmem_runs_at_the_peak_torch_compile_measured_before_it_in_the_process(tmp_path, monkeypatch):
+    """torch_compile's case, then hugehead_eqmem's in the same process: hugehead is called (fwd+bwd and fwd)
+    with memory_budget = torch_compile's recorded peak extra memory (a budget below its logits here, so its
+    plan recomputes 256-class chunks where the default keeps all logits), and its numbers still match the
+    reference."""
+    from bench import peers
+
+    # plain torch under torch_compile's name: the same hand-off without a C++ compile on the CPU
+    monkeypatch.setitem(peers.IMPLS, "torch_compile", dataclasses.replace(
+        peers.IMPLS["torch_compile"], load=peers._load_torch, compiles=False))
+    grad_bytes = (TINY.n + TINY.v) * TINY.d * 4
+    _fake_cpu_peak(monkeypatch, 60_000 + grad_bytes)
+    seen = _recorded_budgets(monkeypatch)
+    rows = lce_case.run_cases(["hugehead", "torch_compile", "hugehead_eqmem"], TINY, CPU, torch.float32, _opts(),
+                              tmp_path)
+    mine, theirs, eqmem = rows
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok"], [r.get("error") for r in rows]
+    assert theirs["fwd_bwd_peak_extra_bytes"] == 60_000
+    assert eqmem["memory_budget"] == 60_000 and eqmem["memory_budget_from"]["impl"] == "torch_compile"
+    assert eqmem["memory_budget_from"]["fwd_bwd_peak_extra_bytes"] == 60_000
+    assert mine["plan"]["kind"] == "kept" and mine["plan"]["cols"] == TINY.v
+    assert eqmem["plan"]["budget"] == 60_000 and (eqmem["plan"]["kind"], eqmem["plan"]["cols"]) == ("recompute", 256)
+    # default budget for hugehead's calls, then 60 000 bytes for every one of hugehead_eqmem's (fwd+bwd and fwd)
+    assert None in seen and seen[seen.index(60_000):] == [60_000] * len(seen[seen.index(60_000):])
+    assert seen.count(60_000) == eqmem["fwd_bwd_reps"] + eqmem["fwd_reps"] + 2  # + one warm-up call each
+    for key in ("loss_rel_err", "grad_x_rel_err", "grad_w_rel_err", "fwd_loss_rel_err"):
+        assert eqmem[key] < 1e-5, (key, eqmem[key])
+
+
+def test_eqmem_is_skipped_when_torch_compile_has_no_peak(tmp_path, monkeypatch):
+    """A torch_compile that ran out of memory (its row in the case folder, as the parent leaves it) gives a
+    skipped hugehead_eqmem row with the reason, and hugehead is never called."""
+    seen = _recorded_budgets(monkeypatch)
+    harness.write_json(lce_case.case_json(tmp_path, TINY.name, "torch_compile"), {
+        "shape": TINY.name, "impl": "torch_compile", "done": True, "status": "oom", "fwd_bwd_status": "oom",
+        "fwd_bwd_error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 183.11 GiB."})
+    (row,) = lce_case.run_cases(["hugehead_eqmem"], TINY, CPU, torch.float32, _opts(), tmp_path)
+    assert row["status"] == "skipped" and row.get("memory_budget") is None and seen == []
+    assert row["error"].startswith("skipped: torch_compile OOM at this shape, no peak memory to match")
+
+
+def test_resume_runs_eqmem_at_the_earlier_parts_torch_compile_peak(tmp_path, monkeypatch, capsys):
+    """--resume with torch_compile measured in the earlier part: the parent hands its row to the
+    hugehead_eqmem case process, which runs at its peak (recorded in the row, the plan and lce.md's
+    equal-memory table); a torch_compile --skip'ed at a shape skips hugehead_eqmem there without a process."""
+    from bench import bench_lce
+
+    monkeypatch.setenv("HUGEHEAD_GIT_SHA", "0123456789ab")
+    smoke = ["--cpu-smoke", "--shapes", "tiny,tiny_odd", "--reps", "1", "--warmup", "1", "--out", str(tmp_path)]
+    peers_arg = ["--peers", "hugehead,torch_compile,hugehead_eqmem"]
+    assert bench_lce.main([*smoke, "--work", str(tmp_path / "work1"), "--budget", "0", *peers_arg]) == 1
+    part1 = json.loads((tmp_path / "lce.json").read_text())
+    assert [(r["shape"], r["impl"], r["status"]) for r in part1["rows"]] == [
+        (s, i, "skipped") for s in ("tiny", "tiny_odd") for i in ("hugehead", "torch_compile", "hugehead_eqmem")]
+    # as if part 1 had measured hugehead and torch_compile at "tiny" (torch_compile's peak: 70 000 bytes)
+    # and torch_compile had been --skip'ed at "tiny_odd"
+    keep = ("n", "d", "v", "dtype", "impl_exact")
+    part1["rows"][0] = {**_row("tiny", "hugehead", 1.25, stage="done", done=True), **{k: part1["rows"][0][k] for k in keep}}
+    part1["rows"][1] = {**_row("tiny", "torch_compile", 0.5, stage="done", done=True, fwd_bwd_peak_extra_bytes=70_000,
+                               fwd_bwd_peak_extra_gib=70_000 / 2**30), **{k: part1["rows"][1][k] for k in keep}}
+    part1["rows"][3] = {**_row("tiny_odd", "hugehead", 2.5, stage="done", done=True),
+                        **{k: part1["rows"][3][k] for k in keep}}
+    part1["rows"][4] = {**part1["rows"][4], "error": "skipped: --skip tiny_odd:torch_compile"}
+    _write(tmp_path, part1)
+
+    rc = bench_lce.main([*smoke, "--work", str(tmp_path / "work2"), "--resume", str(tmp_path / "lce.json"), *peers_arg])
+    assert rc == 0
+    doc = json.loads((tmp_path / "lce.json").read_text())
+    rows = {(r["shape"], r["impl"]): r for r in doc["rows"]}
+    eqmem = rows["tiny", "hugehead_eqmem"]
+    assert eqmem["status"] == "ok" and eqmem["process_group"] == ["hugehead_eqmem"]
+    assert eqmem["memory_budget"] == 70_000 and eqmem["plan"]["budget"] == 70_000
+    assert eqmem["memory_budget_from"]["fwd_bwd_peak_extra_bytes"] == 70_000
+    assert eqmem["loss_rel_err"] < 2e-2 and eqmem["grad_w_rel_err"] < 2e-2  # bf16 smoke inputs
+    odd = rows["tiny_odd", "hugehead_eqmem"]
+    assert odd["status"] == "skipped" and "log" not in odd  # no process
+    assert odd["error"].startswith("skipped: torch_compile SKIPPED at this shape")
+    assert rows["tiny", "torch_compile"] == part1["rows"][1]
+    md = (tmp_path / "lce.md").read_text()
+    # its peak is not measured on the CPU ("-"); 70 000 bytes are 0.00 GiB
+    assert (f"| tiny | 64×32×1000 | 0.50 | 0.00 | {eqmem['fwd_bwd_ms']:.2f} | 0.00 | - | {eqmem['plan']['kind']} | "
+            f"{eqmem['gemm']} | {0.5 / eqmem['fwd_bwd_ms']:.2f}× |") in md
+    assert "| tiny_odd | 37×48×5003 | SKIPPED | - | SKIPPED | - | - | - | - | - |" in md
+    assert "tiny / hugehead_eqmem: rows=" in md and "budget=70000" in md
