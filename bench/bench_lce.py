@@ -7,10 +7,13 @@ peer that faults (an illegal memory access poisons the CUDA context) or hangs mu
 cases down; per shape, the implementations that cannot break their process share one (inputs,
 reference). The parent never touches CUDA; it collects one JSON per case and rewrites ``lce.json``,
 ``lce.md`` and ``lce.png`` after every process, so a run cut short still leaves its results. The
-implementations are in ``bench/peers.py``.
+implementations are in ``bench/peers.py``; ``hugehead_eqmem`` (hugehead at torch.compile's memory) runs
+after ``torch_compile`` with its measured peak as ``memory_budget``. A full run on one H200 takes two
+device calls: ``bench/lce_parts.sh``.
 
     python -m bench.bench_lce --out DIR [--shapes a,b] [--peers hugehead,torch,...] [--skip xc6M:liger] [--budget S]
     python -m bench.bench_lce --out DIR --resume DIR/lce.json [same options]   # continue a run cut short
+    python -m bench.bench_lce @ARGS_FILE                 # the arguments one a line (bench/lce_parts.sh)
     python -m bench.bench_lce --device cpu               # fp32 on the CPU shapes -> bench/results/cpu/
     python -m bench.bench_lce --cpu-smoke [--out DIR]    # the whole pipeline on tiny CPU shapes
     python -m bench.bench_lce --case IMPLS SHAPE --json-dir D  # cases in this process (what the parent runs)
@@ -21,6 +24,7 @@ import argparse
 import fnmatch
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -107,7 +111,9 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
     """Run ``impls`` on ``shape`` in one child process (see lce_case.py) and return their rows. A case
     running longer than ``--case-timeout`` stops the process. The case a process died or was stopped in
     is recorded as such (all of them when it was in the shared inputs or reference) and the cases it had
-    not started run again in a fresh process."""
+    not started run again in a fresh process. A process the run's ``--budget`` stopped (``deadline``, on
+    the ``time.perf_counter`` clock) leaves the cases it had not finished as budget-skipped rows, which
+    ``--resume`` runs again."""
     rows: List[dict] = []
     pending = list(impls)
     attempt = 0
@@ -123,12 +129,21 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
         st = state()
         return st.get("running") in pending and time.time() - float(st.get("since", time.time())) > opts.case_timeout
 
+    def budget_skip(impl: str, how: str = "") -> dict:  # a case the run's --budget left out: --resume runs it
+        return _skeleton(shape, impl, opts, "skipped", f"{BUDGET_SKIP} {opts.budget:.0f} s used up{how}")
+
     while pending:
         attempt += 1
         # one case timeout for the setup and reference, one per case
         timeout = opts.case_timeout * (len(pending) + 1)
+        at_deadline = False  # whether the run's --budget, not the cases' timeout, bounds this process
         if deadline is not None:
-            timeout = min(timeout, deadline - time.perf_counter())
+            left = deadline - time.perf_counter()
+            if left < 1.0:
+                rows += [budget_skip(impl) for impl in pending]
+                break
+            at_deadline = left <= timeout
+            timeout = min(timeout, left)
         log = work / f"{shape.name}__{'+'.join(pending)}{'' if attempt == 1 else f'.{attempt}'}.log"
         paths = {i: lce_case_json(work, shape.name, i) for i in pending}
         for path in [*paths.values(), group_file]:
@@ -141,6 +156,8 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
         rc, timed_out, wall = run_child(args, log, max(1.0, timeout), watch=overdue)
         running = state().get("running")
         shared_stage = running in (None, "inputs", "reference")
+        # stopped because the run's time was up: what it was running is left out for --resume, not a timeout
+        cut = timed_out and at_deadline and time.perf_counter() >= deadline - 1.0
         rerun = []
         for impl in pending:
             try:
@@ -149,6 +166,10 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
                 row = None
             if row is not None and row.get("done"):
                 row.update(rc=rc, process_wall_s=round(wall, 1))
+            elif cut and (running == impl or shared_stage):
+                row = budget_skip(impl, f" (stopped in stage {(row or {}).get('stage') or running or 'startup'} "
+                                        f"after {wall:.0f} s)")
+                row["wall_s"] = round(wall, 1)
             elif running == impl or (shared_stage and (row is not None or len(pending) == 1)):
                 limit = opts.case_timeout if running == impl else timeout
                 row = _dead_row(row or _skeleton(shape, impl, opts, "crash", None), rc, timed_out, limit, log)
@@ -163,6 +184,9 @@ def _run_group(impls: List[str], shape: Shape, work: Path, opts, deadline: Optio
             row["log"] = log.name
             harness.write_json(paths[impl], row)  # as recorded: what a case at this one's memory reads
             rows.append(row)
+        if rerun and cut:  # not started when the time ran out
+            rows += [budget_skip(impl) for impl in rerun]
+            break
         if len(rerun) == len(pending):  # no progress: stop rather than loop
             for impl in rerun:
                 row = _dead_row(_skeleton(shape, impl, opts, "crash", None), rc, timed_out, timeout, log)
@@ -210,16 +234,26 @@ def _budget_order(impls: List[str]) -> List[str]:
     return out
 
 
-def _parse_skips(text: Optional[str]) -> List[Tuple[str, str]]:
-    """``--skip 'xc6M*:liger,xc6M*:cce'`` -> [(shape pattern, impl pattern)] (fnmatch patterns)."""
-    pairs = []
+def _parse_skips(text: Optional[str]) -> List[Tuple[str, str, str]]:
+    """``--skip 'xc6M*:liger=over 35 s a step,xc6M*:cce'`` -> [(shape pattern, impl pattern, reason)]
+    (fnmatch patterns; the reason after ``=`` is optional and goes into the skipped row)."""
+    skips = []
     for item in (text or "").split(","):
         if item.strip():
-            shape, sep, impl = item.strip().partition(":")
-            if not sep:
-                raise SystemExit(f"--skip wants SHAPE:IMPL pairs (patterns allowed), got {item!r}")
-            pairs.append((shape, impl))
-    return pairs
+            shape, sep, rest = item.strip().partition(":")
+            impl, _, reason = rest.partition("=")
+            if not sep or not shape or not impl.strip():
+                raise SystemExit(f"--skip wants SHAPE:IMPL[=REASON] items (patterns allowed), got {item!r}")
+            skips.append((shape, impl.strip(), reason.strip()))
+    return skips
+
+
+def _skip_reason(skips: List[Tuple[str, str, str]], shape: str, impl: str) -> Optional[str]:
+    """The skipped row's error for the first --skip item matching (shape, impl), or None."""
+    for sp, ip, reason in skips:
+        if fnmatch.fnmatchcase(shape, sp) and fnmatch.fnmatchcase(impl, ip):
+            return f"skipped: --skip {sp}:{ip}" + (f": {reason}" if reason else "")
+    return None
 
 
 def _method(opts) -> str:
@@ -314,7 +348,7 @@ def run_all(opts) -> int:
         "meta": {
             "benchmark": "linear_cross_entropy",
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": " ".join([Path(sys.executable).name, "-m", "bench.bench_lce", *sys.argv[1:]]),
+            "command": opts.command,
             **sha,
             **env,
             "dtype": opts.dtype,
@@ -322,7 +356,8 @@ def run_all(opts) -> int:
             "reference_selfcheck": selfcheck,
             "reference_selfcheck_ok": selfcheck_ok,
             "smoke": bool(opts.cpu_smoke),
-            "options": {k: v for k, v in vars(opts).items() if k not in ("case", "json_dir", "json_out", "probe")},
+            "options": {k: v for k, v in vars(opts).items()
+                        if k not in ("case", "json_dir", "json_out", "probe", "command")},
             "reps": opts.reps, "warmup": opts.warmup, "case_budget_s": opts.case_budget, "seed": opts.seed,
             "case_timeout_s": opts.case_timeout, "wait_idle_s": opts.wait_idle,
             "skip": opts.skip,
@@ -354,8 +389,9 @@ def run_all(opts) -> int:
                 print(f"[{done:2d}/{len(shapes) * len(impls)}] {shape.name:<9} {impl:<14} reused: "
                       f"{_fmt_case(reused[shape.name, impl])}", flush=True)
                 continue
-            if any(fnmatch.fnmatchcase(shape.name, sp) and fnmatch.fnmatchcase(impl, ip) for sp, ip in skips):
-                row = _skeleton(shape, impl, opts, "skipped", f"skipped: --skip {opts.skip}")
+            skipped = _skip_reason(skips, shape.name, impl)
+            if skipped:
+                row = _skeleton(shape, impl, opts, "skipped", skipped)
             elif probed.get("unavailable"):  # known not to exist here: no process to start
                 row = _skeleton(shape, impl, opts, "skipped", f"skipped: {probed.get('error')}")
             elif IMPLS[impl].needs_cuda and opts.device != "cuda":
@@ -431,6 +467,21 @@ def run_all(opts) -> int:
     return 0 if (hugehead_ok and accurate and selfcheck_ok) else 1
 
 
+def _expand_arg_files(argv: List[str]) -> List[str]:
+    """``@FILE`` -> the arguments in FILE, one a line (e.g. a ``--skip`` reason with spaces, through a shell
+    that splits words: bench/lce_parts.sh)."""
+    out: List[str] = []
+    for arg in argv:
+        if arg.startswith("@") and len(arg) > 1:
+            try:
+                out += [line for line in Path(arg[1:]).read_text().splitlines() if line.strip()]
+            except OSError as exc:
+                raise SystemExit(f"bench_lce: cannot read the arguments file {arg[1:]}: {exc}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="results folder (default bench/results/<gpu or cpu>/; a temp folder for --cpu-smoke)")
@@ -442,8 +493,8 @@ def main(argv=None) -> int:
                                     f"{','.join(CPU_SHAPES)} on cpu)")
     p.add_argument("--peers", help=f"comma list of implementations (default {','.join(DEFAULT_PEERS)}; on cpu "
                                    f"{','.join(CPU_PEERS)}; also: {','.join(i for i in IMPLS if i not in DEFAULT_PEERS)})")
-    p.add_argument("--skip", help="comma list of SHAPE:IMPL fnmatch patterns recorded as skipped without running, "
-                                  "e.g. 'xc6M*:liger,xc6M*:cce'")
+    p.add_argument("--skip", help="comma list of SHAPE:IMPL[=REASON] fnmatch patterns recorded as skipped (with the "
+                                  "reason) without running, e.g. 'xc6M*:liger=over 35 s a step,xc6M*:cce'")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU; CUDA-only peers are skipped")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (default 10; 3 on cpu)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2, 1 on cpu; 1 for slow steps)")
@@ -476,7 +527,9 @@ def main(argv=None) -> int:
     p.add_argument("--json-dir", help="with --case: where each case's JSON goes")
     p.add_argument("--probe", action="store_true", help="write environment and import facts to --json-out")
     p.add_argument("--json-out", help="with --one / --probe: where the JSON goes")
+    argv = _expand_arg_files(sys.argv[1:] if argv is None else list(argv))
     opts = p.parse_args(argv)
+    opts.command = shlex.join([Path(sys.executable).name, "-m", "bench.bench_lce", *argv])
 
     if opts.list:
         for s in ALL_SHAPES.values():

@@ -149,6 +149,7 @@ def test_sanitizer_harness_reports_a_wrong_result(monkeypatch, capsys):
 # bench_lce's peers and report (tiny CPU problems; the GPU run uses the same code)
 # --------------------------------------------------------------------------------------------------
 import dataclasses  # noqa: E402
+import time  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -526,3 +527,82 @@ def test_resume_runs_eqmem_at_the_earlier_parts_torch_compile_peak(tmp_path, mon
             f"{eqmem['gemm']} | {0.5 / eqmem['fwd_bwd_ms']:.2f}× |") in md
     assert "| tiny_odd | 37×48×5003 | SKIPPED | - | SKIPPED | - | - | - | - | - |" in md
     assert "tiny / hugehead_eqmem: rows=" in md and "budget=70000" in md
+
+
+def test_a_process_stopped_by_the_run_budget_leaves_its_cases_to_resume(tmp_path, monkeypatch):
+    """A group process the run's --budget stops: the case that was running and the ones not started are
+    budget-skipped rows (which --resume runs again), not timeouts; a case it had finished is kept."""
+    from bench import bench_lce
+
+    shape = bench_lce.ALL_SHAPES["tiny"]
+    work = tmp_path
+    calls = []
+
+    def run_child(args, log, timeout, watch=None):  # the child: finishes hugehead, is stopped inside torch
+        calls.append(timeout)
+        log.write_text("$ fake\n")
+        harness.write_json(lce_case.case_json(work, shape.name, "hugehead"),
+                           _row(shape.name, "hugehead", 1.0, done=True, stage="done"))
+        harness.write_json(lce_case.case_json(work, shape.name, "torch"),
+                           {"shape": shape.name, "impl": "torch", "done": False, "stage": "fwd_bwd"})
+        harness.write_json(lce_case.group_json(work, shape.name), {"running": "torch", "since": 0})
+        time.sleep(timeout)
+        return None, True, timeout
+
+    monkeypatch.setattr(bench_lce, "run_child", run_child)
+    opts = SimpleNamespace(case_timeout=300.0, budget=7.0, reps=1, warmup=1, case_budget=60.0, seed=0, ref_chunk=0,
+                           device="cpu", dtype="float32", cpu_smoke=True)
+    rows = bench_lce._run_group(["hugehead", "torch", "torch_chunked"], shape, work, opts,
+                                deadline=time.perf_counter() + 1.5)
+    assert len(calls) == 1 and calls[0] <= 1.5  # bounded by the deadline, not 4 case timeouts
+    assert [(r["impl"], r["status"]) for r in rows] == [("hugehead", "ok"), ("torch", "skipped"),
+                                                        ("torch_chunked", "skipped")]
+    assert rows[1]["error"].startswith(f"{bench_lce.BUDGET_SKIP} 7 s used up (stopped in stage fwd_bwd after")
+    assert rows[2]["error"] == f"{bench_lce.BUDGET_SKIP} 7 s used up"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bench/lce_parts.sh is a bash script")
+def test_lce_parts_script_runs_one_benchmark_in_two_parts(tmp_path):
+    """bench/lce_parts.sh as the GPU machine runs it, with a stand-in for device_check.sh that runs only its
+    bench step (on the CPU smoke shapes): part 1 measures its shapes, part 2 continues part 1's lce.json (the
+    copy it left on the machine) and measures only the rest, into one lce.json of two parts; the --skip
+    reasons, spaces and all, reach bench_lce through the arguments file."""
+    import os
+    import subprocess
+
+    stub = tmp_path / "device_check.sh"
+    stub.write_text('cd "$REPO_ROOT" && exec "$PYTHON" -m bench.bench_lce --out "$OUT/results" '
+                    '--work "$OUT/work" --budget 500 $BENCH_ARGS\n')
+    env = dict(os.environ, DEVICE_CHECK=str(stub), LCE_PARTS_STATE=str(tmp_path / "state"), PART1_SHAPES="tiny",
+               EXTRA_ARGS="--cpu-smoke --reps 1 --warmup 1 --peers hugehead,torch", PYTHON=sys.executable,
+               HUGEHEAD_GIT_SHA="0123456789ab", REPO_ROOT=str(harness.REPO_ROOT))
+    docs = []
+    for part in (1, 2):
+        out = tmp_path / f"out{part}"
+        out.mkdir()
+        proc = subprocess.run(["bash", str(harness.REPO_ROOT / "bench" / "lce_parts.sh"), str(part)],
+                              env={**env, "OUT": str(out)}, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        docs.append(json.loads((out / "results" / "lce.json").read_text()))
+    part1, doc = docs
+    assert [(r["shape"], r["impl"]) for r in part1["rows"]] == [("tiny", "hugehead"), ("tiny", "torch")]
+    assert [(r["shape"], r["impl"], r["status"]) for r in doc["rows"]] == [
+        (s, i, "ok") for s in ("tiny", "tiny_odd") for i in ("hugehead", "torch")]
+    assert doc["rows"][:2] == part1["rows"]  # reused as recorded, not measured again
+    assert len(doc["meta"]["parts"]) == 2 and doc["meta"]["parts"][0]["command"] == part1["meta"]["command"]
+    assert "xc6M*:cce=CCE 25.1.1 hits an illegal memory access" in doc["meta"]["skip"]
+    assert "--resume" in doc["meta"]["command"] and "--resume" not in part1["meta"]["command"]
+    assert "lce_parts: part 2: 4 rows in 2 part(s); none left out by the budget" in proc.stdout
+    assert (tmp_path / "out2" / "results" / "lce.md").exists() and (tmp_path / "out2" / "results" / "lce.png").exists()
+
+
+def test_skip_items_carry_their_reason_into_the_row():
+    from bench.bench_lce import _parse_skips, _skip_reason
+
+    skips = _parse_skips("xc6M*:liger=over 35 s a step: Liger 0.8.5, xc6M*:cce")
+    assert skips == [("xc6M*", "liger", "over 35 s a step: Liger 0.8.5"), ("xc6M*", "cce", "")]
+    assert _skip_reason(skips, "xc6M_16k", "liger") == "skipped: --skip xc6M*:liger: over 35 s a step: Liger 0.8.5"
+    assert _skip_reason(skips, "xc6M", "cce") == "skipped: --skip xc6M*:cce"
+    assert _skip_reason(skips, "xc1M", "liger") is None
+    with pytest.raises(SystemExit, match="SHAPE:IMPL"):
+        _parse_skips("xc6M")
