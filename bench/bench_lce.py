@@ -440,6 +440,9 @@ def run_all(opts) -> int:
                     for row in rows:
                         row.update(idle_wait_s=round(waited, 1), foreign_cpu_before=busy)
             for row in rows:
+                # the case JSON holds the row as recorded (budget-skipped too): what a later case at this
+                # one's memory reads, never an older run's file in a reused --work folder
+                harness.write_json(lce_case_json(work, shape.name, row["impl"]), row)
                 doc["rows"].append(row)
                 done += 1
                 print(f"[{done:2d}/{len(shapes) * len(impls)}] {shape.name:<9} {row['impl']:<14} {_fmt_case(row)}",
