@@ -55,7 +55,12 @@ struct GradGemmParams {
   int sm_count;
 };
 
-enum class Schedule { kPingpong = 0, kCooperative = 1 };
+// HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative picks one (read per call, for A/B runs).
+enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
+
+// The schedule HUGEHEAD_GEMM_SCHEDULE names (default pingpong). The gradient GEMM has no cooperative
+// instantiation and takes pingpong for it.
+Schedule schedule_from_env();
 
 // Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)).
 int stats_gemm_tile_cols(Schedule schedule);
@@ -67,9 +72,10 @@ size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule 
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream);
 
-// The gradient GEMM (pingpong schedule): workspace bytes and launch, as for the statistics GEMM.
-size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half);
-const char* run_grad_gemm(const GradGemmParams& p, bool half, void* workspace, cudaStream_t stream);
+// The gradient GEMM (a pingpong schedule): workspace bytes and launch, as for the statistics GEMM.
+size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule);
+const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
+                          cudaStream_t stream);
 
 }  // namespace gemm
 }  // namespace hugehead
