@@ -35,7 +35,7 @@ def _ms(fn, reps: int) -> float:
     return harness.measure(fn, torch.device("cuda"), reps=reps, warmup=2).ms
 
 
-def bench_shape(name: str, reps: int) -> dict:
+def bench_shape(name: str, reps: int, cols=None) -> dict:
     from hugehead import ops
     from hugehead.loop import plan_chunks
 
@@ -44,7 +44,7 @@ def bench_shape(name: str, reps: int) -> dict:
     x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
     n, d, v = shape.n, shape.d, shape.v
     plan = plan_chunks(n, d, v, BF16, dev)
-    cols = min(plan.cols, v)
+    cols = min(cols or plan.cols, v)
     wc = w[:cols]
     tc = t.clamp(max=cols - 1)  # every row's target in this chunk: the target-logit path is exercised
     z = x.new_empty(n, cols)
@@ -83,7 +83,18 @@ def bench_shape(name: str, reps: int) -> dict:
     for schedule in GRAD_SCHEDULES:
         os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
         timings[f"fused_grad_{schedule}"] = _ms(fused_grad, reps)
+    # The floors: each schedule's mainloop alone (the epilogue returns at once; nothing is computed).
+    os.environ["HUGEHEAD_GEMM_MAINLOOP_ONLY"] = "1"
+    for schedule in STATS_SCHEDULES:
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+        timings[f"mainloop_{schedule}"] = _ms(fused_stats, reps)
+    os.environ.pop("HUGEHEAD_GEMM_MAINLOOP_ONLY")
     os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+    # With a bias (nn.Linear's default), the default schedule.
+    bias = torch.randn(cols, device=dev).to(BF16)
+    timings["fused_stats_bias"] = _ms(lambda: ops.gemm_chunk_stats_(x, wc, bias, tc, 0, 0.0, *state), reps)
+    timings["fused_grad_bias"] = _ms(
+        lambda: ops.gemm_chunk_grad_(x, wc, bias, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z), reps)
     row["chunk_ms"] = timings
     row["chunk_tflops"] = {k: flops / ms / 1e9 for k, ms in timings.items()}
     row["step_ms"] = {k: ms * per_step for k, ms in timings.items()}
@@ -165,6 +176,19 @@ def render(doc: dict) -> str:
                      + " | ".join(cell(k) for k in grads)
                      + f" | {s['cublas_stats']:.1f} → {best_s:.1f} ms | {s['cublas_grad']:.1f} → {best_g:.1f} ms | "
                      f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} |")
+    lines += ["", "The floors (HUGEHEAD_GEMM_MAINLOOP_ONLY=1: the epilogue returns at once) and a bias (the default "
+              "schedule):", "",
+              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES) + " | stats + bias | grad + bias |",
+              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 2)]
+    for r in doc["results"]:
+        c, tf = r["chunk_ms"], r["chunk_tflops"]
+
+        def cell2(k):
+            return f"{c[k]:.3f} ({tf[k]:.0f})" if k in c else "–"
+
+        lines.append(f"| {r['shape']} | {r['cols']} | "
+                     + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES)
+                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} |")
     return "\n".join(lines) + "\n" + harness.footer(m)
 
 
@@ -172,6 +196,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="xc1M,xc6M")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--cols", type=int, default=None, help="chunk width (default: the planned one)")
     p.add_argument("--out", default=None, help="folder for gemm.json / gemm.md")
     p.add_argument("--ncu", metavar="SHAPE", help="run one fused chunk of each kind for Nsight Compute and exit")
     opts = p.parse_args(argv)
@@ -187,7 +212,7 @@ def main(argv=None) -> int:
                             command=" ".join(["python", "-m", "bench.bench_gemm", *sys.argv[1:]]))
     results = []
     for name in opts.shapes.split(","):
-        results.append(bench_shape(name, opts.reps))
+        results.append(bench_shape(name, opts.reps, opts.cols))
         r = results[-1]
         print(f"{name:<9} C={r['cols']}: " + ", ".join(f"{k} {ms:.3f} ms ({r['chunk_tflops'][k]:.0f} TFLOP/s)"
                                                       for k, ms in r["chunk_ms"].items())

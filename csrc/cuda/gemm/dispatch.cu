@@ -34,6 +34,11 @@ Schedule schedule_from_env() {
   return Schedule::kPingpong;
 }
 
+bool mainloop_only_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_MAINLOOP_ONLY");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 int stats_gemm_tile_cols(Schedule schedule) { return schedule == Schedule::kCooperative ? 256 : 128; }
 
 size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule) {

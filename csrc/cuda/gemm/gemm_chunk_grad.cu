@@ -43,6 +43,7 @@ void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const s
                          grad_logits.stride(0), rows, cols, x.size(1), x.stride(0), weight.stride(0), class_start,
                          num_classes, static_cast<float>(label_smoothing), static_cast<float>(z_loss),
                          static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
+  p.mainloop_only = gemm::mainloop_only_from_env();
   const bool half = x.scalar_type() == at::kHalf;
   const gemm::Schedule schedule = gemm::schedule_from_env();
   const size_t ws_bytes = gemm::grad_gemm_workspace_bytes(p, half, schedule);

@@ -65,6 +65,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                           target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), partials.data_ptr<float>(),
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
                           static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
+  p.mainloop_only = gemm::mainloop_only_from_env();
   const bool half = x.scalar_type() == at::kHalf;
   const size_t ws_bytes = gemm::stats_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;

@@ -24,7 +24,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
     int64_t class_start = 0;
     int64_t num_col_tiles = 0;
     float softcap = 0.f;
-    float inv_softcap = 0.f;           // 1 / softcap, computed on the host
+    float inv_softcap = 0.f;
+    bool mainloop_only = false;           // 1 / softcap, computed on the host
   };
   using Params = Arguments;
 
@@ -47,6 +48,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
+    if (params.mainloop_only) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
@@ -179,6 +181,7 @@ struct StatsGemm {
     epi.num_col_tiles = (p.cols + Gemm::kTileCols - 1) / Gemm::kTileCols;
     epi.softcap = p.softcap;
     epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
+    epi.mainloop_only = p.mainloop_only;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Gemm::Device::get_workspace_size(arguments(p)); }
