@@ -53,7 +53,20 @@ def step(loss_fn, params):
     return run
 
 
-def main() -> None:
+def plan_kinds(x, w) -> dict:
+    """The plan each softmax case takes at the default budget (``kept`` / ``rows`` / ``recompute``): the
+    multi-label softmax takes the single-label call's plan (the rows plan at xc1M on an H200)."""
+    from hugehead import multilabel
+    from hugehead.plan import plan_loss
+
+    n, d, v = x.shape[0], x.shape[1], w.shape[0]
+    single = plan_loss(n, d, v, x.dtype, x.device, None, None, weight_dtype=w.dtype, allow_rows=True, direct_dx=True)
+    multi = multilabel.plan_softmax(x, w, None, reduction="mean", return_lse=False, chunk_size=None,
+                                    memory_budget=None)
+    return {"single_plan": single.kind, "multi_plan": multi.kind}
+
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="the CPU table (float32, small shapes, dense peers)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (tests)")
@@ -62,7 +75,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shape names")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/<device>)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     on_cpu = args.cpu or args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if on_cpu else "cuda")
     shapes = SMOKE_SHAPES if args.smoke else (CPU_SHAPES if on_cpu else GPU_SHAPES)
@@ -89,7 +102,7 @@ def main() -> None:
             dense_multi, dense_ova = t_multi.to_dense(), t_ova.to_dense()
             cases["dense_multi"] = lambda: F.cross_entropy(F.linear(x, w), dense_multi)
             cases["dense_ova"] = lambda: F.binary_cross_entropy_with_logits(F.linear(x, w), dense_ova)
-        row = {"shape": name, **s, "positives": k}
+        row = {"shape": name, **s, "positives": k, **plan_kinds(x, w)}
         for case, fn in cases.items():
             try:
                 t = harness.measure(step(fn, [x, w]), device, reps=args.reps, warmup=args.warmup,
@@ -114,13 +127,14 @@ def main() -> None:
         rows.append(row)
         print({k2: v2 for k2, v2 in row.items() if not k2.endswith("_timing")}, flush=True)
 
-    cols = ["shape", "N x D x V", "single ms", "multi ms (x single)", "ova ms (x single)"]
+    cols = ["shape", "N x D x V", "plan (single / multi)", "single ms", "multi ms (x single)", "ova ms (x single)"]
     if on_cpu:
         cols += ["dense multi ms", "dense ova ms"]
     cols += ["1-positive check"]
     table = []
     for r in rows:
-        line = [r["shape"], f"{r['n']}x{r['d']}x{r['v']}", harness.fmt(r.get("single_ms"), ".1f")]
+        line = [r["shape"], f"{r['n']}x{r['d']}x{r['v']}", f"{r['single_plan']} / {r['multi_plan']}",
+                harness.fmt(r.get("single_ms"), ".1f")]
         for case in ("multi", "ova"):
             line.append(f"{harness.fmt(r.get(f'{case}_ms'), '.1f')} ({harness.fmt(r.get(f'{case}_vs_single'), '.3f')})"
                         if f"{case}_ms" in r else r.get(f"{case}_error", "-"))
@@ -142,6 +156,7 @@ def main() -> None:
         out = Path("/tmp") / "hugehead_bench_smoke"
     paths = harness.write_report(out, "multilabel", {"meta": meta, "rows": rows}, md)
     print(f"wrote {paths['md']}")
+    return paths
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ does not know which.
 from __future__ import annotations
 
 import math
-from typing import Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import Callable, Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -658,6 +658,7 @@ def rows_steps(
     grad_rows: Tensor,
     need_x: bool,
     need_weight: bool,
+    row_losses_of: Optional[Callable[[int, int, Tensor, Tensor, Tensor], Tensor]] = None,
 ) -> Generator[None, None, Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]]:
     """Per-row losses and every gradient of one shard holding all ``V`` classes, in one pass (the
     ``"rows"`` plan of :func:`hugehead.plan.plan_rows`); a generator that yields after each row block.
@@ -671,10 +672,14 @@ def rows_steps(
     Args:
         x: ``[N, D]`` compute dtype; source: the weight's chunks (cast to the compute dtype chunk by chunk
             when stored in another dtype: autocast).
-        target: ``[N]`` int64 class ids, checked. options: the loss.
+        target: ``[N]`` int64 class ids, checked; or a chunk target of :mod:`hugehead.targets` (a sparse
+            probability target, class-weighted ids) with ``row_losses_of``. options: the loss.
         grad_rows: ``[N]`` accumulation dtype: ``dLoss/dloss_row`` (the reduction's scale; 0 on ignored
             rows), known before the pass.
         need_x, need_weight: which gradients to compute (``need_weight``: dW, and db with a bias).
+        row_losses_of: for a chunk target, ``(r0, r1, lse, target_logit, logit_sum) -> [r1 - r0]`` losses of
+            rows ``[r0, r1)`` from their merged statistics (its loss's rules, e.g.
+            :func:`hugehead.multilabel.softmax_row_losses`); None: class ids under ``options``' rules.
     Returns:
         ``(loss_rows [N] accumulation dtype (0 on ignored rows), dX [N, D] in x's (compute) dtype or None,
         dW [V, D] in the weight's stored dtype or None, db [V] in the bias's stored dtype or None)``.
@@ -692,7 +697,7 @@ def rows_steps(
         if grad_w is not None:
             grad_w.zero_()
         return loss_rows, grad_x, grad_w, _bias_grad(grad_b, source)
-    valid = target != options.ignore_index
+    valid = target != options.ignore_index if row_losses_of is None else None
     workspace = x.new_empty(min(plan.rows, n) * v)
     one_chunk = plan.cols >= v
     dx_acc = x.new_empty(min(plan.rows, n), d, dtype=acc) if (need_x and not one_chunk) else None
@@ -710,7 +715,10 @@ def rows_steps(
             z = _logits_into(xr, chunk, block[:, chunk.c0:chunk.c1])
             _chunk_stats(target, r0, r1, z, chunk.c0, options.kernel_softcap, stats)
         lse, target_logit, logit_sum = merge_row_stats([stats])
-        loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)
+        if row_losses_of is None:
+            loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)
+        else:
+            loss_rows[r0:r1] = row_losses_of(r0, r1, lse, target_logit, logit_sum)
         if dx_acc is not None:
             dx_acc[: r1 - r0].zero_()
         for chunk in source.chunks(plan.cols):
