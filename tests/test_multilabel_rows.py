@@ -68,8 +68,9 @@ def _dense_target(n, v, seed=0, positives=None):
         t = (torch.rand(n, v, generator=g) < 0.05).double() * torch.rand(n, v, generator=g, dtype=torch.float64)
     else:
         t = torch.zeros(n, v, dtype=torch.float64)
-        cols = torch.rand(n, v, generator=g).argsort(dim=1)[:, :positives]
-        t.scatter_(1, cols, 1.0 / positives)
+        # distinct classes per row: sorted draws from [0, v - k + 1) made distinct by adding their rank
+        cols = torch.randint(0, v - positives + 1, (n, positives), generator=g).sort(dim=1).values
+        t.scatter_(1, cols + torch.arange(positives), 1.0 / positives)
     t[0] = 0
     t[1] = torch.rand(v, generator=g, dtype=torch.float64)
     t[4] = 0
