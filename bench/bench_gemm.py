@@ -26,13 +26,16 @@ from bench.common import find_shape, make_inputs
 import torch  # noqa: E402
 
 BF16 = torch.bfloat16
+# HUGEHEAD_GEMM_SCHEDULE values each fused GEMM has (the gradient GEMM has no cooperative instantiation).
+STATS_SCHEDULES = ("pingpong", "pingpong_cluster", "cooperative")
+GRAD_SCHEDULES = ("pingpong", "pingpong_cluster")
 
 
 def _ms(fn, reps: int) -> float:
     return harness.measure(fn, torch.device("cuda"), reps=reps, warmup=2).ms
 
 
-def bench_shape(name: str, reps: int) -> dict:
+def bench_shape(name: str, reps: int, cols=None) -> dict:
     from hugehead import ops
     from hugehead.loop import plan_chunks
 
@@ -41,7 +44,7 @@ def bench_shape(name: str, reps: int) -> dict:
     x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
     n, d, v = shape.n, shape.d, shape.v
     plan = plan_chunks(n, d, v, BF16, dev)
-    cols = min(plan.cols, v)
+    cols = min(cols or plan.cols, v)
     wc = w[:cols]
     tc = t.clamp(max=cols - 1)  # every row's target in this chunk: the target-logit path is exercised
     z = x.new_empty(n, cols)
@@ -73,12 +76,25 @@ def bench_shape(name: str, reps: int) -> dict:
     per_step = v / cols
     row = {"shape": name, "n": n, "d": d, "v": v, "cols": cols, "plan": dict(vars(plan))}
     timings = {"cublas_logits": _ms(cublas_logits, reps), "cublas_stats": _ms(cublas_stats, reps)}
-    for schedule in ("pingpong", "cooperative"):
+    for schedule in STATS_SCHEDULES:
         os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
         timings[f"fused_stats_{schedule}"] = _ms(fused_stats, reps)
-    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
     timings["cublas_grad"] = _ms(cublas_grad, reps)
-    timings["fused_grad"] = _ms(fused_grad, reps)
+    for schedule in GRAD_SCHEDULES:
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+        timings[f"fused_grad_{schedule}"] = _ms(fused_grad, reps)
+    # The floors: each schedule's mainloop alone (the epilogue returns at once; nothing is computed).
+    os.environ["HUGEHEAD_GEMM_MAINLOOP_ONLY"] = "1"
+    for schedule in STATS_SCHEDULES:
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+        timings[f"mainloop_{schedule}"] = _ms(fused_stats, reps)
+    os.environ.pop("HUGEHEAD_GEMM_MAINLOOP_ONLY")
+    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+    # With a bias (nn.Linear's default), the default schedule.
+    bias = torch.randn(cols, device=dev).to(BF16)
+    timings["fused_stats_bias"] = _ms(lambda: ops.gemm_chunk_stats_(x, wc, bias, tc, 0, 0.0, *state), reps)
+    timings["fused_grad_bias"] = _ms(
+        lambda: ops.gemm_chunk_grad_(x, wc, bias, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z), reps)
     row["chunk_ms"] = timings
     row["chunk_tflops"] = {k: flops / ms / 1e9 for k, ms in timings.items()}
     row["step_ms"] = {k: ms * per_step for k, ms in timings.items()}
@@ -117,14 +133,18 @@ def ncu_one(name: str) -> None:
     lse, grad_rows = torch.full((n,), 12.0, device=dev), torch.full((n,), 1.0 / n, device=dev)
 
     def chunk():
-        for schedule in ("pingpong", "cooperative"):
+        for schedule in STATS_SCHEDULES:
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state)
-        ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, g)
+        for schedule in GRAD_SCHEDULES:
+            os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+            ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, g)
+        os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
 
     chunk()
     torch.cuda.synchronize()
-    print(f"ncu: {name} width {cols}: stats GEMM pingpong, merge, stats GEMM cooperative, merge, grad GEMM", flush=True)
+    print(f"ncu: {name} width {cols}: stats GEMM (+ merge) for each of {STATS_SCHEDULES}, grad GEMM for each of "
+          f"{GRAD_SCHEDULES}", flush=True)
     torch.cuda.profiler.start()
     chunk()
     torch.cuda.synchronize()
@@ -133,22 +153,42 @@ def ncu_one(name: str) -> None:
 
 def render(doc: dict) -> str:
     m = doc["meta"]
+    stats = [f"fused_stats_{k}" for k in STATS_SCHEDULES]
+    grads = [f"fused_grad_{k}" for k in GRAD_SCHEDULES]
     lines = [harness.header(f"Fused CUTLASS GEMMs vs cuBLAS + kernels, one chunk: {m['machine']} (bfloat16)", m),
-             "ms per chunk (TFLOP/s on 2·N·D·C); per step = × V / C. Fused = no logits in HBM.", "",
-             "| shape | C | cuBLAS logits GEMM | cuBLAS + chunk_stats_ | fused stats pingpong | fused stats cooperative "
-             "| cuBLAS + chunk_grad_ | fused grad | fwd per step cuBLAS → best fused | Δlse max | grad rel Δ |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|"]
+             "ms per chunk (TFLOP/s on 2·N·D·C); per step = × V / C. Fused = no logits in HBM; the fused columns "
+             "are the HUGEHEAD_GEMM_SCHEDULE values.", "",
+             "| shape | C | cuBLAS logits GEMM | cuBLAS + chunk_stats_ | "
+             + " | ".join(f"stats {k}" for k in STATS_SCHEDULES) + " | cuBLAS + chunk_grad_ | "
+             + " | ".join(f"grad {k}" for k in GRAD_SCHEDULES)
+             + " | fwd per step cuBLAS → best fused | bwd recompute per step cuBLAS → best fused | Δlse max | grad rel Δ |",
+             "|---|--:|" + "--:|" * (4 + len(stats) + len(grads)) + "---|---|--:|--:|"]
     for r in doc["results"]:
         c, tf, s = r["chunk_ms"], r["chunk_tflops"], r["step_ms"]
 
         def cell(k):
-            return f"{c[k]:.3f} ({tf[k]:.0f})"
+            return f"{c[k]:.3f} ({tf[k]:.0f})" if k in c else "–"
 
-        best = min(s["fused_stats_pingpong"], s["fused_stats_cooperative"])
+        best_s = min(s[k] for k in stats if k in s)
+        best_g = min(s[k] for k in grads if k in s)
         lines.append(f"| {r['shape']} | {r['cols']} | {cell('cublas_logits')} | {cell('cublas_stats')} | "
-                     f"{cell('fused_stats_pingpong')} | {cell('fused_stats_cooperative')} | {cell('cublas_grad')} | "
-                     f"{cell('fused_grad')} | {s['cublas_stats']:.1f} → {best:.1f} ms | "
+                     + " | ".join(cell(k) for k in stats) + f" | {cell('cublas_grad')} | "
+                     + " | ".join(cell(k) for k in grads)
+                     + f" | {s['cublas_stats']:.1f} → {best_s:.1f} ms | {s['cublas_grad']:.1f} → {best_g:.1f} ms | "
                      f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} |")
+    lines += ["", "The floors (HUGEHEAD_GEMM_MAINLOOP_ONLY=1: the epilogue returns at once) and a bias (the default "
+              "schedule):", "",
+              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES) + " | stats + bias | grad + bias |",
+              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 2)]
+    for r in doc["results"]:
+        c, tf = r["chunk_ms"], r["chunk_tflops"]
+
+        def cell2(k):
+            return f"{c[k]:.3f} ({tf[k]:.0f})" if k in c else "–"
+
+        lines.append(f"| {r['shape']} | {r['cols']} | "
+                     + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES)
+                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} |")
     return "\n".join(lines) + "\n" + harness.footer(m)
 
 
@@ -156,6 +196,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="xc1M,xc6M")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--cols", type=int, default=None, help="chunk width (default: the planned one)")
     p.add_argument("--out", default=None, help="folder for gemm.json / gemm.md")
     p.add_argument("--ncu", metavar="SHAPE", help="run one fused chunk of each kind for Nsight Compute and exit")
     opts = p.parse_args(argv)
@@ -171,7 +212,7 @@ def main(argv=None) -> int:
                             command=" ".join(["python", "-m", "bench.bench_gemm", *sys.argv[1:]]))
     results = []
     for name in opts.shapes.split(","):
-        results.append(bench_shape(name, opts.reps))
+        results.append(bench_shape(name, opts.reps, opts.cols))
         r = results[-1]
         print(f"{name:<9} C={r['cols']}: " + ", ".join(f"{k} {ms:.3f} ms ({r['chunk_tflops'][k]:.0f} TFLOP/s)"
                                                       for k, ms in r["chunk_ms"].items())

@@ -77,8 +77,9 @@ def gemm_chunk_stats_(
             the statistics are those ``chunk_stats_`` computes on cuBLAS's logits up to the summation
             orders (and the rare logit a different K order rounds the other way), and the forward's lse
             stays consistent with the backward's recomputed logits.
-        ``HUGEHEAD_GEMM_SCHEDULE=pingpong|cooperative`` (environment, read per call) picks the CUTLASS
-        schedule (default pingpong).
+        ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative`` (environment, read per call) picks
+        the CUTLASS schedule (default pingpong; pingpong_cluster runs clusters of two CTAs that share each
+        weight tile through TMA multicast).
 
     Raises:
         RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build

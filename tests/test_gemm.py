@@ -17,12 +17,19 @@ from conftest import HAS_CUDA_KERNELS, rel_err
 HAS_FUSED = HAS_CUDA_KERNELS and ops.has_fused_gemm(torch.device("cuda"), torch.bfloat16)
 requires_fused = pytest.mark.skipif(
     not HAS_FUSED, reason="needs a CUDA GPU of compute capability 9.0 and hugehead's CUTLASS GEMMs")
-SCHEDULES = ["pingpong", "cooperative"]
+SCHEDULES = ["pingpong", "pingpong_cluster", "cooperative"]
+GRAD_SCHEDULES = ["pingpong", "pingpong_cluster"]  # the gradient GEMM has no cooperative instantiation
 IGNORE = -100
 
 
 @pytest.fixture(params=SCHEDULES)
 def schedule(request, monkeypatch):
+    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", request.param)
+    return request.param
+
+
+@pytest.fixture(params=GRAD_SCHEDULES)
+def grad_schedule(request, monkeypatch):
     monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", request.param)
     return request.param
 
@@ -249,14 +256,15 @@ GRAD_CASES = [
     (130, 257, 128, 1000, True, 0.1, 1e-3, 30.0, True, 0),  # odd C: scalar stores
     (257, 1000, 768, 500, True, 0.0, 0.0, 0.0, True, 6),    # a column slice of a wider buffer
     (1000, 3000 + 3, 768, 0, False, 0.1, 0.0, 15.0, False, 1),
+    (1024, 4096, 768, 128, False, 0.1, 1e-3, 0.0, False, 0),  # whole tiles only: the fast path, no bias
 ]
 
 
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,d,class_start,bias,eps,z_loss,softcap,with_grad_lse,pad", GRAD_CASES)
-def test_grad_matches_float64_and_the_cublas_path(dtype, n, c, d, class_start, bias, eps, z_loss, softcap,
-                                                  with_grad_lse, pad):
+def test_grad_matches_float64_and_the_cublas_path(grad_schedule, dtype, n, c, d, class_start, bias, eps, z_loss,
+                                                  softcap, with_grad_lse, pad):
     seed = n * 3 + c
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
     num_classes = class_start + c + 100

@@ -2,6 +2,9 @@
 // compile in parallel; this file includes no CUTLASS header).
 #include "hugehead/gemm.h"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace hugehead {
 namespace gemm {
 
@@ -12,37 +15,73 @@ HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_pingpong)
 HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_cooperative)
 HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_pingpong)
 HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_cooperative)
+HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_pingpong_cluster)
+HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_pingpong_cluster)
 #undef HUGEHEAD_DECLARE_STATS_GEMM
-size_t grad_gemm_bf16_workspace(const GradGemmParams& p);
-const char* grad_gemm_bf16_run(const GradGemmParams& p, void* workspace, cudaStream_t stream);
-size_t grad_gemm_fp16_workspace(const GradGemmParams& p);
-const char* grad_gemm_fp16_run(const GradGemmParams& p, void* workspace, cudaStream_t stream);
+#define HUGEHEAD_DECLARE_GRAD_GEMM(NAME)                     \
+  size_t NAME##_workspace(const GradGemmParams& p);          \
+  const char* NAME##_run(const GradGemmParams& p, void* workspace, cudaStream_t stream);
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_cluster)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster)
+#undef HUGEHEAD_DECLARE_GRAD_GEMM
 
-int stats_gemm_tile_cols(Schedule schedule) { return schedule == Schedule::kPingpong ? 128 : 256; }
+Schedule schedule_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_SCHEDULE");
+  if (v != nullptr && std::strcmp(v, "cooperative") == 0) return Schedule::kCooperative;
+  if (v != nullptr && std::strcmp(v, "pingpong_cluster") == 0) return Schedule::kPingpongCluster;
+  return Schedule::kPingpong;
+}
+
+bool mainloop_only_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_MAINLOOP_ONLY");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+int stats_gemm_tile_cols(Schedule schedule) { return schedule == Schedule::kCooperative ? 256 : 128; }
 
 size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule) {
-  if (schedule == Schedule::kPingpong) {
-    return half ? stats_gemm_fp16_pingpong_workspace(p) : stats_gemm_bf16_pingpong_workspace(p);
+  switch (schedule) {
+    case Schedule::kPingpongCluster:
+      return half ? stats_gemm_fp16_pingpong_cluster_workspace(p) : stats_gemm_bf16_pingpong_cluster_workspace(p);
+    case Schedule::kCooperative:
+      return half ? stats_gemm_fp16_cooperative_workspace(p) : stats_gemm_bf16_cooperative_workspace(p);
+    default:
+      return half ? stats_gemm_fp16_pingpong_workspace(p) : stats_gemm_bf16_pingpong_workspace(p);
   }
-  return half ? stats_gemm_fp16_cooperative_workspace(p) : stats_gemm_bf16_cooperative_workspace(p);
 }
 
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream) {
-  if (schedule == Schedule::kPingpong) {
-    return half ? stats_gemm_fp16_pingpong_run(p, workspace, stream)
-                : stats_gemm_bf16_pingpong_run(p, workspace, stream);
+  switch (schedule) {
+    case Schedule::kPingpongCluster:
+      return half ? stats_gemm_fp16_pingpong_cluster_run(p, workspace, stream)
+                  : stats_gemm_bf16_pingpong_cluster_run(p, workspace, stream);
+    case Schedule::kCooperative:
+      return half ? stats_gemm_fp16_cooperative_run(p, workspace, stream)
+                  : stats_gemm_bf16_cooperative_run(p, workspace, stream);
+    default:
+      return half ? stats_gemm_fp16_pingpong_run(p, workspace, stream)
+                  : stats_gemm_bf16_pingpong_run(p, workspace, stream);
   }
-  return half ? stats_gemm_fp16_cooperative_run(p, workspace, stream)
-              : stats_gemm_bf16_cooperative_run(p, workspace, stream);
 }
 
-size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half) {
-  return half ? grad_gemm_fp16_workspace(p) : grad_gemm_bf16_workspace(p);
+size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule) {
+  if (schedule == Schedule::kPingpongCluster) {
+    return half ? grad_gemm_fp16_pingpong_cluster_workspace(p) : grad_gemm_bf16_pingpong_cluster_workspace(p);
+  }
+  return half ? grad_gemm_fp16_pingpong_workspace(p) : grad_gemm_bf16_pingpong_workspace(p);
 }
 
-const char* run_grad_gemm(const GradGemmParams& p, bool half, void* workspace, cudaStream_t stream) {
-  return half ? grad_gemm_fp16_run(p, workspace, stream) : grad_gemm_bf16_run(p, workspace, stream);
+const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
+                          cudaStream_t stream) {
+  if (schedule == Schedule::kPingpongCluster) {
+    return half ? grad_gemm_fp16_pingpong_cluster_run(p, workspace, stream)
+                : grad_gemm_bf16_pingpong_cluster_run(p, workspace, stream);
+  }
+  return half ? grad_gemm_fp16_pingpong_run(p, workspace, stream)
+              : grad_gemm_bf16_pingpong_run(p, workspace, stream);
 }
 
 }  // namespace gemm

@@ -9,6 +9,14 @@
 // rows r and r + 8, its last N/8 8-column steps. Every row of a tile is held by the four lanes of one quad
 // of one warp (lane / 4 picks the row, lane % 4 the column pair), and the builder's warpgroups split a tile
 // along M only. Row and column indices come from the identity tensor partitioned like the accumulator.
+//
+// How fast the epilogues run decides how fast the GEMM runs: in the pingpong schedule one warpgroup's
+// epilogue overlaps the other's MMAs only while it is shorter than them (a 128 x 128 x 768 tile's MMAs are
+// ~6k cycles), and each scheduler then runs a single epilogue warp, so the epilogue is latency-bound. Hence
+// (Nsight Compute and the SASS of the first version: ~30k cycles a tile, 10.6 cycles per instruction):
+// tiles wholly inside the problem take a path without bounds checks; a thread's rows are folded
+// side by side (independent dependency chains) with the column loop outside; class ids are compared as
+// 32-bit offsets from the thread's first column; every global load is issued before the arithmetic.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -35,12 +43,22 @@ template <>
 struct ScheduleConfig<Schedule::kPingpong> {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
+// Pingpong in clusters of two CTAs along M: each W tile is loaded once (TMA multicast) for both CTAs,
+// a quarter less L2 traffic (a 128 x 128 tile at K = 768 reads ~0.4 MB from L2 for 25 MFLOP).
+template <>
+struct ScheduleConfig<Schedule::kPingpongCluster> {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
 // Cooperative: both warpgroups on one 128 x 256 tile (half the partials, no epilogue overlap).
 template <>
 struct ScheduleConfig<Schedule::kCooperative> {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 };
 
 // Names the kernel wants of an epilogue that reads and writes no C or D through CUTLASS, and the host-side
@@ -90,22 +108,66 @@ CUTLASS_DEVICE auto tile_coordinates(ProblemShapeMNKL const& problem_shape_mnkl,
   return thr_mma.partition_C(cD);
 }
 
+// exp(x) as __expf computes it (ex2.approx of x log2(e)) except that results below 2^-126 flush to zero: one
+// MUFU.EX2 instead of the five instructions of the denormal-preserving ex2.approx.f32. A flushed term is below
+// 1.2e-38: it changes no sum that holds the row max's exp(0) = 1, and no gradient entry by more than bf16's
+// smallest normal.
+CUTLASS_DEVICE float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
+// The tile a thread's fragment belongs to: its rows (kRows = 2 MMA_M, as the fragment's row modes), the
+// chunk column of its first element, and whether the whole tile lies inside the problem (then no element
+// needs a bounds check).
+template <int kRows>
+struct FragmentRows {
+  int row[kRows];
+  int col0;
+  bool full;
+};
+
+template <class FrgLayout, class Coords, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL>
+CUTLASS_DEVICE auto fragment_rows(Coords const& tCcD, ProblemShapeMNKL const& problem_shape_mnkl,
+                                  BlockShapeMNK const&, BlockCoordMNKL const& blk_coord_mnkl) {
+  using namespace cute;
+  constexpr int kMmaM = size<1>(FrgLayout{});
+  FragmentRows<2 * kMmaM> f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 2 * kMmaM; ++i) f.row[i] = get<0>(tCcD(make_coord(make_coord(0, i % 2, 0), i / 2, 0)));
+  f.col0 = get<1>(tCcD(make_coord(make_coord(0, 0, 0), 0, 0)));
+  constexpr int kTileM = size<0>(BlockShapeMNK{});
+  constexpr int kTileN = size<1>(BlockShapeMNK{});
+  f.full = (static_cast<int>(get<0>(blk_coord_mnkl)) + 1) * kTileM <= static_cast<int>(get<0>(problem_shape_mnkl)) &&
+           (static_cast<int>(get<1>(blk_coord_mnkl)) + 1) * kTileN <= static_cast<int>(get<1>(problem_shape_mnkl));
+  return f;
+}
+
+// A row's class id as an offset from the thread's first column, or -1 when it is not in this tile (so it
+// matches no element: the element offsets are 0 .. kTileN - 1). 32-bit compares in the element loops.
+template <int kTileN>
+CUTLASS_DEVICE int target_offset(int64_t target, int64_t class_start, int col0) {
+  const int64_t rel = target - class_start - col0;
+  return (rel >= 0 && rel < kTileN) ? static_cast<int>(rel) : -1;
+}
+
 // In place: acc -> z = acc + bias rounded once to Element, then softcapped in float32. These are exactly
 // the logits cuBLAS's addmm stores and chunk_stats_ / chunk_grad_ read (up to the GEMM's summation order),
 // so the forward's lse stays consistent with the backward's recomputed logits whichever GEMM computes
 // either (a float32 lse against bf16 logits would put a confident row's p_target - 1 off by the logit's
-// rounding). A column's bias is read once for all of the thread's rows; everything stays in the
-// accumulator registers (per-row copies spilled).
-template <class Element, class Acc, class Coords>
-CUTLASS_DEVICE void logits_in_place(Acc& acc, Coords const& tCcD, int N, const Element* bias, float cap) {
+// rounding). A column's bias is read once for all of the thread's rows (no registers are left to hold
+// them all: the 128 x 128 tile's accumulators take 128 of the 168). kFull: no column is outside the
+// problem. kCap: softcap > 0 (inv_cap = 1 / cap from the host: a division is a called subroutine).
+// kBias: bias may be set (checked); without it z is the accumulator rounded, as cuBLAS's mm stores it.
+template <class Element, bool kFull, bool kCap, bool kBias, class Acc, class Coords>
+CUTLASS_DEVICE void logits_in_place(Acc& acc, Coords const& tCcD, int N, const Element* bias, float cap,
+                                    float inv_cap) {
   using namespace cute;
   using FrgLayout = typename Acc::layout_type;
   constexpr int kSteps = size<0, 2>(FrgLayout{});
   constexpr int kMmaM = size<1>(FrgLayout{});
   constexpr int kMmaN = size<2>(FrgLayout{});
-  // z * (1 / cap), not z / cap: an IEEE division is a called subroutine, and any call inside the kernel
-  // serializes the wgmma pipeline.
-  const float inv_cap = cap > 0.f ? __frcp_rn(cap) : 0.f;
   CUTLASS_PRAGMA_UNROLL
   for (int ni = 0; ni < kMmaN; ++ni) {
     CUTLASS_PRAGMA_UNROLL
@@ -113,13 +175,16 @@ CUTLASS_DEVICE void logits_in_place(Acc& acc, Coords const& tCcD, int N, const E
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < 2; ++c) {
         const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni)));
-        const float b = (bias != nullptr && col < N) ? static_cast<float>(bias[col]) : 0.f;
+        float b = 0.f;
+        if constexpr (kBias) b = (bias != nullptr && (kFull || col < N)) ? static_cast<float>(bias[col]) : 0.f;
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < kMmaM; ++mi) {
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < 2; ++r) {
-            float z = static_cast<float>(static_cast<Element>(acc(make_coord(make_coord(c, r, st), mi, ni)) + b));
-            if (cap > 0.f) z = cap * ::tanhf(z * inv_cap);
+            float a = acc(make_coord(make_coord(c, r, st), mi, ni));
+            if constexpr (kBias) a += b;
+            float z = static_cast<float>(static_cast<Element>(a));
+            if constexpr (kCap) z = cap * ::tanhf(z * inv_cap);
             acc(make_coord(make_coord(c, r, st), mi, ni)) = z;
           }
         }
@@ -136,7 +201,7 @@ struct FusedGemm {
   static constexpr int kAlign = 16 / sizeof(Element);
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
-      cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, cute::Shape<cute::_1, cute::_1, cute::_1>,
+      cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;

@@ -43,11 +43,13 @@ void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const s
                          grad_logits.stride(0), rows, cols, x.size(1), x.stride(0), weight.stride(0), class_start,
                          num_classes, static_cast<float>(label_smoothing), static_cast<float>(z_loss),
                          static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
+  p.mainloop_only = gemm::mainloop_only_from_env();
   const bool half = x.scalar_type() == at::kHalf;
-  const size_t ws_bytes = gemm::grad_gemm_workspace_bytes(p, half);
+  const gemm::Schedule schedule = gemm::schedule_from_env();
+  const size_t ws_bytes = gemm::grad_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-  const char* error = gemm::run_grad_gemm(p, half, ws_bytes > 0 ? workspace.data_ptr() : nullptr, stream);
+  const char* error = gemm::run_grad_gemm(p, half, schedule, ws_bytes > 0 ? workspace.data_ptr() : nullptr, stream);
   TORCH_CHECK(error == nullptr, "hugehead: ", error == nullptr ? "" : error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -44,13 +44,6 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
-gemm::Schedule schedule_from_env() {
-  // HUGEHEAD_GEMM_SCHEDULE=cooperative|pingpong (default pingpong): read per call so one process can A/B.
-  const char* v = std::getenv("HUGEHEAD_GEMM_SCHEDULE");
-  return (v != nullptr && std::strcmp(v, "cooperative") == 0) ? gemm::Schedule::kCooperative
-                                                               : gemm::Schedule::kPingpong;
-}
-
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
@@ -64,7 +57,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   if (rows == 0 || cols == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const gemm::Schedule schedule = schedule_from_env();
+  const gemm::Schedule schedule = gemm::schedule_from_env();
   const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
   const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
   at::Tensor partials = at::empty({rows, tiles, 4}, x.options().dtype(at::kFloat));
@@ -72,6 +65,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                           target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), partials.data_ptr<float>(),
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
                           static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
+  p.mainloop_only = gemm::mainloop_only_from_env();
   const bool half = x.scalar_type() == at::kHalf;
   const size_t ws_bytes = gemm::stats_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;

@@ -1,6 +1,6 @@
 // The backward's recompute GEMM whose epilogue writes dLoss/dlogits directly (what chunk_grad_ does in
 // place to stored logits), so the logits never make a round trip through HBM before the dX / dW GEMMs read
-// the gradient (the GEMM itself: fused_gemm.cuh). Included by one .cu per dtype.
+// the gradient (the GEMM itself: fused_gemm.cuh). Included by one .cu per (dtype, schedule).
 #pragma once
 
 #include <cmath>
@@ -14,7 +14,7 @@ namespace gemm {
 // Per element, given the row's final lse, g = dLoss/dloss_row and g_lse (numerics.h's logit_grad, with
 // z * (1 / softcap) for the division, as the logits_in_place softcap):
 //   (g (p - eps / V - (1 - eps) [j == target] + p * 2 z_loss lse) + g_lse p) * dsoftcap/dz
-// with p = exp(c - lse), c the softcapped logit. Rows with g == g_lse == 0 (ignored) are exact zeros.
+// with p = exp(c - lse) (exp_ftz), c the softcapped logit. Rows with g == g_lse == 0 (ignored) are exact zeros.
 template <class Element>
 struct GradEpilogue : EpilogueBase<Element> {
   struct Arguments {
@@ -30,6 +30,8 @@ struct GradEpilogue : EpilogueBase<Element> {
     float target_weight = 1.f;  // 1 - label_smoothing
     float z_loss = 0.f;
     float softcap = 0.f;
+    float inv_softcap = 0.f;
+    bool mainloop_only = false;    // 1 / softcap, computed on the host
     bool pairs = false;  // grad_logits rows 4-byte aligned: adjacent columns stored as one 32-bit word
   };
   using Params = Arguments;
@@ -47,6 +49,13 @@ struct GradEpilogue : EpilogueBase<Element> {
   CUTLASS_HOST_DEVICE GradEpilogue(Params const& p, typename EpilogueBase<Element>::SharedStorage const& = {})
       : params(p) {}
 
+  // A thread's rows' inputs, loaded before any arithmetic (fused_gemm.cuh says why).
+  template <int kRows>
+  struct RowInputs {
+    float g[kRows], gl[kRows], lse[kRows];
+    int64_t target[kRows];
+  };
+
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
@@ -54,60 +63,100 @@ struct GradEpilogue : EpilogueBase<Element> {
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
-    constexpr int kSteps = size<0, 2>(FrgLayout{});
-    constexpr int kMmaM = size<1>(FrgLayout{});
-    constexpr int kMmaN = size<2>(FrgLayout{});
+    if (params.mainloop_only) return;
+    constexpr int kRows = 2 * size<1>(FrgLayout{});
+    const int M = static_cast<int>(get<0>(problem_shape_mnkl));
+    const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
+    const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+    RowInputs<kRows> in;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const bool ok = f.row[i] < M;
+      in.g[i] = ok ? params.grad_rows[f.row[i]] : 0.f;
+      in.gl[i] = (ok && params.grad_lse != nullptr) ? params.grad_lse[f.row[i]] : 0.f;
+      in.lse[i] = ok ? params.lse[f.row[i]] : 0.f;
+      in.target[i] = ok ? params.target[f.row[i]] : int64_t(-1);
+    }
+    // Fast paths for the tiles inside the problem, without softcap, stored in 32-bit words; every other
+    // tile takes a checked path.
+    const bool cap = params.softcap > 0.f;
+    if (f.full && !cap && params.pairs) {
+      if (params.bias != nullptr) write<true, false, true>(acc, tCcD, f, in, problem_shape_mnkl, blk_shape_MNK);
+      else write<true, false, false>(acc, tCcD, f, in, problem_shape_mnkl, blk_shape_MNK);
+    } else {
+      if (cap) write<false, true, true>(acc, tCcD, f, in, problem_shape_mnkl, blk_shape_MNK);
+      else write<false, false, true>(acc, tCcD, f, in, problem_shape_mnkl, blk_shape_MNK);
+    }
+  }
 
+  // kFull: the tile is inside the problem and params.pairs holds.
+  template <bool kFull, bool kCap, bool kBias, class Acc, class Coords, class Rows, class Inputs, class ProblemShapeMNKL,
+            class BlockShapeMNK>
+  CUTLASS_DEVICE void write(Acc& acc, Coords const& tCcD, Rows const& f, Inputs const& in,
+                            ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&) {
+    using namespace cute;
+    using FrgLayout = typename Acc::layout_type;
+    constexpr int kSteps = size<0, 2>(FrgLayout{});
+    constexpr int kMmaN = size<2>(FrgLayout{});
+    constexpr int kRows = 2 * size<1>(FrgLayout{});
+    constexpr int kTileN = size<1>(BlockShapeMNK{});
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
-    const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
     // The softcap stays out of logits_in_place here: its tanh also gives dsoftcap/dz below.
-    logits_in_place<Element>(acc, tCcD, N, params.bias, 0.f);
-    const float cap = params.softcap;
-    const float inv_cap = cap > 0.f ? __frcp_rn(cap) : 0.f;
+    logits_in_place<Element, kFull, false, kBias>(acc, tCcD, N, params.bias, 0.f, 0.f);
+    const float cap = params.softcap, inv_cap = params.inv_softcap;
 
+    int t_off[kRows];
+    float z_term[kRows];
+    bool zero_row[kRows];
+    Element* out[kRows];  // the row's grad_logits at the thread's first column
     CUTLASS_PRAGMA_UNROLL
-    for (int mi = 0; mi < kMmaM; ++mi) {
+    for (int i = 0; i < kRows; ++i) {
+      t_off[i] = target_offset<kTileN>(in.target[i], params.class_start, f.col0);
+      z_term[i] = 2.f * params.z_loss * in.lse[i];
+      zero_row[i] = in.g[i] == 0.f && in.gl[i] == 0.f;
+      out[i] = params.grad_logits + static_cast<int64_t>(f.row[i]) * params.grad_stride + f.col0;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int ni = 0; ni < kMmaN; ++ni) {
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int row = get<0>(tCcD(make_coord(make_coord(0, r, 0), mi, 0)));
-        if (row >= M) continue;  // no shuffles below: lanes may leave
-        const float g = params.grad_rows[row];
-        const float gl = params.grad_lse == nullptr ? 0.f : params.grad_lse[row];
-        const bool zero_row = g == 0.f && gl == 0.f;
-        const float lse = params.lse[row];
-        const float z_term = 2.f * params.z_loss * lse;
-        const int64_t t = params.target[row] - params.class_start;
-        Element* out = params.grad_logits + static_cast<int64_t>(row) * params.grad_stride;
+      for (int st = 0; st < kSteps; ++st) {
+        const int col0 = get<1>(tCcD(make_coord(make_coord(0, 0, st), 0, ni)));
+        const int offset0 = col0 - f.col0;  // a constant: the fragment's layout is static
         CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < kMmaN; ++ni) {
+        for (int i = 0; i < kRows; ++i) {
+          Element v[2];
           CUTLASS_PRAGMA_UNROLL
-          for (int st = 0; st < kSteps; ++st) {
-            Element v[2];
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              const int col = get<1>(tCcD(make_coord(make_coord(c, r, st), mi, ni)));
-              const float z = acc(make_coord(make_coord(c, r, st), mi, ni));
-              float cz = z, dcdz = 1.f;
-              if (cap > 0.f) {
-                const float th = ::tanhf(z * inv_cap);
-                cz = cap * th;
-                dcdz = 1.f - th * th;
-              }
-              const float p = __expf(cz - lse);
-              float d = p - params.smooth;
-              if (col == t) d -= params.target_weight;
-              d += p * z_term;
-              const float grad = gl == 0.f ? g * (d * dcdz) : (g * d + gl * p) * dcdz;
-              v[c] = static_cast<Element>(zero_row ? 0.f : grad);
+          for (int c = 0; c < 2; ++c) {
+            const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
+            float cz = z, dcdz = 1.f;
+            if constexpr (kCap) {
+              const float th = ::tanhf(z * inv_cap);
+              cz = cap * th;
+              dcdz = 1.f - th * th;
             }
-            const int col0 = get<1>(tCcD(make_coord(make_coord(0, r, st), mi, ni)));
-            if (params.pairs && col0 + 1 < N) {
-              const uint32_t word = static_cast<uint32_t>(v[0].raw()) | (static_cast<uint32_t>(v[1].raw()) << 16);
-              *reinterpret_cast<uint32_t*>(out + col0) = word;
+            const float p = exp_ftz(cz - in.lse[i]);
+            float d = p - params.smooth;
+            if (offset0 + c == t_off[i]) d -= params.target_weight;
+            d += p * z_term[i];
+            float grad;
+            if constexpr (kCap) {
+              grad = in.gl[i] == 0.f ? in.g[i] * (d * dcdz) : (in.g[i] * d + in.gl[i] * p) * dcdz;
             } else {
-              if (col0 < N) out[col0] = v[0];
-              if (col0 + 1 < N) out[col0 + 1] = v[1];
+              grad = in.gl[i] * p + in.g[i] * d;  // = g d exactly when gl is 0
+            }
+            v[c] = static_cast<Element>(zero_row[i] ? 0.f : grad);
+          }
+          const uint32_t word = static_cast<uint32_t>(v[0].raw()) | (static_cast<uint32_t>(v[1].raw()) << 16);
+          if constexpr (kFull) {
+            reinterpret_cast<uint32_t*>(out[i])[offset0 / 2] = word;  // offset0 is even: an immediate offset
+          } else {
+            if (f.row[i] >= M) continue;
+            if (params.pairs && col0 + 1 < N) {
+              *reinterpret_cast<uint32_t*>(out[i] + offset0) = word;
+            } else {
+              if (col0 < N) out[i][offset0] = v[0];
+              if (col0 + 1 < N) out[i][offset0 + 1] = v[1];
             }
           }
         }
@@ -118,9 +167,9 @@ struct GradEpilogue : EpilogueBase<Element> {
   Params params;
 };
 
-template <class Element>
+template <class Element, Schedule S>
 struct GradGemm {
-  using Gemm = FusedGemm<Element, Schedule::kPingpong, GradEpilogue<Element>>;
+  using Gemm = FusedGemm<Element, S, GradEpilogue<Element>>;
 
   static typename Gemm::Device::Arguments arguments(const GradGemmParams& p) {
     typename GradEpilogue<Element>::Arguments epi;
@@ -136,6 +185,8 @@ struct GradGemm {
     epi.target_weight = 1.f - p.label_smoothing;
     epi.z_loss = p.z_loss;
     epi.softcap = p.softcap;
+    epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
+    epi.mainloop_only = p.mainloop_only;
     epi.pairs = p.grad_stride % 2 == 0 && reinterpret_cast<uintptr_t>(p.grad_logits) % 4 == 0;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);
   }
@@ -148,12 +199,12 @@ struct GradGemm {
 }  // namespace gemm
 }  // namespace hugehead
 
-#define HUGEHEAD_GRAD_GEMM_INSTANCE(NAME, ELEMENT)                                                        \
+#define HUGEHEAD_GRAD_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE)                                                      \
   namespace hugehead {                                                                                 \
   namespace gemm {                                                                                     \
-  size_t NAME##_workspace(const GradGemmParams& p) { return GradGemm<ELEMENT>::workspace_bytes(p); }     \
+  size_t NAME##_workspace(const GradGemmParams& p) { return GradGemm<ELEMENT, SCHEDULE>::workspace_bytes(p); }     \
   const char* NAME##_run(const GradGemmParams& p, void* workspace, cudaStream_t stream) {               \
-    return GradGemm<ELEMENT>::run(p, workspace, stream);                                               \
+    return GradGemm<ELEMENT, SCHEDULE>::run(p, workspace, stream);                                               \
   }                                                                                                    \
   }                                                                                                    \
   }

@@ -11,9 +11,9 @@
 namespace hugehead {
 namespace gemm {
 
-// Epilogue of the statistics GEMM (fragment layout: fused_gemm.cuh). A row's statistics over the tile are
-// the thread's own columns, then two xor shuffles inside the quad that holds the row; no shared memory, and
-// the lane with lane % 4 == 0 writes the row's partial.
+// Epilogue of the statistics GEMM (fragment layout and why it is written this way: fused_gemm.cuh). A
+// row's statistics over the tile are the thread's own columns, then two xor shuffles inside the quad that
+// holds the row; no shared memory, and the lane with lane % 4 == 0 writes the row's partial.
 template <class Element>
 struct StatsEpilogue : EpilogueBase<Element> {
   struct Arguments {
@@ -24,6 +24,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
     int64_t class_start = 0;
     int64_t num_col_tiles = 0;
     float softcap = 0.f;
+    float inv_softcap = 0.f;
+    bool mainloop_only = false;           // 1 / softcap, computed on the host
   };
   using Params = Arguments;
 
@@ -46,71 +48,118 @@ struct StatsEpilogue : EpilogueBase<Element> {
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
-    constexpr int kSteps = size<0, 2>(FrgLayout{});  // 8-column steps per MMA atom
-    constexpr int kMmaM = size<1>(FrgLayout{});
-    constexpr int kMmaN = size<2>(FrgLayout{});
+    if (params.mainloop_only) return;
+    constexpr int kRows = 2 * size<1>(FrgLayout{});
+    const int M = static_cast<int>(get<0>(problem_shape_mnkl));
+    const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
+    const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+    int64_t target[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) target[i] = f.row[i] < M ? params.target[f.row[i]] : int64_t(-1);
+    // Fast paths for the tiles inside the problem without softcap; every other tile takes a checked path.
+    const bool cap = params.softcap > 0.f;
+    if (f.full && !cap) {
+      if (params.bias != nullptr) fold<true, false, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      else fold<true, false, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+    } else {
+      if (cap) fold<false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      else fold<false, false, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+    }
+  }
 
+  template <bool kFull, bool kCap, bool kBias, class Acc, class Coords, class Rows, int kRows, class ProblemShapeMNKL,
+            class BlockShapeMNK, class BlockCoordMNKL>
+  CUTLASS_DEVICE void fold(Acc& acc, Coords const& tCcD, Rows const& f, const int64_t (&target)[kRows],
+                           ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&,
+                           BlockCoordMNKL const& blk_coord_mnkl) {
+    using namespace cute;
+    using FrgLayout = typename Acc::layout_type;
+    constexpr int kSteps = size<0, 2>(FrgLayout{});  // 8-column steps per MMA atom
+    constexpr int kMmaN = size<2>(FrgLayout{});
+    constexpr int kTileN = size<1>(BlockShapeMNK{});
+    static_assert(kMmaN == 1, "one MMA atom spans the tile's columns (the target's element is found from that)");
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
-    const auto n_coord = get<1>(blk_coord_mnkl);
-    const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
-    logits_in_place<Element>(acc, tCcD, N, params.bias, params.softcap);
+    logits_in_place<Element, kFull, kCap, kBias>(acc, tCcD, N, params.bias, params.softcap, params.inv_softcap);
 
-    const int lane = static_cast<int>(threadIdx.x) % 32;
+    int t_off[kRows];
+    float m[kRows], sum[kRows], t_z[kRows], s[kRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int mi = 0; mi < kMmaM; ++mi) {
+    for (int i = 0; i < kRows; ++i) {
+      t_off[i] = target_offset<kTileN>(target[i], params.class_start, f.col0);
+      m[i] = -INFINITY;
+      sum[i] = 0.f;
+      t_z[i] = 0.f;
+      s[i] = 0.f;
+    }
+    // The rows' max over this thread's in-range columns, their logit sums and target logits.
+    CUTLASS_PRAGMA_UNROLL
+    for (int ni = 0; ni < kMmaN; ++ni) {
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int row = get<0>(tCcD(make_coord(make_coord(0, r, 0), mi, 0)));
-        const bool row_ok = row < M;
-        const int64_t t = row_ok ? params.target[row] - params.class_start : int64_t(-1);
-        // Pass 2: the row's max over this thread's in-range columns, its logit sum, its target logit.
-        float m = -INFINITY, sum = 0.f;
+      for (int st = 0; st < kSteps; ++st) {
         CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < kMmaN; ++ni) {
+        for (int c = 0; c < 2; ++c) {
+          const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni)));
+          const int offset = col - f.col0;  // a constant: the fragment's layout is static
+          const bool ok = kFull || col < N;
           CUTLASS_PRAGMA_UNROLL
-          for (int st = 0; st < kSteps; ++st) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              const int col = get<1>(tCcD(make_coord(make_coord(c, r, st), mi, ni)));
-              const float z = acc(make_coord(make_coord(c, r, st), mi, ni));
-              const bool ok = col < N;
-              if (ok && col == t) params.target_logit[row] = z;
-              sum += ok ? z : 0.f;
-              m = ::fmaxf(m, ok ? z : -INFINITY);  // NaN-ignoring: a NaN reaches s through its exp below
-            }
+          for (int i = 0; i < kRows; ++i) {
+            const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
+            t_z[i] = offset == t_off[i] ? z : t_z[i];
+            sum[i] += ok ? z : 0.f;
+            m[i] = ::fmaxf(m[i], ok ? z : -INFINITY);  // NaN-ignoring: a NaN reaches s through its exp below
           }
         }
-        // Pass 3: one exp per element, as chunk_stats_'s fold_values (while the max is -inf, NaNs are
-        // summed as they are, so a NaN still surfaces).
-        float s = 0.f;
-        const bool all_neg_inf = m == -INFINITY;
+      }
+    }
+    // One exp per element, as chunk_stats_'s fold_values (up to exp_ftz's flushed terms). A row whose max is -inf (all -inf or NaN) takes
+    // exp(z - 0): 0 for -inf, NaN for NaN, so a NaN still surfaces, as there.
+    float m0[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) m0[i] = m[i] == -INFINITY ? 0.f : m[i];
+    CUTLASS_PRAGMA_UNROLL
+    for (int ni = 0; ni < kMmaN; ++ni) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int st = 0; st < kSteps; ++st) {
         CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < kMmaN; ++ni) {
+        for (int c = 0; c < 2; ++c) {
+          const bool ok = kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni))) < N;
           CUTLASS_PRAGMA_UNROLL
-          for (int st = 0; st < kSteps; ++st) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              const int col = get<1>(tCcD(make_coord(make_coord(c, r, st), mi, ni)));
-              const float z = acc(make_coord(make_coord(c, r, st), mi, ni));
-              if (col < N) s += all_neg_inf ? (z != z ? z : 0.f) : __expf(z - m);
-            }
+          for (int i = 0; i < kRows; ++i) {
+            const float e = exp_ftz(acc(make_coord(make_coord(c, i % 2, st), i / 2, ni)) - m0[i]);
+            s[i] += ok ? e : 0.f;
           }
         }
-        // The quad holding this row: xor shuffles give all four lanes the same (commutative) result.
-        CUTLASS_PRAGMA_UNROLL
-        for (int off = 1; off < 4; off *= 2) {
-          const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-          const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-          sum += __shfl_xor_sync(0xffffffffu, sum, off);
-          const float mm = ::fmaxf(m, m2);
-          s = (m == -INFINITY ? 0.f * s : s * __expf(m - mm)) + (m2 == -INFINITY ? 0.f * s2 : s2 * __expf(m2 - mm));
-          m = mm;  // never NaN: fmaxf from -inf ignores NaN values
-        }
-        if (row_ok && lane % 4 == 0) {
-          const float4 part = make_float4(m, s, sum, 0.f);
-          reinterpret_cast<float4*>(params.partials)[static_cast<int64_t>(row) * params.num_col_tiles + n_coord] = part;
-        }
+      }
+    }
+    // The quad holding each row: xor shuffles give all four lanes the same (commutative) result.
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off < 4; off *= 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m[i], off);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s[i], off);
+        sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], off);
+        const float mm = ::fmaxf(m[i], m2);
+        s[i] = (m[i] == -INFINITY ? 0.f * s[i] : s[i] * __expf(m[i] - mm)) +
+               (m2 == -INFINITY ? 0.f * s2 : s2 * __expf(m2 - mm));
+        m[i] = mm;  // never NaN: fmaxf from -inf ignores NaN values
+      }
+    }
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int64_t n_coord = static_cast<int64_t>(get<1>(blk_coord_mnkl));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      if (f.row[i] >= M) continue;
+      // Whether the target's column is one of this thread's: the element at that offset is at
+      // (offset % 2, offset / 8) of the fragment's first atom (checked against the layout, not assumed).
+      const int t = t_off[i];
+      const bool mine = t >= 0 && (t & 7) < 2 && (t >> 3) < kSteps && f.col0 + t < N &&
+                        get<1>(tCcD(make_coord(make_coord(t & 1, 0, t >> 3), 0, 0))) - f.col0 == t;
+      if (mine) params.target_logit[f.row[i]] = t_z[i];
+      if (lane % 4 == 0) {
+        reinterpret_cast<float4*>(params.partials)[static_cast<int64_t>(f.row[i]) * params.num_col_tiles + n_coord] =
+            make_float4(m[i], s[i], sum[i], 0.f);
       }
     }
   }
@@ -131,6 +180,8 @@ struct StatsGemm {
     epi.class_start = p.class_start;
     epi.num_col_tiles = (p.cols + Gemm::kTileCols - 1) / Gemm::kTileCols;
     epi.softcap = p.softcap;
+    epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
+    epi.mainloop_only = p.mainloop_only;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Gemm::Device::get_workspace_size(arguments(p)); }

@@ -28,6 +28,7 @@ struct StatsGemmParams {
   int64_t class_start;
   float softcap;  // <= 0: none
   int sm_count;   // SMs the persistent kernel spreads its tiles over
+  bool mainloop_only = false;  // benchmarks only: skip the epilogue (nothing is written), see below
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
@@ -53,9 +54,20 @@ struct GradGemmParams {
   float z_loss;
   float softcap;  // <= 0: none
   int sm_count;
+  bool mainloop_only = false;
 };
 
-enum class Schedule { kPingpong = 0, kCooperative = 1 };
+// HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative picks one (read per call, for A/B runs).
+enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
+
+// The schedule HUGEHEAD_GEMM_SCHEDULE names (default pingpong). The gradient GEMM has no cooperative
+// instantiation and takes pingpong for it.
+Schedule schedule_from_env();
+
+// HUGEHEAD_GEMM_MAINLOOP_ONLY=1 (benchmarks only, read per call): the fused GEMMs return from their
+// epilogue at once and write nothing, so bench/bench_gemm.py can time a schedule's mainloop alone -- the
+// floor its epilogue is measured against. The op's outputs are then left as they were.
+bool mainloop_only_from_env();
 
 // Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)).
 int stats_gemm_tile_cols(Schedule schedule);
@@ -67,9 +79,10 @@ size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule 
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream);
 
-// The gradient GEMM (pingpong schedule): workspace bytes and launch, as for the statistics GEMM.
-size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half);
-const char* run_grad_gemm(const GradGemmParams& p, bool half, void* workspace, cudaStream_t stream);
+// The gradient GEMM (a pingpong schedule): workspace bytes and launch, as for the statistics GEMM.
+size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule);
+const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
+                          cudaStream_t stream);
 
 }  // namespace gemm
 }  // namespace hugehead
