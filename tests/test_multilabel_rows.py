@@ -476,8 +476,16 @@ def test_bench_multilabel_smoke_records_the_plans(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's bench package
     from bench import bench_multilabel
 
-    paths = bench_multilabel.main(["--smoke", "--reps", "1", "--warmup", "1", "--out", str(tmp_path)])
+    smoke = ["--smoke", "--reps", "1", "--warmup", "1"]
+    paths = bench_multilabel.main([*smoke, "--out", str(tmp_path / "default")])
     (row,) = json.loads(Path(paths["json"]).read_text())["rows"]
     assert row["single_plan"] == row["multi_plan"] == "kept"  # tiny logits fit the default budget
-    assert row["multi_vs_single_rel"] <= 1e-6 and "multi_ms" in row
+    assert row["multi_vs_single_rel"] <= 1e-6 and "multi_ms" in row and "multi_no_rows_ms" not in row
     assert "kept / kept" in Path(paths["md"]).read_text()
+    # A budget of two blocks of 32 rows (smoke: 64 x 32 x 4096, float32): the rows plan, and its A/B.
+    budget = 32 * 4096 * 4 + 64 * 32 * 4
+    paths = bench_multilabel.main([*smoke, "--memory-budget", str(budget), "--out", str(tmp_path / "rows")])
+    (row,) = json.loads(Path(paths["json"]).read_text())["rows"]
+    assert row["single_plan"] == row["multi_plan"] == "rows"
+    assert row["multi_no_rows_ms"] > 0 and abs(row["multi_no_rows_loss"] - row["multi_loss"]) <= 1e-5 * row["multi_loss"]
+    assert "rows / rows" in Path(paths["md"]).read_text()
