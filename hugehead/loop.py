@@ -318,8 +318,9 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     fused = _fused_applies(x, target, "stats")
     workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
+    cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
-    for chunk in source.chunks(plan.cols):
+    for chunk in source.chunks(cols):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             rows = RowStats(*(s[r0:r1] for s in stats))
@@ -329,8 +330,9 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
             if chunk.c0 < kept_classes:
                 z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
             else:
-                if workspace is None:
-                    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+                if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
+                    # (a widened chunk the fused GEMM refused -- its layout -- needs its own width)
+                    workspace = x.new_empty(min(plan.rows, n) * min(max(plan.cols, chunk.c1 - chunk.c0), v))
                 z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
             _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
@@ -364,6 +366,21 @@ def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
     return (_tma_ready(x) and _tma_ready(w) and w.dtype == x.dtype
             and (b is None or (b.is_contiguous() and b.dtype == x.dtype))
             and x.shape[0] < 2**31 - 1 and w.shape[0] < 2**31 - 1)
+
+
+# The fused statistics GEMM stores no logits: its one buffer is the partials, 16 bytes per row and 128 columns
+# (a sixteenth of a 16-bit logits chunk of the same width). So where the weight is resident in the compute
+# dtype (chunks are slices, never casts) it takes chunks this many times the plan's width: fewer launches,
+# merges and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
+FUSED_STATS_WIDEN = 8
+
+
+def _fused_stats_cols(plan: Plan, source) -> int:
+    """Chunk width of a forward whose chunks all take the fused statistics GEMM (no kept logits)."""
+    if not isinstance(source, ResidentChunks) or source.weight.dtype != source.compute_dtype or (
+            source.bias is not None and source.bias.dtype != source.compute_dtype):
+        return plan.cols
+    return plan.cols * FUSED_STATS_WIDEN
 
 
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
