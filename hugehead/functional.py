@@ -233,11 +233,88 @@ _lce_forward.register_autograd(_lce_backward_autograd, setup_context=_lce_setup_
 # --------------------------------------------------------------------------------------------------
 # The rows plan's op: a scalar loss and its gradients in one pass (hugehead.plan.plan_rows)
 # --------------------------------------------------------------------------------------------------
-def _rows_plan(plan: List[int]) -> Plan:
+def rows_plan(plan: List[int]) -> Plan:
     """The rows plan that travelled with the call: ``[rows, cols, budget]``."""
     rows, cols, budget = (int(p) for p in plan)
     return Plan(rows=rows, cols=cols, grad_in_forward=True, budget=budget,
                 budget_reason=f"a budget of {budget} bytes")
+
+
+def rows_pass(x: Tensor, weight: Tensor, bias: Optional[Tensor], target, options: LossOptions, plan: Plan,
+              grad_rows: Tensor, need_x: bool, need_weight: bool, row_losses_of=None
+              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The body of every rows-plan op: :func:`hugehead.loop.rows_steps` of a weight on ``x``'s device
+    under the no-autocast and out-of-memory guards: ``(loss_rows [N], dX, dW, db)``, a gradient not asked
+    for (or db without bias) a fresh empty tensor each (custom op outputs may not alias each other)."""
+    with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, None):
+        loss_rows, grad_x, grad_w, grad_b = run_steps(rows_steps(
+            x, ResidentChunks(weight, bias, x.dtype), target, options, plan, grad_rows, need_x, need_weight,
+            row_losses_of))
+    return (
+        loss_rows,
+        grad_x if grad_x is not None else x.new_empty(0),
+        grad_w if grad_w is not None else x.new_empty(0),
+        grad_b if grad_b is not None else x.new_empty(0),
+    )
+
+
+def rows_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], need_x: bool, need_weight: bool):
+    """The fake outputs of a rows-plan op: ``(loss 0-d, dX, dW, db)``."""
+    acc = ops.acc_dtype(x.dtype)
+    return (
+        x.new_empty((), dtype=acc),
+        x.new_empty(x.shape) if need_x else x.new_empty(0),
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty(0),
+        torch.empty_like(bias) if (need_weight and bias is not None) else x.new_empty(0),
+    )
+
+
+def register_rows_autograd(op, hold_index: int) -> None:
+    """The autograd of a rows-plan op (inputs ``x, weight, bias, ...``, ``hold`` at ``hold_index``; outputs
+    ``(loss, dX, dW, db)`` for an incoming gradient of 1): the backward scales the forward's gradients."""
+    def setup_context(ctx, inputs, output):
+        bias = inputs[2]
+        hold = inputs[hold_index]
+        _, grad_x, grad_w, grad_b = output
+        ctx.mark_non_differentiable(grad_x, grad_w, grad_b)
+        ctx.hold = hold
+        ctx.has_bias = bias is not None
+        ctx.num_inputs = len(inputs)
+        if hold:
+            # Held on ctx (not saved for backward): the backward scales them in place and lets go of them, so
+            # autograd can take them as the .grad tensors without a copy.
+            ctx.grads = (grad_x, grad_w, grad_b)
+        else:
+            ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, grad_loss, *unused):
+        if ctx.hold:
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "hugehead: linear_cross_entropy's gradients were produced in its forward (the rows plan) and "
+                    "were already used by a first backward; backpropagate through it once, or set HUGEHEAD_ROWS=0 "
+                    "(the logits are then kept or recomputed) to call backward with retain_graph=True twice")
+            grad_x, grad_w, grad_b = ctx.grads
+            ctx.grads = None
+        else:
+            grad_x, grad_w, grad_b = ctx.saved_tensors
+        if grad_loss is None:
+            return (None,) * ctx.num_inputs
+        needs = ctx.needs_input_grad
+        want = (needs[0], needs[1], ctx.has_bias and needs[2])
+        # In place when held (eager): the forward's gradient tensors become the gradients, no copy; a 0-d
+        # grad_loss keeps each gradient's dtype.
+        grads = [None if not wanted else (g.mul_(grad_loss) if ctx.hold else g * grad_loss)
+                 for g, wanted in zip((grad_x, grad_w, grad_b), want)]
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # create_graph=True: the gradients were made in the forward, without a graph; tie them to a node
+            # whose backward raises, so differentiating them is a clear error, never a silent zero.
+            anchor = torch.zeros((), device=grad_loss.device, requires_grad=True)
+            grads = no_second_order("linear_cross_entropy", [anchor], grads)
+        return (*grads, *(None,) * (ctx.num_inputs - 3))
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
 @torch.library.custom_op("hugehead::linear_cross_entropy_rows", mutates_args=())
@@ -263,85 +340,27 @@ def _lce_rows(
     no host synchronization. ``hold``: the gradients ride on the autograd ctx (eager) instead of being saved
     for backward (torch.compile)."""
     acc = ops.acc_dtype(x.dtype)
-    v = weight.shape[0]
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    target = check_targets(target, v, ignore_index)
-    step_plan = _rows_plan(plan)
-    with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, step_plan, None):
-        valid = target != ignore_index
-        count = valid.sum(dtype=acc)
-        scale = 1.0 / count if mean else torch.ones((), dtype=acc, device=x.device)
-        # 1 / 0 on an all-ignored "mean" is inf: where() keeps those rows' gradient at exactly 0, and the
-        # loss is 0 / 0 = NaN as F.cross_entropy's.
-        grad_rows = torch.where(valid, scale, torch.zeros((), dtype=acc, device=x.device))
-        loss_rows, grad_x, grad_w, grad_b = run_steps(rows_steps(
-            x, ResidentChunks(weight, bias, x.dtype), target, options, step_plan, grad_rows, need_x, need_weight))
-        loss = loss_rows.sum() / count if mean else loss_rows.sum()
-    # A gradient not asked for is a fresh empty tensor each: custom op outputs may not alias each other.
-    return (
-        loss,
-        grad_x if grad_x is not None else x.new_empty(0),
-        grad_w if grad_w is not None else x.new_empty(0),
-        grad_b if grad_b is not None else x.new_empty(0),
-    )
+    target = check_targets(target, weight.shape[0], ignore_index)
+    valid = target != ignore_index
+    count = valid.sum(dtype=acc)
+    scale = 1.0 / count if mean else torch.ones((), dtype=acc, device=x.device)
+    # 1 / 0 on an all-ignored "mean" is inf: where() keeps those rows' gradient at exactly 0, and the
+    # loss is 0 / 0 = NaN as F.cross_entropy's.
+    grad_rows = torch.where(valid, scale, torch.zeros((), dtype=acc, device=x.device))
+    loss_rows, grad_x, grad_w, grad_b = rows_pass(x, weight, bias, target, options, rows_plan(plan), grad_rows,
+                                                  need_x, need_weight)
+    loss = loss_rows.sum() / count if mean else loss_rows.sum()
+    return loss, grad_x, grad_w, grad_b
 
 
 @_lce_rows.register_fake
 def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, mean, need_x, need_weight, hold,
       plan):
-    acc = ops.acc_dtype(x.dtype)
-    return (
-        x.new_empty((), dtype=acc),
-        x.new_empty(x.shape) if need_x else x.new_empty(0),
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty(0),
-        torch.empty_like(bias) if (need_weight and bias is not None) else x.new_empty(0),
-    )
+    return rows_fake(x, weight, bias, need_x, need_weight)
 
 
-def _lce_rows_setup_context(ctx, inputs, output):
-    x, weight, bias = inputs[:3]
-    hold = inputs[11]
-    _, grad_x, grad_w, grad_b = output
-    ctx.mark_non_differentiable(grad_x, grad_w, grad_b)
-    ctx.hold = hold
-    ctx.has_bias = bias is not None
-    if hold:
-        # Held on ctx (not saved for backward): the backward scales them in place and lets go of them, so
-        # autograd can take them as the .grad tensors without a copy.
-        ctx.grads = (grad_x, grad_w, grad_b)
-    else:
-        ctx.save_for_backward(grad_x, grad_w, grad_b)
-    ctx.set_materialize_grads(False)
-
-
-def _lce_rows_backward(ctx, grad_loss, *unused):
-    if ctx.hold:
-        if ctx.grads is None:
-            raise RuntimeError(
-                "hugehead: linear_cross_entropy's gradients were produced in its forward (the rows plan) and "
-                "were already used by a first backward; backpropagate through it once, or set HUGEHEAD_ROWS=0 "
-                "(the logits are then kept or recomputed) to call backward with retain_graph=True twice")
-        grad_x, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-    else:
-        grad_x, grad_w, grad_b = ctx.saved_tensors
-    if grad_loss is None:
-        return (None,) * 13
-    needs = ctx.needs_input_grad
-    want = (needs[0], needs[1], ctx.has_bias and needs[2])
-    # In place when held (eager): the forward's gradient tensors become the gradients, no copy; a 0-d
-    # grad_loss keeps each gradient's dtype.
-    grads = [None if not wanted else (g.mul_(grad_loss) if ctx.hold else g * grad_loss)
-             for g, wanted in zip((grad_x, grad_w, grad_b), want)]
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        # create_graph=True: the gradients were made in the forward, without a graph; tie them to a node
-        # whose backward raises, so differentiating them is a clear error, never a silent zero.
-        anchor = torch.zeros((), device=grad_loss.device, requires_grad=True)
-        grads = no_second_order("linear_cross_entropy", [anchor], grads)
-    return (*grads, *(None,) * 10)
-
-
-_lce_rows.register_autograd(_lce_rows_backward, setup_context=_lce_rows_setup_context)
+register_rows_autograd(_lce_rows, hold_index=11)
 
 
 def linear_cross_entropy(

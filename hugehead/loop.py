@@ -14,7 +14,7 @@ does not know which.
 from __future__ import annotations
 
 import math
-from typing import Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import Callable, Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -318,8 +318,9 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     fused = _fused_applies(x, target, "stats")
     workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
+    cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
-    for chunk in source.chunks(plan.cols):
+    for chunk in source.chunks(cols):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             rows = RowStats(*(s[r0:r1] for s in stats))
@@ -329,8 +330,9 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
             if chunk.c0 < kept_classes:
                 z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
             else:
-                if workspace is None:
-                    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v))
+                if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
+                    # (a widened chunk the fused GEMM refused -- its layout -- needs its own width)
+                    workspace = x.new_empty(min(plan.rows, n) * min(max(plan.cols, chunk.c1 - chunk.c0), v))
                 z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
             _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
@@ -364,6 +366,21 @@ def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
     return (_tma_ready(x) and _tma_ready(w) and w.dtype == x.dtype
             and (b is None or (b.is_contiguous() and b.dtype == x.dtype))
             and x.shape[0] < 2**31 - 1 and w.shape[0] < 2**31 - 1)
+
+
+# The fused statistics GEMM stores no logits: its one buffer is the partials, 16 bytes per row and 128 columns
+# (a sixteenth of a 16-bit logits chunk of the same width). So where the weight is resident in the compute
+# dtype (chunks are slices, never casts) it takes chunks this many times the plan's width: fewer launches,
+# merges and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
+FUSED_STATS_WIDEN = 8
+
+
+def _fused_stats_cols(plan: Plan, source) -> int:
+    """Chunk width of a forward whose chunks all take the fused statistics GEMM (no kept logits)."""
+    if not isinstance(source, ResidentChunks) or source.weight.dtype != source.compute_dtype or (
+            source.bias is not None and source.bias.dtype != source.compute_dtype):
+        return plan.cols
+    return plan.cols * FUSED_STATS_WIDEN
 
 
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
@@ -658,6 +675,7 @@ def rows_steps(
     grad_rows: Tensor,
     need_x: bool,
     need_weight: bool,
+    row_losses_of: Optional[Callable[[int, int, Tensor, Tensor, Tensor], Tensor]] = None,
 ) -> Generator[None, None, Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]]:
     """Per-row losses and every gradient of one shard holding all ``V`` classes, in one pass (the
     ``"rows"`` plan of :func:`hugehead.plan.plan_rows`); a generator that yields after each row block.
@@ -671,10 +689,14 @@ def rows_steps(
     Args:
         x: ``[N, D]`` compute dtype; source: the weight's chunks (cast to the compute dtype chunk by chunk
             when stored in another dtype: autocast).
-        target: ``[N]`` int64 class ids, checked. options: the loss.
+        target: ``[N]`` int64 class ids, checked; or a chunk target of :mod:`hugehead.targets` (a sparse
+            probability target, class-weighted ids) with ``row_losses_of``. options: the loss.
         grad_rows: ``[N]`` accumulation dtype: ``dLoss/dloss_row`` (the reduction's scale; 0 on ignored
             rows), known before the pass.
         need_x, need_weight: which gradients to compute (``need_weight``: dW, and db with a bias).
+        row_losses_of: for a chunk target, ``(r0, r1, lse, target_logit, logit_sum) -> [r1 - r0]`` losses of
+            rows ``[r0, r1)`` from their merged statistics (its loss's rules, e.g.
+            :func:`hugehead.multilabel.softmax_row_losses`); None: class ids under ``options``' rules.
     Returns:
         ``(loss_rows [N] accumulation dtype (0 on ignored rows), dX [N, D] in x's (compute) dtype or None,
         dW [V, D] in the weight's stored dtype or None, db [V] in the bias's stored dtype or None)``.
@@ -692,7 +714,7 @@ def rows_steps(
         if grad_w is not None:
             grad_w.zero_()
         return loss_rows, grad_x, grad_w, _bias_grad(grad_b, source)
-    valid = target != options.ignore_index
+    valid = target != options.ignore_index if row_losses_of is None else None
     workspace = x.new_empty(min(plan.rows, n) * v)
     one_chunk = plan.cols >= v
     dx_acc = x.new_empty(min(plan.rows, n), d, dtype=acc) if (need_x and not one_chunk) else None
@@ -710,7 +732,10 @@ def rows_steps(
             z = _logits_into(xr, chunk, block[:, chunk.c0:chunk.c1])
             _chunk_stats(target, r0, r1, z, chunk.c0, options.kernel_softcap, stats)
         lse, target_logit, logit_sum = merge_row_stats([stats])
-        loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)
+        if row_losses_of is None:
+            loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)
+        else:
+            loss_rows[r0:r1] = row_losses_of(r0, r1, lse, target_logit, logit_sum)
         if dx_acc is not None:
             dx_acc[: r1 - r0].zero_()
         for chunk in source.chunks(plan.cols):

@@ -15,7 +15,7 @@ from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook,
 from .engines.local import LocalEngine
 from .functional import rows_loss
 from .init import hashed_uniform_
-from .multilabel import prepare_target
+from .multilabel import prepare_target, prepared_rows_loss
 from .ops import acc_dtype
 from .options import (
     FLOAT_DTYPES,
@@ -579,6 +579,16 @@ class ChunkedClassifier(nn.Module):
             class_weight=self._loss_buffer_on("class_weight", x.device),
             pos_weight=self._loss_buffer_on("pos_weight", x.device), label_smoothing=self.label_smoothing,
             ignore_index=self.ignore_index, dtype=acc_dtype(x.dtype), device=x.device)
+        if not return_lse and self._one_local_shard_on(x.device):
+            # A scalar softmax loss of one shard beside x: the rows plan when the planner picks it (as for ids).
+            shard = self.shards[0]
+            loss = prepared_rows_loss(
+                x, shard.weight, shard.bias if self.has_bias else None, prepared, reduction=self.reduction,
+                label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                softcap=self.loss_options().kernel_softcap, chunk_size=self.engine.chunk_size,
+                memory_budget=self.engine.memory_budget)
+            if loss is not None:
+                return loss
         loss_rows, lse = ShardedLinearCrossEntropy.apply(self._spec(), x, prepared, *self._shard_params())
         loss = prepared.reduce(loss_rows, self.reduction)
         if shape is not None:

@@ -6,6 +6,10 @@ class weights, and one-vs-all binary cross-entropy, each as a registered op pair
   loop's :class:`~hugehead.targets.SoftmaxCsrTarget` plus what the per-row loss needs; :func:`softmax_row_losses`
   and :func:`reduce_softmax` are ``F.cross_entropy``'s formula and reductions for it (``hugehead.sparse``
   writes the algebra out).
+- With a scalar reduction and gradients wanted, the softmax takes the plan the class-id loss would take
+  (:func:`plan_softmax`); where that is the rows plan, ``hugehead::linear_softmax_csr_rows`` computes the
+  loss and every gradient in the forward (three GEMMs, the loop's :func:`hugehead.loop.rows_steps` with
+  :func:`softmax_row_losses` per row block) and the backward only scales them.
 - :func:`linear_binary_cross_entropy`: ``F.binary_cross_entropy_with_logits(F.linear(x, weight, bias),
   target.to_dense(), pos_weight=...)``. Its gradient needs no global normalizer, so with a scalar
   reduction (and gradients wanted, outside ``torch.compile``) the forward produces it in the same pass as
@@ -21,11 +25,16 @@ import torch
 from torch import Tensor
 
 from . import ops, sparse
+# The rows plan's op body and autograd are shared with the class-id op (functional.py imports this module
+# only inside a function, so there is no import cycle).
+from .functional import register_rows_autograd, rows_fake, rows_pass, rows_plan
 from .targets import BinaryCsrTarget, SoftmaxCsrTarget
 
 __all__ = [
     "PreparedTarget",
     "prepare_target",
+    "plan_softmax",
+    "prepared_rows_loss",
     "softmax_target",
     "binary_target",
     "softmax_row_losses",
@@ -45,6 +54,18 @@ class SoftmaxRows:
 
     def __init__(self, row_weight: Tensor, weight_sum: Tensor, valid: Optional[Tensor], index: bool):
         self.row_weight, self.weight_sum, self.valid, self.index = row_weight, weight_sum, valid, index
+
+    def rows(self, r0: int, r1: int) -> "SoftmaxRows":
+        """Rows ``[r0, r1)`` (a row block of the rows plan)."""
+        return SoftmaxRows(self.row_weight[r0:r1], self.weight_sum,
+                           None if self.valid is None else self.valid[r0:r1], self.index)
+
+    def mean_divisor(self, num_rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """0-d divisor of ``"mean"`` (:func:`reduce_softmax`): N for probability targets, ``Σ w_{y_i}`` of the
+        rows not ignored for index targets; on the device, known before the loss (no host synchronization)."""
+        if self.index:
+            return self.row_weight.sum()
+        return torch.full((), num_rows, dtype=dtype, device=device)
 
 
 def softmax_target(
@@ -368,6 +389,97 @@ def _softmax_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
 _softmax_forward.register_autograd(_softmax_backward_autograd, setup_context=_softmax_setup_context)
 
 
+# --------------------------------------------------------------------------------------------------
+# Softmax with a CSR target through the rows plan: the scalar loss and its gradients in one pass
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("hugehead::linear_softmax_csr_rows", mutates_args=())
+def _softmax_rows(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], crow: Tensor, col: Tensor, row: Tensor, stats_val: Tensor,
+    grad_val: Tensor, mass: Tensor, row_weight: Tensor, weight_sum: Tensor, valid: Optional[Tensor],
+    class_weight: Optional[Tensor], label_smoothing: float, z_loss: float, softcap: float, mean: bool,
+    need_x: bool, need_weight: bool, hold: bool, plan: List[int],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The loss of :func:`_softmax_forward` reduced to a scalar (``mean``: :func:`reduce_softmax`'s
+    ``"mean"``, else the sum; 0-d, accumulation dtype) and its gradients for an incoming gradient of 1:
+    ``(dX [N, D] in x's dtype, dW [V, D] in the weight's dtype, db [V])`` (empty when not asked for), in one
+    pass over the row blocks of ``plan`` (``[rows, cols, budget]``, :func:`hugehead.plan.plan_rows`), as
+    ``hugehead::linear_cross_entropy_rows`` does for class ids. ``hold``: as there."""
+    acc = ops.acc_dtype(x.dtype)
+    n, v = x.shape[0], weight.shape[0]
+    target = _softmax_chunk_target(crow, col, row, stats_val, grad_val, mass, class_weight, v)
+    rows = SoftmaxRows(row_weight, weight_sum, valid, valid is not None)
+    divisor = rows.mean_divisor(n, acc, x.device) if mean else torch.ones((), dtype=acc, device=x.device)
+    # The reduction's scale of every row is known before the pass. A "mean" over nothing (N = 0, or every
+    # index row ignored) has an inf scale: where() keeps ignored rows' gradient at 0, and the loss is NaN.
+    scale = 1.0 / divisor
+    grad_rows = (scale.expand(n) if valid is None else
+                 torch.where(valid, scale, torch.zeros((), dtype=acc, device=x.device))).contiguous()
+
+    def row_losses_of(r0: int, r1: int, lse: Tensor, target_dot: Tensor, logit_sum: Tensor) -> Tensor:
+        return softmax_row_losses(lse, target_dot, logit_sum, rows.rows(r0, r1), v, label_smoothing, z_loss)
+
+    loss_rows, grad_x, grad_w, grad_b = rows_pass(x, weight, bias, target, _options(label_smoothing, z_loss, softcap),
+                                                  rows_plan(plan), grad_rows, need_x, need_weight, row_losses_of)
+    return loss_rows.sum() / divisor, grad_x, grad_w, grad_b
+
+
+@_softmax_rows.register_fake
+def _(x, weight, bias, crow, col, row, stats_val, grad_val, mass, row_weight, weight_sum, valid, class_weight,
+      label_smoothing, z_loss, softcap, mean, need_x, need_weight, hold, plan):
+    return rows_fake(x, weight, bias, need_x, need_weight)
+
+
+register_rows_autograd(_softmax_rows, hold_index=19)
+
+
+def plan_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, reduction: str, return_lse: bool,
+                 chunk_size: Optional[int], memory_budget: Optional[int]):
+    """The plan of a softmax loss against a CSR target on one device: the one
+    :func:`hugehead.plan.plan_loss` makes for the same call with class ids (the rows plan for a scalar
+    loss with gradients when it picks it, ``HUGEHEAD_ROWS=0`` turning it off; else kept or recomputed
+    logits)."""
+    from .plan import plan_loss
+
+    wants_grad = _wants_grad(x, weight, bias)
+    return plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
+                     weight_dtype=weight.dtype, allow_keep=wants_grad, direct_dx=True,
+                     allow_rows=wants_grad and not return_lse and reduction != "none")
+
+
+def softmax_rows_loss(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_target: SoftmaxCsrTarget,
+                      rows: SoftmaxRows, plan, *, reduction: str, label_smoothing: float, z_loss: float,
+                      softcap: float) -> Tensor:
+    """The scalar loss (``reduction`` ``"mean"`` or ``"sum"``) of a rows ``plan`` (:func:`plan_softmax`)
+    through ``hugehead::linear_softmax_csr_rows``: ``x [N, D]`` in the compute dtype and the whole
+    ``weight [V, D]`` on one device, ``chunk_target``/``rows`` from :func:`softmax_target` (or a
+    :class:`PreparedTarget`'s)."""
+    t = chunk_target.stats
+    need_weight = weight.requires_grad or (bias is not None and bias.requires_grad)
+    loss, _, _, _ = torch.ops.hugehead.linear_softmax_csr_rows(
+        x, weight, bias, t.crow, t.col, t.row, t.val, chunk_target.grad_val, chunk_target.mass, rows.row_weight,
+        rows.weight_sum, rows.valid, chunk_target.class_weight, float(label_smoothing), float(z_loss), float(softcap),
+        reduction == "mean", x.requires_grad, need_weight, not torch.compiler.is_compiling(),
+        [plan.rows, plan.cols, plan.budget],
+    )
+    return loss
+
+
+def prepared_rows_loss(x: Tensor, weight: Tensor, bias: Optional[Tensor], prepared: PreparedTarget, *,
+                       reduction: str, label_smoothing: float, z_loss: float, softcap: float,
+                       chunk_size: Optional[int], memory_budget: Optional[int]) -> Optional[Tensor]:
+    """The scalar loss of a softmax :class:`PreparedTarget` through the rows plan when :func:`plan_softmax`
+    picks it (``x [N, D]`` in the compute dtype, the whole ``weight [V, D]`` on its device), else None (the
+    caller runs its engine's chunk loop). ``ChunkedClassifier`` asks this for a head of one local shard."""
+    if prepared.kind != "softmax":
+        return None
+    plan = plan_softmax(x, weight, bias, reduction=reduction, return_lse=False, chunk_size=chunk_size,
+                        memory_budget=memory_budget)
+    if not plan.grad_in_forward:
+        return None
+    return softmax_rows_loss(x, weight, bias, prepared.chunk, prepared.rows, plan, reduction=reduction,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+
+
 def linear_softmax_csr(
     x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], *, class_weight: Optional[Tensor],
     ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: float,
@@ -382,7 +494,12 @@ def linear_softmax_csr(
     acc = ops.acc_dtype(x.dtype)
     chunk_target, rows = softmax_target(target, n, v, class_weight=class_weight, label_smoothing=label_smoothing,
                                         ignore_index=ignore_index, dtype=acc, device=x.device)
-    keep = _wants_grad(x, weight, bias) and _plan(x, weight, chunk_size or 0, memory_budget or 0, True).keep_logits
+    plan = plan_softmax(x, weight, bias, reduction=reduction, return_lse=return_lse, chunk_size=chunk_size,
+                        memory_budget=memory_budget)
+    if plan.grad_in_forward:
+        return softmax_rows_loss(x, weight, bias, chunk_target, rows, plan, reduction=reduction,
+                                 label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    keep = _wants_grad(x, weight, bias) and plan.keep_logits
     t = chunk_target.stats
     loss_rows, lse, _ = torch.ops.hugehead.linear_softmax_csr_forward(
         x, weight, bias, t.crow, t.col, t.row, t.val, chunk_target.grad_val, chunk_target.mass, rows.row_weight,

@@ -385,7 +385,9 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
 
     Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
     passes, recomputing the logits four. ``allow_rows`` (the caller's loss is a scalar with gradients, one
-    local weight, class-id targets, no returned lse; ``HUGEHEAD_ROWS=0`` turns it off) makes
+    local weight, no returned lse — class ids, or a sparse / class-weighted softmax target of
+    :func:`hugehead.multilabel.plan_softmax`, which asks this with the same arguments; ``HUGEHEAD_ROWS=0``
+    turns it off) makes
     :func:`plan_rows` a candidate: it is chosen when all logits do not fit (instead of keeping some and
     recomputing the rest); when they fit, keeping them is faster at the same three passes. Otherwise
     :func:`plan_chunks` decides (kept logits when they fit, some kept, or all recomputed). A pinned

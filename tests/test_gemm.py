@@ -402,6 +402,8 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
 @requires_fused
 def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
     """Rows split into blocks (a tiny budget): each block's chunk goes through the fused GEMM."""
+    from hugehead import loop
+
     n, d, v, cols, split = 700, 128, 3000, 512, 128
     x, w, b = _inputs(n, v, d, torch.bfloat16, bias=True, seed=13)
     x, w, b = x.cuda(), w.cuda(), b.cuda()
@@ -416,8 +418,10 @@ def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
         results[path] = _lce_grads(x, w, b, target, **opts)
         for kind in ("stats", "grad"):
             assert (len(calls[kind]) > 0) == (path == "cutlass")
-            if path == "cutlass":  # every (chunk, row block) pair, no stored-logits chunk
-                assert len(calls[kind]) == math.ceil(v / cols) * math.ceil(n / plan.rows)
+            if path == "cutlass":  # every (chunk, row block) pair, no stored-logits chunk; the forward's
+                # chunks are loop.FUSED_STATS_WIDEN times wider (no logits workspace)
+                width = cols * (loop.FUSED_STATS_WIDEN if kind == "stats" else 1)
+                assert len(calls[kind]) == math.ceil(v / width) * math.ceil(n / plan.rows)
                 assert max(calls[kind]) <= plan.rows
     ref = _lce_float64(x, w, b, target, **opts)
     for ours, theirs, r in zip(results["cutlass"], results["cublas"], ref):
@@ -479,10 +483,37 @@ def _emulate_fused_ops(monkeypatch):
     monkeypatch.setattr(ops, "gemm_chunk_grad_", grad)
 
 
+@pytest.mark.parametrize("widen", [2, 8])
+def test_fused_forward_takes_wider_chunks(monkeypatch, widen):
+    """With every chunk through the fused statistics GEMM (no kept logits), the forward takes chunks widen
+    times the plan's width -- the backward keeps the plan's -- and the loss and gradients still match
+    float64 as the cuBLAS path does (emulated fused ops on the CPU)."""
+    from hugehead import loop
+
+    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", widen)
+    n, d, v, cols = 37, 16, 1000, 64
+    x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=22)
+    target = _targets(n, v, 0, v, 22)
+    opts = dict(chunk_size=cols, label_smoothing=0.1)
+    plain = _lce_grads(x, w, b, target, **opts)
+    _emulate_fused_ops(monkeypatch)
+    calls = _count_fused_calls(monkeypatch)
+    fused = _lce_grads(x, w, b, target, **opts)
+    assert len(calls["stats"]) == math.ceil(v / (cols * widen)), calls
+    assert len(calls["grad"]) == math.ceil(v / cols), calls
+    ref = _lce_float64(x, w, b, target, **opts)
+    for ours, theirs, r in zip(fused, plain, ref):
+        assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
+
+
 @pytest.mark.parametrize("budget", ["default", "rows", "keep_all"])
 def test_loop_fused_branches_with_emulated_ops(monkeypatch, budget):
     """The loop's fused branches (forward and backward, row blocks, kept chunks) give bitwise the cuBLAS
-    path's results when the fused ops compute what cuBLAS + our kernels do; they run on the CPU here."""
+    path's results when the fused ops compute what cuBLAS + our kernels do; they run on the CPU here. (At the
+    plan's width: the widened forward chunks fold in another order, test_fused_forward_takes_wider_chunks.)"""
+    from hugehead import loop
+
+    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 1)
     n, d, v, cols = 37, 16, 300, 64
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=21)
     target = _targets(n, v, 0, v, 21)

@@ -19,6 +19,7 @@
 // 32-bit offsets from the thread's first column; every global load is issued before the arithmetic.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/detail.hpp>
@@ -29,6 +30,7 @@
 #include <cutlass/kernel_hardware_info.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "hugehead/gemm.h"
 
@@ -172,25 +174,55 @@ CUTLASS_DEVICE void logits_in_place(Acc& acc, Coords const& tCcD, int N, const E
   for (int ni = 0; ni < kMmaN; ++ni) {
     CUTLASS_PRAGMA_UNROLL
     for (int st = 0; st < kSteps; ++st) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < 2; ++c) {
-        const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni)));
-        float b = 0.f;
-        if constexpr (kBias) b = (bias != nullptr && (kFull || col < N)) ? static_cast<float>(bias[col]) : 0.f;
+      float b[2] = {0.f, 0.f};
+      if constexpr (kBias) {
         CUTLASS_PRAGMA_UNROLL
-        for (int mi = 0; mi < kMmaM; ++mi) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < 2; ++r) {
-            float a = acc(make_coord(make_coord(c, r, st), mi, ni));
-            if constexpr (kBias) a += b;
-            float z = static_cast<float>(static_cast<Element>(a));
-            if constexpr (kCap) z = cap * ::tanhf(z * inv_cap);
-            acc(make_coord(make_coord(c, r, st), mi, ni)) = z;
+        for (int c = 0; c < 2; ++c) {
+          const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni)));
+          b[c] = (bias != nullptr && (kFull || col < N)) ? static_cast<float>(bias[col]) : 0.f;
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < kMmaM; ++mi) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          float a0 = acc(make_coord(make_coord(0, r, st), mi, ni));
+          float a1 = acc(make_coord(make_coord(1, r, st), mi, ni));
+          if constexpr (kBias) {
+            a0 += b[0];
+            a1 += b[1];
           }
+          float z0, z1;
+          if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+            // Both neighbours rounded by one cvt.rn.bf16x2 (the conversion pipe runs at a quarter of the
+            // FMA pipe's rate), unpacked by integer ops.
+            const __nv_bfloat162 h = __floats2bfloat162_rn(a0, a1);
+            z0 = __low2float(h);
+            z1 = __high2float(h);
+          } else {
+            z0 = static_cast<float>(static_cast<Element>(a0));
+            z1 = static_cast<float>(static_cast<Element>(a1));
+          }
+          if constexpr (kCap) {
+            z0 = cap * ::tanhf(z0 * inv_cap);
+            z1 = cap * ::tanhf(z1 * inv_cap);
+          }
+          acc(make_coord(make_coord(0, r, st), mi, ni)) = z0;
+          acc(make_coord(make_coord(1, r, st), mi, ni)) = z1;
         }
       }
     }
   }
+}
+
+// Whether row i's target column (offset t from the thread's first column, target_offset) is one of this
+// thread's elements: the element at that offset is at (t % 2, t / 8) of the fragment's first atom when one
+// atom spans the tile's columns (checked against the layout, not assumed).
+template <int kSteps, class Coords>
+CUTLASS_DEVICE bool holds_offset(Coords const& tCcD, int t, int col0, int N) {
+  using namespace cute;
+  return t >= 0 && (t & 7) < 2 && (t >> 3) < kSteps && col0 + t < N &&
+         get<1>(tCcD(make_coord(make_coord(t & 1, 0, t >> 3), 0, 0))) - col0 == t;
 }
 
 template <class Element, Schedule S, class EpilogueOp>

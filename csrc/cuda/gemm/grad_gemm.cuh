@@ -77,10 +77,11 @@ struct GradEpilogue : EpilogueBase<Element> {
       in.lse[i] = ok ? params.lse[f.row[i]] : 0.f;
       in.target[i] = ok ? params.target[f.row[i]] : int64_t(-1);
     }
-    // Fast paths for the tiles inside the problem, without softcap, stored in 32-bit words; every other
-    // tile takes a checked path.
+    // Fast paths for the tiles inside the problem, stored in 32-bit words, with the plain loss's gradient
+    // (no softcap, z-loss or returned lse: g (p - eps / V), the target's (1 - eps) fixed up apart); every
+    // other tile takes a checked path with the whole formula.
     const bool cap = params.softcap > 0.f;
-    if (f.full && !cap && params.pairs) {
+    if (f.full && !cap && params.pairs && params.z_loss == 0.f && params.grad_lse == nullptr) {
       if (params.bias != nullptr) write<true, false, true>(acc, tCcD, f, in, problem_shape_mnkl, blk_shape_MNK);
       else write<true, false, false>(acc, tCcD, f, in, problem_shape_mnkl, blk_shape_MNK);
     } else {
@@ -89,7 +90,7 @@ struct GradEpilogue : EpilogueBase<Element> {
     }
   }
 
-  // kFull: the tile is inside the problem and params.pairs holds.
+  // kFull: the tile is inside the problem, params.pairs holds, and there is no softcap, z-loss or grad_lse.
   template <bool kFull, bool kCap, bool kBias, class Acc, class Coords, class Rows, class Inputs, class ProblemShapeMNKL,
             class BlockShapeMNK>
   CUTLASS_DEVICE void write(Acc& acc, Coords const& tCcD, Rows const& f, Inputs const& in,
@@ -136,14 +137,18 @@ struct GradEpilogue : EpilogueBase<Element> {
               dcdz = 1.f - th * th;
             }
             const float p = exp_ftz(cz - in.lse[i]);
-            float d = p - params.smooth;
-            if (offset0 + c == t_off[i]) d -= params.target_weight;
-            d += p * z_term[i];
             float grad;
-            if constexpr (kCap) {
-              grad = in.gl[i] == 0.f ? in.g[i] * (d * dcdz) : (in.g[i] * d + in.gl[i] * p) * dcdz;
+            if constexpr (kFull) {
+              grad = in.g[i] * (p - params.smooth);  // the target's element is rewritten below
             } else {
-              grad = in.gl[i] * p + in.g[i] * d;  // = g d exactly when gl is 0
+              float d = p - params.smooth;
+              if (offset0 + c == t_off[i]) d -= params.target_weight;
+              d += p * z_term[i];
+              if constexpr (kCap) {
+                grad = in.gl[i] == 0.f ? in.g[i] * (d * dcdz) : (in.g[i] * d + in.gl[i] * p) * dcdz;
+              } else {
+                grad = in.gl[i] * p + in.g[i] * d;  // = g d exactly when gl is 0
+              }
             }
             v[c] = static_cast<Element>(zero_row[i] ? 0.f : grad);
           }
@@ -159,6 +164,46 @@ struct GradEpilogue : EpilogueBase<Element> {
               if (col0 + 1 < N) out[i][offset0 + 1] = v[1];
             }
           }
+        }
+      }
+    }
+    if constexpr (kFull) {
+      // The target elements: a tile holds few rows' targets (one in V / 128 at most), so the warp rewrites
+      // them only when one of its lanes holds one (a uniform branch). Same arithmetic as the checked path
+      // with z-loss 0 and no grad_lse: g ((p - eps / V) - (1 - eps)). The thread wrote the element above:
+      // its own later store wins.
+      bool mine[kRows];
+      bool any_mine = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        mine[i] = holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+        any_mine |= mine[i];
+      }
+      if (__any_sync(0xffffffffu, any_mine)) {
+        float z_t[kRows];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) z_t[i] = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int ni = 0; ni < kMmaN; ++ni) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int st = 0; st < kSteps; ++st) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < 2; ++c) {
+              const int offset = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni))) - f.col0;  // a constant
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < kRows; ++i) {
+                const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
+                z_t[i] = offset == t_off[i] ? z : z_t[i];
+              }
+            }
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          if (!mine[i]) continue;
+          const float p = exp_ftz(z_t[i] - in.lse[i]);
+          const float grad = in.g[i] * ((p - params.smooth) - params.target_weight);
+          out[i][t_off[i]] = static_cast<Element>(zero_row[i] ? 0.f : grad);
         }
       }
     }

@@ -100,14 +100,38 @@ struct StatsEpilogue : EpilogueBase<Element> {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 2; ++c) {
           const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni)));
-          const int offset = col - f.col0;  // a constant: the fragment's layout is static
           const bool ok = kFull || col < N;
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < kRows; ++i) {
             const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
-            t_z[i] = offset == t_off[i] ? z : t_z[i];
             sum[i] += ok ? z : 0.f;
             m[i] = ::fmaxf(m[i], ok ? z : -INFINITY);  // NaN-ignoring: a NaN reaches s through its exp below
+          }
+        }
+      }
+    }
+    // The target logits: a tile holds few rows' targets (one in V / 128 at most), so the warp picks them only
+    // when one of its lanes holds one (a uniform branch), instead of a compare and select per element.
+    bool mine[kRows];
+    bool any_mine = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      mine[i] = f.row[i] < M && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+      any_mine |= mine[i];
+    }
+    if (__any_sync(0xffffffffu, any_mine)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int ni = 0; ni < kMmaN; ++ni) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int st = 0; st < kSteps; ++st) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            const int offset = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni))) - f.col0;  // a constant
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < kRows; ++i) {
+              const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
+              t_z[i] = offset == t_off[i] ? z : t_z[i];
+            }
           }
         }
       }
@@ -151,12 +175,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       if (f.row[i] >= M) continue;
-      // Whether the target's column is one of this thread's: the element at that offset is at
-      // (offset % 2, offset / 8) of the fragment's first atom (checked against the layout, not assumed).
-      const int t = t_off[i];
-      const bool mine = t >= 0 && (t & 7) < 2 && (t >> 3) < kSteps && f.col0 + t < N &&
-                        get<1>(tCcD(make_coord(make_coord(t & 1, 0, t >> 3), 0, 0))) - f.col0 == t;
-      if (mine) params.target_logit[f.row[i]] = t_z[i];
+      if (mine[i]) params.target_logit[f.row[i]] = t_z[i];
       if (lane % 4 == 0) {
         reinterpret_cast<float4*>(params.partials)[static_cast<int64_t>(f.row[i]) * params.num_col_tiles + n_coord] =
             make_float4(m[i], s[i], sum[i], 0.f);
