@@ -27,11 +27,13 @@ HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_cluster)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster)
 #undef HUGEHEAD_DECLARE_GRAD_GEMM
 
-Schedule schedule_from_env() {
+Schedule schedule_from_env(Schedule fallback) {
   const char* v = std::getenv("HUGEHEAD_GEMM_SCHEDULE");
-  if (v != nullptr && std::strcmp(v, "cooperative") == 0) return Schedule::kCooperative;
-  if (v != nullptr && std::strcmp(v, "pingpong_cluster") == 0) return Schedule::kPingpongCluster;
-  return Schedule::kPingpong;
+  if (v == nullptr) return fallback;
+  if (std::strcmp(v, "cooperative") == 0) return Schedule::kCooperative;
+  if (std::strcmp(v, "pingpong_cluster") == 0) return Schedule::kPingpongCluster;
+  if (std::strcmp(v, "pingpong") == 0) return Schedule::kPingpong;
+  return fallback;
 }
 
 bool mainloop_only_from_env() {

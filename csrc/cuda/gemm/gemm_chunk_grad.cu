@@ -45,7 +45,7 @@ void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const s
                          static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
   p.mainloop_only = gemm::mainloop_only_from_env();
   const bool half = x.scalar_type() == at::kHalf;
-  const gemm::Schedule schedule = gemm::schedule_from_env();
+  const gemm::Schedule schedule = gemm::schedule_from_env(gemm::Schedule::kPingpongCluster);
   const size_t ws_bytes = gemm::grad_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
