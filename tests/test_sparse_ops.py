@@ -137,6 +137,35 @@ def test_sparse_chunk_grad_matches_autograd_of_float64(device, dtype, eps, z_los
     assert (got[4] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_chunk_grad_entry_counts_around_the_stash(device, dtype):
+    """Rows with 5, 1024 and 1025 entries in one chunk and a row with every label: the CUDA kernel stashes up
+    to 4 x 256 entries' logits and writes them after the row (else it searches each pack's entries); both
+    give the float64 gradient."""
+    n, v = 5, 3000
+    g0 = torch.Generator().manual_seed(7)
+    t = torch.zeros(n, v, dtype=torch.float64)
+    for r, count in ((0, 5), (1, 1024), (2, 1025), (3, v)):
+        cols = torch.randperm(v, generator=g0)[:count]
+        t[r, cols] = torch.rand(count, generator=g0, dtype=torch.float64) + 0.1
+    z = logits(n, v, dtype, device)
+    acc = ops.acc_dtype(dtype)
+    target = csr(t, acc, device)
+    tv = t.to(acc).double()
+    zr = z.double().cpu().requires_grad_()
+    g = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+    eps = 0.1
+    (dense_prob_loss(zr, tv, None, eps, 0.0) * g).sum().backward()
+    lse = torch.logsumexp(zr.detach(), 1)
+    mass = (1 - eps) * tv.sum(1) + eps
+    out = z.clone()
+    ops.sparse_chunk_grad_(out, target.crow, target.col, target.val, 0, v, lse.to(acc).to(device),
+                           g.to(acc).to(device), mass.to(acc).to(device), eps, 0.0, 0.0, None)
+    got, ref = out.double().cpu(), zr.grad
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert ((got - ref).abs() <= tol * (ref.abs() + ref.abs().max() * 0.05)).all(), (got - ref).abs().max()
+
+
 def test_sparse_chunk_grad_with_grad_lse(device):
     n, v = 6, 300
     t = make_target(n, v)

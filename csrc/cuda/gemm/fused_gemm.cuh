@@ -114,11 +114,18 @@ CUTLASS_DEVICE auto tile_coordinates(ProblemShapeMNKL const& problem_shape_mnkl,
 // MUFU.EX2 instead of the five instructions of the denormal-preserving ex2.approx.f32. A flushed term is below
 // 1.2e-38: it changes no sum that holds the row max's exp(0) = 1, and no gradient entry by more than bf16's
 // smallest normal.
-CUTLASS_DEVICE float exp_ftz(float x) {
+constexpr float kLog2e = 1.4426950408889634f;
+CUTLASS_DEVICE float exp2_ftz(float x) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+CUTLASS_DEVICE float exp_ftz(float x) { return exp2_ftz(x * kLog2e); }
+
+// exp(z - m) as exp_ftz, given m_log2e = m log2(e): one FFMA (z log2(e) - m log2(e)) and one MUFU.EX2. The
+// exponent rounds once instead of twice, to within an ulp of |z - m| log2(e) either way; -inf and NaN
+// logits give 0 and NaN as exp(z - m) does.
+CUTLASS_DEVICE float exp_minus(float z, float m_log2e) { return exp2_ftz(::fmaf(z, kLog2e, -m_log2e)); }
 
 // The tile a thread's fragment belongs to: its rows (kRows = 2 MMA_M, as the fragment's row modes), the
 // chunk column of its first element, and whether the whole tile lies inside the problem (then no element

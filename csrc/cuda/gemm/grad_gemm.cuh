@@ -14,7 +14,7 @@ namespace gemm {
 // Per element, given the row's final lse, g = dLoss/dloss_row and g_lse (numerics.h's logit_grad, with
 // z * (1 / softcap) for the division, as the logits_in_place softcap):
 //   (g (p - eps / V - (1 - eps) [j == target] + p * 2 z_loss lse) + g_lse p) * dsoftcap/dz
-// with p = exp(c - lse) (exp_ftz), c the softcapped logit. Rows with g == g_lse == 0 (ignored) are exact zeros.
+// with p = exp(c - lse) (exp_minus), c the softcapped logit. Rows with g == g_lse == 0 (ignored) are exact zeros.
 template <class Element>
 struct GradEpilogue : EpilogueBase<Element> {
   struct Arguments {
@@ -108,6 +108,7 @@ struct GradEpilogue : EpilogueBase<Element> {
     const float cap = params.softcap, inv_cap = params.inv_softcap;
 
     int t_off[kRows];
+    float lse_log2e[kRows];
     float z_term[kRows];
     bool zero_row[kRows];
     Element* out[kRows];  // the row's grad_logits at the thread's first column
@@ -115,6 +116,7 @@ struct GradEpilogue : EpilogueBase<Element> {
     for (int i = 0; i < kRows; ++i) {
       t_off[i] = target_offset<kTileN>(in.target[i], params.class_start, f.col0);
       z_term[i] = 2.f * params.z_loss * in.lse[i];
+      lse_log2e[i] = in.lse[i] * kLog2e;
       zero_row[i] = in.g[i] == 0.f && in.gl[i] == 0.f;
       out[i] = params.grad_logits + static_cast<int64_t>(f.row[i]) * params.grad_stride + f.col0;
     }
@@ -136,7 +138,7 @@ struct GradEpilogue : EpilogueBase<Element> {
               cz = cap * th;
               dcdz = 1.f - th * th;
             }
-            const float p = exp_ftz(cz - in.lse[i]);
+            const float p = exp_minus(cz, lse_log2e[i]);
             float grad;
             if constexpr (kFull) {
               grad = in.g[i] * (p - params.smooth);  // the target's element is rewritten below
@@ -201,7 +203,7 @@ struct GradEpilogue : EpilogueBase<Element> {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) {
           if (!mine[i]) continue;
-          const float p = exp_ftz(z_t[i] - in.lse[i]);
+          const float p = exp_minus(z_t[i], lse_log2e[i]);
           const float grad = in.g[i] * ((p - params.smooth) - params.target_weight);
           out[i][t_off[i]] = static_cast<Element>(zero_row[i] ? 0.f : grad);
         }

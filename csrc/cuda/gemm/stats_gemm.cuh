@@ -136,11 +136,12 @@ struct StatsEpilogue : EpilogueBase<Element> {
         }
       }
     }
-    // One exp per element, as chunk_stats_'s fold_values (up to exp_ftz's flushed terms). A row whose max is -inf (all -inf or NaN) takes
-    // exp(z - 0): 0 for -inf, NaN for NaN, so a NaN still surfaces, as there.
-    float m0[kRows];
+    // One exp per element, as chunk_stats_'s fold_values (up to exp_minus's rounding and flushed terms). A
+    // row whose max is -inf (all -inf or NaN) takes exp(z - 0): 0 for -inf, NaN for NaN, so a NaN still
+    // surfaces, as there.
+    float m0[kRows];  // log2(e) times the max each exponent subtracts
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) m0[i] = m[i] == -INFINITY ? 0.f : m[i];
+    for (int i = 0; i < kRows; ++i) m0[i] = (m[i] == -INFINITY ? 0.f : m[i]) * kLog2e;
     CUTLASS_PRAGMA_UNROLL
     for (int ni = 0; ni < kMmaN; ++ni) {
       CUTLASS_PRAGMA_UNROLL
@@ -150,7 +151,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
           const bool ok = kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni))) < N;
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < kRows; ++i) {
-            const float e = exp_ftz(acc(make_coord(make_coord(c, i % 2, st), i / 2, ni)) - m0[i]);
+            const float e = exp_minus(acc(make_coord(make_coord(c, i % 2, st), i / 2, ni)), m0[i]);
             s[i] += ok ? e : 0.f;
           }
         }
