@@ -87,6 +87,13 @@ def host_syncs_of_step(forward):
     return forward_syncs, [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
+def rows_budget(n: int, d: int, v: int, dtype: torch.dtype, block_rows: int) -> int:
+    """A memory_budget whose rows plan (hugehead.plan.plan_rows) has blocks of ``block_rows`` rows: one
+    block's ``block_rows × V`` logits beside the ``N × D`` dX."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return block_rows * v * itemsize + n * d * itemsize
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """‖a − ref‖ / ‖ref‖ in float64 (NaN if either has NaN)."""
     a, ref = a.detach().double().cpu(), ref.detach().double().cpu()

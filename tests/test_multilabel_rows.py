@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import hugehead
-from conftest import DEVICES, rel_err, requires_cuda
+from conftest import DEVICES, rel_err, requires_cuda, rows_budget
 from hugehead import multilabel
 from hugehead import plan as planner
 from hugehead.plan import ROWS_BLOCKS, plan_loss
@@ -44,12 +44,6 @@ def rows_calls(monkeypatch):
 
     monkeypatch.setattr(torch.ops.hugehead, "linear_softmax_csr_rows", spy)
     return calls
-
-
-def _budget(n, d, v, dtype, block_rows):
-    """A memory_budget whose rows plan has blocks of ``block_rows`` rows (dX beside one block's logits)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return block_rows * v * itemsize + n * d * itemsize
 
 
 def _inputs(n, d, v, dtype, device, bias, seed=0, scale=1.0):
@@ -155,7 +149,7 @@ def test_sparse_target_rows_plan_matches_dense_float64(device, reduction, opt_in
     t = _dense_target(n, v, seed=opt_index)
     cw = _class_weight(v) if weighted else None
     opts = dict(reduction=reduction, class_weight=cw, **OPTION_SETS[opt_index])
-    budget = _budget(n, d, v, torch.float64, 32)
+    budget = rows_budget(n, d, v, torch.float64, 32)
     ours = _run(lambda x_, w_, b_: hugehead.linear_cross_entropy(
         x_, w_, _unsorted_coo(t, device), b_, memory_budget=budget,
         **{**opts, "class_weight": None if cw is None else cw.to(device)}), x, w, b, grad_out=1.5)
@@ -176,7 +170,7 @@ def test_class_weight_index_targets_with_ignored_rows_rows_plan(device, reductio
     cw = _class_weight(v)
     ours = _run(lambda x_, w_, b_: hugehead.linear_cross_entropy(
         x_, w_, y.to(device), b_, class_weight=cw.to(device), reduction=reduction, label_smoothing=label_smoothing,
-        z_loss=1e-3, memory_budget=_budget(n, d, v, torch.float64, 40)), x, w, b)
+        z_loss=1e-3, memory_budget=rows_budget(n, d, v, torch.float64, 40)), x, w, b)
     _assert_rows(rows_calls, n, 40)
     _check(ours, _reference(x, w, b, y, class_weight=cw, reduction=reduction, label_smoothing=label_smoothing,
                             z_loss=1e-3), 1e-10)
@@ -188,7 +182,7 @@ def test_all_ignored_rows_mean_is_nan_with_zero_gradients(device, rows_calls):
     x, w, b = _inputs(n, d, v, torch.float64, device, True)
     y = torch.full((n,), -100, device=device)
     loss, dx, dw, db = _run(lambda x_, w_, b_: hugehead.linear_cross_entropy(
-        x_, w_, y, b_, class_weight=_class_weight(v).to(device), memory_budget=_budget(n, d, v, torch.float64, 32)),
+        x_, w_, y, b_, class_weight=_class_weight(v).to(device), memory_budget=rows_budget(n, d, v, torch.float64, 32)),
         x, w, b)
     _assert_rows(rows_calls, n, 32)
     assert torch.isnan(loss)  # 0 / 0, as F.cross_entropy(..., weight=...)
@@ -213,7 +207,7 @@ def test_16bit_within_2x_of_plain_pytorch(device, dtype, reduction, rows_calls):
     t = _dense_target(n, v, seed=3, positives=5)
     opts = dict(reduction=reduction, label_smoothing=0.1, class_weight=_class_weight(v))
     ours = _run(lambda x_, w_, b_: hugehead.linear_cross_entropy(
-        x_, w_, t.to_sparse_csr().to(device), b_, memory_budget=_budget(n, d, v, dtype, 64),
+        x_, w_, t.to_sparse_csr().to(device), b_, memory_budget=rows_budget(n, d, v, dtype, 64),
         **{**opts, "class_weight": opts["class_weight"].to(device)}), x, w, b)
     _assert_rows(rows_calls, n, 64)
     plain = _run(lambda x_, w_, b_: _plain(x_, w_, b_, t.to(device).float(), **opts), x, w, b)
@@ -275,7 +269,7 @@ def test_cpu_bf16_autocast_casts_the_weight_chunk_by_chunk(api, rows_calls, monk
 def test_rows_plan_is_the_class_id_plan():
     n, d, v = 96, 8, 21
     x, w, b = (t.requires_grad_() for t in _inputs(n, d, v, torch.float32, "cpu", True))
-    for budget in (_budget(n, d, v, torch.float32, 32), 1 << 30, 4096):
+    for budget in (rows_budget(n, d, v, torch.float32, 32), 1 << 30, 4096):
         for kwargs in (dict(), dict(return_lse=True), dict(reduction="none"), dict(chunk_size=8)):
             ids = plan_loss(n, d, v, torch.float32, x.device, kwargs.get("chunk_size"), budget, allow_rows=(
                 "return_lse" not in kwargs and kwargs.get("reduction") != "none"), direct_dx=True)
@@ -284,14 +278,14 @@ def test_rows_plan_is_the_class_id_plan():
                                            chunk_size=kwargs.get("chunk_size"), memory_budget=budget)
             assert ours == ids, (budget, kwargs)
     assert multilabel.plan_softmax(x, w, b, reduction="sum", return_lse=False, chunk_size=None,
-                                   memory_budget=_budget(n, d, v, torch.float32, 32)).kind == "rows"
+                                   memory_budget=rows_budget(n, d, v, torch.float32, 32)).kind == "rows"
 
 
 def test_functional_uses_the_rows_plan_only_where_it_applies(rows_calls, monkeypatch):
     n, d, v = 96, 8, 21
     x, w, b = _inputs(n, d, v, torch.float64, "cpu", True)
     t = _dense_target(n, v)
-    budget = _budget(n, d, v, torch.float64, 32)
+    budget = rows_budget(n, d, v, torch.float64, 32)
     for kwargs, grad, env, used in [
         (dict(), True, "1", True),
         (dict(reduction="sum"), True, "1", True),
@@ -322,7 +316,7 @@ def test_functional_uses_the_rows_plan_only_where_it_applies(rows_calls, monkeyp
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_chunked_classifier_one_local_shard_uses_rows(devices, kind, reduction, rows_calls):
     n, d, v = 96, 8, 40
-    budget = _budget(n, d, v, torch.float64, 32) // (1 if devices is None else 2)
+    budget = rows_budget(n, d, v, torch.float64, 32) // (1 if devices is None else 2)
     cw = _class_weight(v) if kind == "index_weighted" else None
     torch.manual_seed(2)
     head = hugehead.ChunkedClassifier(d, v, bias=True, devices=devices, memory_budget=budget, reduction=reduction,
@@ -358,7 +352,7 @@ def test_second_backward_and_second_order_raise_clearly(rows_calls):
     n, d, v = 96, 8, 21
     x, w, b = (t.requires_grad_() for t in _inputs(n, d, v, torch.float32, "cpu", True))
     t = _dense_target(n, v).float().to_sparse_csr()
-    budget = _budget(n, d, v, torch.float32, 32)
+    budget = rows_budget(n, d, v, torch.float32, 32)
     loss = hugehead.linear_cross_entropy(x, w, t, b, memory_budget=budget)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="already used by a first backward"):
@@ -387,7 +381,7 @@ def test_compiled_function_matches_eager(monkeypatch):
     n, d, v = 96, 8, 21
     x, w, b = (t.requires_grad_() for t in _inputs(n, d, v, torch.float64, "cpu", True))
     tc = hugehead.csr_target(_dense_target(n, v).to_sparse_coo())
-    budget = _budget(n, d, v, torch.float64, 32)
+    budget = rows_budget(n, d, v, torch.float64, 32)
 
     def step(x, w, b):
         h = torch.tanh(x) * 1.5
@@ -435,7 +429,7 @@ def test_cuda_rows_plan_matches_float64_at_gpu_block_sizes(dtype, rows_calls, mo
     t = _dense_target(n, v, seed=1, positives=5)
     opts = dict(label_smoothing=0.1, softcap=20.0, class_weight=_class_weight(v))
     ours = _run(lambda x_, w_, b_: hugehead.linear_cross_entropy(
-        x_, w_, t.to_sparse_coo().to("cuda"), b_, memory_budget=_budget(n, d, v, dtype, 1024),
+        x_, w_, t.to_sparse_coo().to("cuda"), b_, memory_budget=rows_budget(n, d, v, dtype, 1024),
         **{**opts, "class_weight": opts["class_weight"].to("cuda")}), x, w, b, grad_out=0.5)
     _assert_rows(rows_calls, n, 1024)
     ref = _reference(x, w, b, t, grad_out=0.5, **opts)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import hugehead
-from conftest import DEVICES, rel_err, requires_cuda
+from conftest import DEVICES, rel_err, requires_cuda, rows_budget
 from hugehead import plan as planner
 from hugehead import reference
 from hugehead.plan import ROWS_BLOCKS, plan_loss, plan_rows
@@ -30,12 +30,6 @@ def _small_blocks_on_cuda(request, monkeypatch):
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and str(callspec.params.get("device", "")).startswith("cuda"):
         monkeypatch.setitem(planner.ROWS_MIN_SPLIT_ROWS, "cuda", planner.ROWS_MIN_SPLIT_ROWS["cpu"])
-
-
-def _budget(n, d, v, dtype, block_rows):
-    """A memory_budget whose rows plan has blocks of ``block_rows`` rows (dX beside one block's logits)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return block_rows * v * itemsize + n * d * itemsize
 
 
 def _inputs(n, d, v, dtype, device, bias, ignore, seed=0, scale=1.0):
@@ -93,7 +87,7 @@ def _assert_rows_plan(n, d, v, dtype, device, opts, blocks):
 def test_float32_matches_float64(device, reduction, bias, opt_index):
     n, d, v = 220, 24, 77  # 7 blocks of 32 rows, the last one short
     x, w, b, target = _inputs(n, d, v, torch.float32, device, bias, ignore=True, seed=opt_index, scale=3.0)
-    opts = dict(reduction=reduction, memory_budget=_budget(n, d, v, torch.float32, 32), **OPTION_SETS[opt_index])
+    opts = dict(reduction=reduction, memory_budget=rows_budget(n, d, v, torch.float32, 32), **OPTION_SETS[opt_index])
     _assert_rows_plan(n, d, v, torch.float32, device, opts, blocks=7)
     ours = _hugehead(x, w, b, target, opts)
     ref = _reference(x, w, b, target, opts)
@@ -121,7 +115,7 @@ def test_16bit_within_2x_of_plain_pytorch(device, dtype, reduction, opt_index):
     n, d, v = 96 * ROWS_BLOCKS, 64, 384
     bias = opt_index % 2 == 1
     x, w, b, target = _inputs(n, d, v, dtype, device, bias, ignore=True, seed=10 + opt_index, scale=2.0)
-    opts = dict(reduction=reduction, memory_budget=_budget(n, d, v, dtype, n // ROWS_BLOCKS), **OPTION_SETS[opt_index])
+    opts = dict(reduction=reduction, memory_budget=rows_budget(n, d, v, dtype, n // ROWS_BLOCKS), **OPTION_SETS[opt_index])
     _assert_rows_plan(n, d, v, dtype, device, opts, blocks=ROWS_BLOCKS)
     ours = _hugehead(x, w, b, target, opts)
     plain = _run(lambda x_, w_, b_: _plain(x_, w_, b_, target, opts), x, w, b)
@@ -139,7 +133,7 @@ def test_16bit_dw_accumulation_error_grows_with_blocks_and_the_cap_holds_2x():
     ratios = {}
     for blocks in (1, 2, ROWS_BLOCKS):
         x_, w_ = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        loss = hugehead.linear_cross_entropy(x_, w_, target, memory_budget=_budget(n, d, v, torch.bfloat16,
+        loss = hugehead.linear_cross_entropy(x_, w_, target, memory_budget=rows_budget(n, d, v, torch.bfloat16,
                                                                                 -(-n // blocks)))
         loss.backward()
         ratios[blocks] = rel_err(w_.grad, ref[2]) / err_plain
@@ -147,9 +141,9 @@ def test_16bit_dw_accumulation_error_grows_with_blocks_and_the_cap_holds_2x():
     assert ratios[ROWS_BLOCKS] > ratios[1], ratios  # the accumulation is what grows (the test can fail)
     # Past the cap a 16-bit weight is not planned as rows.
     assert plan_rows(n, d, v, torch.bfloat16, torch.device("cpu"),
-                     _budget(n, d, v, torch.bfloat16, n // (ROWS_BLOCKS + 1))) is None
+                     rows_budget(n, d, v, torch.bfloat16, n // (ROWS_BLOCKS + 1))) is None
     assert plan_rows(n, d, v, torch.float32, torch.device("cpu"),
-                     _budget(n, d, v, torch.float32, n // (ROWS_BLOCKS + 1))).kind == "rows"
+                     rows_budget(n, d, v, torch.float32, n // (ROWS_BLOCKS + 1))).kind == "rows"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -160,7 +154,7 @@ def test_gradients_of_a_subset_of_inputs(device, needs):
     x.requires_grad_("x" in needs)
     w.requires_grad_("weight" in needs)
     b.requires_grad_("bias" in needs)
-    opts = dict(memory_budget=_budget(n, d, v, torch.float32, 32))
+    opts = dict(memory_budget=rows_budget(n, d, v, torch.float32, 32))
     _assert_rows_plan(n, d, v, torch.float32, device, opts, blocks=4)
     hugehead.linear_cross_entropy(x, w, target, b, **opts).backward()
     ref = _reference(x, w, b, target, opts)
@@ -179,7 +173,7 @@ def test_all_ignored_and_empty_like_pytorch(device, reduction, monkeypatch):
     for n in (0, 9):
         x, w, b, target = _inputs(n, d, v, torch.float32, device, True, ignore=False)
         target.fill_(-100)
-        opts = dict(reduction=reduction, memory_budget=_budget(max(n, 1), d, v, torch.float32, 4))
+        opts = dict(reduction=reduction, memory_budget=rows_budget(max(n, 1), d, v, torch.float32, 4))
         if n:  # (no rows: all "logits" of an empty batch are kept)
             _assert_rows_plan(n, d, v, torch.float32, device, opts, blocks=-(-n // 4))
         ours = _hugehead(x, w, b, target, opts)
@@ -233,7 +227,7 @@ def test_planner_picks_the_cheapest_plan_that_fits(monkeypatch):
 def test_functional_uses_the_rows_plan_only_where_it_applies(monkeypatch):
     n, d, v = 96, 8, 21
     x, w, b, target = _inputs(n, d, v, torch.float32, "cpu", True, ignore=True)
-    budget = _budget(n, d, v, torch.float32, 32)
+    budget = rows_budget(n, d, v, torch.float32, 32)
     calls = []
     rows_op = torch.ops.hugehead.linear_cross_entropy_rows
 
@@ -268,7 +262,7 @@ def test_functional_uses_the_rows_plan_only_where_it_applies(monkeypatch):
 def test_incoming_gradient_scales_every_gradient(device, dtype):
     n, d, v = 96, 16, 45
     x, w, b, target = _inputs(n, d, v, dtype, device, True, ignore=True)
-    opts = dict(reduction="sum", memory_budget=_budget(n, d, v, dtype, 32), label_smoothing=0.05)
+    opts = dict(reduction="sum", memory_budget=rows_budget(n, d, v, dtype, 32), label_smoothing=0.05)
     _assert_rows_plan(n, d, v, dtype, device, opts, blocks=3)
     ours = _hugehead(x, w, b, target, opts, grad_out=-0.37)
     ref = _reference(x, w, b, target, opts, grad_out=-0.37)
@@ -285,7 +279,7 @@ def test_second_backward_and_second_order_raise_clearly():
     x, w, b, target = _inputs(n, d, v, torch.float32, "cpu", True, ignore=False)
     x.requires_grad_()
     w.requires_grad_()
-    budget = _budget(n, d, v, torch.float32, 32)
+    budget = rows_budget(n, d, v, torch.float32, 32)
     loss = hugehead.linear_cross_entropy(x, w, target, memory_budget=budget)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="already used by a first backward"):
@@ -323,7 +317,7 @@ def test_compile_fullgraph_small_model_matches_eager(backend):
     torch._dynamo.reset()
     torch.manual_seed(5)
     n, d, v = 96, 8, 37
-    budget = _budget(n, d, v, torch.float32, 32)
+    budget = rows_budget(n, d, v, torch.float32, 32)
     assert plan_loss(n, d, v, torch.float32, torch.device("cpu"), None, budget, allow_rows=True,
                      allow_keep=False, direct_dx=True).kind == "rows"
 
@@ -373,7 +367,7 @@ def test_opcheck_rows_op():
 def test_cuda_rows_plan_matches_float64(dtype):
     n, d, v = 4000, 128, 32_768
     x, w, b, target = _inputs(n, d, v, dtype, "cuda", True, ignore=True, scale=4.0)
-    opts = dict(memory_budget=_budget(n, d, v, dtype, 1024), label_smoothing=0.1, softcap=20.0)
+    opts = dict(memory_budget=rows_budget(n, d, v, dtype, 1024), label_smoothing=0.1, softcap=20.0)
     _assert_rows_plan(n, d, v, dtype, "cuda", opts, blocks=4)
     ours = _hugehead(x, w, b, target, opts, grad_out=0.5)
     ref = _reference(x, w, b, target, opts, grad_out=0.5)
@@ -403,7 +397,7 @@ def test_cuda_plans_of_issue_23s_llama_head_kept_by_default_rows_at_1_gib():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_chunked_classifier_one_local_shard_uses_rows(devices, reduction, monkeypatch):
     n, d, v = 96, 8, 40
-    budget = _budget(n, d, v, torch.float32, 32) // (1 if devices is None else 2)
+    budget = rows_budget(n, d, v, torch.float32, 32) // (1 if devices is None else 2)
     torch.manual_seed(2)
     head = hugehead.ChunkedClassifier(d, v, bias=True, devices=devices, memory_budget=budget, reduction=reduction,
                                       label_smoothing=0.1, softcap=5.0)
