@@ -232,6 +232,39 @@ CUTLASS_DEVICE bool holds_offset(Coords const& tCcD, int t, int col0, int N) {
          get<1>(tCcD(make_coord(make_coord(t & 1, 0, t >> 3), 0, 0))) - col0 == t;
 }
 
+// z[i] = the accumulator element at row i's offset t_off[i] (target_offset), for the rows whose offset is
+// one of this thread's elements (mine[i], holds_offset; z[i] of the others is left as it was). A tile holds
+// few rows' targets (one in V / 128 at most), so the warp picks them only when one of its lanes holds one
+// (a uniform branch), instead of a compare and select per element. Returns whether the warp picked.
+template <int kRows, class Acc, class Coords>
+CUTLASS_DEVICE bool pick_at_offsets(Acc& acc, Coords const& tCcD, int col0, const int (&t_off)[kRows],
+                                    const bool (&mine)[kRows], float (&z)[kRows]) {
+  using namespace cute;
+  using FrgLayout = typename Acc::layout_type;
+  constexpr int kSteps = size<0, 2>(FrgLayout{});
+  constexpr int kMmaN = size<2>(FrgLayout{});
+  bool any_mine = false;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kRows; ++i) any_mine |= mine[i];
+  if (!__any_sync(0xffffffffu, any_mine)) return false;
+  CUTLASS_PRAGMA_UNROLL
+  for (int ni = 0; ni < kMmaN; ++ni) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int st = 0; st < kSteps; ++st) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 2; ++c) {
+        const int offset = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni))) - col0;  // a constant
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          const float v = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
+          z[i] = offset == t_off[i] ? v : z[i];
+        }
+      }
+    }
+  }
+  return true;
+}
+
 template <class Element, Schedule S, class EpilogueOp>
 struct FusedGemm {
   using Config = ScheduleConfig<S>;

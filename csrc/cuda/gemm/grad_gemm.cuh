@@ -170,36 +170,17 @@ struct GradEpilogue : EpilogueBase<Element> {
       }
     }
     if constexpr (kFull) {
-      // The target elements: a tile holds few rows' targets (one in V / 128 at most), so the warp rewrites
-      // them only when one of its lanes holds one (a uniform branch). Same arithmetic as the checked path
-      // with z-loss 0 and no grad_lse: g ((p - eps / V) - (1 - eps)). The thread wrote the element above:
-      // its own later store wins.
+      // The target elements (picked under a warp vote, fused_gemm.cuh), rewritten with the same arithmetic
+      // as the checked path with z-loss 0 and no grad_lse: g ((p - eps / V) - (1 - eps)). The thread wrote
+      // the element above: its own later store wins.
       bool mine[kRows];
-      bool any_mine = false;
+      float z_t[kRows];
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
         mine[i] = holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
-        any_mine |= mine[i];
+        z_t[i] = 0.f;
       }
-      if (__any_sync(0xffffffffu, any_mine)) {
-        float z_t[kRows];
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) z_t[i] = 0.f;
-        CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < kMmaN; ++ni) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int st = 0; st < kSteps; ++st) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              const int offset = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni))) - f.col0;  // a constant
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < kRows; ++i) {
-                const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
-                z_t[i] = offset == t_off[i] ? z : z_t[i];
-              }
-            }
-          }
-        }
+      if (pick_at_offsets(acc, tCcD, f.col0, t_off, mine, z_t)) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) {
           if (!mine[i]) continue;

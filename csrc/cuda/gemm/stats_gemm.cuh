@@ -110,32 +110,11 @@ struct StatsEpilogue : EpilogueBase<Element> {
         }
       }
     }
-    // The target logits: a tile holds few rows' targets (one in V / 128 at most), so the warp picks them only
-    // when one of its lanes holds one (a uniform branch), instead of a compare and select per element.
+    // The target logits (picked under a warp vote, fused_gemm.cuh).
     bool mine[kRows];
-    bool any_mine = false;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      mine[i] = f.row[i] < M && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
-      any_mine |= mine[i];
-    }
-    if (__any_sync(0xffffffffu, any_mine)) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int ni = 0; ni < kMmaN; ++ni) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int st = 0; st < kSteps; ++st) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < 2; ++c) {
-            const int offset = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, ni))) - f.col0;  // a constant
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < kRows; ++i) {
-              const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
-              t_z[i] = offset == t_off[i] ? z : t_z[i];
-            }
-          }
-        }
-      }
-    }
+    for (int i = 0; i < kRows; ++i) mine[i] = f.row[i] < M && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+    pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z);
     // One exp per element, as chunk_stats_'s fold_values (up to exp_minus's rounding and flushed terms). A
     // row whose max is -inf (all -inf or NaN) takes exp(z - 0): 0 for -inf, NaN for NaN, so a NaN still
     // surfaces, as there.
@@ -213,7 +192,7 @@ struct StatsGemm {
 }  // namespace gemm
 }  // namespace hugehead
 
-// One explicit instantiation per .cu: the launcher functions that stats_gemm_dispatch.cu calls.
+// One explicit instantiation per .cu: the launcher functions that dispatch.cu calls.
 #define HUGEHEAD_STATS_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE)                                                   \
   namespace hugehead {                                                                                       \
   namespace gemm {                                                                                           \
