@@ -340,6 +340,25 @@ def bce_cases(device: torch.device) -> Iterator[Result]:
                 yield f"{name}: row_loss", row_loss.cpu(), ref_rows.detach(), 10 * ACC_TOLERANCE[acc]
 
 
+@kernel_case("scale_")
+def scale_cases(device: torch.device) -> Iterator[Result]:
+    """In-place scaling by a 0-d device tensor: sizes off the 16-byte packs and the unroll, views starting
+    mid-pack inside a canary-filled buffer (a write outside the view shows as a changed canary)."""
+    for dtype in DTYPES:
+        for n, offset in ((1, 0), (7, 1), (4099, 3), (70_001, 5)):
+            name = f"n {n} from {offset} {str(dtype)[6:]}"
+            x = torch.randn(n, generator=_gen(name), dtype=torch.float64).to(dtype)
+            buf = torch.full((n + offset + 9,), 1e3, dtype=dtype)
+            buf[offset:offset + n] = x
+            buf = buf.to(device)
+            scale = torch.tensor(-0.37, dtype=torch.float32)
+            torch.ops.hugehead.scale_.default(buf[offset:offset + n], scale.to(device))
+            got = buf.cpu()
+            yield f"{name}: scaled", got[offset:offset + n], x.double() * float(scale), TOLERANCE[dtype]
+            canaries = torch.cat([got[:offset], got[offset + n:]])
+            yield f"{name}: canaries", canaries, torch.full_like(canaries, 1e3, dtype=torch.float64), 0.0
+
+
 # (label, N, C, D, class_start, bias, softcap): rows and columns off the GEMM's 128 x 128 / 128 x 256 tiles
 GEMM_STATS_SHAPES = [
     ("one row", 1, 300, 64, 0, False, 0.0),

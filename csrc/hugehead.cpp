@@ -56,6 +56,11 @@ TORCH_LIBRARY(hugehead, m) {
   m.def(
       "bce_chunk_(Tensor(a!) logits, Tensor crow, Tensor col, Tensor val, Tensor? entry_weight, int class_start, "
       "Tensor(b!)? row_loss, Tensor? grad_rows) -> ()");
+  // self *= scale in place, scale a one-element float32/float64 tensor on self's device, read there (no host
+  // synchronization): the product in float32 (float64 for float64 self) with the scale in full, rounded
+  // once to self's dtype, as CPU ATen's self.mul_(scale) (CUDA's rounds a 0-d float32 scale to a 16-bit
+  // self's dtype first, and runs unvectorized). The backward of an op whose gradients the forward made.
+  m.def("scale_(Tensor(a!) self, Tensor scale) -> ()");
 }
 
 PYBIND11_MODULE(_C, module) {

@@ -304,8 +304,9 @@ def register_rows_autograd(op, hold_index: int) -> None:
         needs = ctx.needs_input_grad
         want = (needs[0], needs[1], ctx.has_bias and needs[2])
         # In place when held (eager): the forward's gradient tensors become the gradients, no copy; a 0-d
-        # grad_loss keeps each gradient's dtype.
-        grads = [None if not wanted else (g.mul_(grad_loss) if ctx.hold else g * grad_loss)
+        # grad_loss keeps each gradient's dtype. ops.scale_, not g.mul_(grad_loss): on CUDA that runs ATen's
+        # unvectorized kernel (3.4 ms for dW + dX at xc1M on an H200, ~0.9 TB/s).
+        grads = [None if not wanted else (ops.scale_(g, grad_loss) if ctx.hold else g * grad_loss)
                  for g, wanted in zip((grad_x, grad_w, grad_b), want)]
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # create_graph=True: the gradients were made in the forward, without a graph; tie them to a node

@@ -13,7 +13,7 @@ from torch import Tensor
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path"]
+           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path", "scale_"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -373,4 +373,33 @@ def _chunk_topk_fake(logits, bias, class_start, softcap, values, indices):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(values.dim() == 2 and values.shape[0] == logits.shape[0], lambda: "values must be [N, k]")
     torch._check(indices.shape == values.shape, lambda: "indices must have the shape of values")
+    return None
+
+
+def scale_(self: Tensor, scale: Tensor) -> Tensor:
+    """``self *= scale`` in place, with the scale read on the device (no host synchronization); returns ``self``.
+
+    The product is computed in float32 (float64 for float64 ``self``) with the whole scale (a float64 scale
+    rounded to float32 first, for a 16-bit or float32 ``self``) and rounded once to ``self``'s dtype: CPU
+    ATen's ``self.mul_(scale)`` bit for bit. On CUDA, ``self.mul_(scale)`` rounds a float32 scale to a
+    16-bit ``self``'s dtype before the product, and runs unvectorized (a 0-d operand has stride 0); this is
+    one vectorized pass (``csrc/cuda/scale.cu``). The backward of an op whose gradients its forward made
+    scales them by the incoming 0-d gradient with it.
+
+    Args:
+        self: any shape and strides (non-overlapping), float16/bfloat16/float32/float64, written in place.
+        scale: a 0-d (or one-element) float32/float64 tensor on ``self``'s device; must not share memory
+            with ``self``.
+
+    Raises:
+        RuntimeError: an integer, bool or complex ``self``; a ``scale`` with more than one element, of
+            another dtype or on another device; a ``self`` whose elements share memory (an expanded view).
+    """
+    torch.ops.hugehead.scale_.default(self, scale)
+    return self
+
+
+@torch.library.register_fake("hugehead::scale_")
+def _scale_fake(self, scale):
+    torch._check(scale.numel() == 1, lambda: f"scale must have one element, got shape {tuple(scale.shape)}")
     return None

@@ -74,6 +74,14 @@ struct ChunkGradParams {
   double softcap;  // <= 0: none
 };
 
+// self *= scale over a tensor whose elements fill data[0, numel) (non-overlapping and dense, any order).
+struct ScaleParams {
+  void* data;            // numel elements of self's dtype
+  const void* scale;     // one element on the same device: double when scale_is_double, else float
+  int64_t numel;
+  bool scale_is_double;
+};
+
 // The accumulation dtype of a logits dtype.
 inline at::ScalarType acc_type_for(at::ScalarType logits) {
   return logits == at::kDouble ? at::kDouble : at::kFloat;

@@ -6,6 +6,7 @@
 // limit, the device guard) is checked there, still before any kernel runs.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -129,6 +130,35 @@ void bce_chunk(const at::Tensor& logits, const at::Tensor& crow, const at::Tenso
                          logits.stride(0), class_start};
   if (p.rows == 0 || p.cols == 0 || (p.row_loss == nullptr && p.grad_rows == nullptr)) return;
   launch(p, logits);
+}
+
+// scale_: the checks, and the layouts no kernel takes (a strided view with gaps) through ATen with the same
+// arithmetic: the product in float32 (float64 for float64 self) with the whole scale, rounded once. ATen's
+// mul_ gives that for float32/float64 self on either backend, but on CUDA it rounds a float32 0-d scale to a
+// 16-bit self's dtype first, so 16-bit self goes through a float32 copy there.
+template <Launch<ScaleParams> launch>
+void scale(const at::Tensor& self, const at::Tensor& scale) {
+  const auto dtype = self.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+              "hugehead: scale_ takes a float16, bfloat16, float32 or float64 self, got ", dtype);
+  TORCH_CHECK(scale.numel() == 1, "hugehead: scale_'s scale must be a 0-d (one-element) tensor, got shape ",
+              scale.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kDouble,
+              "hugehead: scale_'s scale must be float32 or float64, got ", scale.scalar_type());
+  TORCH_CHECK(scale.device() == self.device(), "hugehead: scale_'s scale is on ", scale.device(),
+              " but self is on ", self.device(), " (it is read on self's device)");
+  TORCH_CHECK(at::has_internal_overlap(self) != at::MemOverlap::Yes,
+              "hugehead: scale_ cannot write self in place: some of its elements share memory (an expanded view)");
+  TORCH_CHECK(!scale.is_alias_of(self), "hugehead: scale_'s scale must not share memory with self");
+  if (self.numel() == 0) return;
+  if (self.is_non_overlapping_and_dense()) {
+    launch(ScaleParams{self.data_ptr(), scale.const_data_ptr(), self.numel(), scale.scalar_type() == at::kDouble},
+           self);
+  } else if (self.is_cuda() && (dtype == at::kHalf || dtype == at::kBFloat16)) {
+    self.copy_(self.to(at::kFloat).mul_(scale.reshape({})));
+  } else {
+    self.mul_(scale.reshape({}));
+  }
 }
 
 }  // namespace entry
