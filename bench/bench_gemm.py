@@ -29,6 +29,13 @@ BF16 = torch.bfloat16
 # HUGEHEAD_GEMM_SCHEDULE values each fused GEMM has (the gradient GEMM has no cooperative instantiation).
 STATS_SCHEDULES = ("pingpong", "pingpong_cluster", "cooperative")
 GRAD_SCHEDULES = ("pingpong", "pingpong_cluster")
+# HUGEHEAD_GEMM_GRAD_STORE values: the gradient through shared memory and TMA stores (the default where it
+# applies) or the register epilogue's direct stores.
+GRAD_STORES = ("tma", "direct")
+
+
+def _grad_key(schedule: str, store: str) -> str:
+    return f"fused_grad_{schedule}" + ("" if store == "tma" else f"_{store}")
 
 
 def _ms(fn, reps: int) -> float:
@@ -80,9 +87,12 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
         os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
         timings[f"fused_stats_{schedule}"] = _ms(fused_stats, reps)
     timings["cublas_grad"] = _ms(cublas_grad, reps)
-    for schedule in GRAD_SCHEDULES:
-        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
-        timings[f"fused_grad_{schedule}"] = _ms(fused_grad, reps)
+    for store in GRAD_STORES:
+        os.environ["HUGEHEAD_GEMM_GRAD_STORE"] = store
+        for schedule in GRAD_SCHEDULES:
+            os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+            timings[_grad_key(schedule, store)] = _ms(fused_grad, reps)
+    os.environ.pop("HUGEHEAD_GEMM_GRAD_STORE")
     # The floors: each schedule's mainloop alone (the epilogue returns at once; nothing is computed).
     os.environ["HUGEHEAD_GEMM_MAINLOOP_ONLY"] = "1"
     for schedule in STATS_SCHEDULES:
@@ -110,6 +120,12 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     g_cublas = z.float().clone()
     fused_grad()
     row["grad_rel_diff"] = float((z.float() - g_cublas).norm() / g_cublas.norm())
+    # Both stores of the gradient GEMM compute the same arithmetic: their chunks must be the same bits.
+    g_tma = z.clone()
+    os.environ["HUGEHEAD_GEMM_GRAD_STORE"] = "direct"
+    fused_grad()
+    os.environ.pop("HUGEHEAD_GEMM_GRAD_STORE")
+    row["grad_tma_equals_direct"] = bool(torch.equal(g_tma, z))
     del x, w, t, z
     torch.cuda.empty_cache()
     return row
@@ -154,15 +170,17 @@ def ncu_one(name: str) -> None:
 def render(doc: dict) -> str:
     m = doc["meta"]
     stats = [f"fused_stats_{k}" for k in STATS_SCHEDULES]
-    grads = [f"fused_grad_{k}" for k in GRAD_SCHEDULES]
+    grads = [_grad_key(k, st) for st in GRAD_STORES for k in GRAD_SCHEDULES]
     lines = [harness.header(f"Fused CUTLASS GEMMs vs cuBLAS + kernels, one chunk: {m['machine']} (bfloat16)", m),
              "ms per chunk (TFLOP/s on 2·N·D·C); per step = × V / C. Fused = no logits in HBM; the fused columns "
-             "are the HUGEHEAD_GEMM_SCHEDULE values.", "",
+             "are the HUGEHEAD_GEMM_SCHEDULE values; grad tma / direct: the gradient stored through shared memory "
+             "by TMA (the default where it applies) or by the register epilogue (HUGEHEAD_GEMM_GRAD_STORE=direct).", "",
              "| shape | C | cuBLAS logits GEMM | cuBLAS + chunk_stats_ | "
              + " | ".join(f"stats {k}" for k in STATS_SCHEDULES) + " | cuBLAS + chunk_grad_ | "
-             + " | ".join(f"grad {k}" for k in GRAD_SCHEDULES)
-             + " | fwd per step cuBLAS → best fused | bwd recompute per step cuBLAS → best fused | Δlse max | grad rel Δ |",
-             "|---|--:|" + "--:|" * (4 + len(stats) + len(grads)) + "---|---|--:|--:|"]
+             + " | ".join(f"grad {k} {st}" for st in GRAD_STORES for k in GRAD_SCHEDULES)
+             + " | fwd per step cuBLAS → best fused | bwd recompute per step cuBLAS → best fused | Δlse max | grad rel Δ "
+             "| tma = direct bitwise |",
+             "|---|--:|" + "--:|" * (4 + len(stats) + len(grads)) + "---|---|--:|--:|---|"]
     for r in doc["results"]:
         c, tf, s = r["chunk_ms"], r["chunk_tflops"], r["step_ms"]
 
@@ -175,7 +193,7 @@ def render(doc: dict) -> str:
                      + " | ".join(cell(k) for k in stats) + f" | {cell('cublas_grad')} | "
                      + " | ".join(cell(k) for k in grads)
                      + f" | {s['cublas_stats']:.1f} → {best_s:.1f} ms | {s['cublas_grad']:.1f} → {best_g:.1f} ms | "
-                     f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} |")
+                     f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} | {r.get('grad_tma_equals_direct', '–')} |")
     lines += ["", "The floors (HUGEHEAD_GEMM_MAINLOOP_ONLY=1: the epilogue returns at once) and a bias (the default "
               "schedule):", "",
               "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES) + " | stats + bias | grad + bias |",

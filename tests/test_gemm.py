@@ -31,6 +31,13 @@ def schedule(request, monkeypatch):
 @pytest.fixture(params=GRAD_SCHEDULES)
 def grad_schedule(request, monkeypatch):
     monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", request.param)
+
+
+# HUGEHEAD_GEMM_GRAD_STORE: the gradient GEMM's TMA store where it applies ("auto", the default), or the
+# register epilogue's direct stores everywhere.
+@pytest.fixture(params=["auto", "direct"])
+def grad_store(request, monkeypatch):
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", request.param)
     return request.param
 
 
@@ -257,13 +264,17 @@ GRAD_CASES = [
     (257, 1000, 768, 500, True, 0.0, 0.0, 0.0, True, 6),    # a column slice of a wider buffer
     (1000, 3000 + 3, 768, 0, False, 0.1, 0.0, 15.0, False, 1),
     (1024, 4096, 768, 128, False, 0.1, 1e-3, 0.0, False, 0),  # whole tiles only: the fast path, no bias
+    # The plain loss into a 16-byte aligned grad_logits: stored through shared memory by TMA (grad_tma_gemm.cuh)
+    (1024, 4096, 768, 128, False, 0.1, 0.0, 0.0, False, 0),   # whole tiles
+    (1000, 3008, 768, 0, False, 0.0, 0.0, 0.0, False, 8),     # partial tiles, a padded row stride
+    (257, 1000, 768, 500, False, 0.1, 0.0, 0.0, False, 0),    # partial tiles along both modes
 ]
 
 
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,d,class_start,bias,eps,z_loss,softcap,with_grad_lse,pad", GRAD_CASES)
-def test_grad_matches_float64_and_the_cublas_path(grad_schedule, dtype, n, c, d, class_start, bias, eps, z_loss,
+def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dtype, n, c, d, class_start, bias, eps, z_loss,
                                                   softcap, with_grad_lse, pad):
     seed = n * 3 + c
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
@@ -288,6 +299,52 @@ def test_grad_matches_float64_and_the_cublas_path(grad_schedule, dtype, n, c, d,
     # and element by element the cuBLAS path's gradient up to rounding: a logit the two GEMMs' K orders round
     # apart moves p by one ulp of the logit (up to ~6% at |z| ~ 15 in bf16)
     torch.testing.assert_close(got.float(), cublas.cpu().float(), rtol=0.1, atol=1e-3 * float(ref.abs().max()))
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,c,class_start,eps,pad", [(1024, 4096, 128, 0.1, 0), (1000, 3008, 0, 0.0, 8),
+                                                     (257, 1000, 500, 0.1, 0), (129, 136, 0, 0.0, 0)])
+def test_grad_tma_store_writes_the_direct_stores_bits(grad_schedule, monkeypatch, dtype, n, c, class_start, eps,
+                                                       pad):
+    """The TMA-stored gradient (grad_tma_gemm.cuh) and the register epilogue's (grad_gemm.cuh) compute the same
+    arithmetic per element: the same bits, ignored rows and the targets' elements included, and nothing is
+    written beside the chunk."""
+    d, seed = 768, n + c
+    x, w, _ = (t.cuda() if t is not None else None for t in _inputs(n, c, d, dtype, bias=False, seed=seed))
+    num_classes = class_start + c + 100
+    target = _targets(n, c, class_start, num_classes, seed).cuda()
+    lse, grad_rows, _ = (t.cuda() if t is not None else None for t in _grad_inputs(n, c, seed, False))
+    outs = []
+    for store in ("tma", "direct"):  # "tma" raises where the TMA store does not apply: it ran
+        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", store)
+        wide = torch.full((n, c + pad), 7.0, dtype=dtype, device="cuda")
+        ops.gemm_chunk_grad_(x, w, None, target, class_start, num_classes, lse, grad_rows, eps, 0.0, 0.0, None,
+                             wide[:, :c])
+        assert torch.all(wide[:, c:] == 7.0), f"{store}: wrote outside the chunk"
+        outs.append(wide[:, :c])
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.count_nonzero(outs[0]) > outs[0].numel() // 2  # a real gradient, not a zero chunk
+
+
+@requires_fused
+def test_grad_tma_store_asked_where_it_does_not_apply_raises(monkeypatch):
+    n, c, d = 64, 300, 64  # 300 columns: rows of 600 bytes, not whole 16 bytes
+    x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=8))
+    target = _targets(n, c, 0, c, 8).cuda()
+    lse, grad_rows, _ = (t.cuda() if t is not None else None for t in _grad_inputs(n, c, 8, False))
+    out = torch.empty(n, c, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", "tma")
+    with pytest.raises(RuntimeError, match="TMA store does not apply"):
+        ops.gemm_chunk_grad_(x, w, None, target, 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None, out)
+    out8 = torch.empty(n, 296, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="TMA store does not apply"):  # a bias
+        ops.gemm_chunk_grad_(x, w[:296], b[:296], target.clamp(max=295), 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None,
+                             out8)
+    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_STORE")
+    ops.gemm_chunk_grad_(x, w, None, target, 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None, out)  # direct stores
+    torch.cuda.synchronize()
 
 
 @requires_fused

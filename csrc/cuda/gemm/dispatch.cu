@@ -2,6 +2,7 @@
 // compile in parallel; this file includes no CUTLASS header).
 #include "hugehead/gemm.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -25,6 +26,10 @@ HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_cluster)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_tma)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_tma)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_cluster_tma)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster_tma)
 #undef HUGEHEAD_DECLARE_GRAD_GEMM
 
 Schedule schedule_from_env(Schedule fallback) {
@@ -69,18 +74,54 @@ const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedul
   }
 }
 
+bool grad_gemm_tma_store_applies(const GradGemmParams& p) {
+  // 2-byte elements: TMA wants a 16-byte aligned base and row stride, CUTLASS a row length of whole 16 bytes.
+  const bool aligned = reinterpret_cast<uintptr_t>(p.grad_logits) % 16 == 0 && (p.grad_stride * 2) % 16 == 0 &&
+                       p.cols % 8 == 0;
+  return aligned && !p.mainloop_only && p.bias == nullptr && !(p.softcap > 0.f) && p.z_loss == 0.f &&
+         p.grad_lse == nullptr;
+}
+
+GradStore grad_store_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_GRAD_STORE");
+  if (v != nullptr && std::strcmp(v, "direct") == 0) return GradStore::kDirect;
+  if (v != nullptr && std::strcmp(v, "tma") == 0) return GradStore::kTma;
+  return GradStore::kAuto;
+}
+
+namespace {
+bool stores_by_tma(const GradGemmParams& p) {
+  const GradStore store = grad_store_from_env();
+  return store != GradStore::kDirect && grad_gemm_tma_store_applies(p);
+}
+}  // namespace
+
 size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule) {
+  const bool tma = stores_by_tma(p);
   if (schedule == Schedule::kPingpongCluster) {
+    if (tma) {
+      return half ? grad_gemm_fp16_pingpong_cluster_tma_workspace(p) : grad_gemm_bf16_pingpong_cluster_tma_workspace(p);
+    }
     return half ? grad_gemm_fp16_pingpong_cluster_workspace(p) : grad_gemm_bf16_pingpong_cluster_workspace(p);
   }
+  if (tma) return half ? grad_gemm_fp16_pingpong_tma_workspace(p) : grad_gemm_bf16_pingpong_tma_workspace(p);
   return half ? grad_gemm_fp16_pingpong_workspace(p) : grad_gemm_bf16_pingpong_workspace(p);
 }
 
 const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
                           cudaStream_t stream) {
+  const bool tma = stores_by_tma(p);
   if (schedule == Schedule::kPingpongCluster) {
+    if (tma) {
+      return half ? grad_gemm_fp16_pingpong_cluster_tma_run(p, workspace, stream)
+                  : grad_gemm_bf16_pingpong_cluster_tma_run(p, workspace, stream);
+    }
     return half ? grad_gemm_fp16_pingpong_cluster_run(p, workspace, stream)
                 : grad_gemm_bf16_pingpong_cluster_run(p, workspace, stream);
+  }
+  if (tma) {
+    return half ? grad_gemm_fp16_pingpong_tma_run(p, workspace, stream)
+                : grad_gemm_bf16_pingpong_tma_run(p, workspace, stream);
   }
   return half ? grad_gemm_fp16_pingpong_run(p, workspace, stream)
               : grad_gemm_bf16_pingpong_run(p, workspace, stream);

@@ -81,7 +81,15 @@ size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule 
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream);
 
-// The gradient GEMM (a pingpong schedule): workspace bytes and launch, as for the statistics GEMM.
+// The gradient GEMM (a pingpong schedule): workspace bytes and launch, as for the statistics GEMM. The plain
+// loss (no bias, softcap, z-loss or grad_lse) into a 16-byte aligned grad_logits with whole 16-byte rows
+// stores through shared memory by TMA (grad_tma_gemm.cuh: grad_gemm_tma_store_applies); every other call
+// takes the register epilogue's direct stores (grad_gemm.cuh). HUGEHEAD_GEMM_GRAD_STORE (read per call, for
+// A/B runs and tests): unset = that choice, "direct" = the direct stores everywhere, "tma" = the TMA store or
+// an error where it does not apply (gemm_chunk_grad_ raises), so a test knows which path ran.
+enum class GradStore { kAuto = 0, kTma = 1, kDirect = 2 };
+GradStore grad_store_from_env();
+bool grad_gemm_tma_store_applies(const GradGemmParams& p);
 size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule);
 const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
                           cudaStream_t stream);

@@ -1,0 +1,219 @@
+// The backward's recompute GEMM with the gradient stored through shared memory and TMA: CUTLASS's sm90 TMA
+// warp-specialized collective epilogue (subtiles staged in shared memory by stmatrix, written by TMA stores
+// that run while the warpgroup goes on) with a fusion callback of ours that turns each accumulator fragment
+// into dLoss/dlogits. grad_gemm.cuh's register epilogue stores each adjacent pair with its own 32-bit STG:
+// a warp's store then covers 8 rows x 16 bytes, half of every 32-byte sector it touches, and the H200 ran
+// that GEMM at 0.764 ms a chunk against 0.633 for the statistics GEMM that stores nothing (xc1M, ae0dbc5).
+//
+// This path covers the plain loss (no bias, softcap, z-loss or returned lse: g (p - eps / V), the target's
+// (1 - eps) apart) into a grad_logits TMA can address (16-byte aligned base and row stride); every other
+// call takes grad_gemm.cuh's epilogue. The arithmetic per element is that epilogue's fast path, so both
+// write the same bits.
+#pragma once
+
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include <cstdint>
+
+#include "fused_gemm.cuh"
+
+namespace hugehead {
+namespace gemm {
+
+// The fusion callbacks (the root of the epilogue's visitor tree, a leaf that reads the accumulator): per
+// element, z = the accumulator rounded to Element (the logit cuBLAS would store), p = exp(z - lse), and
+// g (p - eps / V) - g (1 - eps) [column == target]; rows with g == 0 (ignored, or beyond the problem) are
+// exact zeros. The per-row inputs are loaded once per tile into registers that broadcast along the columns
+// (as CUTLASS's Sm90ColBroadcast holds a column vector).
+template <class Element>
+struct GradTmaCallbacks {
+  struct SharedStorage {};
+  struct Arguments {
+    const int64_t* target = nullptr;
+    const float* lse = nullptr;
+    const float* grad_rows = nullptr;
+    int64_t class_start = 0;
+    float smooth = 0.f;         // label_smoothing / num_classes
+    float target_weight = 1.f;  // 1 - label_smoothing
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.target != nullptr && args.lse != nullptr && args.grad_rows != nullptr;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE GradTmaCallbacks() {}
+  CUTLASS_HOST_DEVICE GradTmaCallbacks(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  // RowF / RowI: (CPY, CPY_M, CPY_N, EPI_M, EPI_N) register tensors with stride 0 along N (one value per row
+  // of the thread); Coords: the thread's coordinates relative to the tile, the same shape.
+  template <class RowF, class RowI, class Coords, class Residue>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RowF lse_log2e_, RowF g_, RowI t_, Coords tCcD_, Residue residue_,
+                                          Params const& params_, int m0_, int n0_)
+        : lse_log2e(lse_log2e_), g(g_), t(t_), tCcD(tCcD_), residue(residue_), params(params_), m0(m0_), n0(n0_) {}
+
+    RowF lse_log2e;  // lse log2(e), for exp_minus
+    RowF g;          // dLoss/dloss_row, 0 for rows beyond the problem
+    RowI t;          // the target's column relative to the tile, or -1 when it is not in this tile
+    Coords tCcD;
+    Residue residue;
+    Params const& params;
+    int m0, n0;  // the tile's first row and column in the chunk
+
+    CUTLASS_DEVICE void begin() {
+      using namespace cute;
+      // One load per distinct row: the stride-0 (column) modes filtered out.
+      Tensor lse_flt = filter_zeros(lse_log2e);
+      Tensor g_flt = filter_zeros(g);
+      Tensor t_flt = filter_zeros(t);
+      Tensor c_flt = filter_zeros(tCcD, lse_log2e.stride());
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(lse_flt); ++i) {
+        const int r = get<0>(c_flt(i));
+        const bool ok = r < get<0>(residue);
+        const int row = m0 + r;
+        lse_flt(i) = ok ? params.lse[row] * kLog2e : 0.f;
+        g_flt(i) = ok ? params.grad_rows[row] : 0.f;
+        const int64_t rel = ok ? params.target[row] - params.class_start - n0 : int64_t(-1);
+        t_flt(i) = (rel >= 0 && rel < int64_t(1) << 30) ? static_cast<int>(rel) : -1;
+      }
+    }
+
+    template <typename ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const& acc,
+                                                             int epi_v, int epi_m, int epi_n) {
+      using namespace cute;
+      Tensor lse_mn = lse_log2e(_, _, _, epi_m, epi_n);
+      Tensor g_mn = g(_, _, _, epi_m, epi_n);
+      Tensor t_mn = t(_, _, _, epi_m, epi_n);
+      Tensor c_mn = tCcD(_, _, _, epi_m, epi_n);
+      // Rounded as cuBLAS rounds the logits it stores (pairs by one cvt.rn.bf16x2).
+      const cutlass::Array<Element, FragmentSize> z =
+          cutlass::NumericArrayConverter<Element, ElementAccumulator, FragmentSize>{}(acc);
+      cutlass::Array<float, FragmentSize> out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        const int idx = epi_v * FragmentSize + i;
+        const float p = exp_minus(static_cast<float>(z[i]), lse_mn(idx));
+        float d = p - params.smooth;
+        if (get<1>(c_mn(idx)) == t_mn(idx)) d = d - params.target_weight;
+        const float gi = g_mn(idx);
+        out[i] = gi == 0.f ? 0.f : gi * d;
+      }
+      return out;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    // A column vector (stride 1 along M, 0 along N and L), partitioned like the thread's accumulator
+    // subtiles; only its layout is used (the values are loaded in begin()).
+    Tensor mRow = make_tensor(make_gmem_ptr(params.lse), make_layout(make_shape(M, N, L), make_stride(_1{}, _0{}, _0{})));
+    Tensor tCgRow = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        mRow, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx);
+    Tensor lse_r = make_tensor_like<float>(tCgRow);
+    Tensor g_r = make_tensor_like<float>(tCgRow);
+    Tensor t_r = make_tensor_like<int>(tCgRow);
+    const int m0 = static_cast<int>(m) * static_cast<int>(size<0>(args.tile_shape_mnk));
+    const int n0 = static_cast<int>(n) * static_cast<int>(size<1>(args.tile_shape_mnk));
+    return ConsumerStoreCallbacks<decltype(lse_r), decltype(t_r), decltype(args.tCcD), decltype(args.residue_tCcD)>(
+        lse_r, g_r, t_r, args.tCcD, args.residue_tCcD, params, m0, n0);
+  }
+};
+
+template <class Element, Schedule S>
+struct GradTmaGemm {
+  using Config = ScheduleConfig<S>;
+  static_assert(S != Schedule::kCooperative, "the gradient GEMM has pingpong schedules only");
+  static constexpr int kAlign = 16 / sizeof(Element);
+  using Callbacks = GradTmaCallbacks<Element>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
+      cutlass::layout::RowMajor, kAlign, cutlass::epilogue::TmaWarpSpecialized, Callbacks>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
+      cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::Kernel>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Device::Arguments arguments(const GradGemmParams& p) {
+    typename Callbacks::Arguments cb;
+    cb.target = p.target;
+    cb.lse = p.lse;
+    cb.grad_rows = p.grad_rows;
+    cb.class_start = p.class_start;
+    // As grad_gemm.cuh computes them, so both paths write the same bits.
+    cb.smooth = static_cast<float>(static_cast<double>(p.label_smoothing) / static_cast<double>(p.num_classes));
+    cb.target_weight = 1.f - p.label_smoothing;
+    typename Kernel::StrideA stride_a{p.x_stride, cute::Int<1>{}, p.x_stride * p.rows};
+    typename Kernel::StrideB stride_b{p.weight_stride, cute::Int<1>{}, p.weight_stride * p.cols};
+    typename Kernel::StrideD stride_d{p.grad_stride, cute::Int<1>{}, p.grad_stride * p.rows};
+    cutlass::KernelHardwareInfo hw;
+    cudaGetDevice(&hw.device_id);
+    hw.sm_count = p.sm_count;
+    return typename Device::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.depth), 1},
+        {static_cast<const Element*>(p.x), stride_a, static_cast<const Element*>(p.weight), stride_b},
+        {cb, nullptr, stride_d, static_cast<Element*>(p.grad_logits), stride_d},
+        hw};
+  }
+  static size_t workspace_bytes(const GradGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
+  static const char* run(const GradGemmParams& p, void* workspace, cudaStream_t stream) {
+    const auto args = arguments(p);
+    Device gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+      return "CUTLASS cannot implement this fused gradient GEMM (TMA store: alignment of grad_logits?)";
+    }
+    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+      return "CUTLASS failed to initialize the fused gradient GEMM";
+    }
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS failed to launch the fused gradient GEMM";
+    return nullptr;
+  }
+};
+
+}  // namespace gemm
+}  // namespace hugehead
+
+#define HUGEHEAD_GRAD_TMA_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE)                                         \
+  namespace hugehead {                                                                                   \
+  namespace gemm {                                                                                       \
+  size_t NAME##_workspace(const GradGemmParams& p) { return GradTmaGemm<ELEMENT, SCHEDULE>::workspace_bytes(p); } \
+  const char* NAME##_run(const GradGemmParams& p, void* workspace, cudaStream_t stream) {               \
+    return GradTmaGemm<ELEMENT, SCHEDULE>::run(p, workspace, stream);                                   \
+  }                                                                                                      \
+  }                                                                                                      \
+  }
