@@ -71,7 +71,8 @@ struct GradTmaCallbacks {
   }
 
   // RowF / RowI: (CPY, CPY_M, CPY_N, EPI_M, EPI_N) register tensors with stride 0 along N (one value per row
-  // of the thread); Coords: the thread's coordinates relative to the tile, the same shape.
+  // of the thread); Coords: the same shape, coordinates relative to the thread's first element (the
+  // collective's static coordinate tensor), whose (row, column) in the chunk is (m0, n0).
   template <class RowF, class RowI, class Coords, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(RowF lse_log2e_, RowF g_, RowI t_, Coords tCcD_, Residue residue_,
@@ -80,11 +81,11 @@ struct GradTmaCallbacks {
 
     RowF lse_log2e;  // lse log2(e), for exp_minus
     RowF g;          // dLoss/dloss_row, 0 for rows beyond the problem
-    RowI t;          // the target's column relative to the tile, or -1 when it is not in this tile
+    RowI t;          // the target's column relative to the thread's first column, or -1 when it is not here
     Coords tCcD;
     Residue residue;
     Params const& params;
-    int m0, n0;  // the tile's first row and column in the chunk
+    int m0, n0;  // the thread's first row and column in the chunk
 
     CUTLASS_DEVICE void begin() {
       using namespace cute;
@@ -134,7 +135,6 @@ struct GradTmaCallbacks {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     using namespace cute;
     auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto [m, n, k, l] = args.tile_coord_mnkl;
     // A column vector (stride 1 along M, 0 along N and L), partitioned like the thread's accumulator
     // subtiles; only its layout is used (the values are loaded in begin()).
     Tensor mRow = make_tensor(make_gmem_ptr(params.lse), make_layout(make_shape(M, N, L), make_stride(_1{}, _0{}, _0{})));
@@ -143,8 +143,9 @@ struct GradTmaCallbacks {
     Tensor lse_r = make_tensor_like<float>(tCgRow);
     Tensor g_r = make_tensor_like<float>(tCgRow);
     Tensor t_r = make_tensor_like<int>(tCgRow);
-    const int m0 = static_cast<int>(m) * static_cast<int>(size<0>(args.tile_shape_mnk));
-    const int n0 = static_cast<int>(n) * static_cast<int>(size<1>(args.tile_shape_mnk));
+    // args.residue_tCcD is (M, N) minus the thread's first coordinate.
+    const int m0 = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
+    const int n0 = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
     return ConsumerStoreCallbacks<decltype(lse_r), decltype(t_r), decltype(args.tCcD), decltype(args.residue_tCcD)>(
         lse_r, g_r, t_r, args.tCcD, args.residue_tCcD, params, m0, n0);
   }

@@ -1,0 +1,121 @@
+"""SM clock and board power while each kind of chunk GEMM runs back to back (nvidia-smi sampled every 100 ms
+beside a few seconds of each): whether a fused epilogue costs time by its instructions or by the clock the
+GPU drops to under the extra power. Needs a CUDA build with CUTLASS on an sm_90 GPU and nvidia-smi.
+
+    python -m bench.gemm_clocks [--shape xc1M] [--seconds 3] [--out DIR]   # writes gemm_clocks.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import harness  # first: decides which hugehead is imported
+from bench.common import find_shape, make_inputs
+
+import torch  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def _variants(name: str):
+    from hugehead import ops
+    from hugehead.loop import plan_chunks
+
+    shape = find_shape(name)
+    dev = torch.device("cuda")
+    x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
+    n, v = shape.n, shape.v
+    cols = min(plan_chunks(n, shape.d, v, BF16, dev).cols, v)
+    wc, tc = w[:cols], t.clamp(max=cols - 1)
+    z = x.new_empty(n, cols)
+    state = (torch.full((n,), -math.inf, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev),
+             torch.zeros(n, device=dev))
+    torch.mm(x, wc.t(), out=z)
+    lse = torch.logsumexp(z.float(), dim=1) + 3.0
+    grad_rows = torch.full((n,), 1.0 / n, device=dev)
+
+    def env(**kv):
+        def set_():
+            for k in ("HUGEHEAD_GEMM_MAINLOOP_ONLY", "HUGEHEAD_GEMM_GRAD_STORE", "HUGEHEAD_GEMM_SCHEDULE"):
+                os.environ.pop(k, None)
+            os.environ.update(kv)
+        return set_
+
+    stats = lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state)  # noqa: E731
+    grad = lambda: ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z)  # noqa: E731
+    return cols, 2.0 * n * shape.d * cols, [
+        ("cuBLAS logits GEMM", env(), lambda: torch.mm(x, wc.t(), out=z)),
+        ("mainloop only (pingpong)", env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
+        ("fused statistics (pingpong)", env(HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
+        ("fused gradient, TMA store", env(HUGEHEAD_GEMM_GRAD_STORE="tma"), grad),
+        ("fused gradient, direct stores", env(HUGEHEAD_GEMM_GRAD_STORE="direct"), grad),
+    ]
+
+
+def soak(fn, seconds: float):
+    """Runs fn back to back for about `seconds`, with nvidia-smi sampling the clock and power meanwhile; returns
+    (ms per call by CUDA events, median SM MHz, median W, median GPU °C)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                            "--format=csv,noheader,nounits", "-lms", "100", "-i", str(torch.cuda.current_device())],
+                           stdout=subprocess.PIPE, text=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.monotonic()
+    start.record()
+    while time.monotonic() - t0 < seconds:
+        for _ in range(20):
+            fn()
+        calls += 20
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    out, _ = smi.communicate(timeout=10)
+    rows = [[float(v) for v in line.split(",")] for line in out.strip().splitlines() if line.count(",") == 2]
+    rows = rows[len(rows) // 4:]  # the first quarter: the clock still settling
+    med = lambda i: statistics.median(r[i] for r in rows) if rows else float("nan")  # noqa: E731
+    return start.elapsed_time(end) / calls, med(0), med(1), med(2)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="xc1M")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    cols, flops, variants = _variants(a.shape)
+    results = []
+    for label, set_env, fn in variants:
+        set_env()
+        ms, mhz, watts, temp = soak(fn, a.seconds)
+        results.append({"variant": label, "ms": ms, "tflops": flops / ms / 1e9, "sm_mhz": mhz, "watts": watts,
+                         "temp_c": temp})
+        print(f"{label:32s} {ms:.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s  {mhz:6.0f} MHz {watts:6.0f} W {temp:4.0f} C",
+              flush=True)
+    meta = harness.run_meta("gemm_clocks", torch.device("cuda"), options=a,
+                            command=" ".join(["python", "-m", "bench.gemm_clocks", *sys.argv[1:]]))
+    doc = {"meta": meta, "shape": a.shape, "cols": cols, "results": results}
+    title = f"Chunk GEMMs, clock and power: {meta.get('machine')} (bfloat16, {a.shape}, {cols} columns)"
+    lines = [harness.header(title, meta),
+             f"Each variant back to back for {a.seconds:g} s; ms by CUDA events over all its calls, SM clock / power /"
+             " temperature the median of nvidia-smi's 100 ms samples after the first quarter.", "",
+             "| variant | ms per chunk | TFLOP/s | SM MHz | W | °C |", "|---|--:|--:|--:|--:|--:|"]
+    lines += [f"| {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['sm_mhz']:.0f} | {r['watts']:.0f} | "
+              f"{r['temp_c']:.0f} |" for r in results]
+    md = "\n".join(lines) + "\n" + harness.footer(meta)
+    if a.out:
+        harness.write_report(Path(a.out), "gemm_clocks", doc, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
