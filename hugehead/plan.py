@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -96,13 +97,31 @@ def _host_available() -> int:
     return -1 if available is None else int(available)
 
 
-def free_memory(device: torch.device) -> Optional[int]:
+# -- host work (issue 21): cudaMemGetInfo is a driver call in every default-budget loss call, seen taking
+# ~8 ms a call on a CUDA 13.0 / driver 580 machine (sglang#25225; ~5-10 us elsewhere). The default budget
+# reads it only below 4 x 4 GiB free, so a CUDA answer of at least exact_below bytes is reused for up to
+# _FREE_REUSE_S seconds; a smaller one is asked again every call.
+_FREE_REUSE_S = 1.0
+_FREE_SEEN: Dict[int, Tuple[float, int]] = {}  # CUDA device index -> (time.monotonic() of the query, bytes free)
+
+
+def free_memory(device: torch.device, exact_below: Optional[int] = None) -> Optional[int]:
     """Bytes free on a CUDA device, or available to this process on the host; None when unknown (other
     device types). The one memory query of the planner (tests replace it). Under ``torch.compile`` the
-    answer is taken once, at trace time, as a constant."""
+    answer is taken once, at trace time, as a constant. ``exact_below``: the caller needs the figure exactly
+    only below this many bytes; a CUDA answer at least that large from the last :data:`_FREE_REUSE_S`
+    seconds is returned again instead of asking the driver."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return _cuda_free(index)
+        if exact_below is None or torch.compiler.is_compiling():
+            return _cuda_free(index)
+        now = time.monotonic()
+        seen = _FREE_SEEN.get(index)
+        if seen is not None and seen[1] >= exact_below and now - seen[0] <= _FREE_REUSE_S:
+            return seen[1]
+        free = _cuda_free(index)
+        _FREE_SEEN[index] = (now, free)
+        return free
     if device.type == "cpu":
         available = _host_available()
         return None if available < 0 else available
@@ -127,7 +146,10 @@ def resolve_budget(memory_budget: Optional[int], device: torch.device, *, shards
     if memory_budget is not None:
         total = int(memory_budget)
         return Budget(max(1, total // shards), f"memory_budget={total} bytes (given){share}")
-    free = free_memory(device)
+    # The default is its 4 GiB cap from 4 x 4 GiB free on: the figure matters exactly only below (twice that,
+    # for what other processes may have taken since); the offload default halves any figure.
+    free = free_memory(device) if streamed_keep else free_memory(
+        device, exact_below=2 * _FREE_FRACTION * DEFAULT_MEMORY_BUDGET)
     if free is None:
         total, why = DEFAULT_MEMORY_BUDGET, f"the default {_gib(DEFAULT_MEMORY_BUDGET)}"
     elif streamed_keep and device.type == "cuda":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import hugehead
 from hugehead import plan as planner
 from hugehead.options import LossOptions
 
-from conftest import fail_next_mm
+from conftest import DEVICES, fail_next_mm, host_syncs_of_step, requires_cuda
 
 PACKAGE = pathlib.Path(hugehead.__file__).parent
 
@@ -84,6 +85,46 @@ def test_cpu_default_budget_is_bounded_by_available_host_memory(monkeypatch):
     assert planner.resolve_budget(None, torch.device("cpu")).bytes == planner.DEFAULT_MEMORY_BUDGET
     monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: None)  # unknown: the default
     assert planner.resolve_budget(None, torch.device("cpu")).bytes == planner.DEFAULT_MEMORY_BUDGET
+
+
+def test_cuda_free_memory_of_the_default_budget_is_reused_only_where_it_cannot_change_it(monkeypatch):
+    """The driver's free-memory answer (cudaMemGetInfo, a driver call per loss call) is asked again every call
+    for the offload budget and below 32 GiB free; above, the default budget (then its 4 GiB cap) reuses it for
+    up to _FREE_REUSE_S seconds. The CUDA branch runs here on the CPU with the driver call and the clock
+    replaced."""
+    answers, clock, calls = {"free": 100 << 30}, {"now": 1000.0}, []
+
+    def driver_free(index):
+        calls.append(index)
+        return answers["free"]
+
+    monkeypatch.setattr(planner, "_cuda_free", driver_free)
+    monkeypatch.setattr(planner.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(planner, "_FREE_SEEN", {})
+    cuda0 = torch.device("cuda", 0)
+    for _ in range(3):
+        budget = planner.resolve_budget(None, cuda0)
+        assert budget.bytes == planner.DEFAULT_MEMORY_BUDGET and "100.00 GiB free" in budget.reason
+    assert calls == [0]
+    clock["now"] += planner._FREE_REUSE_S + 0.1  # stale: asked again, and the new answer is used
+    answers["free"] = 40 << 30
+    assert "40.00 GiB free" in planner.resolve_budget(None, cuda0).reason and calls == [0, 0]
+    answers["free"] = 20 << 30  # not seen yet: the reused 40 GiB still stands within the window
+    assert "40.00 GiB free" in planner.resolve_budget(None, cuda0).reason and len(calls) == 2
+    clock["now"] += planner._FREE_REUSE_S + 0.1
+    assert planner.resolve_budget(None, cuda0).bytes == planner.DEFAULT_MEMORY_BUDGET and len(calls) == 3
+    for _ in range(2):  # 20 GiB < 32 GiB: asked every call, so a drop below 16 GiB shows at once
+        planner.resolve_budget(None, cuda0)
+    assert len(calls) == 5
+    answers["free"] = 8 << 30
+    assert planner.resolve_budget(None, cuda0).bytes == 2 << 30 and len(calls) == 6
+    # The offload default (half of any figure) and explicit budgets: asked every call / never.
+    answers["free"] = 100 << 30
+    planner.resolve_budget(None, cuda0)
+    count = len(calls)
+    assert planner.resolve_budget(None, cuda0, streamed_keep=True).bytes == 50 << 30 and len(calls) == count + 1
+    assert planner.resolve_budget(1 << 30, cuda0).bytes == 1 << 30 and len(calls) == count + 1
+    assert planner.free_memory(cuda0) == 100 << 30 and len(calls) == count + 2
 
 
 def test_shards_on_one_device_share_its_budget_and_the_plan_records_it(monkeypatch):
@@ -169,7 +210,7 @@ def test_backward_follows_the_forward_plan_when_free_memory_changes_in_between(m
     """The free-memory query the planner sees changes between forward and backward (memory_budget=None):
     dX and dW are bitwise those of an undisturbed step."""
     free = {"bytes": 4 * (48 * 2048 * 4 + 48 * 24 * 8)}
-    monkeypatch.setattr(planner, "free_memory", lambda device: free["bytes"])
+    monkeypatch.setattr(planner, "free_memory", lambda device, exact_below=None: free["bytes"])
     results = []
     for disturb in (False, True):
         free["bytes"] = 4 * (48 * 2048 * 4 + 48 * 24 * 8)  # a quarter of it: 2048-wide chunks, nothing kept
@@ -345,6 +386,64 @@ def test_no_import_cycle_and_lower_layers_do_not_import_upper_ones():
              "hugehead.engines.offload", "hugehead.engines.distributed", "hugehead.demo"}
     for lower in ("hugehead.functional", "hugehead.loop", "hugehead.plan", "hugehead.options", "hugehead.ops"):
         assert not graph[lower] & upper, f"{lower} imports {graph[lower] & upper}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_checked_targets_exempts_ignore_index_anywhere_and_names_the_first_bad_row(device, dtype):
+    v = 10
+    for ignore_index in (-100, 15, 3, None):
+        ok = torch.tensor([0, 9, 4, -100 if ignore_index is None else ignore_index, 2], dtype=dtype, device=device)
+        if ignore_index is None:
+            ok[3] = 5
+        out = hugehead.options.check_targets(ok, v, ignore_index)
+        assert out.dtype == torch.int64 and out.is_contiguous() and torch.equal(out.cpu(), ok.long().cpu())
+        assert out.data_ptr() != ok.data_ptr()
+        for bad_rows, bad_value in (([4, 1], 10), ([2, 3], -1), ([0], -101), ([3, 0], 16)):
+            bad = ok.clone()
+            bad[torch.tensor(bad_rows, device=device)] = bad_value
+            if bad_value == ignore_index:
+                continue
+            with pytest.raises(ValueError, match=rf"target {bad_value} at row {min(bad_rows)} is out of range "
+                                                 rf"for 10 classes \(valid: 0..9"):
+                hugehead.options.check_targets(bad, v, ignore_index)
+    empty = hugehead.options.check_targets(torch.empty(0, dtype=dtype, device=device), v, -100)
+    assert empty.shape == (0,) and empty.dtype == torch.int64
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", ["forward", "recompute", "rows"])
+def test_cuda_forward_synchronizes_once(case, monkeypatch):
+    """The forward's one host synchronization is the target check (one device-to-host read): no other in
+    planning (the free-memory query) or in the chunk loop; the backward has none."""
+    if case == "rows":  # a few hundred rows get the rows plan on a GPU too (as in test_rows.py)
+        monkeypatch.setitem(planner.ROWS_MIN_SPLIT_ROWS, "cuda", planner.ROWS_MIN_SPLIT_ROWS["cpu"])
+    n, d, v = 256, 64, 5000
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=case != "forward")
+    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16, requires_grad=case != "forward")
+    target = torch.randint(0, v, (n,), device="cuda")
+    target[::7] = -100
+    budget = {"forward": None, "recompute": n * 1024 * 2 + n * d * 6, "rows": 64 * v * 2 + n * d * 2}[case]
+    hugehead.linear_cross_entropy(x, w, target, memory_budget=budget)  # warm-up (allocator, kernels' first launch)
+    if case == "forward":
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.no_grad():
+                    hugehead.linear_cross_entropy(x, w, target)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(c.message) for c in caught if "called a synchronizing" in str(c.message)]
+        assert len(syncs) == 1, syncs
+        return
+    plan = planner.plan_loss(n, d, v, torch.bfloat16, torch.device("cuda"), None, budget, allow_rows=True,
+                             direct_dx=True)
+    assert plan.kind == case, plan
+    forward_syncs, syncs = host_syncs_of_step(lambda: hugehead.linear_cross_entropy(x, w, target,
+                                                                                    memory_budget=budget))
+    assert forward_syncs == 1 and len(syncs) == 1, syncs
 
 
 def test_opcheck_checked_targets():
