@@ -305,7 +305,8 @@ def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dty
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,class_start,eps,pad", [(1024, 4096, 128, 0.1, 0), (1000, 3008, 0, 0.0, 8),
                                                      (257, 1000, 500, 0.1, 0), (129, 136, 0, 0.0, 0)])
-def test_grad_tma_store_writes_the_direct_stores_bits(grad_schedule, monkeypatch, dtype, n, c, class_start, eps,
+@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "cooperative"])
+def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch, dtype, n, c, class_start, eps,
                                                        pad):
     """The TMA-stored gradient (grad_tma_gemm.cuh) and the register epilogue's (grad_gemm.cuh) compute the same
     arithmetic per element: the same bits, ignored rows and the targets' elements included, and nothing is
@@ -318,6 +319,8 @@ def test_grad_tma_store_writes_the_direct_stores_bits(grad_schedule, monkeypatch
     outs = []
     for store in ("tma", "direct"):  # "tma" raises where the TMA store does not apply: it ran
         monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", store)
+        # the direct stores have no cooperative instantiation (they take pingpong for it)
+        monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", tma_schedule)
         wide = torch.full((n, c + pad), 7.0, dtype=dtype, device="cuda")
         ops.gemm_chunk_grad_(x, w, None, target, class_start, num_classes, lse, grad_rows, eps, 0.0, 0.0, None,
                              wide[:, :c])

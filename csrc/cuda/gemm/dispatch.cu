@@ -30,6 +30,8 @@ HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_tma)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_tma)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_cluster_tma)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster_tma)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_cooperative_tma)
+HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_cooperative_tma)
 #undef HUGEHEAD_DECLARE_GRAD_GEMM
 
 Schedule schedule_from_env(Schedule fallback) {
@@ -98,6 +100,9 @@ bool stores_by_tma(const GradGemmParams& p) {
 
 size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule) {
   const bool tma = stores_by_tma(p);
+  if (tma && schedule == Schedule::kCooperative) {
+    return half ? grad_gemm_fp16_cooperative_tma_workspace(p) : grad_gemm_bf16_cooperative_tma_workspace(p);
+  }
   if (schedule == Schedule::kPingpongCluster) {
     if (tma) {
       return half ? grad_gemm_fp16_pingpong_cluster_tma_workspace(p) : grad_gemm_bf16_pingpong_cluster_tma_workspace(p);
@@ -111,6 +116,10 @@ size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule sc
 const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
                           cudaStream_t stream) {
   const bool tma = stores_by_tma(p);
+  if (tma && schedule == Schedule::kCooperative) {
+    return half ? grad_gemm_fp16_cooperative_tma_run(p, workspace, stream)
+                : grad_gemm_bf16_cooperative_tma_run(p, workspace, stream);
+  }
   if (schedule == Schedule::kPingpongCluster) {
     if (tma) {
       return half ? grad_gemm_fp16_pingpong_cluster_tma_run(p, workspace, stream)

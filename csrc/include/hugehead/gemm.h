@@ -62,8 +62,8 @@ struct GradGemmParams {
 // a chunk at xc1M against 0.687 in clusters), pingpong_cluster for the gradient GEMM (0.746 against 0.782).
 enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
 
-// The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM
-// has no cooperative instantiation and takes pingpong for it.
+// The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
+// register epilogue has no cooperative instantiation and takes pingpong for it (its TMA store has one).
 Schedule schedule_from_env(Schedule fallback);
 
 // HUGEHEAD_GEMM_MAINLOOP_ONLY=1 (benchmarks only, read per call): the fused GEMMs return from their
