@@ -26,7 +26,7 @@ from bench.common import find_shape, make_inputs
 import torch  # noqa: E402
 
 BF16 = torch.bfloat16
-# HUGEHEAD_GEMM_SCHEDULE values each fused GEMM has (the gradient GEMM has no cooperative instantiation).
+# HUGEHEAD_GEMM_SCHEDULE values each fused GEMM has (the gradient GEMM has a cooperative one for its TMA store only).
 STATS_SCHEDULES = ("pingpong", "pingpong_cluster", "cooperative")
 GRAD_SCHEDULES = ("pingpong", "pingpong_cluster")
 # HUGEHEAD_GEMM_GRAD_STORE values: the gradient through shared memory and TMA stores (the default where it
@@ -86,10 +86,13 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     for schedule in STATS_SCHEDULES:
         os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
         timings[f"fused_stats_{schedule}"] = _ms(fused_stats, reps)
+    # The rows plan's forward: the statistics and the stored logits in one GEMM (the pingpong schedule).
+    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+    timings["fused_stats_store"] = _ms(lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, logits=z), reps)
     timings["cublas_grad"] = _ms(cublas_grad, reps)
     for store in GRAD_STORES:
         os.environ["HUGEHEAD_GEMM_GRAD_STORE"] = store
-        for schedule in GRAD_SCHEDULES:
+        for schedule in GRAD_SCHEDULES + (("cooperative",) if store == "tma" else ()):
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             timings[_grad_key(schedule, store)] = _ms(fused_grad, reps)
     os.environ.pop("HUGEHEAD_GEMM_GRAD_STORE")
@@ -170,14 +173,14 @@ def ncu_one(name: str) -> None:
 def render(doc: dict) -> str:
     m = doc["meta"]
     stats = [f"fused_stats_{k}" for k in STATS_SCHEDULES]
-    grads = [_grad_key(k, st) for st in GRAD_STORES for k in GRAD_SCHEDULES]
+    grads = [_grad_key(k, st) for st in GRAD_STORES for k in GRAD_SCHEDULES] + [_grad_key("cooperative", "tma")]
     lines = [harness.header(f"Fused CUTLASS GEMMs vs cuBLAS + kernels, one chunk: {m['machine']} (bfloat16)", m),
              "ms per chunk (TFLOP/s on 2·N·D·C); per step = × V / C. Fused = no logits in HBM; the fused columns "
              "are the HUGEHEAD_GEMM_SCHEDULE values; grad tma / direct: the gradient stored through shared memory "
              "by TMA (the default where it applies) or by the register epilogue (HUGEHEAD_GEMM_GRAD_STORE=direct).", "",
              "| shape | C | cuBLAS logits GEMM | cuBLAS + chunk_stats_ | "
              + " | ".join(f"stats {k}" for k in STATS_SCHEDULES) + " | cuBLAS + chunk_grad_ | "
-             + " | ".join(f"grad {k} {st}" for st in GRAD_STORES for k in GRAD_SCHEDULES)
+             + " | ".join(f"grad {k} {st}" for st in GRAD_STORES for k in GRAD_SCHEDULES) + " | grad cooperative tma"
              + " | fwd per step cuBLAS → best fused | bwd recompute per step cuBLAS → best fused | Δlse max | grad rel Δ "
              "| tma = direct bitwise |",
              "|---|--:|" + "--:|" * (4 + len(stats) + len(grads)) + "---|---|--:|--:|---|"]
@@ -196,8 +199,9 @@ def render(doc: dict) -> str:
                      f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} | {r.get('grad_tma_equals_direct', '–')} |")
     lines += ["", "The floors (HUGEHEAD_GEMM_MAINLOOP_ONLY=1: the epilogue returns at once) and a bias (the default "
               "schedule):", "",
-              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES) + " | stats + bias | grad + bias |",
-              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 2)]
+              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES)
+              + " | stats + bias | grad + bias | stats + stored logits (rows plan; vs cuBLAS + chunk_stats_) |",
+              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 3)]
     for r in doc["results"]:
         c, tf = r["chunk_ms"], r["chunk_tflops"]
 
@@ -206,7 +210,7 @@ def render(doc: dict) -> str:
 
         lines.append(f"| {r['shape']} | {r['cols']} | "
                      + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES)
-                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} |")
+                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} | {cell2('fused_stats_store')} |")
     return "\n".join(lines) + "\n" + harness.footer(m)
 
 

@@ -53,8 +53,17 @@ def _variants(name: str):
         ("cuBLAS logits GEMM", env(), lambda: torch.mm(x, wc.t(), out=z)),
         ("mainloop only (pingpong)", env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
         ("fused statistics (pingpong)", env(HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
-        ("fused gradient, TMA store", env(HUGEHEAD_GEMM_GRAD_STORE="tma"), grad),
-        ("fused gradient, direct stores", env(HUGEHEAD_GEMM_GRAD_STORE="direct"), grad),
+        ("mainloop only (cooperative)", env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="cooperative"),
+         stats),
+        ("fused statistics (cooperative)", env(HUGEHEAD_GEMM_SCHEDULE="cooperative"), stats),
+        ("fused gradient, TMA store (pingpong)", env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong"),
+         grad),
+        ("fused gradient, TMA store (pingpong_cluster)",
+         env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"), grad),
+        ("fused gradient, TMA store (cooperative)",
+         env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="cooperative"), grad),
+        ("fused gradient, direct stores (pingpong_cluster)",
+         env(HUGEHEAD_GEMM_GRAD_STORE="direct", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"), grad),
     ]
 
 
@@ -88,7 +97,7 @@ def soak(fn, seconds: float):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="xc1M")
-    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=2.5)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cols, flops, variants = _variants(a.shape)

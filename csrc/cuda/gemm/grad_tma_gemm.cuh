@@ -16,6 +16,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fused_gemm.cuh"
 
@@ -154,13 +155,15 @@ struct GradTmaCallbacks {
 template <class Element, Schedule S>
 struct GradTmaGemm {
   using Config = ScheduleConfig<S>;
-  static_assert(S != Schedule::kCooperative, "the gradient GEMM has pingpong schedules only");
   static constexpr int kAlign = 16 / sizeof(Element);
   using Callbacks = GradTmaCallbacks<Element>;
+  // The cooperative kernel's two warpgroups share a tile, and so its epilogue.
+  using EpilogueSchedule = std::conditional_t<S == Schedule::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                              cutlass::epilogue::TmaWarpSpecialized>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
-      cutlass::layout::RowMajor, kAlign, cutlass::epilogue::TmaWarpSpecialized, Callbacks>::CollectiveOp;
+      cutlass::layout::RowMajor, kAlign, EpilogueSchedule, Callbacks>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
       cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, typename Config::Cluster,

@@ -29,6 +29,11 @@ struct StatsGemmParams {
   float softcap;  // <= 0: none
   int sm_count;   // SMs the persistent kernel spreads its tiles over
   bool mainloop_only = false;  // benchmarks only: skip the epilogue (nothing is written), see below
+  // Or nullptr: [rows, cols] x's dtype, row stride logits_stride, where the logits (bias added, no softcap)
+  // are also stored, through shared memory by TMA (stats_store_gemm.cuh; 16-byte aligned base and row stride,
+  // cols a multiple of 8: stats_gemm_store_applies).
+  void* logits = nullptr;
+  int64_t logits_stride = 0;
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
@@ -62,8 +67,8 @@ struct GradGemmParams {
 // a chunk at xc1M against 0.687 in clusters), pingpong_cluster for the gradient GEMM (0.746 against 0.782).
 enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
 
-// The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM
-// has no cooperative instantiation and takes pingpong for it.
+// The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
+// register epilogue has no cooperative instantiation and takes pingpong for it (its TMA store has one).
 Schedule schedule_from_env(Schedule fallback);
 
 // HUGEHEAD_GEMM_MAINLOOP_ONLY=1 (benchmarks only, read per call): the fused GEMMs return from their
@@ -77,7 +82,11 @@ int stats_gemm_tile_cols(Schedule schedule);
 // Bytes of device workspace CUTLASS's kernel needs for these params (0 for the persistent scheduler).
 size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule);
 
-// Queue the fused GEMM on stream. Returns nullptr, or a message saying why CUTLASS refused the problem.
+// Whether p.logits may be stored by the statistics GEMM (stats_store_gemm.cuh): no softcap, TMA's alignment.
+bool stats_gemm_store_applies(const StatsGemmParams& p);
+
+// Queue the fused GEMM on stream (storing the logits too when p.logits is set). Returns nullptr, or a
+// message saying why CUTLASS refused the problem.
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream);
 
