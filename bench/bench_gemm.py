@@ -86,9 +86,6 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     for schedule in STATS_SCHEDULES:
         os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
         timings[f"fused_stats_{schedule}"] = _ms(fused_stats, reps)
-    # The rows plan's forward: the statistics and the stored logits in one GEMM (the pingpong schedule).
-    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
-    timings["fused_stats_store"] = _ms(lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, logits=z), reps)
     timings["cublas_grad"] = _ms(cublas_grad, reps)
     for store in GRAD_STORES:
         os.environ["HUGEHEAD_GEMM_GRAD_STORE"] = store
@@ -199,9 +196,8 @@ def render(doc: dict) -> str:
                      f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} | {r.get('grad_tma_equals_direct', '–')} |")
     lines += ["", "The floors (HUGEHEAD_GEMM_MAINLOOP_ONLY=1: the epilogue returns at once) and a bias (the default "
               "schedule):", "",
-              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES)
-              + " | stats + bias | grad + bias | stats + stored logits (rows plan; vs cuBLAS + chunk_stats_) |",
-              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 3)]
+              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES) + " | stats + bias | grad + bias |",
+              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 2)]
     for r in doc["results"]:
         c, tf = r["chunk_ms"], r["chunk_tflops"]
 
@@ -210,7 +206,7 @@ def render(doc: dict) -> str:
 
         lines.append(f"| {r['shape']} | {r['cols']} | "
                      + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES)
-                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} | {cell2('fused_stats_store')} |")
+                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} |")
     return "\n".join(lines) + "\n" + harness.footer(m)
 
 

@@ -170,7 +170,7 @@ template <class Element, Schedule S>
 struct StatsGemm {
   using Gemm = FusedGemm<Element, S, StatsEpilogue<Element>>;
 
-  static typename StatsEpilogue<Element>::Arguments epilogue_arguments(const StatsGemmParams& p) {
+  static typename Gemm::Device::Arguments arguments(const StatsGemmParams& p) {
     typename StatsEpilogue<Element>::Arguments epi;
     epi.bias = static_cast<const Element*>(p.bias);
     epi.target = p.target;
@@ -181,11 +181,7 @@ struct StatsGemm {
     epi.softcap = p.softcap;
     epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
     epi.mainloop_only = p.mainloop_only;
-    return epi;
-  }
-  static typename Gemm::Device::Arguments arguments(const StatsGemmParams& p) {
-    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epilogue_arguments(p),
-                           p.sm_count);
+    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Gemm::Device::get_workspace_size(arguments(p)); }
   static const char* run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {
