@@ -606,3 +606,15 @@ def test_skip_items_carry_their_reason_into_the_row():
     assert _skip_reason(skips, "xc1M", "liger") is None
     with pytest.raises(SystemExit, match="SHAPE:IMPL"):
         _parse_skips("xc6M")
+
+
+def test_bench_prologue_smoke_writes_its_report(tmp_path):
+    """bench/bench_prologue.py (issue 21: the forward's host work before its first GEMM) end to end on the CPU."""
+    from bench import bench_prologue
+
+    assert bench_prologue.main(["--cpu-smoke", "--reps", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "prologue.json").read_text())
+    (row,) = doc["rows"]
+    assert row["shape"] == "smoke" and row["check_targets_us"] > 0 and row["forward_host_us"] > 0
+    assert row["forward_ms"] > 0 and row["forward_behind_busy_gpu_ms"] is None and doc["meta"]["smoke"]
+    assert (tmp_path / "prologue.md").read_text().startswith("# The forward's host work")
