@@ -35,6 +35,7 @@ from .options import (  # noqa: F401  (re-exported: the loss's rules were public
     check_chunk_size,
     check_inputs,
     check_memory_budget,
+    check_target_range,
     check_target_tensor,
     check_targets,
     loss_dtype,
@@ -126,7 +127,7 @@ def _lce_forward(
     the caller (None: planned here from chunk_size/memory_budget)."""
     v = weight.shape[0]
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    check_targets(target, v, ignore_index)
+    check_target_range(target, v, ignore_index)  # (inside the op: eager, and no checked copy needed)
     step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
     with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, step_plan, memory_budget or None):
         stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, options, step_plan)
@@ -342,7 +343,8 @@ def _lce_rows(
     for backward (torch.compile)."""
     acc = ops.acc_dtype(x.dtype)
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    target = check_targets(target, weight.shape[0], ignore_index)
+    check_target_range(target, weight.shape[0], ignore_index)  # (inside the op: eager, no checked copy needed)
+    target = target.long().contiguous()
     valid = target != ignore_index
     count = valid.sum(dtype=acc)
     scale = 1.0 / count if mean else torch.ones((), dtype=acc, device=x.device)

@@ -30,6 +30,7 @@ __all__ = [
     "check_inputs",
     "check_memory_budget",
     "check_target_tensor",
+    "check_target_range",
     "check_targets",
     "validate_options",
     "autocast_dtype",
@@ -199,15 +200,15 @@ def _out_of_range(target: Tensor, num_classes: int, ignore_index: Optional[int])
     return bad if ignore_index is None else bad & (target != ignore_index)
 
 
-@torch.library.custom_op("hugehead::checked_targets", mutates_args=())
-def _checked_targets(target: Tensor, num_classes: int, ignore_index: Optional[int], what: str) -> Tensor:
-    """``target`` as a fresh contiguous int64 tensor, once every value is in ``[0, num_classes)`` or
-    ``ignore_index``; else ValueError naming the first bad one. An op of its own so that ``torch.compile``
-    (``fullgraph=True``) keeps the check, and its message, in the graph: dynamo does not trace into it."""
-    # -- host syncs (issue 21): the range as one reduction and one device-to-host read (the call's one
-    # synchronization): where(ignored, 0) and aminmax, 3 kernels, where a mask of the bad rows took 6.
+def check_target_range(target: Tensor, num_classes: int, ignore_index: Optional[int], what: str = "target") -> None:
+    """Raise ValueError naming the first value of ``target [N]`` outside ``[0, num_classes)`` that is not
+    ``ignore_index`` (None: none exempt). One reduction and one device-to-host read (the call's one
+    synchronization). For code that runs eagerly inside a registered op, which needs no checked copy;
+    elsewhere use :func:`check_targets`."""
+    # -- host syncs (issue 21): where(ignored, 0) and aminmax, 3 kernels before the read, where a mask of the
+    # bad rows took 6 (the mask is made only on the error path).
     if target.numel() == 0:
-        return target.to(torch.int64, memory_format=torch.contiguous_format, copy=True)
+        return
     exempt = target if ignore_index is None else torch.where(target == ignore_index, 0, target)
     low, high = torch.stack(torch.aminmax(exempt)).tolist()
     if low < 0 or high >= num_classes:
@@ -216,6 +217,14 @@ def _checked_targets(target: Tensor, num_classes: int, ignore_index: Optional[in
         valid = f"0..{num_classes - 1}" + ("" if ignore_index is None else f", or ignore_index={ignore_index}")
         raise ValueError(f"hugehead: {what} {int(target[first])} at row {first} is out of range for {num_classes} "
                          f"classes (valid: {valid})")
+
+
+@torch.library.custom_op("hugehead::checked_targets", mutates_args=())
+def _checked_targets(target: Tensor, num_classes: int, ignore_index: Optional[int], what: str) -> Tensor:
+    """``target`` as a fresh contiguous int64 tensor, once every value is in ``[0, num_classes)`` or
+    ``ignore_index``; else ValueError naming the first bad one. An op of its own so that ``torch.compile``
+    (``fullgraph=True``) keeps the check, and its message, in the graph: dynamo does not trace into it."""
+    check_target_range(target, num_classes, ignore_index, what)
     return target.to(torch.int64, memory_format=torch.contiguous_format, copy=True)
 
 
