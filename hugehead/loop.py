@@ -299,12 +299,14 @@ def _overlapped(plan: Plan, x: Tensor, source) -> bool:
 
 def _new_stats(x: Tensor) -> RowStats:
     n, acc = x.shape[0], ops.acc_dtype(x.dtype)
-    # -- host work (issue 21): the four [N] vectors are rows of one buffer: one allocation and two fills
-    # instead of four of each, per call and per row block (each row contiguous, as the kernels take them).
-    block = torch.empty((4, n), dtype=acc, device=x.device)
-    block[0].fill_(-math.inf)
-    block[1:].zero_()
-    return RowStats(*block.unbind(0))
+    # Four tensors of their own, not rows of one buffer: ops return some of them (target_logit, logit_sum) as
+    # outputs, which may not share storage with each other (torch.library) nor start at an offset (their fakes).
+    return RowStats(
+        torch.full((n,), -math.inf, dtype=acc, device=x.device),
+        torch.zeros(n, dtype=acc, device=x.device),
+        torch.zeros(n, dtype=acc, device=x.device),
+        torch.zeros(n, dtype=acc, device=x.device),
+    )
 
 
 def _forward_streamed(x, source, target, class_start, softcap, plan):
