@@ -285,7 +285,9 @@ def forward_stats_steps(
     # The fused GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
     if _overlapped(plan, x, source) and not _fused_applies(x, target, "stats"):
         return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
-    return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan)
+    # Only label smoothing reads the logit sums: without it the fused GEMM skips them.
+    return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan,
+                             logit_sum=bool(options.label_smoothing))
 
 
 def _overlapped(plan: Plan, x: Tensor, source) -> bool:
@@ -309,7 +311,7 @@ def _new_stats(x: Tensor) -> RowStats:
     )
 
 
-def _forward_streamed(x, source, target, class_start, softcap, plan):
+def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True):
     """:func:`forward_stats_steps` on one stream (any rows split)."""
     n = x.shape[0]
     v = source.num_rows
@@ -327,7 +329,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan):
             r1 = min(r0 + plan.rows, n)
             rows = RowStats(*(s[r0:r1] for s in stats))
             if chunk.c0 >= kept_classes and fused and _fused_stats(x[r0:r1], chunk, target[r0:r1],
-                                                                   class_start + chunk.c0, softcap, rows):
+                                                                   class_start + chunk.c0, softcap, rows, logit_sum):
                 continue
             if chunk.c0 < kept_classes:
                 z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
@@ -386,12 +388,14 @@ def _fused_stats_cols(plan: Plan, source) -> int:
 
 
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
-                 stats: RowStats) -> bool:
-    """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM; False (nothing done)
-    when this chunk's layout does not suit it."""
+                 stats: RowStats, logit_sum: bool = True) -> bool:
+    """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM (``logit_sum`` False:
+    ``stats.logit_sum`` left as it is, for a loss that never reads it); False (nothing done) when this
+    chunk's layout does not suit it."""
     if not _fused_layout(x, chunk):
         return False
-    ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target, class_start, softcap, *stats)
+    ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target, class_start, softcap, *stats,
+                          with_logit_sum=logit_sum)
     return True
 
 

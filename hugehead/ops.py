@@ -62,6 +62,7 @@ def gemm_chunk_stats_(
     row_sumexp: Tensor,
     target_logit: Tensor,
     logit_sum: Tensor,
+    with_logit_sum: bool = True,
 ) -> None:
     """:func:`chunk_stats_` of the logits chunk ``x @ weight.T + bias`` without materializing it: one
     CUTLASS sm_90a GEMM whose epilogue folds each (row, column tile) into partial statistics, then a merge
@@ -77,6 +78,8 @@ def gemm_chunk_stats_(
             the statistics are those ``chunk_stats_`` computes on cuBLAS's logits up to the summation
             orders (and the rare logit a different K order rounds the other way), and the forward's lse
             stays consistent with the backward's recomputed logits.
+        with_logit_sum: False leaves ``logit_sum`` as it is (the loss without label smoothing never reads
+            it; the GEMM then skips its sums, about a tenth of its epilogue's instructions).
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative`` (environment, read per call) picks
         the CUTLASS schedule (default pingpong here, pingpong_cluster for :func:`gemm_chunk_grad_`: clusters
         of two CTAs that share each weight tile through TMA multicast).
@@ -86,7 +89,7 @@ def gemm_chunk_stats_(
             without CUTLASS (no CUDA kernel).
     """
     torch.ops.hugehead.gemm_chunk_stats_.default(
-        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum
+        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum, with_logit_sum
     )
 
 
@@ -344,7 +347,7 @@ def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp,
 
 @torch.library.register_fake("hugehead::gemm_chunk_stats_")
 def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit,
-                           logit_sum):
+                           logit_sum, with_logit_sum=True):
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")

@@ -165,6 +165,26 @@ def test_repeated_runs_are_bitwise_identical(schedule, n, c, d):
 
 
 @requires_fused
+@pytest.mark.parametrize("bias", [False, True])
+def test_stats_without_logit_sums(schedule, bias):
+    """with_logit_sum=False: logit_sum is left as it was, and max / sum-exp / target logit are the bits the
+    default call gives (the same arithmetic, whole tiles and the checked edge tiles alike)."""
+    n, c, d = 1000, 3000, 768  # partial tiles along both modes
+    x, w, b = _inputs(n, c, d, torch.bfloat16, bias=bias, seed=41)
+    xc, wc, bc = x.cuda(), w.cuda(), None if b is None else b.cuda()
+    target = _targets(n, c, 0, c, 41).cuda()
+    with_sum = [t.cuda() for t in _start_state(n, 41)]
+    without = [t.cuda() for t in _start_state(n, 41)]
+    before = without[3].clone()
+    ops.gemm_chunk_stats_(xc, wc, bc, target, 0, 0.0, *with_sum)
+    ops.gemm_chunk_stats_(xc, wc, bc, target, 0, 0.0, *without, with_logit_sum=False)
+    for a, b_ in zip(with_sum[:3], without[:3]):
+        assert torch.equal(a, b_)
+    assert torch.equal(without[3], before)
+    assert not torch.equal(with_sum[3], before)
+
+
+@requires_fused
 def test_schedules_agree():
     x, w, b = _inputs(300, 5000, 768, torch.bfloat16, bias=True, seed=5)
     target = _targets(300, 5000, 0, 5000, 5)
@@ -387,9 +407,9 @@ def _count_fused_calls(monkeypatch):
     calls = {"stats": [], "grad": []}
 
     def counting(kind, real):
-        def call(x, *args):
+        def call(x, *args, **kwargs):
             calls[kind].append(x.shape[0])
-            return real(x, *args)
+            return real(x, *args, **kwargs)
         return call
 
     monkeypatch.setattr(ops, "gemm_chunk_stats_", counting("stats", ops.gemm_chunk_stats_))
@@ -532,8 +552,11 @@ def _emulate_fused_ops(monkeypatch):
     def logits(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
 
-    def stats(x, w, b, target, class_start, softcap, *state):
+    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True):
+        before = state[3].clone()
         ops.chunk_stats_(logits(x, w, b), target, class_start, softcap, *state)
+        if not with_logit_sum:  # the fused op leaves it as it was
+            state[3].copy_(before)
 
     def grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse, out):
         out.copy_(logits(x, w, b))
@@ -544,21 +567,29 @@ def _emulate_fused_ops(monkeypatch):
 
 
 @pytest.mark.parametrize("widen", [2, 8])
-def test_fused_forward_takes_wider_chunks(monkeypatch, widen):
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     """With every chunk through the fused statistics GEMM (no kept logits), the forward takes chunks widen
     times the plan's width -- the backward keeps the plan's -- and the loss and gradients still match
-    float64 as the cuBLAS path does (emulated fused ops on the CPU)."""
+    float64 as the cuBLAS path does (emulated fused ops on the CPU); the logit sums are asked for exactly
+    when label smoothing reads them."""
     from hugehead import loop
 
     monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", widen)
     n, d, v, cols = 37, 16, 1000, 64
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=22)
     target = _targets(n, v, 0, v, 22)
-    opts = dict(chunk_size=cols, label_smoothing=0.1)
+    opts = dict(chunk_size=cols, label_smoothing=eps)
     plain = _lce_grads(x, w, b, target, **opts)
     _emulate_fused_ops(monkeypatch)
+    asked = []
+    emulated = ops.gemm_chunk_stats_
+    monkeypatch.setattr(ops, "gemm_chunk_stats_",
+                        lambda *a, with_logit_sum=True: asked.append(with_logit_sum) or emulated(
+                            *a, with_logit_sum=with_logit_sum))
     calls = _count_fused_calls(monkeypatch)
     fused = _lce_grads(x, w, b, target, **opts)
+    assert asked and all(s == (eps > 0) for s in asked), asked
     assert len(calls["stats"]) == math.ceil(v / (cols * widen)), calls
     assert len(calls["grad"]) == math.ceil(v / cols), calls
     ref = _lce_float64(x, w, b, target, **opts)

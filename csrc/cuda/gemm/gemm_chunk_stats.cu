@@ -40,14 +40,14 @@ __global__ void __launch_bounds__(kMergeThreads)
   cuda::warp_reduce_lse(m, s, sum);
   if (lane == 0) {
     lse_merge(row_max[row], row_sumexp[row], m, s);
-    logit_sum[row] += sum;
+    if (logit_sum != nullptr) logit_sum[row] += sum;
   }
 }
 
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
-                           const at::Tensor& logit_sum) {
+                           const at::Tensor& logit_sum, bool with_logit_sum) {
   check_gemm_operands(x, weight, bias, "gemm_chunk_stats_");
   // x stands in for the logits chunk: its row count, device and the state's accumulation dtype.
   check_chunk_rows(x, target,
@@ -66,6 +66,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
                           static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
   p.mainloop_only = gemm::mainloop_only_from_env();
+  p.logit_sum = with_logit_sum;
   const bool half = x.scalar_type() == at::kHalf;
   const size_t ws_bytes = gemm::stats_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;
@@ -76,7 +77,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   const auto blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
   merge_partials_kernel<<<blocks, kMergeThreads, 0, stream>>>(
       reinterpret_cast<const float4*>(partials.data_ptr<float>()), rows, tiles, row_max.data_ptr<float>(),
-      row_sumexp.data_ptr<float>(), logit_sum.data_ptr<float>());
+      row_sumexp.data_ptr<float>(), with_logit_sum ? logit_sum.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

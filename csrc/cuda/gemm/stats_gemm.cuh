@@ -24,8 +24,9 @@ struct StatsEpilogue : EpilogueBase<Element> {
     int64_t class_start = 0;
     int64_t num_col_tiles = 0;
     float softcap = 0.f;
-    float inv_softcap = 0.f;
-    bool mainloop_only = false;           // 1 / softcap, computed on the host
+    float inv_softcap = 0.f;  // 1 / softcap, computed on the host
+    bool mainloop_only = false;
+    bool logit_sum = true;  // fold the logit sums (label smoothing needs them)
   };
   using Params = Arguments;
 
@@ -58,16 +59,24 @@ struct StatsEpilogue : EpilogueBase<Element> {
     for (int i = 0; i < kRows; ++i) target[i] = f.row[i] < M ? params.target[f.row[i]] : int64_t(-1);
     // Fast paths for the tiles inside the problem without softcap; every other tile takes a checked path.
     const bool cap = params.softcap > 0.f;
+    // The logit sums only serve label smoothing: without it (params.logit_sum false) the fast path skips them
+    // (a partial's sum is then 0, and logit_sum is left as it was).
     if (f.full && !cap) {
-      if (params.bias != nullptr) fold<true, false, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-      else fold<true, false, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      if (params.logit_sum) {
+        if (params.bias != nullptr) fold<true, false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        else fold<true, false, false, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      } else {
+        if (params.bias != nullptr) fold<true, false, true, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        else fold<true, false, false, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      }
     } else {
-      if (cap) fold<false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-      else fold<false, false, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      if (cap) fold<false, true, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      else fold<false, false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
     }
   }
 
-  template <bool kFull, bool kCap, bool kBias, class Acc, class Coords, class Rows, int kRows, class ProblemShapeMNKL,
+  // kSum: fold the logit sums (else their partial is 0; the checked path always folds them).
+  template <bool kFull, bool kCap, bool kBias, bool kSum, class Acc, class Coords, class Rows, int kRows, class ProblemShapeMNKL,
             class BlockShapeMNK, class BlockCoordMNKL>
   CUTLASS_DEVICE void fold(Acc& acc, Coords const& tCcD, Rows const& f, const int64_t (&target)[kRows],
                            ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&,
@@ -104,7 +113,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < kRows; ++i) {
             const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
-            sum[i] += ok ? z : 0.f;
+            if constexpr (kSum) sum[i] += ok ? z : 0.f;
             m[i] = ::fmaxf(m[i], ok ? z : -INFINITY);  // NaN-ignoring: a NaN reaches s through its exp below
           }
         }
@@ -143,7 +152,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
       for (int i = 0; i < kRows; ++i) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m[i], off);
         const float s2 = __shfl_xor_sync(0xffffffffu, s[i], off);
-        sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], off);
+        if constexpr (kSum) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], off);
         const float mm = ::fmaxf(m[i], m2);
         s[i] = (m[i] == -INFINITY ? 0.f * s[i] : s[i] * __expf(m[i] - mm)) +
                (m2 == -INFINITY ? 0.f * s2 : s2 * __expf(m2 - mm));
@@ -181,6 +190,7 @@ struct StatsGemm {
     epi.softcap = p.softcap;
     epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
     epi.mainloop_only = p.mainloop_only;
+    epi.logit_sum = p.logit_sum;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Gemm::Device::get_workspace_size(arguments(p)); }

@@ -29,6 +29,7 @@ struct StatsGemmParams {
   float softcap;  // <= 0: none
   int sm_count;   // SMs the persistent kernel spreads its tiles over
   bool mainloop_only = false;  // benchmarks only: skip the epilogue (nothing is written), see below
+  bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials' sum is 0
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
