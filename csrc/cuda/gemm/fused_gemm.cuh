@@ -265,6 +265,19 @@ CUTLASS_DEVICE bool pick_at_offsets(Acc& acc, Coords const& tCcD, int col0, cons
   return true;
 }
 
+// Check, initialize and queue one of our GemmUniversalAdapter instantiations: nullptr, or why not (refused:
+// the message when CUTLASS cannot implement the problem, naming what the caller's layout rules are).
+template <class Device>
+const char* launch(typename Device::Arguments const& args, void* workspace, cudaStream_t stream, const char* refused) {
+  Device gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return refused;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+    return "CUTLASS failed to initialize the fused GEMM";
+  }
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS failed to launch the fused GEMM";
+  return nullptr;
+}
+
 template <class Element, Schedule S, class EpilogueOp>
 struct FusedGemm {
   using Config = ScheduleConfig<S>;
@@ -296,15 +309,8 @@ struct FusedGemm {
   }
 
   static const char* run(typename Device::Arguments const& args, void* workspace, cudaStream_t stream) {
-    Device gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-      return "CUTLASS cannot implement this fused GEMM (alignment of x / weight / strides?)";
-    }
-    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
-      return "CUTLASS failed to initialize the fused GEMM";
-    }
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS failed to launch the fused GEMM";
-    return nullptr;
+    return launch<Device>(args, workspace, stream,
+                          "CUTLASS cannot implement this fused GEMM (alignment of x / weight / strides?)");
   }
 };
 

@@ -196,16 +196,8 @@ struct GradTmaGemm {
   }
   static size_t workspace_bytes(const GradGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
   static const char* run(const GradGemmParams& p, void* workspace, cudaStream_t stream) {
-    const auto args = arguments(p);
-    Device gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-      return "CUTLASS cannot implement this fused gradient GEMM (TMA store: alignment of grad_logits?)";
-    }
-    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
-      return "CUTLASS failed to initialize the fused gradient GEMM";
-    }
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS failed to launch the fused gradient GEMM";
-    return nullptr;
+    return launch<Device>(arguments(p), workspace, stream,
+                          "CUTLASS cannot implement this fused gradient GEMM (TMA store: alignment of grad_logits?)");
   }
 };
 
