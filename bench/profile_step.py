@@ -15,18 +15,22 @@ from pathlib import Path
 
 from bench import harness  # first: decides which hugehead is imported
 from bench.bench_multilabel import GPU_SHAPES, sparse_target
-from bench.common import Shape, make_inputs
+from bench.common import ALL_SHAPES, Shape, make_inputs
 
 import torch  # noqa: E402
 
 import hugehead  # noqa: E402
 
 
+# bench_multilabel's GPU shapes and every bench_lce shape (llama3_4k, ...): the same inputs as those benchmarks.
+SHAPES = {**{k: Shape(k, s["n"], s["d"], s["v"]) for k, s in GPU_SHAPES.items()}, **ALL_SHAPES}
+
+
 def build(shape: str, case: str):
-    s = GPU_SHAPES[shape]
+    s = SHAPES[shape]
     dev = torch.device("cuda")
-    x, w, t = make_inputs(Shape(shape, s["n"], s["d"], s["v"]), dev, dtype=torch.bfloat16, seed=0)
-    target = sparse_target(s["n"], s["v"], 5, 0.2, dev, seed=1) if case == "multi" else t
+    x, w, t = make_inputs(s, dev, dtype=torch.bfloat16, seed=0)
+    target = sparse_target(s.n, s.v, 5, 0.2, dev, seed=1) if case == "multi" else t
     if case == "fwd":
         def run():
             with torch.no_grad():
@@ -45,7 +49,7 @@ def build(shape: str, case: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="xc1M", choices=sorted(GPU_SHAPES))
+    p.add_argument("--shape", default="xc1M", choices=sorted(SHAPES))
     p.add_argument("--case", default="single", choices=["fwd", "single", "multi"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
@@ -64,7 +68,9 @@ def main(argv=None) -> int:
             k[0] += e.device_time_total / 1e3 / opts.steps
             k[1] += 1
     total = sum(v[0] for v in kernels.values())
-    lines = [f"# profile: {opts.shape} {opts.case}, HUGEHEAD_GEMM={hugehead.ops.gemm_path(torch.device('cuda'), torch.bfloat16)}",
+    # (an older hugehead on PYTHONPATH, for an A/B of two commits, may predate the fused GEMMs)
+    gemm = hugehead.ops.gemm_path(torch.device("cuda"), torch.bfloat16) if hasattr(hugehead.ops, "gemm_path") else "cublas"
+    lines = [f"# profile: {opts.shape} {opts.case}, HUGEHEAD_GEMM={gemm}, hugehead from {Path(hugehead.__file__).parent}",
              "", f"step {step_ms:.2f} ms (CUDA events, median of 5); kernels {total:.2f} ms per step; "
              f"gaps {step_ms - total:.2f} ms", "", "| kernel | ms / step | calls / step |", "|---|--:|--:|"]
     for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: opts.top]:
