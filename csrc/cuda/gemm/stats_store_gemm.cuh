@@ -253,8 +253,18 @@ struct StatsStoreGemm {
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
   static const char* run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {
-    return launch<Device>(arguments(p), workspace, stream,
-                          "CUTLASS cannot implement this statistics GEMM with stored logits (alignment of the logits?)");
+    const auto args = arguments(p);
+    Device gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+      return "CUTLASS cannot implement this statistics GEMM with stored logits (alignment of the logits?)";
+    }
+    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+      return "CUTLASS failed to initialize the statistics GEMM with stored logits";
+    }
+    if (gemm.run(stream) != cutlass::Status::kSuccess) {
+      return "CUTLASS failed to launch the statistics GEMM with stored logits";
+    }
+    return nullptr;
   }
 };
 
