@@ -90,8 +90,6 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
     timings["fused_stats_nosum"] = _ms(
         lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False), reps)
-    # The rows plan's forward: the statistics and the stored logits in one GEMM (vs cuBLAS + chunk_stats_).
-    timings["fused_stats_store"] = _ms(lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, logits=z), reps)
     timings["cublas_grad"] = _ms(cublas_grad, reps)
     for store in GRAD_STORES:
         os.environ["HUGEHEAD_GEMM_GRAD_STORE"] = store
@@ -203,9 +201,8 @@ def render(doc: dict) -> str:
     lines += ["", "The floors (HUGEHEAD_GEMM_MAINLOOP_ONLY=1: the epilogue returns at once) and a bias (the default "
               "schedule):", "",
               "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES)
-              + " | stats + bias | grad + bias | stats without logit sums (no label smoothing) "
-              "| stats + stored logits (the rows plan; vs cuBLAS + chunk_stats_) |",
-              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 4)]
+              + " | stats + bias | grad + bias | stats without logit sums (no label smoothing) |",
+              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 3)]
     for r in doc["results"]:
         c, tf = r["chunk_ms"], r["chunk_tflops"]
 
@@ -214,7 +211,7 @@ def render(doc: dict) -> str:
 
         lines.append(f"| {r['shape']} | {r['cols']} | "
                      + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES)
-                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} | {cell2('fused_stats_nosum')} | {cell2('fused_stats_store')} |")
+                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} | {cell2('fused_stats_nosum')} |")
     return "\n".join(lines) + "\n" + harness.footer(m)
 
 

@@ -399,20 +399,6 @@ def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int
     return True
 
 
-def _fused_stats_store(x: Tensor, chunk: WeightChunk, target: Tensor, options: LossOptions, stats: RowStats,
-                       z: Tensor) -> bool:
-    """Store chunk ``x @ chunk.weightᵀ`` into ``z`` and fold it into ``stats`` in one fused GEMM (the
-    statistics GEMM whose epilogue also stores the logits by TMA: the rows plan's block is not read back for
-    its statistics); False (nothing done) where it does not apply: a bias or softcap, or a layout it cannot
-    take."""
-    if options.kernel_softcap > 0 or chunk.bias is not None or not (
-            _fused_layout(x, chunk) and _tma_ready(z) and z.shape[1] % 8 == 0):
-        return False
-    ops.gemm_chunk_stats_(x, chunk.weight, None, target, chunk.c0, 0.0, *stats,
-                          with_logit_sum=bool(options.label_smoothing), logits=z)
-    return True
-
-
 def _fused_grad(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, num_classes: int, lse: Tensor,
                 grad_rows: Tensor, options: LossOptions, grad_lse: Optional[Tensor], g: Tensor) -> bool:
     """Write dLoss/dlogits of chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``g`` in one fused GEMM; False
@@ -735,7 +721,6 @@ def rows_steps(
             grad_w.zero_()
         return loss_rows, grad_x, grad_w, _bias_grad(grad_b, source)
     valid = target != options.ignore_index if row_losses_of is None else None
-    fused = _fused_applies(x, target, "stats")
     workspace = x.new_empty(min(plan.rows, n) * v)
     one_chunk = plan.cols >= v
     dx_acc = x.new_empty(min(plan.rows, n), d, dtype=acc) if (need_x and not one_chunk) else None
@@ -750,10 +735,8 @@ def rows_steps(
         stats = _new_stats(xr)
         # Two passes over the weight's chunks (slices, or casts made again: never a whole cast weight).
         for chunk in source.chunks(plan.cols):
-            z = block[:, chunk.c0:chunk.c1]
-            if not (fused and _fused_stats_store(xr, chunk, target[r0:r1], options, stats, z)):
-                _logits_into(xr, chunk, z)
-                _chunk_stats(target, r0, r1, z, chunk.c0, options.kernel_softcap, stats)
+            z = _logits_into(xr, chunk, block[:, chunk.c0:chunk.c1])
+            _chunk_stats(target, r0, r1, z, chunk.c0, options.kernel_softcap, stats)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         if row_losses_of is None:
             loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)

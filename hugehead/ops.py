@@ -63,7 +63,6 @@ def gemm_chunk_stats_(
     target_logit: Tensor,
     logit_sum: Tensor,
     with_logit_sum: bool = True,
-    logits: Optional[Tensor] = None,
 ) -> None:
     """:func:`chunk_stats_` of the logits chunk ``x @ weight.T + bias`` without materializing it: one
     CUTLASS sm_90a GEMM whose epilogue folds each (row, column tile) into partial statistics, then a merge
@@ -81,10 +80,6 @@ def gemm_chunk_stats_(
             stays consistent with the backward's recomputed logits.
         with_logit_sum: False leaves ``logit_sum`` as it is (the loss without label smoothing never reads
             it; the GEMM then skips its sums, about a tenth of its epilogue's instructions).
-        logits: ``[N, C]`` in x's dtype, unit column stride, 16-byte aligned with a row stride and ``C``
-            multiples of 8, or None: where the logits are also stored (through shared memory by TMA), the
-            values the statistics were folded from (the rows plan keeps them for its gradient pass). Only
-            without a bias or softcap, and always the pingpong schedule.
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative`` (environment, read per call) picks
         the CUTLASS schedule (default pingpong here, pingpong_cluster for :func:`gemm_chunk_grad_`: clusters
         of two CTAs that share each weight tile through TMA multicast).
@@ -94,8 +89,7 @@ def gemm_chunk_stats_(
             without CUTLASS (no CUDA kernel).
     """
     torch.ops.hugehead.gemm_chunk_stats_.default(
-        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum, with_logit_sum,
-        logits,
+        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum, with_logit_sum
     )
 
 
@@ -353,12 +347,10 @@ def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp,
 
 @torch.library.register_fake("hugehead::gemm_chunk_stats_")
 def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit,
-                           logit_sum, with_logit_sum=True, logits=None):
+                           logit_sum, with_logit_sum=True):
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")
-    if logits is not None:
-        torch._check(logits.shape == (x.shape[0], weight.shape[0]), lambda: "logits must be [N, C]")
     return None
 
 

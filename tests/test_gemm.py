@@ -508,136 +508,6 @@ def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
         assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + torch.finfo(torch.bfloat16).eps
 
 
-# (N, C, D, class_start, padded row stride, label smoothing's logit sums): the statistics GEMM that also
-# stores its logits (stats_store_gemm.cuh; no bias)
-STORE_CASES = [
-    (1024, 4096, 768, 128, 0, True),   # whole tiles
-    (1000, 3008, 768, 0, 8, True),     # partial tiles, a padded row stride
-    (257, 1000, 128, 500, 0, False),   # partial tiles along both modes, no logit sums
-    (129, 136, 768, 0, 0, True),       # one row and 8 columns past whole tiles
-]
-
-
-@requires_fused
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,c,d,class_start,pad,with_sum", STORE_CASES)
-def test_stats_with_stored_logits(dtype, n, c, d, class_start, pad, with_sum):
-    """gemm_chunk_stats_(..., logits=z): z holds the GEMM's logits (rounded once: within a rounding of float64,
-    like cuBLAS's), nothing is written beside them, and the statistics are those of z itself: chunk_stats_
-    over the stored z gives the same target logits bitwise and the same lse / logit sums up to the summation
-    order (with_logit_sum=False: logit_sum left as it was)."""
-    seed = n + c + 7
-    x, w, _ = _inputs(n, c, d, dtype, bias=False, seed=seed)
-    num_classes = class_start + c + 100
-    target = _targets(n, c, class_start, num_classes, seed).cuda()
-    xc, wc = x.cuda(), w.cuda()
-    wide = torch.full((n, c + pad), 7.0, dtype=dtype, device="cuda")
-    z = wide[:, :c]
-    fused = [t.cuda() for t in _start_state(n, seed)]
-    start_sum = fused[3].clone()
-    ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *fused, with_logit_sum=with_sum, logits=z)
-    assert torch.all(wide[:, c:] == 7.0), "wrote outside the logits"
-    exact = x.double() @ w.double().t()
-    cublas = (xc @ wc.t()).cpu()
-    assert rel_err(z, exact) <= 2 * rel_err(cublas, exact) + torch.finfo(dtype).eps
-    again = [t.cuda() for t in _start_state(n, seed)]
-    ops.chunk_stats_(z, target, class_start, 0.0, *again)
-    assert torch.equal(fused[2], again[2]), "target logits"
-    lse_f, lse_a = fused[0] + fused[1].log(), again[0] + again[1].log()
-    torch.testing.assert_close(lse_f, lse_a, rtol=0, atol=1e-5)
-    if with_sum:
-        torch.testing.assert_close(fused[3], again[3], rtol=1e-5, atol=1e-5 * float(again[3].abs().max()))
-    else:
-        assert torch.equal(fused[3], start_sum)
-
-
-@requires_fused
-def test_stats_with_stored_logits_refuses_what_it_cannot_store():
-    n, c, d = 64, 296, 64
-    x, w, _ = (t.cuda() if t is not None else None for t in _inputs(n, c, d, torch.bfloat16, bias=False, seed=9))
-    target = _targets(n, c, 0, c, 9).cuda()
-    state = [t.cuda() for t in _start_state(n, 9)]
-    z = torch.empty(n, c, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match="without a bias or softcap"):
-        ops.gemm_chunk_stats_(x, w, None, target, 0, 30.0, *state, logits=z)
-    with pytest.raises(RuntimeError, match="without a bias or softcap"):
-        ops.gemm_chunk_stats_(x, w, w[:, 0].contiguous(), target, 0, 0.0, *state, logits=z)
-    with pytest.raises(RuntimeError, match="logits must have shape"):
-        ops.gemm_chunk_stats_(x, w, None, target, 0, 0.0, *state, logits=z[:, :8])
-    with pytest.raises(RuntimeError, match="logits must be"):
-        ops.gemm_chunk_stats_(x, w, None, target, 0, 0.0, *state, logits=z.float())
-    odd = torch.empty(n, c + 1, dtype=torch.bfloat16, device="cuda")[:, 1:]  # a base 2 bytes off alignment
-    with pytest.raises(RuntimeError, match="16-byte aligned"):
-        ops.gemm_chunk_stats_(x, w, None, target, 0, 0.0, *state, logits=odd)
-    torch.cuda.synchronize()
-
-
-@requires_fused
-def test_rows_plan_takes_the_stats_gemm_that_stores_logits(monkeypatch):
-    """The rows plan (a block of rows' logits over every class kept for the gradient pass): with
-    HUGEHEAD_GEMM=cutlass each block's chunk goes through gemm_chunk_stats_ with logits=..., and loss, dX,
-    dW stay within 2x the cuBLAS path's error against float64; with a softcap or a bias it takes cuBLAS."""
-    from hugehead import plan as planner
-    from conftest import rows_budget
-
-    monkeypatch.setitem(planner.ROWS_MIN_SPLIT_ROWS, "cuda", planner.ROWS_MIN_SPLIT_ROWS["cpu"])
-    n, d, v = 1500, 128, 8192
-    x, w, bias = _inputs(n, v, d, torch.bfloat16, bias=True, seed=31)
-    x, w, bias = x.cuda(), w.cuda(), bias.cuda()
-    target = _targets(n, v, 0, v, 31).cuda()
-    for softcap, b in ((None, None), (20.0, None), (None, bias)):
-        opts = dict(memory_budget=rows_budget(n, d, v, torch.bfloat16, 512), label_smoothing=0.1)
-        if softcap:
-            opts["softcap"] = softcap
-        results = {}
-        for path in ("cublas", "cutlass"):
-            monkeypatch.setenv("HUGEHEAD_GEMM", path)
-            stored = []
-            real = ops.gemm_chunk_stats_
-
-            def spy(*args, **kwargs):
-                stored.append(kwargs.get("logits") is not None)
-                return real(*args, **kwargs)
-
-            monkeypatch.setattr(ops, "gemm_chunk_stats_", spy)
-            results[path] = _lce_grads(x, w, b, target, **opts)
-            monkeypatch.setattr(ops, "gemm_chunk_stats_", real)
-            expect = path == "cutlass" and softcap is None and b is None
-            assert (len(stored) > 0 and all(stored)) == expect, (path, softcap, stored)
-        ref = _lce_float64(x, w, b, target, **opts)
-        for ours, theirs, r in zip(results["cutlass"], results["cublas"], ref):
-            assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + torch.finfo(torch.bfloat16).eps
-
-
-def test_rows_plan_stored_logits_branch_with_emulated_ops(monkeypatch):
-    """The rows plan's fused branch (the statistics GEMM storing the block's logits) on any device, with the
-    fused ops emulated by addmm + chunk_stats_: loss and gradients as float64 within float32 rounding."""
-    from hugehead import plan as planner
-    from conftest import rows_budget
-
-    n, d, v = 220, 24, 640  # 7 blocks of 32 rows, the last one short
-    x, w, _ = _inputs(n, v, d, torch.float32, bias=False, seed=33)
-    b = None
-    target = _targets(n, v, 0, v, 33)
-    opts = dict(memory_budget=rows_budget(n, d, v, torch.float32, 32), label_smoothing=0.1)
-    plan = planner.plan_loss(n, d, v, torch.float32, x.device, None, opts["memory_budget"], allow_rows=True,
-                             direct_dx=True)
-    assert plan.kind == "rows" and plan.rows < n
-    _emulate_fused_ops(monkeypatch)
-    stored = []
-    real = ops.gemm_chunk_stats_
-
-    def spy(*args, **kwargs):
-        stored.append(kwargs.get("logits") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "gemm_chunk_stats_", spy)
-    ours = _lce_grads(x, w, b, target, **opts)
-    assert stored and all(stored)
-    for a, r in zip(ours, _lce_float64(x, w, b, target, **opts)):
-        assert rel_err(a, r) <= 1e-5
-
-
 # -- everywhere (CI): the dispatch rules and the fake kernel ------------------------------------------------
 def test_gemm_path_rules(monkeypatch):
     monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
@@ -682,14 +552,9 @@ def _emulate_fused_ops(monkeypatch):
     def logits(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
 
-    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True, **kw):
+    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True):
         before = state[3].clone()
-        z = logits(x, w, b)
-        out = kw.get("logits")
-        if out is not None:  # the rows plan's stored logits
-            assert softcap == 0 and b is None
-            out.copy_(z)
-        ops.chunk_stats_(z, target, class_start, softcap, *state)
+        ops.chunk_stats_(logits(x, w, b), target, class_start, softcap, *state)
         if not with_logit_sum:  # the fused op leaves it as it was
             state[3].copy_(before)
 
@@ -720,8 +585,8 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     asked = []
     emulated = ops.gemm_chunk_stats_
     monkeypatch.setattr(ops, "gemm_chunk_stats_",
-                        lambda *a, with_logit_sum=True, **kw: asked.append(with_logit_sum) or emulated(
-                            *a, with_logit_sum=with_logit_sum, **kw))
+                        lambda *a, with_logit_sum=True: asked.append(with_logit_sum) or emulated(
+                            *a, with_logit_sum=with_logit_sum))
     calls = _count_fused_calls(monkeypatch)
     fused = _lce_grads(x, w, b, target, **opts)
     assert asked and all(s == (eps > 0) for s in asked), asked

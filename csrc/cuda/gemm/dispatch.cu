@@ -18,8 +18,6 @@ HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_pingpong)
 HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_cooperative)
 HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_pingpong_cluster)
 HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_pingpong_cluster)
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_pingpong_store)
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_pingpong_store)
 #undef HUGEHEAD_DECLARE_STATS_GEMM
 #define HUGEHEAD_DECLARE_GRAD_GEMM(NAME)                     \
   size_t NAME##_workspace(const GradGemmParams& p);          \
@@ -52,14 +50,7 @@ bool mainloop_only_from_env() {
 
 int stats_gemm_tile_cols(Schedule schedule) { return schedule == Schedule::kCooperative ? 256 : 128; }
 
-bool stats_gemm_store_applies(const StatsGemmParams& p) {
-  return p.logits != nullptr && reinterpret_cast<uintptr_t>(p.logits) % 16 == 0 && (p.logits_stride * 2) % 16 == 0 &&
-         p.cols % 8 == 0 && !(p.softcap > 0.f) && p.bias == nullptr && !p.mainloop_only;
-}
-
-// The statistics GEMM with stored logits has a pingpong instantiation only (the schedule is not asked).
 size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule) {
-  if (p.logits != nullptr) return half ? stats_gemm_fp16_pingpong_store_workspace(p) : stats_gemm_bf16_pingpong_store_workspace(p);
   switch (schedule) {
     case Schedule::kPingpongCluster:
       return half ? stats_gemm_fp16_pingpong_cluster_workspace(p) : stats_gemm_bf16_pingpong_cluster_workspace(p);
@@ -72,11 +63,6 @@ size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule 
 
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream) {
-  if (p.logits != nullptr) {
-    if (!stats_gemm_store_applies(p)) return "the statistics GEMM cannot store these logits (alignment? a softcap?)";
-    return half ? stats_gemm_fp16_pingpong_store_run(p, workspace, stream)
-                : stats_gemm_bf16_pingpong_store_run(p, workspace, stream);
-  }
   switch (schedule) {
     case Schedule::kPingpongCluster:
       return half ? stats_gemm_fp16_pingpong_cluster_run(p, workspace, stream)

@@ -8,7 +8,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -48,49 +47,26 @@ __global__ void __launch_bounds__(kMergeThreads)
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
-                           const at::Tensor& logit_sum, bool with_logit_sum,
-                           const std::optional<at::Tensor>& logits) {
+                           const at::Tensor& logit_sum, bool with_logit_sum) {
   check_gemm_operands(x, weight, bias, "gemm_chunk_stats_");
   // x stands in for the logits chunk: its row count, device and the state's accumulation dtype.
   check_chunk_rows(x, target,
                    {{"row_max", &row_max}, {"row_sumexp", &row_sumexp},
                     {"target_logit", &target_logit}, {"logit_sum", &logit_sum}});
   const int64_t rows = x.size(0), cols = weight.size(0), depth = x.size(1);
-  if (logits.has_value()) {
-    TORCH_CHECK(logits->dim() == 2 && logits->size(0) == rows && logits->size(1) == cols,
-                "hugehead: logits must have shape [", rows, ", ", cols, "], got ", logits->sizes());
-    TORCH_CHECK(logits->scalar_type() == x.scalar_type(), "hugehead: logits must be ", x.scalar_type(), ", got ",
-                logits->scalar_type());
-    TORCH_CHECK(logits->device() == x.device(), "hugehead: logits is on ", logits->device(), " but x is on ",
-                x.device());
-    TORCH_CHECK(!(softcap > 0.0) && !bias.has_value(),
-                "hugehead: gemm_chunk_stats_ stores logits without a bias or softcap only");
-    TORCH_CHECK(cols <= 1 || logits->stride(1) == 1, "hugehead: logits must have unit column stride, got strides ",
-                logits->strides());
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(logits->data_ptr()) % 16 == 0 && logits->stride(0) % 8 == 0 &&
-                    cols % 8 == 0,
-                "hugehead: gemm_chunk_stats_ stores logits through TMA: their base must be 16-byte aligned and their "
-                "row stride and column count multiples of 8, got strides ", logits->strides(), " and ", cols,
-                " columns");
-  }
   if (rows == 0 || cols == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const gemm::Schedule schedule = gemm::schedule_from_env(gemm::Schedule::kPingpong);
-  // (the statistics GEMM that stores the logits is pingpong, 128 columns a tile, whatever the schedule)
-  const int64_t tile_cols = gemm::stats_gemm_tile_cols(logits.has_value() ? gemm::Schedule::kPingpong : schedule);
+  const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
   const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
   at::Tensor partials = at::empty({rows, tiles, 4}, x.options().dtype(at::kFloat));
   gemm::StatsGemmParams p{x.data_ptr(), weight.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr,
                           target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), partials.data_ptr<float>(),
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
                           static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
-  p.mainloop_only = gemm::mainloop_only_from_env() && !logits.has_value();
+  p.mainloop_only = gemm::mainloop_only_from_env();
   p.logit_sum = with_logit_sum;
-  if (logits.has_value()) {
-    p.logits = logits->data_ptr();
-    p.logits_stride = logits->stride(0);
-  }
   const bool half = x.scalar_type() == at::kHalf;
   const size_t ws_bytes = gemm::stats_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;

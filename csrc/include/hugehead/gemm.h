@@ -30,11 +30,6 @@ struct StatsGemmParams {
   int sm_count;   // SMs the persistent kernel spreads its tiles over
   bool mainloop_only = false;  // benchmarks only: skip the epilogue (nothing is written), see below
   bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials' sum is 0
-  // Or nullptr: [rows, cols] x's dtype, row stride logits_stride, where the logits (bias added, no softcap)
-  // are also stored, through shared memory by TMA (stats_store_gemm.cuh; 16-byte aligned base and row stride,
-  // cols a multiple of 8: stats_gemm_store_applies).
-  void* logits = nullptr;
-  int64_t logits_stride = 0;
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
@@ -83,12 +78,7 @@ int stats_gemm_tile_cols(Schedule schedule);
 // Bytes of device workspace CUTLASS's kernel needs for these params (0 for the persistent scheduler).
 size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule);
 
-// Whether p.logits may be stored by the statistics GEMM (stats_store_gemm.cuh): no softcap or bias, TMA's
-// alignment.
-bool stats_gemm_store_applies(const StatsGemmParams& p);
-
-// Queue the fused GEMM on stream (storing the logits too when p.logits is set). Returns nullptr, or a
-// message saying why CUTLASS refused the problem.
+// Queue the fused GEMM on stream. Returns nullptr, or a message saying why CUTLASS refused the problem.
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream);
 
