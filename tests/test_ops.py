@@ -201,6 +201,42 @@ def test_chunk_grad_strided_chunk_writes_only_its_columns(device):
     torch.testing.assert_close(buf[:, 3:7], expected, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_long_rows_from_mid_pack_match_float64(device, dtype, label_smoothing):
+    """Rows long enough for the CUDA kernels' body of four 16-byte packs in flight per thread, beside their
+    scalar head and tail (the chunk starts 3 columns into its row): chunk_stats_'s log-sum-exp and
+    chunk_grad_'s gradient against float64, for the plain loss (16-bit logits: the SFU exponential) and with
+    label smoothing (the general formula); the 3 columns before the chunk are not written."""
+    torch.manual_seed(3)
+    n, v = 5, 70001
+    full = (torch.randn(n, v + 3, dtype=torch.float64) * 3).to(dtype)
+    z = full[:, 3:]
+    target = torch.randint(0, v, (n,))
+    grad_rows = torch.rand(n, dtype=torch.float64) + 0.5
+    z64 = z.double().requires_grad_()
+    loss, lse = hand_row_loss(z64, target, label_smoothing, 0.0, 0.0)
+    (loss * grad_rows).sum().backward()
+
+    acc = ops.acc_dtype(dtype)
+    buf = full.clone().to(device)
+    td = target.to(device)
+    stats = fresh_stats(n, acc, device)
+    torch.ops.hugehead.chunk_stats_(buf[:, 3:], td, 0, 0.0, *stats)
+    got_lse = (stats[0].double() + stats[1].double().log()).cpu()
+    # The CPU's 16-bit path sums a row's exps one after another in float32: an error that grows with the row
+    # (5.4e-6 of lse at 70001 columns); the CUDA kernel's block tree and the CPU's float32 SIMD lanes do not.
+    stats_tol = 1e-5 if device.type == "cpu" and dtype != torch.float32 else STATS_TOL_DEFAULT
+    assert (got_lse - lse.detach()).abs().max().item() <= stats_tol * lse.detach().abs().max().item()
+    assert torch.equal(stats[2].double().cpu(), z.double()[torch.arange(n), target])
+
+    lse_d, g_d = lse.detach().to(acc).to(device), grad_rows.to(acc).to(device)
+    torch.ops.hugehead.chunk_grad_(buf[:, 3:], td, 0, v, lse_d, g_d, label_smoothing, 0.0, 0.0)
+    assert torch.equal(buf[:, :3].cpu(), full[:, :3])
+    tol = torch.finfo(dtype).eps / 2 + 2e-6
+    assert rel_err(buf[:, 3:].double().cpu(), z64.grad) <= tol
+
+
 # --------------------------------------------------------------------------------------------------
 # Argument checks of the kernels
 # --------------------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_nan_and_inf_propagate(device):
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, 3e38], device=device)
     for dtype in ALL_DTYPES:
         t = x.to(dtype)
-        for s in (2.0, -0.0, float("inf"), float("nan")):
+        for s in (2.0, -0.0, float("inf"), float("nan"), 1.0):
             scale = torch.tensor(s, device=device)
             torch.testing.assert_close(ops.scale_(t.clone(), scale), _expected(t, scale), rtol=0, atol=0,
                                        equal_nan=True)

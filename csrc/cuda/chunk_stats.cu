@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(cuda::kRowThreads) chunk_stats_kernel(ChunkSta
     return kSoftcap ? apply_softcap(static_cast<acc_t>(raw), softcap) : static_cast<acc_t>(raw);
   };
   acc_t m = neg_inf<acc_t>(), s = 0, sum = 0;
-  cuda::for_each_pack_in_row<scalar_t, /*Write=*/false>(logits, p.cols, [&](auto& pack) {
+  cuda::for_each_pack_in_row<scalar_t, /*Write=*/false, /*kUnroll=*/4>(logits, p.cols, [&](auto& pack) {
     constexpr int N = std::decay_t<decltype(pack)>::kSize;
     acc_t v[N];
 #pragma unroll

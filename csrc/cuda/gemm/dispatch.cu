@@ -43,6 +43,10 @@ Schedule schedule_from_env(Schedule fallback) {
   return fallback;
 }
 
+Schedule default_stats_schedule(int64_t depth) {
+  return depth >= kStatsCooperativeDepth ? Schedule::kCooperative : Schedule::kPingpong;
+}
+
 bool mainloop_only_from_env() {
   const char* v = std::getenv("HUGEHEAD_GEMM_MAINLOOP_ONLY");
   return v != nullptr && std::strcmp(v, "1") == 0;

@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "hugehead/gemm.h"
+#include "hugehead/sfu_exp.cuh"
 
 namespace hugehead {
 namespace gemm {
@@ -110,22 +111,11 @@ CUTLASS_DEVICE auto tile_coordinates(ProblemShapeMNKL const& problem_shape_mnkl,
   return thr_mma.partition_C(cD);
 }
 
-// exp(x) as __expf computes it (ex2.approx of x log2(e)) except that results below 2^-126 flush to zero: one
-// MUFU.EX2 instead of the five instructions of the denormal-preserving ex2.approx.f32. A flushed term is below
-// 1.2e-38: it changes no sum that holds the row max's exp(0) = 1, and no gradient entry by more than bf16's
-// smallest normal.
-constexpr float kLog2e = 1.4426950408889634f;
-CUTLASS_DEVICE float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-CUTLASS_DEVICE float exp_ftz(float x) { return exp2_ftz(x * kLog2e); }
-
-// exp(z - m) as exp_ftz, given m_log2e = m log2(e): one FFMA (z log2(e) - m log2(e)) and one MUFU.EX2. The
-// exponent rounds once instead of twice, to within an ulp of |z - m| log2(e) either way; -inf and NaN
-// logits give 0 and NaN as exp(z - m) does.
-CUTLASS_DEVICE float exp_minus(float z, float m_log2e) { return exp2_ftz(::fmaf(z, kLog2e, -m_log2e)); }
+// The SFU exponentials (kLog2e, exp2_ftz, exp_ftz, exp_minus): sfu_exp.cuh, shared with chunk_stats_ / chunk_grad_.
+using cuda::exp2_ftz;
+using cuda::exp_ftz;
+using cuda::exp_minus;
+using cuda::kLog2e;
 
 // The tile a thread's fragment belongs to: its rows (kRows = 2 MMA_M, as the fragment's row modes), the
 // chunk column of its first element, and whether the whole tile lies inside the problem (then no element

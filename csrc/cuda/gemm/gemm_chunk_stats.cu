@@ -57,7 +57,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   if (rows == 0 || cols == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const gemm::Schedule schedule = gemm::schedule_from_env(gemm::Schedule::kPingpong);
+  const gemm::Schedule schedule = gemm::schedule_from_env(gemm::default_stats_schedule(depth));
   const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
   const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
   at::Tensor partials = at::empty({rows, tiles, 4}, x.options().dtype(at::kFloat));

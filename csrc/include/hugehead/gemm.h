@@ -59,13 +59,21 @@ struct GradGemmParams {
 };
 
 // HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative picks one (read per call, for A/B runs). The
-// defaults, measured on one H200 at 0ed8ee1 (bench/bench_gemm.py): pingpong for the statistics GEMM (0.652 ms
-// a chunk at xc1M against 0.687 in clusters), pingpong_cluster for the gradient GEMM (0.746 against 0.782).
+// defaults, measured on one H200 at 0ed8ee1 (bench/bench_gemm.py): for the statistics GEMM pingpong at
+// xc1M's depth (0.652 ms a chunk against 0.687 in clusters; default_stats_schedule for deeper ones),
+// pingpong_cluster for the gradient GEMM (0.746 against 0.782).
 enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
 
 // The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
 // register epilogue has no cooperative instantiation and takes pingpong for it (its TMA store has one).
 Schedule schedule_from_env(Schedule fallback);
+
+// The statistics GEMM's default for a depth (K = D): pingpong below kStatsCooperativeDepth, cooperative from
+// it on, where the mainloop outweighs the epilogue. Measured on one H200 at 33bb83c (bench/bench_gemm.py, ms a
+// chunk): K = 768 (xc1M, 8192 x 32768) pingpong 0.631, cooperative 0.661; K = 4096 (llama3_4k, 4096 x 65536)
+// pingpong 3.459, pingpong_cluster 3.026, cooperative 2.927, against cuBLAS + chunk_stats_ 3.009.
+constexpr int64_t kStatsCooperativeDepth = 2048;
+Schedule default_stats_schedule(int64_t depth);
 
 // HUGEHEAD_GEMM_MAINLOOP_ONLY=1 (benchmarks only, read per call): the fused GEMMs return from their
 // epilogue at once and write nothing, so bench/bench_gemm.py can time a schedule's mainloop alone -- the
