@@ -20,6 +20,9 @@
 #   EXTRA        extra steps after the others, "name=command|name=command" (each logged as a step and
 #                given what is left of the deadline), e.g. "amp=python3 -m bench.bench_amp --out $OUT/amp".
 #   HUGEHEAD_GIT_SHA recorded in the benchmark JSON when the copy has no .git.
+#   BUILD_WHEEL_DIR  the build step also leaves its wheel there (e.g. under $OUT, to come back);
+#   HUGEHEAD_WHEEL   the build step installs this wheel (one an earlier call built from the same commit,
+#                carried back) instead of building: a second call of a long benchmark saves the build.
 # What comes back under $OUT: check.log (every step's command, time, status and output tail),
 # logs.tar.gz (full logs), junit.xml, results/lce.{json,md,png}, sanitizer/{version.txt,<tool>.log}.
 # shellcheck disable=SC2317  # the step functions are called through "step NAME FUNCTION"
@@ -124,8 +127,18 @@ build() {
     b0=$(date +%s)
     # PIP_BREAK_SYSTEM_PACKAGES: an image whose Python is marked externally managed (PEP 668) would
     # refuse the install; this throwaway machine's environment is ours to change.
-    PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --no-build-isolation --no-deps -v . \
-        || return 1
+    export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore
+    if [ -n "${HUGEHEAD_WHEEL:-}" ]; then
+        "$PY" -m pip install --no-deps --force-reinstall "$HUGEHEAD_WHEEL" || return 1
+        echo "INSTALLED $HUGEHEAD_WHEEL: built by an earlier call (BUILD_WHEEL_DIR), not here"
+        return 0
+    fi
+    if [ -n "${BUILD_WHEEL_DIR:-}" ]; then
+        "$PY" -m pip wheel --no-build-isolation --no-deps -v . -w "$BUILD_WHEEL_DIR" || return 1
+        "$PY" -m pip install --no-deps --force-reinstall "$BUILD_WHEEL_DIR"/hugehead-*.whl || return 1
+    else
+        "$PY" -m pip install --no-build-isolation --no-deps -v . || return 1
+    fi
     b1=$(date +%s)
     echo "BUILD TIME: $((b1 - b0)) s (MAX_JOBS=$MAX_JOBS, HUGEHEAD_CUDA=$HUGEHEAD_CUDA)"
 }
