@@ -368,6 +368,11 @@ def run_all(opts) -> int:
         "rows": list(reused.values()),  # from the start: --out may be where --resume's file is
     }
     if earlier is not None:
+        # A peer an earlier part imported (and ran) stays importable in the header, though this part's machine
+        # may lack it (a part that only runs the shapes it is skipped at needs no peer wheels).
+        for name, status in (earlier["meta"].get("imports") or {}).items():
+            if status.get("ok") and not imports.get(name, {}).get("ok"):
+                doc["meta"]["imports"][name] = {**status, "in_earlier_part": True}
         doc["meta"]["resumed_from"] = _part(earlier["meta"])
         doc["meta"]["parts"] = [*(earlier["meta"].get("parts") or [_part(earlier["meta"])]), _part(doc["meta"])]
 

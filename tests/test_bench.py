@@ -318,6 +318,9 @@ def test_resume_runs_only_what_the_earlier_part_left_out(tmp_path, monkeypatch, 
     # as if hugehead had run in part 1 (numbers no run here gives: a rerun would show)
     part1["rows"][0] = {**_row("tiny", "hugehead", 1.25, stage="done", done=True, log="tiny__hugehead.log"),
                         **{k: part1["rows"][0][k] for k in ("n", "d", "v", "dtype", "impl_exact")}}
+    # and as if part 1's machine had a peer wheel this one lacks
+    assert not part1["meta"]["imports"]["cce"]["ok"]
+    part1["meta"]["imports"]["cce"] = {"ok": True, "version": "9.9.9"}
     _write(tmp_path, part1)
 
     # part 2, into the folder the earlier file is in: torch (budget-skipped) and torch_chunked (no row) run, in
@@ -336,6 +339,9 @@ def test_resume_runs_only_what_the_earlier_part_left_out(tmp_path, monkeypatch, 
     assert meta["resumed_from"] == {k: part1["meta"][k] for k in ("created_utc", "elapsed_s", "hostname", "command")}
     assert len(meta["parts"]) == 2 and meta["parts"][1]["elapsed_s"] == meta["elapsed_s"]
     assert "Run in 2 parts (resumed with --resume): part 1 " in (tmp_path / "lce.md").read_text()
+    # a peer part 1 imported stays importable in the combined header
+    assert meta["imports"]["cce"] == {"ok": True, "version": "9.9.9", "in_earlier_part": True}
+    assert "cce 9.9.9" in (tmp_path / "lce.md").read_text()
 
     for key, value in [("git_sha", "fedcba987654"), ("reps", 10)]:
         other = json.loads(json.dumps(part1))
