@@ -6,12 +6,17 @@ gaps between what bench_lce / bench_multilabel measure and the kernels' sum.
     python -m bench.profile_step --shape xc1M --case single         # forward + backward, class ids
     python -m bench.profile_step --shape xc1M --case multi          # forward + backward, 5 positives
     [--out DIR]  writes profile_<shape>_<case>.md there as well
+
+Besides the kernels' totals it reports where the GPU waited inside each profiled step: from the step's
+start on the host (a ``record_function`` range) to its first kernel, and the largest idle gaps between
+kernels (with the kernels on either side), so a gap is traced to the host work or synchronization before it.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import List, Sequence, Tuple
 
 from bench import harness  # first: decides which hugehead is imported
 from bench.bench_multilabel import GPU_SHAPES, sparse_target
@@ -47,6 +52,55 @@ def build(shape: str, case: str):
     return run
 
 
+STEP_MARK = "profile_step.step"
+
+
+def _is_kernel(e) -> bool:
+    """A CUDA event of the trace that is GPU work (not the step's own annotation mirrored on the GPU row)."""
+    return e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP_MARK
+
+
+def idle_gaps(kernels: Sequence[Tuple[str, float, float]], min_gap_us: float = 10.0
+              ) -> Tuple[float, List[Tuple[float, str, str]]]:
+    """The GPU's idle time between kernels ``(name, start_us, end_us)`` (any order; overlapping kernels on
+    other streams count as busy): ``(total idle us between the first start and the last end, [(gap us,
+    kernel before, kernel after)] for each gap of at least min_gap_us, largest first)``."""
+    spans = sorted(kernels, key=lambda k: k[1])
+    total, gaps = 0.0, []
+    if not spans:
+        return total, gaps
+    busy_until, last = spans[0][2], spans[0][0]
+    for name, start, end in spans[1:]:
+        if start > busy_until:
+            gap = start - busy_until
+            total += gap
+            if gap >= min_gap_us:
+                gaps.append((gap, last, name))
+        if end >= busy_until:
+            busy_until, last = end, name
+    return total, sorted(gaps, key=lambda g: -g[0])
+
+
+def _step_waits(prof, steps: int, top: int) -> List[str]:
+    """Markdown lines: per profiled step the wait before its first kernel and the idle gaps between kernels."""
+    marks = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.name == STEP_MARK and e.device_type == torch.autograd.DeviceType.CPU)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if _is_kernel(e)]
+    lines = ["", "Where the GPU waited (us), per profiled step: before its first kernel (from the step's start on "
+             "the host), between kernels in all, and the largest gaps:", "",
+             "| step | before the first kernel | between kernels | largest gaps (us: kernel before → kernel after) |",
+             "|--:|--:|--:|---|"]
+    for i, (t0, t1) in enumerate(marks[:steps]):
+        mine = [k for k in kernels if t0 <= k[1] < (marks[i + 1][0] if i + 1 < len(marks) else float("inf"))]
+        if not mine:
+            continue
+        total, gaps = idle_gaps(mine)
+        first = min(k[1] for k in mine) - t0
+        shown = "; ".join(f"{g:.0f}: `{a[:40]}` → `{b[:40]}`" for g, a, b in gaps[:top])
+        lines.append(f"| {i + 1} | {first:.0f} | {total:.0f} | {shown} |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="xc1M", choices=sorted(SHAPES))
@@ -57,13 +111,16 @@ def main(argv=None) -> int:
     opts = p.parse_args(argv)
     run = build(opts.shape, opts.case)
     step_ms = harness.measure(run, torch.device("cuda"), reps=5, warmup=2).ms
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(opts.steps):
-            run()
+            torch.cuda.synchronize()  # each step from an idle GPU, as bench_lce times it
+            with torch.profiler.record_function(STEP_MARK):
+                run()
         torch.cuda.synchronize()
     kernels = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if _is_kernel(e):
             k = kernels.setdefault(e.name, [0.0, 0])
             k[0] += e.device_time_total / 1e3 / opts.steps
             k[1] += 1
@@ -75,6 +132,7 @@ def main(argv=None) -> int:
              f"gaps {step_ms - total:.2f} ms", "", "| kernel | ms / step | calls / step |", "|---|--:|--:|"]
     for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: opts.top]:
         lines.append(f"| `{name[:110]}` | {ms:.2f} | {calls / opts.steps:.0f} |")
+    lines += _step_waits(prof, opts.steps, top=5)
     text = "\n".join(lines) + "\n"
     print(text)
     if opts.out:

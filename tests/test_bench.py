@@ -624,3 +624,16 @@ def test_bench_prologue_smoke_writes_its_report(tmp_path):
     assert row["shape"] == "smoke" and row["check_targets_us"] > 0 and row["forward_host_us"] > 0
     assert row["forward_ms"] > 0 and row["forward_behind_busy_gpu_ms"] is None and doc["meta"]["smoke"]
     assert (tmp_path / "prologue.md").read_text().startswith("# The forward's host work")
+
+
+def test_profile_step_idle_gaps_between_kernels():
+    """profile_step's gap analysis: kernels on other streams overlapping count as busy, a kernel nested in a
+    longer one leaves no gap, and each gap names the kernel that ended last before it and the one after it."""
+    from bench.profile_step import idle_gaps
+
+    kernels = [("c", 50.0, 60.0), ("a", 0.0, 10.0), ("b", 5.0, 30.0), ("n", 12.0, 20.0), ("d", 65.0, 66.0),
+               ("e", 100.0, 120.0)]
+    total, gaps = idle_gaps(kernels, min_gap_us=10.0)
+    assert total == (50.0 - 30.0) + (65.0 - 60.0) + (100.0 - 66.0)
+    assert gaps == [(34.0, "d", "e"), (20.0, "b", "c")]  # the 5 us gap is below min_gap_us
+    assert idle_gaps([]) == (0.0, [])
