@@ -306,3 +306,16 @@ struct FusedGemm {
 
 }  // namespace gemm
 }  // namespace hugehead
+
+// One explicit instantiation per .cu: the launchers NAME_workspace / NAME_run that dispatch.cu calls, for a
+// GEMM struct (the variadic argument: its template arguments have commas) with static workspace_bytes(PARAMS)
+// and run(PARAMS, workspace, stream).
+#define HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, PARAMS, ...)                                                       \
+  namespace hugehead {                                                                                     \
+  namespace gemm {                                                                                         \
+  size_t NAME##_workspace(const PARAMS& p) { return __VA_ARGS__::workspace_bytes(p); }                      \
+  const char* NAME##_run(const PARAMS& p, void* workspace, cudaStream_t stream) {                          \
+    return __VA_ARGS__::run(p, workspace, stream);                                                         \
+  }                                                                                                        \
+  }                                                                                                        \
+  }

@@ -227,12 +227,5 @@ struct GradGemm {
 }  // namespace gemm
 }  // namespace hugehead
 
-#define HUGEHEAD_GRAD_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE)                                                      \
-  namespace hugehead {                                                                                 \
-  namespace gemm {                                                                                     \
-  size_t NAME##_workspace(const GradGemmParams& p) { return GradGemm<ELEMENT, SCHEDULE>::workspace_bytes(p); }     \
-  const char* NAME##_run(const GradGemmParams& p, void* workspace, cudaStream_t stream) {               \
-    return GradGemm<ELEMENT, SCHEDULE>::run(p, workspace, stream);                                               \
-  }                                                                                                    \
-  }                                                                                                    \
-  }
+#define HUGEHEAD_GRAD_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
+  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, GradGemmParams, GradGemm<ELEMENT, SCHEDULE>)

@@ -204,12 +204,5 @@ struct GradTmaGemm {
 }  // namespace gemm
 }  // namespace hugehead
 
-#define HUGEHEAD_GRAD_TMA_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE)                                         \
-  namespace hugehead {                                                                                   \
-  namespace gemm {                                                                                       \
-  size_t NAME##_workspace(const GradGemmParams& p) { return GradTmaGemm<ELEMENT, SCHEDULE>::workspace_bytes(p); } \
-  const char* NAME##_run(const GradGemmParams& p, void* workspace, cudaStream_t stream) {               \
-    return GradTmaGemm<ELEMENT, SCHEDULE>::run(p, workspace, stream);                                   \
-  }                                                                                                      \
-  }                                                                                                      \
-  }
+#define HUGEHEAD_GRAD_TMA_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
+  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, GradGemmParams, GradTmaGemm<ELEMENT, SCHEDULE>)

@@ -203,12 +203,5 @@ struct StatsGemm {
 }  // namespace hugehead
 
 // One explicit instantiation per .cu: the launcher functions that dispatch.cu calls.
-#define HUGEHEAD_STATS_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE)                                                   \
-  namespace hugehead {                                                                                       \
-  namespace gemm {                                                                                           \
-  size_t NAME##_workspace(const StatsGemmParams& p) { return StatsGemm<ELEMENT, SCHEDULE>::workspace_bytes(p); } \
-  const char* NAME##_run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {                   \
-    return StatsGemm<ELEMENT, SCHEDULE>::run(p, workspace, stream);                                          \
-  }                                                                                                          \
-  }                                                                                                          \
-  }
+#define HUGEHEAD_STATS_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
+  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, StatsGemmParams, StatsGemm<ELEMENT, SCHEDULE>)
