@@ -74,7 +74,7 @@ struct GradTmaCallbacks {
   // RowF / RowI: (CPY, CPY_M, CPY_N, EPI_M, EPI_N) register tensors with stride 0 along N (one value per row
   // of the thread); Coords: the same shape, coordinates relative to the thread's first element (the
   // collective's static coordinate tensor), whose (row, column) in the chunk is (m0, n0).
-  template <class RowF, class RowI, class Coords, class Residue>
+  template <class RowF, class RowI, class Coords, class Residue, int kTileN>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(RowF lse_log2e_, RowF g_, RowI t_, Coords tCcD_, Residue residue_,
                                           Params const& params_, int m0_, int n0_)
@@ -87,6 +87,7 @@ struct GradTmaCallbacks {
     Residue residue;
     Params const& params;
     int m0, n0;  // the thread's first row and column in the chunk
+    bool warp_targets = true;  // whether a row of any lane of the warp has its target in this tile
 
     CUTLASS_DEVICE void begin() {
       using namespace cute;
@@ -105,6 +106,13 @@ struct GradTmaCallbacks {
         const int64_t rel = ok ? params.target[row] - params.class_start - n0 : int64_t(-1);
         t_flt(i) = (rel >= 0 && rel < int64_t(1) << 30) ? static_cast<int>(rel) : -1;
       }
+      // A tile holds few rows' targets (at most one row in V / tile width), so the per-element compare runs
+      // only where a lane of the warp has one here (a uniform branch): two of the ~11 instructions an element
+      // took otherwise (ncu at e45e006).
+      bool here = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(t_flt); ++i) here |= t_flt(i) >= 0 && t_flt(i) < kTileN;
+      warp_targets = __any_sync(0xffffffffu, here);
     }
 
     template <typename ElementAccumulator, int FragmentSize>
@@ -119,16 +127,34 @@ struct GradTmaCallbacks {
       const cutlass::Array<Element, FragmentSize> z =
           cutlass::NumericArrayConverter<Element, ElementAccumulator, FragmentSize>{}(acc);
       cutlass::Array<float, FragmentSize> out;
+      // Without label smoothing p - 0 is p (the same bits), so that subtraction is left out; likewise the
+      // target's compare where no lane of the warp holds a target (begin()). Uniform branches.
+      if (params.smooth == 0.f) {
+        if (warp_targets) elements<false, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+        else elements<false, false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+      } else {
+        if (warp_targets) elements<true, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+        else elements<true, false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+      }
+      return out;
+    }
+
+    template <bool kSmooth, bool kTarget, class Z, class Out, class L, class G, class T, class C>
+    CUTLASS_DEVICE void elements(Z const& z, Out& out, L const& lse_mn, G const& g_mn, T const& t_mn, C const& c_mn,
+                                 int epi_v) const {
+      using namespace cute;
+      constexpr int kSize = Out::kElements;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        const int idx = epi_v * FragmentSize + i;
+      for (int i = 0; i < kSize; ++i) {
+        const int idx = epi_v * kSize + i;
         const float p = exp_minus(static_cast<float>(z[i]), lse_mn(idx));
-        float d = p - params.smooth;
-        if (get<1>(c_mn(idx)) == t_mn(idx)) d = d - params.target_weight;
+        float d = kSmooth ? p - params.smooth : p;
+        if constexpr (kTarget) {
+          if (get<1>(c_mn(idx)) == t_mn(idx)) d = d - params.target_weight;
+        }
         const float gi = g_mn(idx);
         out[i] = gi == 0.f ? 0.f : gi * d;
       }
-      return out;
     }
   };
 
@@ -147,7 +173,8 @@ struct GradTmaCallbacks {
     // args.residue_tCcD is (M, N) minus the thread's first coordinate.
     const int m0 = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
     const int n0 = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
-    return ConsumerStoreCallbacks<decltype(lse_r), decltype(t_r), decltype(args.tCcD), decltype(args.residue_tCcD)>(
+    constexpr int kTileN = decltype(size<1>(args.tile_shape_mnk))::value;
+    return ConsumerStoreCallbacks<decltype(lse_r), decltype(t_r), decltype(args.tCcD), decltype(args.residue_tCcD), kTileN>(
         lse_r, g_r, t_r, args.tCcD, args.residue_tCcD, params, m0, n0);
   }
 };

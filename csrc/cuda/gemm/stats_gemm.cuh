@@ -52,6 +52,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
     if (params.mainloop_only) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
+    opaque_per_tile(thread_idx);
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
     const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
     int64_t target[kRows];
@@ -91,17 +92,20 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
     logits_in_place<Element, kFull, kCap, kBias>(acc, tCcD, N, params.bias, params.softcap, params.inv_softcap);
 
-    int t_off[kRows];
-    float m[kRows], sum[kRows], t_z[kRows], s[kRows];
+    // Each row's max over the quad's 128 columns first (two partial maxes per row, so the thread's rows
+    // give eight independent chains; fmaxf is exact in any order), shared by the quad's four lanes by two
+    // xor shuffles. Every exponent then subtracts the same max, so the quad's sums add with no rescale:
+    // no exp in the reduction (the per-lane (max, sum) merge took ~300 of the ~1400 instructions a warp
+    // spent per tile, ncu at e45e006).
+    // kSplit: two partial maxes and sums per row where the thread has fewer than four rows.
+    constexpr bool kSplit = kRows < 4;
+    float m[kRows], mb[kRows], sum[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      t_off[i] = target_offset<kTileN>(target[i], params.class_start, f.col0);
       m[i] = -INFINITY;
+      mb[i] = -INFINITY;
       sum[i] = 0.f;
-      t_z[i] = 0.f;
-      s[i] = 0.f;
     }
-    // The rows' max over this thread's in-range columns, their logit sums and target logits.
     CUTLASS_PRAGMA_UNROLL
     for (int ni = 0; ni < kMmaN; ++ni) {
       CUTLASS_PRAGMA_UNROLL
@@ -114,22 +118,31 @@ struct StatsEpilogue : EpilogueBase<Element> {
           for (int i = 0; i < kRows; ++i) {
             const float z = acc(make_coord(make_coord(c, i % 2, st), i / 2, ni));
             if constexpr (kSum) sum[i] += ok ? z : 0.f;
-            m[i] = ::fmaxf(m[i], ok ? z : -INFINITY);  // NaN-ignoring: a NaN reaches s through its exp below
+            // NaN-ignoring: a NaN reaches s through its exp below.
+            if (!kSplit || st % 2 == 0) m[i] = ::fmaxf(m[i], ok ? z : -INFINITY);
+            else mb[i] = ::fmaxf(mb[i], ok ? z : -INFINITY);
           }
         }
       }
     }
-    // The target logits (picked under a warp vote, fused_gemm.cuh).
-    bool mine[kRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) mine[i] = f.row[i] < M && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
-    pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z);
+    for (int i = 0; i < kRows; ++i) m[i] = ::fmaxf(m[i], mb[i]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off < 4; off *= 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) m[i] = ::fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], off));
+    }
     // One exp per element, as chunk_stats_'s fold_values (up to exp_minus's rounding and flushed terms). A
     // row whose max is -inf (all -inf or NaN) takes exp(z - 0): 0 for -inf, NaN for NaN, so a NaN still
-    // surfaces, as there.
+    // surfaces, as there. Two partial sums per row (independent chains), added at the end.
     float m0[kRows];  // log2(e) times the max each exponent subtracts
+    float s[kRows], sb[kRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) m0[i] = (m[i] == -INFINITY ? 0.f : m[i]) * kLog2e;
+    for (int i = 0; i < kRows; ++i) {
+      m0[i] = (m[i] == -INFINITY ? 0.f : m[i]) * kLog2e;
+      s[i] = 0.f;
+      sb[i] = 0.f;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int ni = 0; ni < kMmaN; ++ni) {
       CUTLASS_PRAGMA_UNROLL
@@ -140,25 +153,35 @@ struct StatsEpilogue : EpilogueBase<Element> {
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < kRows; ++i) {
             const float e = exp_minus(acc(make_coord(make_coord(c, i % 2, st), i / 2, ni)), m0[i]);
-            s[i] += ok ? e : 0.f;
+            if (!kSplit || st % 2 == 0) s[i] += ok ? e : 0.f;
+            else sb[i] += ok ? e : 0.f;
           }
         }
       }
     }
-    // The quad holding each row: xor shuffles give all four lanes the same (commutative) result.
+    // The quad's sums: xor shuffles give all four lanes the same bits (each add is commutative).
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) s[i] += sb[i];
     CUTLASS_PRAGMA_UNROLL
     for (int off = 1; off < 4; off *= 2) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m[i], off);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s[i], off);
+        s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
         if constexpr (kSum) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], off);
-        const float mm = ::fmaxf(m[i], m2);
-        s[i] = (m[i] == -INFINITY ? 0.f * s[i] : s[i] * __expf(m[i] - mm)) +
-               (m2 == -INFINITY ? 0.f * s2 : s2 * __expf(m2 - mm));
-        m[i] = mm;  // never NaN: fmaxf from -inf ignores NaN values
       }
     }
+    // The target logits last, so the targets' loads (issued first thing in operator()) have had the whole
+    // fold to arrive; picked under a warp vote (fused_gemm.cuh).
+    int t_off[kRows];
+    bool mine[kRows];
+    float t_z[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      t_off[i] = target_offset<kTileN>(target[i], params.class_start, f.col0);
+      mine[i] = f.row[i] < M && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+      t_z[i] = 0.f;
+    }
+    pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z);
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int64_t n_coord = static_cast<int64_t>(get<1>(blk_coord_mnkl));
     CUTLASS_PRAGMA_UNROLL
