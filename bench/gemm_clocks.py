@@ -48,11 +48,18 @@ def _variants(name: str):
         return set_
 
     stats = lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state)  # noqa: E731
+    # What the loop runs without label smoothing: no logit sums.
+    stats_plain = lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False)  # noqa: E731
     grad = lambda: ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z)  # noqa: E731
     return cols, 2.0 * n * shape.d * cols, [
         ("cuBLAS logits GEMM", env(), lambda: torch.mm(x, wc.t(), out=z)),
         ("mainloop only (pingpong)", env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
         ("fused statistics (pingpong)", env(HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
+        ("fused statistics, no logit sums (pingpong)", env(HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats_plain),
+        ("mainloop only (pingpong_cluster)",
+         env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"), stats),
+        ("fused statistics, no logit sums (pingpong_cluster)", env(HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"),
+         stats_plain),
         ("mainloop only (cooperative)", env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="cooperative"),
          stats),
         ("fused statistics (cooperative)", env(HUGEHEAD_GEMM_SCHEDULE="cooperative"), stats),
