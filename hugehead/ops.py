@@ -81,8 +81,9 @@ def gemm_chunk_stats_(
         with_logit_sum: False leaves ``logit_sum`` as it is (the loss without label smoothing never reads
             it; the GEMM then skips its sums, about a tenth of its epilogue's instructions).
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative`` (environment, read per call) picks
-        the CUTLASS schedule (default pingpong here, pingpong_cluster for :func:`gemm_chunk_grad_`: clusters
-        of two CTAs that share each weight tile through TMA multicast).
+        the CUTLASS schedule (default here: pingpong_cluster, clusters of two CTAs that share each weight
+        tile through TMA multicast, below a depth of 2048 and cooperative from it; pingpong_cluster for
+        :func:`gemm_chunk_grad_`).
 
     Raises:
         RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build

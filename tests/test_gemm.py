@@ -352,6 +352,37 @@ def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch,
 
 
 @requires_fused
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "cooperative"])
+def test_grad_tma_store_without_ignored_rows_writes_the_direct_stores_bits(tma_schedule, eps, monkeypatch):
+    """No ignored row, and a target in the chunk for one row in eight: most warps' tiles then hold no target
+    and no row with g == 0, and take the TMA epilogue's path without the per-element compare and select. The
+    same bits as the direct stores (which always compare), and the float64 gradient."""
+    n, c, d, class_start = 1024, 4096, 768, 128
+    x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=17)
+    num_classes = class_start + c + 100
+    g = torch.Generator().manual_seed(18)
+    target = torch.randint(class_start + c, num_classes, (n,), generator=g)  # beyond the chunk
+    target[::8] = torch.randint(class_start, class_start + c, (n,), generator=g)[::8]
+    lse = (torch.randn(n, generator=g) + 8.0).float()
+    grad_rows = (torch.rand(n, generator=g) + 0.5) / n  # no row ignored
+    xc, wc, tc, lc, gc = (t.cuda() for t in (x, w, target, lse, grad_rows))
+    outs = []
+    for store in ("tma", "direct"):
+        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", store)
+        monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", tma_schedule)
+        out = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
+        ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = _float64_grad(x, w, None, target, class_start, num_classes, lse, grad_rows, eps, 0.0, 0.0, None)
+    cublas = xc @ wc.t()
+    ops.chunk_grad_(cublas, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None)
+    err, err_cublas = rel_err(outs[0].cpu(), ref), rel_err(cublas.cpu(), ref)
+    assert err <= 2 * err_cublas + torch.finfo(torch.bfloat16).eps, f"rel err {err:.3g}, cuBLAS path {err_cublas:.3g}"
+
+
+@requires_fused
 def test_grad_tma_store_asked_where_it_does_not_apply_raises(monkeypatch):
     n, c, d = 64, 300, 64  # 300 columns: rows of 600 bytes, not whole 16 bytes
     x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=8))

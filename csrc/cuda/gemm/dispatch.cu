@@ -44,7 +44,7 @@ Schedule schedule_from_env(Schedule fallback) {
 }
 
 Schedule default_stats_schedule(int64_t depth) {
-  return depth >= kStatsCooperativeDepth ? Schedule::kCooperative : Schedule::kPingpong;
+  return depth >= kStatsCooperativeDepth ? Schedule::kCooperative : Schedule::kPingpongCluster;
 }
 
 bool mainloop_only_from_env() {

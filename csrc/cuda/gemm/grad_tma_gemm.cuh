@@ -88,6 +88,7 @@ struct GradTmaCallbacks {
     Params const& params;
     int m0, n0;  // the thread's first row and column in the chunk
     bool warp_targets = true;  // whether a row of any lane of the warp has its target in this tile
+    bool warp_zero_rows = true;  // whether a row of any lane of the warp has g == 0 (ignored, or beyond the problem)
 
     CUTLASS_DEVICE void begin() {
       using namespace cute;
@@ -109,10 +110,16 @@ struct GradTmaCallbacks {
       // A tile holds few rows' targets (at most one row in V / tile width), so the per-element compare runs
       // only where a lane of the warp has one here (a uniform branch): two of the ~11 instructions an element
       // took otherwise (ncu at e45e006).
-      bool here = false;
+      bool here = false, zero = false;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(t_flt); ++i) here |= t_flt(i) >= 0 && t_flt(i) < kTileN;
+      for (int i = 0; i < size(t_flt); ++i) {
+        here |= t_flt(i) >= 0 && t_flt(i) < kTileN;
+        zero |= g_flt(i) == 0.f;
+      }
       warp_targets = __any_sync(0xffffffffu, here);
+      // Likewise the exact zero of a row with g == 0 (whatever its logits): selected per element only in the
+      // warps that have such a row; elsewhere g * d is what the select would have kept.
+      warp_zero_rows = __any_sync(0xffffffffu, zero);
     }
 
     template <typename ElementAccumulator, int FragmentSize>
@@ -130,16 +137,17 @@ struct GradTmaCallbacks {
       // Without label smoothing p - 0 is p (the same bits), so that subtraction is left out; likewise the
       // target's compare where no lane of the warp holds a target (begin()). Uniform branches.
       if (params.smooth == 0.f) {
-        if (warp_targets) elements<false, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+        if (warp_targets || warp_zero_rows) elements<false, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
         else elements<false, false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
       } else {
-        if (warp_targets) elements<true, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+        if (warp_targets || warp_zero_rows) elements<true, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
         else elements<true, false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
       }
       return out;
     }
 
-    template <bool kSmooth, bool kTarget, class Z, class Out, class L, class G, class T, class C>
+    // kChecked: the target's compare and the exact zero of rows with g == 0 (both rare in a warp's tile).
+    template <bool kSmooth, bool kChecked, class Z, class Out, class L, class G, class T, class C>
     CUTLASS_DEVICE void elements(Z const& z, Out& out, L const& lse_mn, G const& g_mn, T const& t_mn, C const& c_mn,
                                  int epi_v) const {
       using namespace cute;
@@ -149,11 +157,13 @@ struct GradTmaCallbacks {
         const int idx = epi_v * kSize + i;
         const float p = exp_minus(static_cast<float>(z[i]), lse_mn(idx));
         float d = kSmooth ? p - params.smooth : p;
-        if constexpr (kTarget) {
-          if (get<1>(c_mn(idx)) == t_mn(idx)) d = d - params.target_weight;
-        }
         const float gi = g_mn(idx);
-        out[i] = gi == 0.f ? 0.f : gi * d;
+        if constexpr (kChecked) {
+          if (get<1>(c_mn(idx)) == t_mn(idx)) d = d - params.target_weight;
+          out[i] = gi == 0.f ? 0.f : gi * d;
+        } else {
+          out[i] = gi * d;
+        }
       }
     }
   };

@@ -59,18 +59,20 @@ struct GradGemmParams {
 };
 
 // HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative picks one (read per call, for A/B runs). The
-// defaults, measured on one H200 at 0ed8ee1 (bench/bench_gemm.py): for the statistics GEMM pingpong at
-// xc1M's depth (0.652 ms a chunk against 0.687 in clusters; default_stats_schedule for deeper ones),
-// pingpong_cluster for the gradient GEMM (0.746 against 0.782).
+// defaults: default_stats_schedule for the statistics GEMM; pingpong_cluster for the gradient GEMM (one H200
+// at 194b171, gemm_clocks' two-second soak at xc1M: 0.680 ms a chunk against 0.691 for pingpong).
 enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
 
 // The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
 // register epilogue has no cooperative instantiation and takes pingpong for it (its TMA store has one).
 Schedule schedule_from_env(Schedule fallback);
 
-// The statistics GEMM's default for a depth (K = D): pingpong below kStatsCooperativeDepth, cooperative from
-// it on, where the mainloop outweighs the epilogue. Measured on one H200 at 33bb83c (bench/bench_gemm.py, ms a
-// chunk): K = 768 (xc1M, 8192 x 32768) pingpong 0.631, cooperative 0.661; K = 4096 (llama3_4k, 4096 x 65536)
+// The statistics GEMM's default for a depth (K = D): pingpong_cluster below kStatsCooperativeDepth,
+// cooperative from it on, where the mainloop outweighs the epilogue. Measured on one H200, ms a chunk:
+// K = 768 (xc1M, 8192 x 32768) at fae39e7 (bench/bench_gemm.py, 10 calls) pingpong 0.617, pingpong_cluster
+// 0.580, cooperative 0.643; under gemm_clocks' two-second soak (194b171, power-capped) pingpong and
+// pingpong_cluster both 0.654-0.658 without logit sums, so the step is the same and a forward alone ~6%
+// faster in clusters (bench_lce xc1M forward 20.32 -> 19.18 ms). K = 4096 (llama3_4k, 4096 x 65536) at 33bb83c:
 // pingpong 3.459, pingpong_cluster 3.026, cooperative 2.927, against cuBLAS + chunk_stats_ 3.009.
 constexpr int64_t kStatsCooperativeDepth = 2048;
 Schedule default_stats_schedule(int64_t depth);
