@@ -18,9 +18,10 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 }
 __device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * kLog2e); }
 
-// exp(z - m) as exp_ftz, given m_log2e = m log2(e): one FFMA (z log2(e) - m log2(e)) and one MUFU.EX2. The
-// exponent rounds once instead of twice, to within an ulp of |z - m| log2(e) either way; -inf and NaN
-// logits give 0 and NaN as exp(z - m) does.
+// exp(z - m) as exp_ftz, given m_log2e = m log2(e): one FFMA (z log2(e) - m log2(e)) and one MUFU.EX2; -inf and
+// NaN logits give 0 and NaN as exp(z - m) does. The exponent carries m log2(e)'s rounding (up to ~4e-8 |m|):
+// exp(0) comes out as 1 + ~1e-7, far below 16-bit logits' resolution (the fused GEMMs, chunk_grad_'s 16-bit
+// path) but not below float32's, so float32 logits take exp2_ftz((z - m) log2(e)) (fold_values).
 __device__ __forceinline__ float exp_minus(float z, float m_log2e) { return exp2_ftz(::fmaf(z, kLog2e, -m_log2e)); }
 
 }  // namespace cuda
