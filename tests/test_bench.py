@@ -602,6 +602,46 @@ def test_lce_parts_script_runs_one_benchmark_in_two_parts(tmp_path):
     assert (tmp_path / "out2" / "results" / "lce.md").exists() and (tmp_path / "out2" / "results" / "lce.png").exists()
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bench/device_check.sh is a bash script")
+def test_device_check_sanitizer_step_finds_the_filter_and_runs_initcheck_unfiltered(tmp_path):
+    """device_check.sh's sanitizer step with a stand-in compute-sanitizer whose --help is long (the real one's
+    is ~30 KB: a `--help | grep -q` under pipefail lost the race with SIGPIPE and the kernel filter came and
+    went between calls): every call finds the filter, and initcheck runs without it (memory only an
+    unfiltered torch kernel wrote reads as uninitialized under a filter)."""
+    import os
+    import subprocess
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "calls.txt"
+    fake = bindir / "compute-sanitizer"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = --help ]; then for i in $(seq 1 4000); do echo "  --option-$i   what it does"; done;'
+        ' echo "  --kernel-name  filter"; for i in $(seq 1 4000); do echo "  --more-$i"; done; exit 0; fi\n'
+        'if [ "$1" = --version ]; then echo "fake sanitizer 1.0"; exit 0; fi\n'
+        f'echo "$*" >> {calls}\n'
+        'echo "========= ERROR SUMMARY: 0 errors"\n')
+    fake.chmod(0o755)
+    for attempt in range(3):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        env = dict(os.environ, OUT=str(out), STAGES="sanitizer", SANITIZER_TOOLS="memcheck initcheck",
+                   PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable)
+        env.pop("SANITIZER_FILTER", None)
+        proc = subprocess.run(["bash", str(harness.REPO_ROOT / "bench" / "device_check.sh")], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "filter: --kernel-name kns=hugehead" in (out / "sanitizer" / "version.txt").read_text()
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        if line.startswith("--tool memcheck"):
+            assert "--kernel-name kns=hugehead" in line
+        else:
+            assert line.startswith("--tool initcheck") and "--kernel-name" not in line
+
+
 def test_skip_items_carry_their_reason_into_the_row():
     from bench.bench_lce import _parse_skips, _skip_reason
 
