@@ -42,18 +42,27 @@ def _ms(fn, reps: int) -> float:
     return harness.measure(fn, torch.device("cuda"), reps=reps, warmup=2).ms
 
 
-def bench_shape(name: str, reps: int, cols=None) -> dict:
-    from hugehead import ops
+def planned_chunk(name: str, cols=None):
+    """A shape's bf16 inputs on the GPU and its first chunk as the loop plans it (``cols`` None: the planned
+    width): ``(shape, x, w, t, cols, wc, tc)``, with every row's target clamped into the chunk so the
+    target-logit path is exercised. Shared with bench/gemm_clocks.py."""
     from hugehead.loop import plan_chunks
 
     shape = find_shape(name)
     dev = torch.device("cuda")
     x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
+    cols = min(cols or plan_chunks(shape.n, shape.d, shape.v, BF16, dev).cols, shape.v)
+    return shape, x, w, t, cols, w[:cols], t.clamp(max=cols - 1)
+
+
+def bench_shape(name: str, reps: int, cols=None) -> dict:
+    from hugehead import ops
+    from hugehead.loop import plan_chunks
+
+    shape, x, w, t, cols, wc, tc = planned_chunk(name, cols)
+    dev = torch.device("cuda")
     n, d, v = shape.n, shape.d, shape.v
-    plan = plan_chunks(n, d, v, BF16, dev)
-    cols = min(cols or plan.cols, v)
-    wc = w[:cols]
-    tc = t.clamp(max=cols - 1)  # every row's target in this chunk: the target-logit path is exercised
+    plan = plan_chunks(n, d, v, BF16, dev)  # recorded in the row
     z = x.new_empty(n, cols)
     fresh = lambda: (torch.full((n,), -math.inf, device=dev), torch.zeros(n, device=dev),  # noqa: E731
                      torch.zeros(n, device=dev), torch.zeros(n, device=dev))
@@ -139,14 +148,10 @@ def ncu_one(name: str) -> None:
     """One planned chunk of the fused statistics GEMM (both schedules) and of the fused gradient GEMM between
     cudaProfilerStart/Stop, after a warm-up."""
     from hugehead import ops
-    from hugehead.loop import plan_chunks
 
-    shape = find_shape(name)
+    shape, x, w, t, cols, wc, tc = planned_chunk(name)
     dev = torch.device("cuda")
-    x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
     n, v = shape.n, shape.v
-    cols = min(plan_chunks(n, shape.d, v, BF16, dev).cols, v)
-    wc, tc = w[:cols], t.clamp(max=cols - 1)
     state = (torch.full((n,), -math.inf, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev),
              torch.zeros(n, device=dev))
     g = x.new_empty(n, cols)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bench import harness  # first: decides which hugehead is imported
-from bench.common import find_shape, make_inputs
+from bench.bench_gemm import planned_chunk
 
 import torch  # noqa: E402
 
@@ -25,14 +25,10 @@ BF16 = torch.bfloat16
 
 def _variants(name: str):
     from hugehead import ops
-    from hugehead.loop import plan_chunks
 
-    shape = find_shape(name)
+    shape, x, w, t, cols, wc, tc = planned_chunk(name)
     dev = torch.device("cuda")
-    x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
     n, v = shape.n, shape.v
-    cols = min(plan_chunks(n, shape.d, v, BF16, dev).cols, v)
-    wc, tc = w[:cols], t.clamp(max=cols - 1)
     z = x.new_empty(n, cols)
     state = (torch.full((n,), -math.inf, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev),
              torch.zeros(n, device=dev))

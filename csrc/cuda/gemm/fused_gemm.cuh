@@ -274,17 +274,21 @@ const char* launch(typename Device::Arguments const& args, void* workspace, cuda
   return nullptr;
 }
 
+// The mainloop every fused GEMM runs (x [rows, depth] and W [cols, depth], both K-major, float32
+// accumulators), with its stages carved out around the epilogue's shared memory.
+template <class Element, Schedule S, int kEpilogueSmemBytes>
+using FusedMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 16 / sizeof(Element),
+    Element, cutlass::layout::ColumnMajor, 16 / sizeof(Element), float, typename ScheduleConfig<S>::Tile,
+    typename ScheduleConfig<S>::Cluster, cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>,
+    typename ScheduleConfig<S>::Kernel>::CollectiveOp;
+
 template <class Element, Schedule S, class EpilogueOp>
 struct FusedGemm {
   using Config = ScheduleConfig<S>;
   static constexpr int kTileCols = cute::size<1>(typename Config::Tile{});
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp>;
-  static constexpr int kAlign = 16 / sizeof(Element);
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
-      cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, typename Config::Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Config::Kernel>::CollectiveOp;
+  using Mainloop = FusedMainloop<Element, S, static_cast<int>(sizeof(typename Epilogue::SharedStorage))>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
