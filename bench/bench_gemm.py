@@ -118,6 +118,7 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     timings["fused_stats_bias"] = _ms(lambda: ops.gemm_chunk_stats_(x, wc, bias, tc, 0, 0.0, *state), reps)
     timings["fused_grad_bias"] = _ms(
         lambda: ops.gemm_chunk_grad_(x, wc, bias, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z), reps)
+    row.update(_bench_dense(x, wc, z, reps, timings))  # z: the last gradient chunk written
     row["chunk_ms"] = timings
     row["chunk_tflops"] = {k: flops / ms / 1e9 for k, ms in timings.items()}
     row["step_ms"] = {k: ms * per_step for k, ms in timings.items()}
@@ -142,6 +143,56 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     del x, w, t, z
     torch.cuda.empty_cache()
     return row
+
+
+def _bench_dense(x, wc, g, reps: int, timings: dict) -> dict:
+    """The backward's dX (into float32) and dW (bf16) GEMMs on the gradient chunk ``g``: cuBLAS against ours
+    (both tile choices, ``HUGEHEAD_GEMM_DENSE``), timed into ``timings``; each one's relative error against
+    float64 products of the same bf16 operands."""
+    from hugehead import ops
+
+    n, d = x.shape
+    gx = torch.zeros(n, d, device=x.device)
+    dw = wc.new_empty(wc.shape)
+    part = x.new_empty(n, d)
+
+    def cublas_dx_partial():
+        torch.mm(g, wc, out=part)
+        gx.add_(part)
+
+    dense = {
+        "cublas_dx": lambda: torch.addmm(gx, g, wc, out_dtype=gx.dtype, out=gx),
+        "cublas_dx_partial": cublas_dx_partial,
+        "cublas_dw": lambda: torch.mm(g.t(), x, out=dw),
+    }
+    for key, fn in dense.items():
+        timings[key] = _ms(fn, reps)
+    for config in ("default", "alternate"):
+        if config == "alternate":
+            os.environ["HUGEHEAD_GEMM_DENSE"] = "alternate"
+        suffix = "" if config == "default" else "_alt"
+        timings["dense_dx" + suffix] = _ms(lambda: ops.gemm_dx_(gx, g, wc, True), reps)
+        timings["dense_dw" + suffix] = _ms(lambda: ops.gemm_dw_(dw, g, x, False), reps)
+    os.environ.pop("HUGEHEAD_GEMM_DENSE", None)
+    # Errors against float64 (one chunk: dX = g W_c written, not added; dW = gᵀ x).
+    ref_dx = g.double() @ wc.double()
+    ref_dw = g.double().t() @ x.double()
+    rel = lambda a, ref: float((a.double() - ref).norm() / ref.norm())  # noqa: E731
+    out = {}
+    torch.addmm(gx, g, wc, beta=0, out_dtype=gx.dtype, out=gx)
+    out["dx_rel_err_cublas"] = rel(gx, ref_dx)
+    ops.gemm_dx_(gx, g, wc, False)
+    out["dx_rel_err_dense"] = rel(gx, ref_dx)
+    torch.mm(g.t(), x, out=dw)
+    out["dw_rel_err_cublas"] = rel(dw, ref_dw)
+    ops.gemm_dw_(dw, g, x, False)
+    out["dw_rel_err_dense"] = rel(dw, ref_dw)
+    ops.gemm_dx_(gx, g, wc, False)
+    first = gx.clone()
+    ops.gemm_dx_(gx, g, wc, False)
+    out["dense_dx_repeat_bitwise"] = bool(torch.equal(first, gx))
+    del ref_dx, ref_dw
+    return out
 
 
 def ncu_one(name: str) -> None:
@@ -217,6 +268,20 @@ def render(doc: dict) -> str:
         lines.append(f"| {r['shape']} | {r['cols']} | "
                      + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES)
                      + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} | {cell2('fused_stats_nosum')} |")
+    dense = ("cublas_dx", "cublas_dx_partial", "dense_dx", "dense_dx_alt", "cublas_dw", "dense_dw", "dense_dw_alt")
+    lines += ["", "The backward's dense GEMMs on a gradient chunk (HUGEHEAD_GEMM_DENSE: ours on the default or the "
+              "alternate tiles, or cuBLAS): dX = g W_c into float32 (cuBLAS: addmm with out_dtype, or a bf16 "
+              "partial + add), dW = gᵀ x in bf16; relative errors against float64 products of the same operands:", "",
+              "| shape | C | cuBLAS dX | cuBLAS dX (bf16 partial + add) | dX ours | dX ours (alternate) | cuBLAS dW "
+              "| dW ours | dW ours (alternate) | dX rel err cuBLAS / ours | dW rel err cuBLAS / ours | dX repeat bitwise |",
+              "|---|--:|" + "--:|" * len(dense) + "--:|--:|---|"]
+    for r in doc["results"]:
+        c, tf = r["chunk_ms"], r["chunk_tflops"]
+        if "dense_dx" not in c:
+            continue
+        lines.append(f"| {r['shape']} | {r['cols']} | " + " | ".join(f"{c[k]:.3f} ({tf[k]:.0f})" for k in dense)
+                     + f" | {r['dx_rel_err_cublas']:.2g} / {r['dx_rel_err_dense']:.2g} | "
+                     f"{r['dw_rel_err_cublas']:.2g} / {r['dw_rel_err_dense']:.2g} | {r['dense_dx_repeat_bitwise']} |")
     return "\n".join(lines) + "\n" + harness.footer(m)
 
 

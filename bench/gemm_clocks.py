@@ -38,7 +38,8 @@ def _variants(name: str):
 
     def env(**kv):
         def set_():
-            for k in ("HUGEHEAD_GEMM_MAINLOOP_ONLY", "HUGEHEAD_GEMM_GRAD_STORE", "HUGEHEAD_GEMM_SCHEDULE"):
+            for k in ("HUGEHEAD_GEMM_MAINLOOP_ONLY", "HUGEHEAD_GEMM_GRAD_STORE", "HUGEHEAD_GEMM_SCHEDULE",
+                      "HUGEHEAD_GEMM_DENSE"):
                 os.environ.pop(k, None)
             os.environ.update(kv)
         return set_
@@ -47,7 +48,20 @@ def _variants(name: str):
     # What the loop runs without label smoothing: no logit sums.
     stats_plain = lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False)  # noqa: E731
     grad = lambda: ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z)  # noqa: E731
-    return cols, 2.0 * n * shape.d * cols, [
+    # The backward's dense GEMMs on the chunk z (as if it held dLoss/dlogits): dX into float32, dW in bf16.
+    gx = torch.zeros(n, shape.d, device=dev)
+    dw = wc.new_empty(wc.shape)
+    dx_ours = lambda: ops.gemm_dx_(gx, z, wc, True)  # noqa: E731
+    dw_ours = lambda: ops.gemm_dw_(dw, z, x, False)  # noqa: E731
+    dense = [
+        ("cuBLAS dX (addmm into float32)", env(), lambda: torch.addmm(gx, z, wc, out_dtype=gx.dtype, out=gx)),
+        ("dX, ours", env(), dx_ours),
+        ("dX, ours (alternate tiles)", env(HUGEHEAD_GEMM_DENSE="alternate"), dx_ours),
+        ("cuBLAS dW (mm, bf16 out)", env(), lambda: torch.mm(z.t(), x, out=dw)),
+        ("dW, ours", env(), dw_ours),
+        ("dW, ours (alternate tiles)", env(HUGEHEAD_GEMM_DENSE="alternate"), dw_ours),
+    ]
+    return cols, 2.0 * n * shape.d * cols, dense + [
         ("cuBLAS logits GEMM", env(), lambda: torch.mm(x, wc.t(), out=z)),
         ("mainloop only (pingpong)", env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
         ("fused statistics (pingpong)", env(HUGEHEAD_GEMM_SCHEDULE="pingpong"), stats),
@@ -102,8 +116,11 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="xc1M")
     p.add_argument("--seconds", type=float, default=2.5)
     p.add_argument("--out", default=None)
+    p.add_argument("--only", default=None, help="comma-separated substrings: soak only the variants whose label has one")
     a = p.parse_args(argv)
     cols, flops, variants = _variants(a.shape)
+    if a.only:
+        variants = [v for v in variants if any(k in v[0] for k in a.only.split(","))]
     results = []
     for label, set_env, fn in variants:
         set_env()

@@ -470,15 +470,38 @@ def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
     return lse, target_logit, logit_sum
 
 
+def _dense_applies(g: Tensor, b: Tensor, out: Tensor) -> bool:
+    """Whether a chunk's ``out (+)= g @ b`` (dX) or ``gᵀ @ b`` (dW) may take our GEMM
+    (:func:`ops.gemm_dx_` / :func:`ops.gemm_dw_`, :func:`ops.dense_gemm_enabled`): 16-bit ``g`` and ``b`` in
+    the TMA loads' layout, an ``out`` with 16-byte aligned rows. Not while torch.compile traces (data pointers)."""
+    return (b.dtype == g.dtype and b.shape[1] % 8 == 0 and b.shape[1] > 0
+            and not torch.compiler.is_compiling() and ops.dense_gemm_enabled(g.device, g.dtype)
+            and _tma_ready(g) and _tma_ready(b) and out.stride(1) == 1 and out.data_ptr() % 16 == 0
+            and (out.stride(0) * out.element_size()) % 16 == 0 and max(g.shape) < 2**31 - 1)
+
+
+def _mm_dw(out: Tensor, g: Tensor, x: Tensor, accumulate: bool = False) -> None:
+    """``out = gᵀ x`` (or ``+=``, float32 ``out`` only on our GEMM) for a chunk's dW: our GEMM where it applies."""
+    if _dense_applies(g, x, out) and (out.dtype == torch.float32 or (out.dtype == g.dtype and not accumulate)):
+        ops.gemm_dw_(out, g, x, accumulate)
+    elif accumulate:
+        out.addmm_(g.t().to(out.dtype), x.to(out.dtype))
+    else:
+        torch.mm(g.t(), x, out=out)
+
+
 def _add_dx(grad_x: Tensor, g: Tensor, weight: Tensor, dx_partial: Optional[Tensor]) -> None:
-    """``grad_x += g @ weight``. When ``grad_x`` is in the accumulation dtype and ``g`` is not, through a
-    partial in the compute dtype: each chunk's partial is rounded on its own (as a single GEMM's would
-    be), never a low-precision running sum."""
+    """``grad_x += g @ weight``. When ``grad_x`` is in the accumulation dtype and ``g`` is not: on CUDA one
+    GEMM that sums in float32 into ``grad_x`` itself (ours, :func:`_dense_applies`, else cuBLAS's addmm with
+    ``out_dtype``), elsewhere through a partial in the compute dtype, each chunk's partial rounded on its own
+    (as a single GEMM's would be): never a low-precision running sum."""
     if dx_partial is None:
         grad_x.addmm_(g, weight)
+    elif _dense_applies(g, weight, grad_x):
+        ops.gemm_dx_(grad_x, g, weight, True)
     elif g.is_cuda:
-        # cuBLAS accumulates into the float32 grad_x itself (torch >= 2.8 on CUDA: addmm's out_dtype): no
-        # rounded partial and no add pass (1.3 ms of adds at xc6M, 92 chunks). UNTESTED ON A GPU (session 6).
+        # cuBLAS accumulates into the float32 grad_x itself (addmm's out_dtype, CUDA only): no rounded partial
+        # and no add pass (H200, xc6M at b4df542: a step 230.3 -> 228.6 ms).
         torch.addmm(grad_x, g, weight, out_dtype=grad_x.dtype, out=grad_x)
     else:
         part = dx_partial[: g.shape[0]]
@@ -499,12 +522,12 @@ class _WeightGradWriter:
         c0, c1 = chunk.c0, chunk.c1
         out = self.source.grad_weight_out(c0, c1, self.x.dtype)
         if out is not None:
-            torch.mm(g.t(), self.x, out=out)
+            _mm_dw(out, g, self.x)
             self.source.put_grad(c0, c1, None, grad_bias)
             return
         if self.scratch is None:
             self.scratch = self.x.new_empty(self.cols, self.x.shape[1])
-        torch.mm(g.t(), self.x, out=self.scratch[: c1 - c0])
+        _mm_dw(self.scratch[: c1 - c0], g, self.x)
         self.source.put_grad(c0, c1, self.scratch[: c1 - c0], grad_bias)
 
 
@@ -600,10 +623,10 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
                 _add_dx(grad_x[r0:r1], g, chunk.weight, dx_partial)
             if need_weight:
                 if rows_split:
-                    if r0 == 0:
+                    if r0 == 0 and not _dense_applies(g, xr, dw_acc):
                         torch.mm(g.t().to(acc), xr.to(acc), out=dw_acc[: c1 - c0])
                     else:
-                        dw_acc[: c1 - c0].addmm_(g.t().to(acc), xr.to(acc))
+                        _mm_dw(dw_acc[: c1 - c0], g, xr, accumulate=r0 > 0)
                 if source.bias is not None:
                     part_b = g.sum(dim=0, dtype=acc)
                     db_chunk = part_b if db_chunk is None else db_chunk + part_b
@@ -761,10 +784,10 @@ def rows_steps(
                 dw = grad_w[chunk.c0:chunk.c1]
                 if dw_scratch is not None:
                     part = dw_scratch[: chunk.c1 - chunk.c0]
-                    torch.mm(g.t(), xr, out=part)
+                    _mm_dw(part, g, xr)
                     dw.copy_(part) if r0 == 0 else dw.add_(part)
                 elif r0 == 0:
-                    torch.mm(g.t(), xr, out=dw)
+                    _mm_dw(dw, g, xr)
                 else:
                     # In the weight's dtype: a 16-bit dW rounds once per block (plan_rows caps the blocks).
                     dw.addmm_(g.t(), xr)

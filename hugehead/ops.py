@@ -13,7 +13,7 @@ from torch import Tensor
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path", "scale_"]
+           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "gemm_dx_", "gemm_dw_", "dense_gemm_enabled", "has_fused_gemm", "gemm_path", "scale_"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -130,6 +130,37 @@ def gemm_chunk_grad_(
     )
 
 
+def gemm_dx_(out: Tensor, g: Tensor, weight: Tensor, accumulate: bool) -> None:
+    """``out (+)= g @ weight`` in our GEMM (the backward's dX of a chunk; where :func:`has_fused_gemm` is
+    True): one float32 sum over the chunk's classes per element, added to ``out`` (``accumulate``) or
+    written, as ``torch.addmm(out, g, weight, out_dtype=torch.float32, out=out)`` would.
+
+    Args:
+        out: ``[N, D]`` float32, unit column stride, 16-byte aligned rows; updated in place.
+        g: ``[N, C]`` bfloat16/float16 (the chunk's dLoss/dlogits); weight: ``[C, D]`` g's dtype. Both unit
+            column stride with 16-byte aligned base and rows (TMA); D a multiple of 8.
+
+    Raises:
+        RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build
+            without CUTLASS.
+    """
+    torch.ops.hugehead.gemm_dx_.default(out, g, weight, accumulate)
+
+
+def gemm_dw_(out: Tensor, g: Tensor, x: Tensor, accumulate: bool) -> None:
+    """``out (+)= g.T @ x`` in our GEMM (the backward's dW of a chunk), one float32 sum over the rows per
+    element rounded once to ``out``'s dtype.
+
+    Args:
+        out: ``[C, D]`` float32 (written, or added to with ``accumulate``) or g's dtype (written only).
+        g: ``[N, C]`` bfloat16/float16; x: ``[N, D]`` g's dtype; layouts as for :func:`gemm_dx_`.
+
+    Raises:
+        RuntimeError: as :func:`gemm_dx_`, and for ``accumulate`` into a 16-bit ``out``.
+    """
+    torch.ops.hugehead.gemm_dw_.default(out, g, x, accumulate)
+
+
 _FUSED_GEMM_DEVICES = {}
 
 
@@ -166,6 +197,16 @@ def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
     if wanted not in ("cutlass", "cutlass_forward") or not has_fused_gemm(torch.device(device), dtype):
         return "cublas"
     return wanted
+
+
+def dense_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the backward's dX and dW GEMMs of a chunk take ours (:func:`gemm_dx_` / :func:`gemm_dw_`)
+    instead of cuBLAS's: where :func:`gemm_path` says ``cutlass`` and the environment variable
+    ``HUGEHEAD_GEMM_DENSE`` (read at every call) is not ``cublas`` (``alternate``: our GEMMs on their other
+    tiles, for A/B runs)."""
+    import os
+
+    return os.environ.get("HUGEHEAD_GEMM_DENSE", "").lower() != "cublas" and gemm_path(device, dtype) == "cutlass"
 
 
 def chunk_grad_(
@@ -361,6 +402,20 @@ def _gemm_chunk_grad_fake(x, weight, bias, target, class_start, num_classes, lse
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(grad_logits.shape == (x.shape[0], weight.shape[0]), lambda: "grad_logits must be [N, C]")
+    return None
+
+
+@torch.library.register_fake("hugehead::gemm_dx_")
+def _gemm_dx_fake(out, g, weight, accumulate):
+    torch._check(g.dim() == 2 and weight.dim() == 2, lambda: "g and weight must be 2-D")
+    torch._check(out.shape == (g.shape[0], weight.shape[1]), lambda: "out must be [N, D]")
+    return None
+
+
+@torch.library.register_fake("hugehead::gemm_dw_")
+def _gemm_dw_fake(out, g, x, accumulate):
+    torch._check(g.dim() == 2 and x.dim() == 2, lambda: "g and x must be 2-D")
+    torch._check(out.shape == (g.shape[1], x.shape[1]), lambda: "out must be [C, D]")
     return None
 
 

@@ -657,3 +657,166 @@ def test_loop_fused_branches_with_emulated_ops(monkeypatch, budget):
     expected = (math.ceil(v / plan.cols) - kept) * blocks
     assert len(calls["stats"]) == expected, (plan, calls)
     assert len(calls["grad"]) == expected, (plan, calls)
+
+
+# -- the backward's dense GEMMs (gemm_dx_ / gemm_dw_) ------------------------------------------------------
+DENSE_SHAPES = [  # (rows, cols, depth): whole tiles, ragged edges on every dimension, one row, a narrow chunk
+    (4096, 8192, 768), (1000, 3000, 200), (1, 64, 8), (257, 8, 96), (300, 1000, 1032)]
+
+
+@pytest.fixture(params=["default", "alternate"])
+def dense_config(request, monkeypatch):
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", request.param)
+
+
+def _dense_operands(rows, cols, depth, dtype, seed, g_pad=0):
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(rows, cols + g_pad, generator=gen) / 100).to(dtype)[:, :cols]  # a padded row stride: g_pad
+    w = torch.randn(cols, depth, generator=gen).to(dtype)
+    x = torch.randn(rows, depth, generator=gen).to(dtype)
+    return g.cuda(), w.cuda(), x.cuda()
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols,depth", DENSE_SHAPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_dense_dx_matches_float64_and_cublas(dense_config, dtype, rows, cols, depth, accumulate):
+    g, w, _ = _dense_operands(rows, cols, depth, dtype, seed=rows + cols, g_pad=8 * (rows % 2))
+    start = torch.randn(rows, depth, device="cuda")
+    out = start.clone()
+    ops.gemm_dx_(out, g, w, accumulate)
+    ref = (start.double() if accumulate else 0) + g.double() @ w.double()
+    theirs = torch.addmm(start, g, w, beta=1 if accumulate else 0, out_dtype=torch.float32)
+    err, err_cublas = rel_err(out, ref), rel_err(theirs, ref)
+    assert err <= 2 * err_cublas + 1e-6, (err, err_cublas)
+    again = start.clone()
+    ops.gemm_dx_(again, g, w, accumulate)
+    assert torch.equal(again, out)  # bitwise repeatable
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols,depth", DENSE_SHAPES)
+@pytest.mark.parametrize("out_dtype,accumulate", [("same", False), (torch.float32, False), (torch.float32, True)])
+def test_dense_dw_matches_float64_and_cublas(dense_config, dtype, rows, cols, depth, out_dtype, accumulate):
+    g, _, x = _dense_operands(rows, cols, depth, dtype, seed=3 * rows + cols, g_pad=8 * (cols % 3 == 0))
+    out_dtype = dtype if out_dtype == "same" else out_dtype
+    start = torch.randn(cols, depth, device="cuda").to(out_dtype)
+    out = start.clone()
+    ops.gemm_dw_(out, g, x, accumulate)
+    ref = (start.double() if accumulate else 0) + g.double().t() @ x.double()
+    if out_dtype == torch.float32:
+        theirs = torch.addmm(start, g.t(), x, beta=1 if accumulate else 0, out_dtype=torch.float32)
+    else:
+        theirs = torch.mm(g.t(), x)
+    err, err_cublas = rel_err(out, ref), rel_err(theirs, ref)
+    assert err <= 2 * err_cublas + 1e-6, (err, err_cublas)
+    again = start.clone()
+    ops.gemm_dw_(again, g, x, accumulate)
+    assert torch.equal(again, out)
+
+
+@requires_fused
+def test_dense_bad_inputs_raise_and_leave_out_alone():
+    g, w, x = _dense_operands(64, 256, 128, torch.bfloat16, seed=5)
+    out = torch.randn(64, 128, device="cuda")
+    before = out.clone()
+    cases = [
+        (lambda: ops.gemm_dx_(out.bfloat16(), g, w, True), "float32 out"),
+        (lambda: ops.gemm_dx_(out, g, w.half(), True), "weight must be"),
+        (lambda: ops.gemm_dx_(out, g, w[:, :120].contiguous()[:, :100], True), "shapes do not match"),
+        (lambda: ops.gemm_dx_(out, g, w[:200], True), "shapes do not match"),
+        (lambda: ops.gemm_dx_(out, g[:, 1:], w[1:], True), "16-byte aligned"),
+        (lambda: ops.gemm_dx_(out.t().contiguous().t(), g, w, True), "unit column stride"),
+        (lambda: ops.gemm_dx_(out, g.float(), w.float(), True), "bfloat16 or float16"),
+        (lambda: ops.gemm_dw_(torch.empty(256, 128, device="cuda", dtype=torch.bfloat16), g, x, True),
+         "accumulates into a float32 out only"),
+        (lambda: ops.gemm_dw_(torch.empty(256, 128, device="cuda", dtype=torch.half), g, x, False), "float32 or g's"),
+        (lambda: ops.gemm_dw_(out, g, x, False), "shapes do not match"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+        assert torch.equal(out, before)
+    torch.library.opcheck(torch.ops.hugehead.gemm_dx_.default, (out, g, w, True))
+    torch.library.opcheck(torch.ops.hugehead.gemm_dw_.default, (torch.empty(256, 128, device="cuda"), g, x, False))
+    torch.cuda.synchronize()  # the context is still usable
+
+
+@requires_fused
+@pytest.mark.parametrize("opts", [dict(chunk_size=1024), dict(chunk_size=512, memory_budget=64 << 10)])
+def test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64(monkeypatch, opts):
+    """The whole loss with the backward's dX / dW on our GEMMs (the default) against them on cuBLAS
+    (HUGEHEAD_GEMM_DENSE=cublas) and float64; the second plan splits rows (dW accumulated in float32)."""
+    n, d, v = 1000, 768, 5000
+    x, w, b = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
+    x, w = x.cuda(), w.cuda()
+    target = _targets(n, v, 0, v, 17).cuda()
+    calls = _count_dense_calls(monkeypatch)
+    ours = _lce_grads(x, w, None, target, **opts)
+    assert calls["dx"] and calls["dw"], calls
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cublas")
+    calls["dx"].clear(), calls["dw"].clear()
+    theirs = _lce_grads(x, w, None, target, **opts)
+    assert not calls["dx"] and not calls["dw"]
+    ref = _lce_float64(x, w, None, target, **opts)
+    for a, t, r in zip(ours, theirs, ref):
+        assert rel_err(a, r) <= 2 * rel_err(t, r) + torch.finfo(torch.bfloat16).eps
+    monkeypatch.delenv("HUGEHEAD_GEMM_DENSE")
+    for a, r in zip(_lce_grads(x, w, None, target, **opts), ours):
+        assert torch.equal(a, r)
+
+
+def _count_dense_calls(monkeypatch):
+    calls = {"dx": [], "dw": []}
+    real_dx, real_dw = ops.gemm_dx_, ops.gemm_dw_
+    monkeypatch.setattr(ops, "gemm_dx_", lambda out, g, b, acc: calls["dx"].append(g.shape) or real_dx(out, g, b, acc))
+    monkeypatch.setattr(ops, "gemm_dw_", lambda out, g, b, acc: calls["dw"].append(g.shape) or real_dw(out, g, b, acc))
+    return calls
+
+
+@pytest.mark.parametrize("budget", ["default", "rows"])
+def test_loop_dense_branches_with_emulated_ops(monkeypatch, budget):
+    """The loop's dense-GEMM branches run on the CPU with gemm_dx_ / gemm_dw_ emulated by float32 sums of the
+    same bf16 products (what ours compute): every chunk's dX and dW takes them, and the loss's gradients
+    stay within 2x the plain path's error against float64."""
+    from hugehead import loop  # noqa: F401  (the branches under test)
+
+    n, d, v, cols = 37, 16, 300, 64
+    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=23)
+    target = _targets(n, v, 0, v, 23)
+    opts = dict(chunk_size=cols)
+    if budget == "rows":
+        opts["memory_budget"] = 8 * (cols * 2 + d * (2 + 4))
+    plan = plan_chunks(n, d, v, torch.bfloat16, x.device, opts["chunk_size"], opts.get("memory_budget"))
+    assert (budget == "rows") == (plan.rows < n)
+    plain = _lce_grads(x, w, None, target, **opts)
+
+    def dx(out, g, b, accumulate):
+        prod = g.float() @ b.float()
+        out.add_(prod) if accumulate else out.copy_(prod)
+
+    def dw(out, g, b, accumulate):
+        prod = g.float().t() @ b.float()
+        out.add_(prod) if accumulate else out.copy_(prod)
+
+    monkeypatch.setattr(ops, "dense_gemm_enabled", lambda device, dtype: True)
+    monkeypatch.setattr(ops, "gemm_dx_", dx)
+    monkeypatch.setattr(ops, "gemm_dw_", dw)
+    calls = _count_dense_calls(monkeypatch)
+    dense = _lce_grads(x, w, None, target, **opts)
+    # every (chunk, row block) pair but the last chunk's: 300 - 4 * 64 = 44 columns, a row stride TMA cannot take
+    pairs = (v // plan.cols) * math.ceil(n / plan.rows)
+    assert len(calls["dw"]) == pairs, (plan, calls)
+    assert len(calls["dx"]) == pairs, (plan, calls)
+    ref = _lce_float64(x, w, None, target, **opts)
+    for ours, theirs, r in zip(dense, plain, ref):
+        assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + torch.finfo(torch.bfloat16).eps
+
+
+def test_dense_gemm_enabled_rules(monkeypatch):
+    assert not ops.dense_gemm_enabled(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cublas")
+    if torch.cuda.is_available():
+        assert not ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)

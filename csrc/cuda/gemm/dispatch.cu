@@ -33,6 +33,18 @@ HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster_tma)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_cooperative_tma)
 HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_cooperative_tma)
 #undef HUGEHEAD_DECLARE_GRAD_GEMM
+#define HUGEHEAD_DECLARE_DENSE_GEMM(NAME)                     \
+  size_t NAME##_workspace(const DenseGemmParams& p);          \
+  const char* NAME##_run(const DenseGemmParams& p, void* workspace, cudaStream_t stream);
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dx_float)
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dx_float_alt)
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_fp16_dx_float)
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dw_store)
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dw_store_alt)
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_fp16_dw_store)
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dw_float)
+HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_fp16_dw_float)
+#undef HUGEHEAD_DECLARE_DENSE_GEMM
 
 Schedule schedule_from_env(Schedule fallback) {
   const char* v = std::getenv("HUGEHEAD_GEMM_SCHEDULE");
@@ -138,6 +150,39 @@ const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule,
   }
   return half ? grad_gemm_fp16_pingpong_run(p, workspace, stream)
               : grad_gemm_bf16_pingpong_run(p, workspace, stream);
+}
+
+DenseConfig dense_config_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_DENSE");
+  return v != nullptr && std::strcmp(v, "alternate") == 0 ? DenseConfig::kAlternate : DenseConfig::kDefault;
+}
+
+namespace {
+struct DenseLaunchers {
+  size_t (*workspace)(const DenseGemmParams&);
+  const char* (*run)(const DenseGemmParams&, void*, cudaStream_t);
+};
+#define HUGEHEAD_DENSE(NAME) DenseLaunchers{&NAME##_workspace, &NAME##_run}
+DenseLaunchers dense_launchers(const DenseGemmParams& p, bool half, DenseKind kind, DenseConfig config) {
+  const bool alt = config == DenseConfig::kAlternate && !half;
+  if (kind == DenseKind::kDx) {
+    if (half) return HUGEHEAD_DENSE(dense_gemm_fp16_dx_float);
+    return alt ? HUGEHEAD_DENSE(dense_gemm_bf16_dx_float_alt) : HUGEHEAD_DENSE(dense_gemm_bf16_dx_float);
+  }
+  if (p.out_float) return half ? HUGEHEAD_DENSE(dense_gemm_fp16_dw_float) : HUGEHEAD_DENSE(dense_gemm_bf16_dw_float);
+  if (half) return HUGEHEAD_DENSE(dense_gemm_fp16_dw_store);
+  return alt ? HUGEHEAD_DENSE(dense_gemm_bf16_dw_store_alt) : HUGEHEAD_DENSE(dense_gemm_bf16_dw_store);
+}
+#undef HUGEHEAD_DENSE
+}  // namespace
+
+size_t dense_gemm_workspace_bytes(const DenseGemmParams& p, bool half, DenseKind kind, DenseConfig config) {
+  return dense_launchers(p, half, kind, config).workspace(p);
+}
+
+const char* run_dense_gemm(const DenseGemmParams& p, bool half, DenseKind kind, DenseConfig config, void* workspace,
+                           cudaStream_t stream) {
+  return dense_launchers(p, half, kind, config).run(p, workspace, stream);
 }
 
 }  // namespace gemm

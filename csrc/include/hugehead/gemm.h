@@ -105,5 +105,32 @@ size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule sc
 const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
                           cudaStream_t stream);
 
+// The backward's dense GEMMs on a chunk's dLoss/dlogits g (dense_gemm.cuh), in place of cuBLAS's:
+//   kDx: out [rows, depth] float32 (+)= g [rows, cols] @ b [cols, depth]  (b: the weight chunk)
+//   kDw: out [cols, depth] (+)= g^T @ b [rows, depth]                     (b: x); out float32 or g's dtype
+// Every operand has unit column stride, a 16-byte aligned base and 16-byte aligned row strides.
+enum class DenseKind { kDx = 0, kDw = 1 };
+// HUGEHEAD_GEMM_DENSE=alternate (read per call, for A/B runs in bench/bench_gemm.py) picks the other tiles
+// (dense_gemm.cuh's DenseTiles; bf16 only, fp16 always takes the default).
+enum class DenseConfig { kDefault = 0, kAlternate = 1 };
+DenseConfig dense_config_from_env();
+struct DenseGemmParams {
+  const void* g;  // [rows, cols] bf16 / fp16, row stride g_stride
+  int64_t g_stride;
+  const void* b;  // kDx: [cols, depth]; kDw: [rows, depth]; g's dtype, row stride b_stride
+  int64_t b_stride;
+  void* out;      // kDx: [rows, depth] float32; kDw: [cols, depth] float32 or g's dtype; row stride out_stride
+  int64_t out_stride;
+  int64_t rows;
+  int64_t cols;
+  int64_t depth;
+  bool out_float;   // out is float32 (kDx: always)
+  bool accumulate;  // out += (float32 out only), else out =
+  int sm_count;
+};
+size_t dense_gemm_workspace_bytes(const DenseGemmParams& p, bool half, DenseKind kind, DenseConfig config);
+const char* run_dense_gemm(const DenseGemmParams& p, bool half, DenseKind kind, DenseConfig config, void* workspace,
+                           cudaStream_t stream);
+
 }  // namespace gemm
 }  // namespace hugehead
