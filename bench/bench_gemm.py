@@ -167,10 +167,9 @@ def _bench_dense(x, wc, g, reps: int, timings: dict) -> dict:
     }
     for key, fn in dense.items():
         timings[key] = _ms(fn, reps)
-    for config in ("default", "alternate"):
-        if config == "alternate":
-            os.environ["HUGEHEAD_GEMM_DENSE"] = "alternate"
-        suffix = "" if config == "default" else "_alt"
+    for config in ("cutlass", "alternate"):
+        os.environ["HUGEHEAD_GEMM_DENSE"] = config
+        suffix = "" if config == "cutlass" else "_alt"
         timings["dense_dx" + suffix] = _ms(lambda: ops.gemm_dx_(gx, g, wc, True), reps)
         timings["dense_dw" + suffix] = _ms(lambda: ops.gemm_dw_(dw, g, x, False), reps)
     os.environ.pop("HUGEHEAD_GEMM_DENSE", None)

@@ -664,7 +664,7 @@ DENSE_SHAPES = [  # (rows, cols, depth): whole tiles, ragged edges on every dime
     (4096, 8192, 768), (1000, 3000, 200), (1, 64, 8), (257, 8, 96), (300, 1000, 1032)]
 
 
-@pytest.fixture(params=["default", "alternate"])
+@pytest.fixture(params=["cutlass", "alternate"])
 def dense_config(request, monkeypatch):
     monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", request.param)
 
@@ -747,12 +747,13 @@ def test_dense_bad_inputs_raise_and_leave_out_alone():
 @requires_fused
 @pytest.mark.parametrize("opts", [dict(chunk_size=1024), dict(chunk_size=512, memory_budget=64 << 10)])
 def test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64(monkeypatch, opts):
-    """The whole loss with the backward's dX / dW on our GEMMs (the default) against them on cuBLAS
-    (HUGEHEAD_GEMM_DENSE=cublas) and float64; the second plan splits rows (dW accumulated in float32)."""
+    """The whole loss with the backward's dX / dW on our GEMMs (HUGEHEAD_GEMM_DENSE=cutlass) against them on
+    cuBLAS (the default) and float64; the second plan splits rows (dW accumulated in float32)."""
     n, d, v = 1000, 768, 5000
     x, w, b = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
     x, w = x.cuda(), w.cuda()
     target = _targets(n, v, 0, v, 17).cuda()
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cutlass")
     calls = _count_dense_calls(monkeypatch)
     ours = _lce_grads(x, w, None, target, **opts)
     assert calls["dx"] and calls["dw"], calls
@@ -763,7 +764,7 @@ def test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64(monkeypatch, opts
     ref = _lce_float64(x, w, None, target, **opts)
     for a, t, r in zip(ours, theirs, ref):
         assert rel_err(a, r) <= 2 * rel_err(t, r) + torch.finfo(torch.bfloat16).eps
-    monkeypatch.delenv("HUGEHEAD_GEMM_DENSE")
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cutlass")
     for a, r in zip(_lce_grads(x, w, None, target, **opts), ours):
         assert torch.equal(a, r)
 
@@ -816,7 +817,16 @@ def test_loop_dense_branches_with_emulated_ops(monkeypatch, budget):
 
 
 def test_dense_gemm_enabled_rules(monkeypatch):
-    assert not ops.dense_gemm_enabled(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cublas")
-    if torch.cuda.is_available():
-        assert not ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cutlass")
+    assert not ops.dense_gemm_enabled(torch.device("cpu"), torch.bfloat16)  # no CUTLASS on the CPU
+    for unset_or_cublas in (None, "cublas", "anything else"):
+        if unset_or_cublas is None:
+            monkeypatch.delenv("HUGEHEAD_GEMM_DENSE")
+        else:
+            monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", unset_or_cublas)
+        if torch.cuda.is_available():
+            assert not ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)
+    if HAS_FUSED:
+        for ours in ("cutlass", "alternate"):
+            monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", ours)
+            assert ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)

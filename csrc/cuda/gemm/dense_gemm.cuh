@@ -9,6 +9,9 @@
 // Why not cuBLAS: dX has few output tiles and a long K (xc6M: 4096 x 768 out of K = 65536, 96 tiles of
 // 128 x 256 for 132 SMs), and dX in float32 with beta = 1 (addmm out_dtype) is what the loop wants; here a
 // 128 x 192 tile gives 128 tiles, one wave, and C = D = grad_x in place. dW (K = rows) is an ordinary large GEMM.
+// Measured (one H200, 0f740e1): they tie cuBLAS, so the loop takes them only when asked
+// (HUGEHEAD_GEMM_DENSE=cutlass, ops.dense_gemm_enabled). Under a two-second soak at the ~690 W power cap every
+// GEMM of the step, ours or cuBLAS's, runs at 643-663 TFLOP/s (bench/results/h200/gemm_clocks_dense_0f740e1.md).
 #pragma once
 
 #include <cutlass/epilogue/collective/collective_builder.hpp>
