@@ -461,6 +461,57 @@ def gemm_grad_cases(device: torch.device) -> Iterator[Result]:
         yield f"gemm grad {label}", out.cpu(), expected * dcdz, TOLERANCE[torch.bfloat16]
 
 
+def _padded(device, full: torch.Tensor, pad: int):
+    """``(view, wide)``: ``full`` on ``device`` as the first columns of a wider buffer ``wide`` whose other
+    ``pad`` columns are canaries (1024, exact in every dtype), so a write beside a result can be seen."""
+    n, c = full.shape
+    wide = torch.full((n, c + pad), 1024.0, dtype=full.dtype)
+    wide[:, :c] = full
+    wide = wide.to(device)
+    return wide[:, :c], wide
+
+
+def _dense_cases(device: torch.device, op: str) -> Iterator[Result]:
+    """Our dX / dW GEMMs (CUDA builds with CUTLASS, sm_90 only; taken under HUGEHEAD_GEMM_DENSE=cutlass):
+    g a column slice of a wider buffer, ragged M / N / K, written and accumulated; each out checked with its
+    canary columns against float64 products of the same rounded operands."""
+    from hugehead import ops
+
+    if not ops.has_fused_gemm(device, torch.bfloat16):
+        return
+    # (label, rows, cols, depth, out dtype, accumulate, g's row padding, out's row padding)
+    for label, n, c, d, out_dtype, accumulate, g_pad, out_pad in [
+        ("written", 130, 300, 64, None, False, 8, 8),
+        ("accumulated, ragged", 257, 1000, 200, torch.float32, True, 16, 4),
+    ]:
+        gen = _gen(f"{op} {label}")
+        g = (torch.randn(n, c, generator=gen, dtype=torch.float64) / 100).to(torch.bfloat16)
+        if op == "gemm_dx_":
+            b = torch.randn(c, d, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+            out_dtype, ref = torch.float32, g.double() @ b.double()
+        else:
+            b = torch.randn(n, d, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+            out_dtype, ref = out_dtype or torch.bfloat16, g.double().t() @ b.double()
+        start = torch.randn(ref.shape, generator=gen, dtype=torch.float64).to(out_dtype)
+        g_dev, _ = _padded(device, g, g_pad)
+        out, wide = _padded(device, start, out_pad)
+        getattr(ops, op)(out, g_dev, b.to(device), accumulate)
+        tol = ACC_TOLERANCE[torch.float32] if out_dtype == torch.float32 else TOLERANCE[torch.bfloat16]
+        wide = wide.cpu()
+        yield f"{op} {label}", wide[:, :d], ref + (start.double() if accumulate else 0), tol
+        yield f"{op} {label}: canaries", wide[:, d:], torch.full((ref.shape[0], out_pad), 1024.0, dtype=torch.float64), 0.0
+
+
+@kernel_case("gemm_dx_")
+def gemm_dx_cases(device: torch.device) -> Iterator[Result]:
+    return _dense_cases(device, "gemm_dx_")
+
+
+@kernel_case("gemm_dw_")
+def gemm_dw_cases(device: torch.device) -> Iterator[Result]:
+    return _dense_cases(device, "gemm_dw_")
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if not torch.isfinite(a).all():
