@@ -481,7 +481,7 @@ def _dense_cases(device: torch.device, op: str) -> Iterator[Result]:
         return
     # (label, rows, cols, depth, out dtype, accumulate, g's row padding, out's row padding)
     for label, n, c, d, out_dtype, accumulate, g_pad, out_pad in [
-        ("written", 130, 300, 64, None, False, 12, 8),
+        ("written", 130, 304, 64, None, False, 8, 8),
         ("accumulated, ragged", 257, 1000, 200, torch.float32, True, 16, 4),
     ]:
         gen = _gen(f"{op} {label}")

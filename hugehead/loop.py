@@ -473,8 +473,9 @@ def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
 def _dense_applies(g: Tensor, b: Tensor, out: Tensor) -> bool:
     """Whether a chunk's ``out (+)= g @ b`` (dX) or ``gᵀ @ b`` (dW) may take our GEMM
     (:func:`ops.gemm_dx_` / :func:`ops.gemm_dw_`, :func:`ops.dense_gemm_enabled`): 16-bit ``g`` and ``b`` in
-    the TMA loads' layout, an ``out`` with 16-byte aligned rows. Not while torch.compile traces (data pointers)."""
-    return (b.dtype == g.dtype and b.shape[1] % 8 == 0 and b.shape[1] > 0
+    the TMA loads' layout (``g``'s width too: a multiple of 8, also for a kept chunk's strided view), an
+    ``out`` with 16-byte aligned rows. Not while torch.compile traces (data pointers)."""
+    return (b.dtype == g.dtype and b.shape[1] % 8 == 0 and b.shape[1] > 0 and g.shape[1] % 8 == 0
             and not torch.compiler.is_compiling() and ops.dense_gemm_enabled(g.device, g.dtype)
             and _tma_ready(g) and _tma_ready(b) and out.stride(1) == 1 and out.data_ptr() % 16 == 0
             and (out.stride(0) * out.element_size()) % 16 == 0 and max(g.shape) < 2**31 - 1)

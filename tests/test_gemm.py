@@ -730,6 +730,8 @@ def test_dense_bad_inputs_raise_and_leave_out_alone():
         (lambda: ops.gemm_dx_(out, g[:, 1:], w[1:], True), "16-byte aligned"),
         (lambda: ops.gemm_dx_(out.t().contiguous().t(), g, w, True), "unit column stride"),
         (lambda: ops.gemm_dx_(out, g.float(), w.float(), True), "bfloat16 or float16"),
+        (lambda: ops.gemm_dx_(out, g[:, :252], w[:252], True), "multiple of 8 columns"),
+        (lambda: ops.gemm_dw_(torch.empty(252, 128, device="cuda"), g[:, :252], x, False), "multiple of 8 columns"),
         (lambda: ops.gemm_dw_(torch.empty(256, 128, device="cuda", dtype=torch.bfloat16), g, x, True),
          "accumulates into a float32 out only"),
         (lambda: ops.gemm_dw_(torch.empty(256, 128, device="cuda", dtype=torch.half), g, x, False), "float32 or g's"),
@@ -814,6 +816,22 @@ def test_loop_dense_branches_with_emulated_ops(monkeypatch, budget):
     ref = _lce_float64(x, w, None, target, **opts)
     for ours, theirs, r in zip(dense, plain, ref):
         assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + torch.finfo(torch.bfloat16).eps
+
+
+def test_dense_applies_only_to_tma_layouts(monkeypatch):
+    """The loop asks our dense GEMMs only for chunks TMA can take: a kept chunk's strided view of a ragged
+    width (a row stride of whole 16 bytes, but not its width) goes to cuBLAS."""
+    from hugehead import loop
+
+    monkeypatch.setattr(ops, "dense_gemm_enabled", lambda device, dtype: True)
+    kept = torch.zeros(2, 16, 64, dtype=torch.bfloat16)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    out = torch.zeros(16, 32)
+    assert loop._dense_applies(kept[0], w, out)
+    assert not loop._dense_applies(kept[1, :, :60], w[:60], out)  # width 60
+    assert not loop._dense_applies(kept[0, :, 1:], w[1:], out)  # unaligned base
+    assert not loop._dense_applies(kept[0], w[:, :30], out[:, :30])  # 30 features
+    assert not loop._dense_applies(kept[0], w.half(), out)
 
 
 def test_dense_gemm_enabled_rules(monkeypatch):

@@ -35,6 +35,8 @@ void check_dense(const at::Tensor& out, const at::Tensor& g, const at::Tensor& b
               "hugehead: out must be 16-byte aligned with 16-byte aligned rows (TMA), got stride ", out.stride(0));
   TORCH_CHECK(b.size(1) > 0 && b.size(1) % 8 == 0, "hugehead: ", op,
               " needs a positive feature count divisible by 8, got ", b.size(1));
+  // The K extent of dX's K-major g and the M extent of dW's M-major g^T: TMA's contiguous extent, whole 16 bytes.
+  TORCH_CHECK(g.size(1) % 8 == 0, "hugehead: ", op, " needs g with a multiple of 8 columns (TMA), got ", g.size(1));
   TORCH_CHECK(g.size(0) < std::numeric_limits<int32_t>::max() && g.size(1) < std::numeric_limits<int32_t>::max(),
               "hugehead: too many rows or classes in one chunk for ", op);
 }
