@@ -9,42 +9,35 @@
 namespace hugehead {
 namespace gemm {
 
-#define HUGEHEAD_DECLARE_STATS_GEMM(NAME)                     \
-  size_t NAME##_workspace(const StatsGemmParams& p);          \
-  const char* NAME##_run(const StatsGemmParams& p, void* workspace, cudaStream_t stream);
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_pingpong)
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_cooperative)
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_pingpong)
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_cooperative)
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_bf16_pingpong_cluster)
-HUGEHEAD_DECLARE_STATS_GEMM(stats_gemm_fp16_pingpong_cluster)
-#undef HUGEHEAD_DECLARE_STATS_GEMM
-#define HUGEHEAD_DECLARE_GRAD_GEMM(NAME)                     \
-  size_t NAME##_workspace(const GradGemmParams& p);          \
-  const char* NAME##_run(const GradGemmParams& p, void* workspace, cudaStream_t stream);
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_cluster)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_tma)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_tma)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_pingpong_cluster_tma)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_pingpong_cluster_tma)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_bf16_cooperative_tma)
-HUGEHEAD_DECLARE_GRAD_GEMM(grad_gemm_fp16_cooperative_tma)
-#undef HUGEHEAD_DECLARE_GRAD_GEMM
-#define HUGEHEAD_DECLARE_DENSE_GEMM(NAME)                     \
-  size_t NAME##_workspace(const DenseGemmParams& p);          \
-  const char* NAME##_run(const DenseGemmParams& p, void* workspace, cudaStream_t stream);
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dx_float)
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dx_float_alt)
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_fp16_dx_float)
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dw_store)
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dw_store_alt)
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_fp16_dw_store)
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_bf16_dw_float)
-HUGEHEAD_DECLARE_DENSE_GEMM(dense_gemm_fp16_dw_float)
-#undef HUGEHEAD_DECLARE_DENSE_GEMM
+// The launchers of each instantiation (HUGEHEAD_FUSED_GEMM_INSTANCE in fused_gemm.cuh defines them).
+#define HUGEHEAD_DECLARE_GEMM(NAME, PARAMS)            \
+  size_t NAME##_workspace(const PARAMS& p);             \
+  const char* NAME##_run(const PARAMS& p, void* workspace, cudaStream_t stream);
+HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_cooperative, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_cooperative, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_cooperative_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_cooperative_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float_alt, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dx_float, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store_alt, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dw_store, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_float, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dw_float, DenseGemmParams)
+#undef HUGEHEAD_DECLARE_GEMM
 
 Schedule schedule_from_env(Schedule fallback) {
   const char* v = std::getenv("HUGEHEAD_GEMM_SCHEDULE");
