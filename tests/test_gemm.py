@@ -782,10 +782,8 @@ def _count_dense_calls(monkeypatch):
 @pytest.mark.parametrize("budget", ["default", "rows"])
 def test_loop_dense_branches_with_emulated_ops(monkeypatch, budget):
     """The loop's dense-GEMM branches run on the CPU with gemm_dx_ / gemm_dw_ emulated by float32 sums of the
-    same bf16 products (what ours compute): every chunk's dX and dW takes them, and the loss's gradients
-    stay within 2x the plain path's error against float64."""
-    from hugehead import loop  # noqa: F401  (the branches under test)
-
+    same bf16 products (what ours compute): every chunk's dX and dW takes them but the last, whose width TMA
+    cannot take, and the loss's gradients stay within 2x the plain path's error against float64."""
     n, d, v, cols = 37, 16, 300, 64
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=23)
     target = _targets(n, v, 0, v, 23)
