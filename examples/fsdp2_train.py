@@ -191,10 +191,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, dict]:
     results = {}
     for head in (["sharded", "gathered"] if args.head == "both" else [args.head]):
         results[head] = r = train(args, device, head)
-        print(f"rank {rank}: head {head}: step {r['step_ms']:.1f} ms (median of {args.steps}); loss "
-              f"{r['first']:.4f} -> {r['last']:.4f}; hugehead got a {r['head_weight_seen']}"
-              + (f"; peak {r['peak_gib']:.1f} GiB" if device.type == "cuda" else ""),
-              flush=True)
+        # One write with its newline: every rank prints to the same stream, and print()'s separate write of
+        # the end let another rank's line in before it (seen once under CI: "...rowsrank 1: head ...").
+        sys.stdout.write(f"rank {rank}: head {head}: step {r['step_ms']:.1f} ms (median of {args.steps}); loss "
+                         f"{r['first']:.4f} -> {r['last']:.4f}; hugehead got a {r['head_weight_seen']}"
+                         + (f"; peak {r['peak_gib']:.1f} GiB" if device.type == "cuda" else "") + "\n")
+        sys.stdout.flush()
     if rank == 0 and len(results) == 2:
         s, g = results["sharded"], results["gathered"]
         print(f"sharded head {s['step_ms']:.1f} ms vs gathered {g['step_ms']:.1f} ms per step "

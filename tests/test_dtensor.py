@@ -270,7 +270,8 @@ def test_fsdp2_example_trains_both_head_modes_and_resumes_in_another_world_size(
     ckpt = tmp_path / "ckpt"
     out = _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE),
                         "--backend", "gloo", "--steps", "12", "--accumulate", "2", "--ckpt", str(ckpt)], tmp_path)
-    line = r"rank 0: head (\w+): step [\d.]+ ms .*?; loss ([\d.]+ -> [\d.]+); hugehead got a (.*)"
+    # (what hugehead got, up to "local rows": the ranks share stdout, so a line is matched by its own words)
+    line = r"rank 0: head (\w+): step [\d.]+ ms .*?; loss ([\d.]+ -> [\d.]+); hugehead got a (\w+ with [\d,]+ local rows)"
     modes = {mode: (loss, seen) for mode, loss, seen in re.findall(line, out)}
     assert set(modes) == {"sharded", "gathered"}, out
     # The sharded mode hands hugehead rank 0's 1001 rows of the 2001-class head; the gathered one all of them.
