@@ -482,13 +482,16 @@ def _dense_applies(g: Tensor, b: Tensor, out: Tensor) -> bool:
 
 
 def _mm_dw(out: Tensor, g: Tensor, x: Tensor, accumulate: bool = False) -> None:
-    """``out = gᵀ x`` (or ``+=``, float32 ``out`` only on our GEMM) for a chunk's dW: our GEMM where it applies."""
+    """``out = gᵀ x`` (or ``+=``) for a chunk's dW: our GEMM where it applies (float32 ``out``, or ``g``'s dtype
+    written), else ATen's, with the products in ``out``'s dtype (a float32 sum of 16-bit ``g`` and ``x``)."""
     if _dense_applies(g, x, out) and (out.dtype == torch.float32 or (out.dtype == g.dtype and not accumulate)):
         ops.gemm_dw_(out, g, x, accumulate)
-    elif accumulate:
-        out.addmm_(g.t().to(out.dtype), x.to(out.dtype))
+        return
+    gt, xo = g.t().to(out.dtype), x.to(out.dtype)
+    if accumulate:
+        out.addmm_(gt, xo)
     else:
-        torch.mm(g.t(), x, out=out)
+        torch.mm(gt, xo, out=out)
 
 
 def _add_dx(grad_x: Tensor, g: Tensor, weight: Tensor, dx_partial: Optional[Tensor]) -> None:
@@ -624,10 +627,7 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
                 _add_dx(grad_x[r0:r1], g, chunk.weight, dx_partial)
             if need_weight:
                 if rows_split:
-                    if r0 == 0 and not _dense_applies(g, xr, dw_acc):
-                        torch.mm(g.t().to(acc), xr.to(acc), out=dw_acc[: c1 - c0])
-                    else:
-                        _mm_dw(dw_acc[: c1 - c0], g, xr, accumulate=r0 > 0)
+                    _mm_dw(dw_acc[: c1 - c0], g, xr, accumulate=r0 > 0)
                 if source.bias is not None:
                     part_b = g.sum(dim=0, dtype=acc)
                     db_chunk = part_b if db_chunk is None else db_chunk + part_b
@@ -791,7 +791,7 @@ def rows_steps(
                     _mm_dw(dw, g, xr)
                 else:
                     # In the weight's dtype: a 16-bit dW rounds once per block (plan_rows caps the blocks).
-                    dw.addmm_(g.t(), xr)
+                    _mm_dw(dw, g, xr, accumulate=True)
                 if grad_b is not None:
                     grad_b[chunk.c0:chunk.c1].add_(g.sum(dim=0, dtype=acc))
         if dx_acc is not None:
