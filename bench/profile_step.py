@@ -54,6 +54,106 @@ def build(shape: str, case: str):
 
 STEP_MARK = "profile_step.step"
 
+# The chunk loop's stages, from the op that launched each kernel: hugehead's own ops by name; cuBLAS's GEMMs
+# (aten::mm / addmm) by the hugehead function that called them (their Python stack), and where no such
+# function says it, by their shapes (a GEMM over the features is a logits GEMM, the others dX).
+OP_STAGES = {
+    "hugehead::gemm_chunk_stats_": "statistics GEMM (fused)",
+    "hugehead::gemm_chunk_grad_": "gradient GEMM (fused)",
+    "hugehead::gemm_dx_": "dX GEMM (ours)",
+    "hugehead::gemm_dw_": "dW GEMM (ours)",
+    "hugehead::chunk_stats_": "chunk_stats_ (kept logits)",
+    "hugehead::chunk_grad_": "chunk_grad_ (kept logits)",
+}
+MERGE_KERNEL = "merge_partials"
+FUNCTION_STAGES = {"_logits_into": "logits GEMM (cuBLAS)", "_add_dx": "dX GEMM (cuBLAS)", "_mm_dw": "dW GEMM (cuBLAS)"}
+GEMM_STAGE_WORDS = ("GEMM",)
+
+
+def _aten_gemm(op: str) -> bool:
+    return op in ("aten::mm", "aten::addmm", "aten::addmm_")
+
+
+def gemm_flops(op: str, shapes: Sequence[Sequence[int]]) -> float:
+    """2·M·N·K of one call of a GEMM op from its recorded input shapes (0 for other ops or missing shapes)."""
+    try:
+        if op in ("hugehead::gemm_chunk_stats_", "hugehead::gemm_chunk_grad_"):  # x [R, D], weight [C, D]
+            (r, d), (c, _) = shapes[0], shapes[1]
+            return 2.0 * r * d * c
+        if op in ("hugehead::gemm_dx_", "hugehead::gemm_dw_"):  # out, g [R, C], weight [C, D] / x [R, D]
+            (r, c), d = shapes[1], shapes[2][1]
+            return 2.0 * r * c * d
+        if _aten_gemm(op):
+            (m, k), (_, n) = (shapes[0], shapes[1]) if op == "aten::mm" else (shapes[1], shapes[2])
+            return 2.0 * m * k * n
+    except (IndexError, TypeError, ValueError):
+        pass
+    return 0.0
+
+
+def _hugehead_function(stack: Sequence[str]) -> str:
+    """The innermost function of hugehead's own code on a Python stack of ``file(line): function`` frames."""
+    for frame in stack or ():
+        path = frame.split("(")[0].replace("\\", "/")
+        if "/hugehead/" in path and "/bench/" not in path:
+            return frame.rsplit(": ", 1)[-1]
+    return ""
+
+
+def stage_of(op: str, shapes: Sequence[Sequence[int]], stack: Sequence[str], kernel: str, d: int) -> str:
+    """The loop stage a kernel belongs to (``op``: the op that launched it, ``d``: the features)."""
+    if op == "hugehead::gemm_chunk_stats_" and MERGE_KERNEL in kernel:
+        return "partials' merge"
+    if op in OP_STAGES:
+        return OP_STAGES[op]
+    if _aten_gemm(op):
+        fn = _hugehead_function(stack)
+        if fn in FUNCTION_STAGES:
+            return FUNCTION_STAGES[fn]
+        k = (shapes[0] if op == "aten::mm" else shapes[1])[1] if shapes else None
+        return "logits GEMM (cuBLAS)" if k == d else "dX GEMM (cuBLAS)"
+    if op.startswith("hugehead::"):
+        return op[len("hugehead::"):]
+    return "other"
+
+
+def stage_split(events, steps: int, d: int) -> dict:
+    """Per loop stage: ms, calls and TFLOP/s per step, from a profile's CPU ops (``record_shapes`` and
+    ``with_stack`` on) and the kernels each launched. A GEMM op's FLOPs count once per call, in the stage of
+    its GEMM kernel (not its merge's)."""
+    stages: dict = {}
+    for e in events:
+        kernels = getattr(e, "kernels", None)
+        if e.device_type != torch.autograd.DeviceType.CPU or not kernels:
+            continue
+        shapes, stack = getattr(e, "input_shapes", None) or [], getattr(e, "stack", None) or []
+        flops, counted = gemm_flops(e.name, shapes), False
+        for k in kernels:
+            name = stage_of(e.name, shapes, stack, k.name, d)
+            st = stages.setdefault(name, {"ms": 0.0, "calls": 0, "flops": 0.0})
+            st["ms"] += k.duration / 1e3 / steps
+            if not counted and name != "partials' merge":
+                st["calls"] += 1
+                st["flops"] += flops / steps
+                counted = True
+    for st in stages.values():
+        st["calls"] = st["calls"] / steps
+        st["tflops"] = st["flops"] / st["ms"] / 1e9 if st["flops"] and st["ms"] else None
+    return dict(sorted(stages.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def is_gemm_stage(name: str) -> bool:
+    return any(w in name for w in GEMM_STAGE_WORDS)
+
+
+def stage_lines(stages: dict, step_ms: float) -> List[str]:
+    """Markdown table of :func:`stage_split`'s result."""
+    lines = ["| stage | ms / step | calls / step | TFLOP/s | share of the step |", "|---|--:|--:|--:|--:|"]
+    for name, st in stages.items():
+        tf = f"{st['tflops']:.0f}" if st["tflops"] else "-"
+        lines.append(f"| {name} | {st['ms']:.2f} | {st['calls']:.0f} | {tf} | {100 * st['ms'] / step_ms:.1f}% |")
+    return lines
+
 
 def _is_kernel(e) -> bool:
     """A CUDA event of the trace that is GPU work (not the step's own annotation mirrored on the GPU row)."""
@@ -101,6 +201,20 @@ def _step_waits(prof, steps: int, top: int) -> List[str]:
     return lines
 
 
+def profile_steps(run, steps: int):
+    """torch.profiler over ``steps`` calls of ``run``, each from an idle GPU (as bench_lce times it) inside a
+    ``STEP_MARK`` range, with shapes and Python stacks for :func:`stage_split`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=True, with_stack=True) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function(STEP_MARK):
+                run()
+        torch.cuda.synchronize()
+    return prof
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="xc1M", choices=sorted(SHAPES))
@@ -111,13 +225,7 @@ def main(argv=None) -> int:
     opts = p.parse_args(argv)
     run = build(opts.shape, opts.case)
     step_ms = harness.measure(run, torch.device("cuda"), reps=5, warmup=2).ms
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(opts.steps):
-            torch.cuda.synchronize()  # each step from an idle GPU, as bench_lce times it
-            with torch.profiler.record_function(STEP_MARK):
-                run()
-        torch.cuda.synchronize()
+    prof = profile_steps(run, opts.steps)
     kernels = {}
     for e in prof.events():
         if _is_kernel(e):
@@ -132,6 +240,8 @@ def main(argv=None) -> int:
              f"gaps {step_ms - total:.2f} ms", "", "| kernel | ms / step | calls / step |", "|---|--:|--:|"]
     for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: opts.top]:
         lines.append(f"| `{name[:110]}` | {ms:.2f} | {calls / opts.steps:.0f} |")
+    lines += ["", "By stage of the chunk loop (the op that launched each kernel; TFLOP/s from its shapes):", ""]
+    lines += stage_lines(stage_split(prof.events(), opts.steps, SHAPES[opts.shape].d), step_ms)
     lines += _step_waits(prof, opts.steps, top=5)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -1,19 +1,15 @@
-"""Where hugehead's forward+backward time goes on one GPU: each stage of the chunk loop timed on its own
-(CUDA events, median) at the plan ``linear_cross_entropy`` chooses, beside the whole step with the
-side-stream overlap on and off, and the step with ``memory_budget=256 MiB``. The GEMM stages' sum is what
-the loop costs at cuBLAS's own speed with no memory-bound work at all: the floor of this loop's design.
+"""Where hugehead's forward+backward time goes on one GPU: the real step (``linear_cross_entropy`` forward
++ backward at the plan it chooses) under torch.profiler, its kernels summed by stage of the chunk loop with
+each GEMM stage's achieved TFLOP/s (from the shapes of the ops that launched them: the fused statistics and
+gradient GEMMs, cuBLAS's or our dX / dW, the kept chunks' logits GEMMs and memory-bound passes, the
+partials' merges), beside the step with the side-stream overlap on and off and with ``memory_budget=256 MiB``.
 
     python -m bench.split_lce [--shapes llama3_4k,xc6M] [--out DIR] [--widths 16384,32768,65536]
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
-        python -m bench.split_lce --ncu xc6M      # one chunk of every stage, for Nsight Compute
+        python -m bench.split_lce --ncu xc6M      # one chunk of every cuBLAS-path stage, for Nsight Compute
+    (one fused chunk of each kind for Nsight Compute: ``python -m bench.bench_gemm --ncu xc6M``)
 
-Stages (per chunk of ``cols`` classes; counts from the plan):
-  logits GEMM  ``Z = X W_cᵀ`` (forward: every chunk; backward: the chunks not kept, recomputed)
-  stats        ``chunk_stats_`` (forward, every chunk)
-  grad         ``chunk_grad_`` (backward, every chunk, in place)
-  dX GEMM      ``G W_c`` (into a bf16 partial added to a float32 sum; one GEMM into x's dtype when the plan
-               keeps all logits as one chunk)
-  dW GEMM      ``Gᵀ X`` (backward, every chunk)
+``--widths``: a sweep of cuBLAS's three GEMMs of one chunk at each width (the streamed loop's cost per class).
 """
 from __future__ import annotations
 
@@ -25,13 +21,14 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 from bench import harness  # first: decides which hugehead is imported
+from bench import profile_step
 from bench.common import SHAPES, find_shape, make_inputs
 
 import torch  # noqa: E402
 
 BF16 = torch.bfloat16
 PEAK_TFLOPS = 790.0  # DESIGN.md: the bf16 dense GEMM ceiling measured on this H200
-TARGETS_MS = {"llama3_4k": 17.0, "llama3": 36.0, "gemma2": 40.0, "xc1M": 60.0, "xc6M": 200.0, "xc6M_16k": 780.0}
+TARGETS_MS = {"xc1M": 70.0, "xc6M": 215.0, "xc6M_16k": 900.0}  # issue 21 (default budget, exact gradients)
 
 
 def _events_ms(fn: Callable[[], object], reps: int, warmup: int = 1, before: Callable[[], object] = None) -> float:
@@ -119,13 +116,27 @@ def _step_ms(x, w, t, reps: int, **kwargs) -> Dict[str, float]:
     return {"ms": timing.ms, "peak_extra_gib": max(0, timing.peak_extra_bytes - grads) / 2**30}
 
 
+PROFILED_STEPS = 3
+
+
+def _profiled_step(x, w, t):
+    import hugehead
+
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+    def run():
+        loss = hugehead.linear_cross_entropy(xg, wg, t)
+        return torch.autograd.grad(loss, (xg, wg))
+    return run
+
+
 def split_shape(shape, reps: int, widths: List[int]) -> dict:
-    from hugehead.loop import plan_chunks
+    from hugehead.plan import plan_loss
 
     dev = torch.device("cuda")
     x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
     n, d, v = shape.n, shape.d, shape.v
-    plan = plan_chunks(n, d, v, BF16, dev, direct_dx=True)
+    plan = plan_loss(n, d, v, BF16, dev, allow_rows=True, direct_dx=True)  # the plan the step below takes
     out = {"shape": shape.name, "n": n, "d": d, "v": v, "plan": dict(vars(plan)),
            "target_ms": TARGETS_MS.get(shape.name),
            "floor_6ndv_ms": 6.0 * n * d * v / PEAK_TFLOPS / 1e9, "floor_8ndv_ms": 8.0 * n * d * v / PEAK_TFLOPS / 1e9}
@@ -137,54 +148,24 @@ def split_shape(shape, reps: int, widths: List[int]) -> dict:
     out["step_no_overlap"] = _step_ms(x, w, t, reps)
     os.environ.pop("HUGEHEAD_OVERLAP", None)
     out["step_256mib"] = _step_ms(x, w, t, reps, memory_budget=256 << 20)
-    out["plan_256mib"] = dict(vars(plan_chunks(n, d, v, BF16, dev, memory_budget=256 << 20, direct_dx=True)))
+    out["plan_256mib"] = dict(vars(plan_loss(n, d, v, BF16, dev, memory_budget=256 << 20, allow_rows=True,
+                                             direct_dx=True)))
     torch.cuda.empty_cache()
 
-    # Each stage on its own.
-    cols = plan.cols
-    n_chunks = -(-v // cols)
-    kept = plan.kept_chunks if plan.keep_logits else 0
-    direct = plan.keep_logits and plan.kept_chunks == 1 and cols == v
-    widths_used = {cols: v // cols}
-    if v % cols:
-        widths_used[v % cols] = 1
-    per_width = {}
-    for width in widths_used:
-        s = Stages(x, w, t, width, direct)
-        per_width[width] = {
-            "logits": _events_ms(s.logits, reps), "stats": _events_ms(s.stats_, reps),
-            "grad": _events_ms(s.grad, reps, before=s.restore), "dx": _events_ms(s.dx, reps),
-            "dw": _events_ms(s.dw_, reps),
-        }
-        del s
-        torch.cuda.empty_cache()
-    # Chunks in order: the first `kept` are not recomputed in the backward.
-    widths_in_order = [cols] * (v // cols) + ([v % cols] if v % cols else [])
-    stages = {"fwd_logits_gemm": 0.0, "fwd_stats": 0.0, "bwd_recompute_gemm": 0.0, "bwd_grad": 0.0,
-              "bwd_dx_gemm": 0.0, "bwd_dw_gemm": 0.0}
-    flops = dict.fromkeys(stages, 0.0)
-    for j, width in enumerate(widths_in_order):
-        p = per_width[width]
-        f = 2.0 * n * d * width
-        stages["fwd_logits_gemm"] += p["logits"]
-        flops["fwd_logits_gemm"] += f
-        stages["fwd_stats"] += p["stats"]
-        if j >= kept:
-            stages["bwd_recompute_gemm"] += p["logits"]
-            flops["bwd_recompute_gemm"] += f
-        stages["bwd_grad"] += p["grad"]
-        stages["bwd_dx_gemm"] += p["dx"]
-        flops["bwd_dx_gemm"] += f
-        stages["bwd_dw_gemm"] += p["dw"]
-        flops["bwd_dw_gemm"] += f
-    out["chunks"] = n_chunks
-    out["per_chunk_ms"] = {str(k): v_ for k, v_ in per_width.items()}
-    out["stages_ms"] = stages
-    out["stage_tflops"] = {k: (flops[k] / stages[k] / 1e9 if flops[k] and stages[k] else None) for k in stages}
-    gemm = sum(v_ for k, v_ in stages.items() if k.endswith("gemm"))
-    mem = sum(v_ for k, v_ in stages.items() if not k.endswith("gemm"))
-    out["gemm_sum_ms"], out["memory_bound_sum_ms"], out["serial_sum_ms"] = gemm, mem, gemm + mem
-    out["gemm_tflops"] = sum(flops.values()) / gemm / 1e9
+    # The real step's kernels by stage (profile_step's attribution).
+    run = _profiled_step(x, w, t)
+    step_ms = out["step"]["ms"]
+    prof = profile_step.profile_steps(run, PROFILED_STEPS)
+    stages = profile_step.stage_split(prof.events(), PROFILED_STEPS, d)
+    out["stages"] = stages
+    gemm = {k: v_ for k, v_ in stages.items() if profile_step.is_gemm_stage(k)}
+    out["gemm_sum_ms"] = sum(v_["ms"] for v_ in gemm.values())
+    out["gemm_tflops"] = (sum(v_["flops"] for v_ in gemm.values()) / out["gemm_sum_ms"] / 1e9
+                          if out["gemm_sum_ms"] else None)
+    out["other_sum_ms"] = sum(v_["ms"] for k, v_ in stages.items() if k not in gemm)
+    out["gaps_ms"] = step_ms - out["gemm_sum_ms"] - out["other_sum_ms"]
+    del prof, run
+    torch.cuda.empty_cache()
 
     # Chunk widths for the streamed loop: GEMM cost per class at each width.
     sweep = {}
@@ -221,51 +202,51 @@ def square_gemm_tflops(reps: int) -> float:
     return 2.0 * 8192**3 / ms / 1e9
 
 
+def _plan_text(p: dict, v: int) -> str:
+    if p.get("grad_in_forward"):
+        return f"rows={p['rows']}, cols={p['cols']} (rows plan)"
+    if p["keep_logits"] and p["cols"] == v:
+        return "keep all"
+    return f"cols={p['cols']}, kept {p['kept_chunks'] if p['keep_logits'] else 0}" + (", overlap" if p["overlap"] else "")
+
+
 def render(doc: dict) -> str:
     m = doc["meta"]
     lines = [harness.header(f"Timing splits of hugehead's chunk loop: {m['machine']} (bfloat16, forward + backward)",
                             m),
              f"8192³ bf16 GEMM on this GPU now: {m['square_gemm_tflops']:.0f} TFLOP/s.", "",
-             "Each stage timed alone over real data (CUDA events, median), summed over the plan's chunks; "
-             "step = `linear_cross_entropy` forward + backward (median), with the side-stream overlap on "
-             "(default) and off. The GEMM sum is this loop at cuBLAS's speed with no memory-bound work.", "",
-             "| shape | plan | step ms | no overlap | fwd GEMM | stats | recompute GEMM | grad | dX GEMM | dW GEMM "
-             "| GEMM sum | memory-bound sum | target | 6·NDV / 8·NDV at 790 |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+             "step = `linear_cross_entropy` forward + backward (CUDA events, median), with the side-stream overlap "
+             "on (default) and off. Stages: the same step under torch.profiler "
+             f"({PROFILED_STEPS} steps), each kernel counted in the stage of the op that launched it; TFLOP/s "
+             "from that op's shapes. gaps = step − every kernel's time.", "",
+             "| shape | plan | step ms | no overlap | GEMMs ms (TFLOP/s) | other kernels ms | gaps ms | target | "
+             "6·NDV / 8·NDV at 790 |",
+             "|---|---|--:|--:|--:|--:|--:|--:|---|"]
     for r in doc["results"]:
-        s, p = r["stages_ms"], r["plan"]
-        if p["keep_logits"] and p["cols"] == r["v"]:
-            plan = "keep all"
-        else:
-            plan = f"cols={p['cols']}, kept {p['kept_chunks'] if p['keep_logits'] else 0}/{r['chunks']}"
-        plan += ", overlap" if p["overlap"] else ""
-        tf = r["stage_tflops"]
-
-        def cell(k):
-            return f"{s[k]:.2f}" + (f" ({tf[k]:.0f})" if tf.get(k) else "")
-
         lines.append(
-            f"| {r['shape']} | {plan} | {r['step']['ms']:.2f} | {r['step_no_overlap']['ms']:.2f} | "
-            + " | ".join(cell(k) for k in s)
-            + f" | {r['gemm_sum_ms']:.2f} ({r['gemm_tflops']:.0f}) | {r['memory_bound_sum_ms']:.2f} | "
+            f"| {r['shape']} | {_plan_text(r['plan'], r['v'])} | {r['step']['ms']:.2f} | {r['step_no_overlap']['ms']:.2f} | "
+            f"{r['gemm_sum_ms']:.2f} ({r['gemm_tflops'] or 0:.0f}) | {r['other_sum_ms']:.2f} | {r['gaps_ms']:.2f} | "
             f"{r['target_ms'] if r['target_ms'] else '-'} | {r['floor_6ndv_ms']:.1f} / {r['floor_8ndv_ms']:.1f} |")
-    lines += ["", "GEMM cells: ms (TFLOP/s).", "",
-              "## `memory_budget=256 MiB` against the default", "",
+    for r in doc["results"]:
+        lines += ["", f"### {r['shape']} ({r['n']}×{r['d']}×{r['v']}): step {r['step']['ms']:.2f} ms", ""]
+        lines += profile_step.stage_lines(r["stages"], r["step"]["ms"])
+    lines += ["", "## `memory_budget=256 MiB` against the default", "",
               "| shape | default ms | peak extra GiB | 256 MiB ms | peak extra GiB | ratio | 256 MiB plan |",
               "|---|--:|--:|--:|--:|--:|---|"]
     for r in doc["results"]:
         a, b = r["step"], r["step_256mib"]
         p = r["plan_256mib"]
         lines.append(f"| {r['shape']} | {a['ms']:.2f} | {a['peak_extra_gib']:.2f} | {b['ms']:.2f} | "
-                     f"{b['peak_extra_gib']:.3f} | {b['ms'] / a['ms']:.2f}× | rows={p['rows']}, cols={p['cols']}, "
-                     f"kept={p['kept_chunks'] if p['keep_logits'] else 0}, overlap={p['overlap']} |")
+                     f"{b['peak_extra_gib']:.3f} | {b['ms'] / a['ms']:.2f}× | {_plan_text(p, r['v'])} |")
+    if not any(r.get("width_sweep") for r in doc["results"]):
+        return "\n".join(lines) + "\n" + harness.footer(m)
     lines += ["", "## Streamed-loop GEMMs per chunk width (ms per chunk, TFLOP/s; per step = 2 logits + dX + dW "
               "GEMMs over all V; cuBLASLt: the same GEMMs with `preferred_blas_library('cublaslt')`; dX ∥ dW: dX on a "
               "second stream beside dW)", "",
               "| shape | width | logits GEMM | dX GEMM | dW GEMM | GEMMs per step ms | cuBLASLt logits / dX / dW "
               "| dX + dW | dX ∥ dW |", "|---|--:|--:|--:|--:|--:|---|--:|--:|"]
     for r in doc["results"]:
-        for width, q in r["width_sweep"].items():
+        for width, q in r.get("width_sweep", {}).items():
             lines.append(f"| {r['shape']} | {width} | {q['logits']:.3f} ({q['logits_tflops']:.0f}) | "
                          f"{q['dx']:.3f} ({q['dx_tflops']:.0f}) | {q['dw']:.3f} ({q['dw_tflops']:.0f}) | "
                          f"{q['streamed_gemms_ms_per_step']:.1f} | "
@@ -300,7 +281,8 @@ def ncu_one(shape_name: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--widths", default="16384,32768,65536", help="chunk widths for the streamed-GEMM sweep")
+    p.add_argument("--widths", default="", help="chunk widths for a sweep of cuBLAS's GEMMs of one chunk (e.g. "
+                   "16384,32768,65536; none by default)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None, help="folder for split.json / split.md")
     p.add_argument("--ncu", metavar="SHAPE", help="run one chunk of each stage for Nsight Compute and exit")
@@ -320,8 +302,8 @@ def main(argv=None) -> int:
         r["wall_s"] = round(time.perf_counter() - t0, 1)
         results.append(r)
         print(f"{name:<9} step {r['step']['ms']:.2f} ms (no overlap {r['step_no_overlap']['ms']:.2f}, 256 MiB "
-              f"{r['step_256mib']['ms']:.2f}); GEMM sum {r['gemm_sum_ms']:.2f}, memory-bound sum "
-              f"{r['memory_bound_sum_ms']:.2f}; {r['wall_s']} s", flush=True)
+              f"{r['step_256mib']['ms']:.2f}); GEMMs {r['gemm_sum_ms']:.2f}, other kernels "
+              f"{r['other_sum_ms']:.2f}, gaps {r['gaps_ms']:.2f}; {r['wall_s']} s", flush=True)
         doc = {"meta": meta, "results": results}
         if opts.out:
             harness.write_report(Path(opts.out), "split", doc, render)

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 #include "hugehead/common.h"
 #include "hugehead/cuda_utils.cuh"
@@ -24,23 +25,26 @@ namespace {
 constexpr int kMergeThreads = 256;
 constexpr int kRowsPerBlock = kMergeThreads / cuda::kWarp;
 
-// One warp per row: lanes fold tiles lane, lane + 32, ... then a fixed shuffle tree: deterministic.
+// One warp per row: lanes fold tiles lane, lane + 32, ... then a fixed shuffle tree: deterministic. kSum:
+// partials of (max, sum, logit sum, unused) folding logit_sum too; else (max, sum) partials of 8 bytes.
+template <bool kSum>
 __global__ void __launch_bounds__(kMergeThreads)
-    merge_partials_kernel(const float4* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
+    merge_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
                           float* row_sumexp, float* logit_sum) {
+  using Part = std::conditional_t<kSum, float4, float2>;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / cuda::kWarp;
   const int lane = threadIdx.x % cuda::kWarp;
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
   float m = neg_inf<float>(), s = 0.f, sum = 0.f;
   for (int64_t j = lane; j < tiles; j += cuda::kWarp) {
-    const float4 part = partials[row * tiles + j];
+    const Part part = reinterpret_cast<const Part*>(partials)[row * tiles + j];
     lse_merge(m, s, part.x, part.y);
-    sum += part.z;
+    if constexpr (kSum) sum += part.z;
   }
   cuda::warp_reduce_lse(m, s, sum);
   if (lane == 0) {
     lse_merge(row_max[row], row_sumexp[row], m, s);
-    if (logit_sum != nullptr) logit_sum[row] += sum;
+    if constexpr (kSum) logit_sum[row] += sum;
   }
 }
 
@@ -60,7 +64,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   const gemm::Schedule schedule = gemm::schedule_from_env(gemm::default_stats_schedule(depth));
   const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
   const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
-  at::Tensor partials = at::empty({rows, tiles, 4}, x.options().dtype(at::kFloat));
+  at::Tensor partials = at::empty({rows, tiles, with_logit_sum ? 4 : 2}, x.options().dtype(at::kFloat));
   gemm::StatsGemmParams p{x.data_ptr(), weight.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr,
                           target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), partials.data_ptr<float>(),
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
@@ -75,9 +79,10 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(error == nullptr, "hugehead: ", error == nullptr ? "" : error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  merge_partials_kernel<<<blocks, kMergeThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(partials.data_ptr<float>()), rows, tiles, row_max.data_ptr<float>(),
-      row_sumexp.data_ptr<float>(), with_logit_sum ? logit_sum.data_ptr<float>() : nullptr);
+  const auto merge = with_logit_sum ? merge_partials_kernel<true> : merge_partials_kernel<false>;
+  merge<<<blocks, kMergeThreads, 0, stream>>>(partials.data_ptr<float>(), rows, tiles, row_max.data_ptr<float>(),
+                                              row_sumexp.data_ptr<float>(),
+                                              with_logit_sum ? logit_sum.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

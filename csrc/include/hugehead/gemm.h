@@ -19,7 +19,8 @@ struct StatsGemmParams {
   const void* bias;       // [cols] x's dtype, or nullptr
   const int64_t* target;  // [rows] global class ids; a row whose target is in [class_start, +cols) gets
   float* target_logit;    //   target_logit[row] set to its (softcapped) logit, others are left alone
-  float* partials;        // [rows, num_col_tiles, 4]: (max, sum of exp(z - max), sum of z, unused)
+  float* partials;        // [rows, num_col_tiles, 4]: (max, sum of exp(z - max), sum of z, unused), or
+                          // [rows, num_col_tiles, 2]: (max, sum of exp(z - max)) where logit_sum is false
   int64_t rows;
   int64_t cols;
   int64_t depth;
@@ -29,7 +30,7 @@ struct StatsGemmParams {
   float softcap;  // <= 0: none
   int sm_count;   // SMs the persistent kernel spreads its tiles over
   bool mainloop_only = false;  // benchmarks only: skip the epilogue (nothing is written), see below
-  bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials' sum is 0
+  bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials of 8 bytes
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
