@@ -54,9 +54,11 @@ def build(shape: str, case: str):
 
 STEP_MARK = "profile_step.step"
 
-# The chunk loop's stages, from the op that launched each kernel: hugehead's own ops by name; cuBLAS's GEMMs
-# (aten::mm / addmm) by the hugehead function that called them (their Python stack), and where no such
-# function says it, by their shapes (a GEMM over the features is a logits GEMM, the others dX).
+# The chunk loop's stages, from the op that launched each kernel: hugehead's own ops by name, cuBLAS's GEMMs
+# (aten::mm / addmm) by their shapes: a GEMM over the features is a logits GEMM, one whose rows are the
+# loss's rows (or a block of them) and whose depth is classes is dX, one with classes for rows and the loss's
+# rows for depth is dW. (Not by the Python stack: the profiler's stacks of the backward's ops, which run on
+# autograd's thread, are the main thread's, from an earlier op.)
 OP_STAGES = {
     "hugehead::gemm_chunk_stats_": "statistics GEMM (fused)",
     "hugehead::gemm_chunk_grad_": "gradient GEMM (fused)",
@@ -66,7 +68,6 @@ OP_STAGES = {
     "hugehead::chunk_grad_": "chunk_grad_ (kept logits)",
 }
 MERGE_KERNEL = "merge_partials"
-FUNCTION_STAGES = {"_logits_into": "logits GEMM (cuBLAS)", "_add_dx": "dX GEMM (cuBLAS)", "_mm_dw": "dW GEMM (cuBLAS)"}
 GEMM_STAGE_WORDS = ("GEMM",)
 
 
@@ -91,33 +92,30 @@ def gemm_flops(op: str, shapes: Sequence[Sequence[int]]) -> float:
     return 0.0
 
 
-def _hugehead_function(stack: Sequence[str]) -> str:
-    """The innermost function of hugehead's own code on a Python stack of ``file(line): function`` frames."""
-    for frame in stack or ():
-        path = frame.split("(")[0].replace("\\", "/")
-        if "/hugehead/" in path and "/bench/" not in path:
-            return frame.rsplit(": ", 1)[-1]
-    return ""
-
-
-def stage_of(op: str, shapes: Sequence[Sequence[int]], stack: Sequence[str], kernel: str, d: int) -> str:
-    """The loop stage a kernel belongs to (``op``: the op that launched it, ``d``: the features)."""
+def stage_of(op: str, shapes: Sequence[Sequence[int]], kernel: str, n: int, d: int) -> str:
+    """The loop stage a kernel belongs to (``op``: the op that launched it; ``n``, ``d``: the loss's rows and
+    features)."""
     if op == "hugehead::gemm_chunk_stats_" and MERGE_KERNEL in kernel:
         return "partials' merge"
     if op in OP_STAGES:
         return OP_STAGES[op]
     if _aten_gemm(op):
-        fn = _hugehead_function(stack)
-        if fn in FUNCTION_STAGES:
-            return FUNCTION_STAGES[fn]
-        k = (shapes[0] if op == "aten::mm" else shapes[1])[1] if shapes else None
-        return "logits GEMM (cuBLAS)" if k == d else "dX GEMM (cuBLAS)"
+        try:
+            (m, k) = shapes[0] if op == "aten::mm" else shapes[1]
+        except (IndexError, TypeError, ValueError):
+            return "GEMM (cuBLAS, shapes not recorded)"
+        if k == d:
+            return "logits GEMM (cuBLAS)"
+        # dX: g [R, C] @ W_c [C, D], R <= n rows; dW: g^T [C, R] @ x [R, D]
+        if m <= n < k or m == n:
+            return "dX GEMM (cuBLAS)"
+        return "dW GEMM (cuBLAS)" if k <= n else "dX GEMM (cuBLAS)"
     if op.startswith("hugehead::"):
         return op[len("hugehead::"):]
     return "other"
 
 
-def stage_split(events, steps: int, d: int) -> dict:
+def stage_split(events, steps: int, n: int, d: int) -> dict:
     """Per loop stage: ms, calls and TFLOP/s per step, from a profile's CPU ops (``record_shapes`` and
     ``with_stack`` on) and the kernels each launched. A GEMM op's FLOPs count once per call, in the stage of
     its GEMM kernel (not its merge's)."""
@@ -126,10 +124,10 @@ def stage_split(events, steps: int, d: int) -> dict:
         kernels = getattr(e, "kernels", None)
         if e.device_type != torch.autograd.DeviceType.CPU or not kernels:
             continue
-        shapes, stack = getattr(e, "input_shapes", None) or [], getattr(e, "stack", None) or []
+        shapes = getattr(e, "input_shapes", None) or []
         flops, counted = gemm_flops(e.name, shapes), False
         for k in kernels:
-            name = stage_of(e.name, shapes, stack, k.name, d)
+            name = stage_of(e.name, shapes, k.name, n, d)
             st = stages.setdefault(name, {"ms": 0.0, "calls": 0, "flops": 0.0})
             st["ms"] += k.duration / 1e3 / steps
             if not counted and name != "partials' merge":
@@ -203,10 +201,10 @@ def _step_waits(prof, steps: int, top: int) -> List[str]:
 
 def profile_steps(run, steps: int):
     """torch.profiler over ``steps`` calls of ``run``, each from an idle GPU (as bench_lce times it) inside a
-    ``STEP_MARK`` range, with shapes and Python stacks for :func:`stage_split`."""
+    ``STEP_MARK`` range, with the ops' shapes for :func:`stage_split`."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA],
-                                record_shapes=True, with_stack=True) as prof:
+                                record_shapes=True) as prof:
         for _ in range(steps):
             torch.cuda.synchronize()
             with torch.profiler.record_function(STEP_MARK):
@@ -241,7 +239,7 @@ def main(argv=None) -> int:
     for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: opts.top]:
         lines.append(f"| `{name[:110]}` | {ms:.2f} | {calls / opts.steps:.0f} |")
     lines += ["", "By stage of the chunk loop (the op that launched each kernel; TFLOP/s from its shapes):", ""]
-    lines += stage_lines(stage_split(prof.events(), opts.steps, SHAPES[opts.shape].d), step_ms)
+    lines += stage_lines(stage_split(prof.events(), opts.steps, SHAPES[opts.shape].n, SHAPES[opts.shape].d), step_ms)
     lines += _step_waits(prof, opts.steps, top=5)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -156,7 +156,7 @@ def split_shape(shape, reps: int, widths: List[int]) -> dict:
     run = _profiled_step(x, w, t)
     step_ms = out["step"]["ms"]
     prof = profile_step.profile_steps(run, PROFILED_STEPS)
-    stages = profile_step.stage_split(prof.events(), PROFILED_STEPS, d)
+    stages = profile_step.stage_split(prof.events(), PROFILED_STEPS, n, d)
     out["stages"] = stages
     gemm = {k: v_ for k, v_ in stages.items() if profile_step.is_gemm_stage(k)}
     out["gemm_sum_ms"] = sum(v_["ms"] for v_ in gemm.values())

@@ -681,39 +681,40 @@ def test_profile_step_idle_gaps_between_kernels():
 
 def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
     """profile_step's stages: each kernel in the stage of the op that launched it (hugehead's ops by name, the
-    statistics GEMM's merge apart; cuBLAS's GEMMs by the hugehead function on their stack, else by whether
-    they contract over the features), FLOPs once per op call from its shapes, per step."""
+    statistics GEMM's merge apart; cuBLAS's GEMMs by their shapes: over the features a logits GEMM, rows by
+    classes dX, classes by rows dW), FLOPs once per op call from its shapes, per step."""
     from types import SimpleNamespace as NS
 
     from bench.profile_step import gemm_flops, is_gemm_stage, stage_lines, stage_split
 
     cpu = torch.autograd.DeviceType.CPU
-    n, d, c = 64, 16, 96
+    n, d, c, r = 64, 16, 96, 48  # rows, features, a chunk's classes, a rows-plan block
 
-    def op(name, shapes, kernels, stack=()):
-        return NS(name=name, device_type=cpu, input_shapes=shapes, stack=list(stack),
+    def op(name, shapes, kernels):
+        return NS(name=name, device_type=cpu, input_shapes=shapes,
                   kernels=[NS(name=k, duration=us) for k, us in kernels])
 
-    loop = "/site-packages/hugehead/loop.py"
     events = [
         op("hugehead::gemm_chunk_stats_", [[n, d], [c, d], [], [n]], [("device_kernel<Stats>", 100.0),
                                                                        ("merge_partials_kernel<false>", 10.0)]),
         op("hugehead::gemm_chunk_grad_", [[n, d], [c, d]], [("device_kernel<Grad>", 120.0)]),
-        op("aten::addmm", [[n, d], [n, c], [c, d]], [("nvjet_dx", 90.0)],
-           stack=[f"{loop}(509): _add_dx", f"{loop}(683): _backward_overlapped"]),
-        op("aten::mm", [[c, n], [n, d]], [("nvjet_dw", 80.0)], stack=[f"{loop}(494): _mm_dw"]),
-        op("aten::mm", [[n, d], [d, c]], [("nvjet_logits", 70.0)], stack=["/x/bench/lce_case.py(3): run"]),
-        op("aten::mm", [[n, c], [c, d]], [("nvjet_direct_dx", 60.0)], stack=[f"{loop}(781): rows_steps"]),
+        op("aten::addmm", [[n, d], [n, c], [c, d]], [("nvjet_dx", 90.0)]),  # dX into float32
+        op("aten::mm", [[c, n], [n, d]], [("nvjet_dw", 80.0)]),  # dW
+        op("aten::addmm_", [[c, d], [c, r], [r, d]], [("nvjet_dw_block", 20.0)]),  # a rows block's dW, added
+        op("aten::mm", [[r, d], [d, c]], [("nvjet_logits", 70.0)]),  # a rows block's logits
+        op("aten::mm", [[r, c], [c, d]], [("nvjet_block_dx", 60.0)]),  # its dX
+        op("aten::mm", [[n, 8], [8, d]], [("nvjet_ragged_dx", 5.0)]),  # dX of a last chunk of 8 classes
         op("hugehead::chunk_grad_", [[n, c]], [("chunk_grad_kernel", 30.0)]),
         op("aten::fill_", [[n]], [("fill", 5.0)]),
         op("aten::mm", [[n, d], [d, c]], []),  # no kernel of its own: not counted
         NS(name="nvjet_dx", device_type=torch.autograd.DeviceType.CUDA, kernels=[]),  # the GPU row itself
     ]
-    stages = stage_split(events * 2, steps=2, d=d)  # two identical steps
+    stages = stage_split(events * 2, steps=2, n=n, d=d)  # two identical steps
     f = 2.0 * n * d * c
+    fb = 2.0 * r * d * c
     expect = {"statistics GEMM (fused)": (0.100, 1, f), "partials' merge": (0.010, 0, 0.0),
-              "gradient GEMM (fused)": (0.120, 1, f), "dX GEMM (cuBLAS)": (0.150, 2, 2 * f),
-              "dW GEMM (cuBLAS)": (0.080, 1, f), "logits GEMM (cuBLAS)": (0.070, 1, f),
+              "gradient GEMM (fused)": (0.120, 1, f), "dX GEMM (cuBLAS)": (0.155, 3, f + fb + 2.0 * n * 8 * d),
+              "dW GEMM (cuBLAS)": (0.100, 2, f + fb), "logits GEMM (cuBLAS)": (0.070, 1, fb),
               "chunk_grad_ (kept logits)": (0.030, 1, 0.0), "other": (0.005, 1, 0.0)}
     assert set(stages) == set(expect)
     for name, (ms, calls, flops) in expect.items():
@@ -726,4 +727,4 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
     assert gemm_flops("aten::addmm_", [[c, d], [c, n], [n, d]]) == f
     assert gemm_flops("aten::mm", []) == 0.0 and gemm_flops("aten::add_", [[n], [n]]) == 0.0
     table = stage_lines(stages, step_ms=1.0)
-    assert table[2].startswith("| dX GEMM (cuBLAS) | 0.15 | 2 |") and table[2].endswith("| 15.0% |")
+    assert table[2].startswith("| dX GEMM (cuBLAS) | 0.15 | 3 |") and table[2].endswith("| 15.5% |")
