@@ -55,9 +55,9 @@ def build(shape: str, case: str):
 STEP_MARK = "profile_step.step"
 
 # The chunk loop's stages, from the op that launched each kernel: hugehead's own ops by name, cuBLAS's GEMMs
-# (aten::mm / addmm) by their shapes: a GEMM over the features is a logits GEMM, one whose rows are the
-# loss's rows (or a block of them) and whose depth is classes is dX, one with classes for rows and the loss's
-# rows for depth is dW. (Not by the Python stack: the profiler's stacks of the backward's ops, which run on
+# (aten::mm / addmm) by their shapes: one without the features' count of columns out is a logits GEMM, one
+# whose rows are the loss's rows (or a block of them) and whose depth is classes is dX, one with classes for
+# rows and the loss's rows for depth is dW. (Not by the Python stack: the profiler's stacks of the backward's ops, which run on
 # autograd's thread, are the main thread's, from an earlier op.)
 OP_STAGES = {
     "hugehead::gemm_chunk_stats_": "statistics GEMM (fused)",
@@ -102,14 +102,17 @@ def stage_of(op: str, shapes: Sequence[Sequence[int]], kernel: str, n: int, d: i
     if _aten_gemm(op):
         try:
             (m, k) = shapes[0] if op == "aten::mm" else shapes[1]
+            n_out = (shapes[1] if op == "aten::mm" else shapes[2])[1]
         except (IndexError, TypeError, ValueError):
             return "GEMM (cuBLAS, shapes not recorded)"
-        if k == d:
+        # logits: x [R, D] @ W_cᵀ [D, C] (C columns out); dX: g [R, C] @ W_c [C, D], R <= n rows; dW: gᵀ [C, R]
+        # @ x [R, D]. Only dX and dW have D columns out, and only dW more rows than the loss (or the same
+        # count as dX's depth, below it, as a ragged last chunk's dW).
+        if n_out != d:
             return "logits GEMM (cuBLAS)"
-        # dX: g [R, C] @ W_c [C, D], R <= n rows; dW: g^T [C, R] @ x [R, D]
-        if m <= n < k or m == n:
-            return "dX GEMM (cuBLAS)"
-        return "dW GEMM (cuBLAS)" if k <= n else "dX GEMM (cuBLAS)"
+        if m > n:
+            return "dW GEMM (cuBLAS)"
+        return "dX GEMM (cuBLAS)" if (m == n or k > n) else "dW GEMM (cuBLAS)"
     if op.startswith("hugehead::"):
         return op[len("hugehead::"):]
     return "other"

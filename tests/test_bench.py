@@ -709,6 +709,11 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
         op("aten::mm", [[n, d], [d, c]], []),  # no kernel of its own: not counted
         NS(name="nvjet_dx", device_type=torch.autograd.DeviceType.CUDA, kernels=[]),  # the GPU row itself
     ]
+    square = [op("aten::mm", [[c, n], [n, n]], [("nvjet_dw", 7.0)]),  # dW where D = N (llama3_4k: 4096)
+              op("aten::mm", [[n, c], [c, n]], [("nvjet_dx", 3.0)]),  # dX where D = N
+              op("aten::mm", [[n, n], [n, c]], [("nvjet_logits", 3.0)])]  # logits where D = N
+    assert {k: v["calls"] for k, v in stage_split(square, steps=1, n=n, d=n).items()} == {
+        "dW GEMM (cuBLAS)": 1, "dX GEMM (cuBLAS)": 1, "logits GEMM (cuBLAS)": 1}
     stages = stage_split(events * 2, steps=2, n=n, d=d)  # two identical steps
     f = 2.0 * n * d * c
     fb = 2.0 * r * d * c
