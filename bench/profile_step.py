@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from bench import harness  # first: decides which hugehead is imported
 from bench.bench_multilabel import GPU_SHAPES, sparse_target
@@ -57,8 +57,8 @@ STEP_MARK = "profile_step.step"
 # The chunk loop's stages, from the op that launched each kernel: hugehead's own ops by name, cuBLAS's GEMMs
 # (aten::mm / addmm) by their shapes: one without the features' count of columns out is a logits GEMM, one
 # whose rows are the loss's rows (or a block of them) and whose depth is classes is dX, one with classes for
-# rows and the loss's rows for depth is dW. (Not by the Python stack: the profiler's stacks of the backward's ops, which run on
-# autograd's thread, are the main thread's, from an earlier op.)
+# rows and the loss's rows for depth is dW. (Not by the Python stack: the profiler's stacks of the backward's
+# ops, which run on autograd's thread, are the main thread's, from an earlier op.)
 OP_STAGES = {
     "hugehead::gemm_chunk_stats_": "statistics GEMM (fused)",
     "hugehead::gemm_chunk_grad_": "gradient GEMM (fused)",
@@ -75,6 +75,16 @@ def _aten_gemm(op: str) -> bool:
     return op in ("aten::mm", "aten::addmm", "aten::addmm_")
 
 
+def _aten_gemm_mkn(op: str, shapes: Sequence[Sequence[int]]) -> Optional[Tuple[int, int, int]]:
+    """(M, K, N) of an aten GEMM call from its recorded input shapes (mm: A, B; addmm: C, A, B); None when
+    they were not recorded."""
+    try:
+        (m, k), (_, n) = (shapes[0], shapes[1]) if op == "aten::mm" else (shapes[1], shapes[2])
+    except (IndexError, TypeError, ValueError):
+        return None
+    return m, k, n
+
+
 def gemm_flops(op: str, shapes: Sequence[Sequence[int]]) -> float:
     """2·M·N·K of one call of a GEMM op from its recorded input shapes (0 for other ops or missing shapes)."""
     try:
@@ -84,9 +94,9 @@ def gemm_flops(op: str, shapes: Sequence[Sequence[int]]) -> float:
         if op in ("hugehead::gemm_dx_", "hugehead::gemm_dw_"):  # out, g [R, C], weight [C, D] / x [R, D]
             (r, c), d = shapes[1], shapes[2][1]
             return 2.0 * r * c * d
-        if _aten_gemm(op):
-            (m, k), (_, n) = (shapes[0], shapes[1]) if op == "aten::mm" else (shapes[1], shapes[2])
-            return 2.0 * m * k * n
+        mkn = _aten_gemm_mkn(op, shapes) if _aten_gemm(op) else None
+        if mkn is not None:
+            return 2.0 * mkn[0] * mkn[1] * mkn[2]
     except (IndexError, TypeError, ValueError):
         pass
     return 0.0
@@ -100,11 +110,10 @@ def stage_of(op: str, shapes: Sequence[Sequence[int]], kernel: str, n: int, d: i
     if op in OP_STAGES:
         return OP_STAGES[op]
     if _aten_gemm(op):
-        try:
-            (m, k) = shapes[0] if op == "aten::mm" else shapes[1]
-            n_out = (shapes[1] if op == "aten::mm" else shapes[2])[1]
-        except (IndexError, TypeError, ValueError):
+        mkn = _aten_gemm_mkn(op, shapes)
+        if mkn is None:
             return "GEMM (cuBLAS, shapes not recorded)"
+        m, k, n_out = mkn
         # logits: x [R, D] @ W_cᵀ [D, C] (C columns out); dX: g [R, C] @ W_c [C, D], R <= n rows; dW: gᵀ [C, R]
         # @ x [R, D]. Only dX and dW have D columns out, and only dW more rows than the loss (or the same
         # count as dX's depth, below it, as a ragged last chunk's dW).
@@ -119,8 +128,8 @@ def stage_of(op: str, shapes: Sequence[Sequence[int]], kernel: str, n: int, d: i
 
 
 def stage_split(events, steps: int, n: int, d: int) -> dict:
-    """Per loop stage: ms, calls and TFLOP/s per step, from a profile's CPU ops (``record_shapes`` and
-    ``with_stack`` on) and the kernels each launched. A GEMM op's FLOPs count once per call, in the stage of
+    """Per loop stage: ms, calls and TFLOP/s per step, from a profile's CPU ops (``record_shapes`` on) and
+    the kernels each launched. A GEMM op's FLOPs count once per call, in the stage of
     its GEMM kernel (not its merge's)."""
     stages: dict = {}
     for e in events:

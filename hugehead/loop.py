@@ -373,9 +373,9 @@ def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
 
 
 # The fused statistics GEMM stores no logits: its one buffer is the partials, 16 bytes per row and 128 columns
-# (a sixteenth of a 16-bit logits chunk of the same width; 8 bytes without label smoothing's logit sums). So where the weight is resident in the compute
-# dtype (chunks are slices, never casts) it takes chunks this many times the plan's width: fewer launches,
-# merges and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
+# (a sixteenth of a 16-bit logits chunk of the same width; 8 bytes without label smoothing's logit sums). So
+# where the weight is resident in the compute dtype (chunks are slices, never casts) it takes chunks this many
+# times the plan's width: fewer launches, merges and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
 FUSED_STATS_WIDEN = 8
 
 

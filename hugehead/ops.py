@@ -13,7 +13,8 @@ from torch import Tensor
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "gemm_dx_", "gemm_dw_", "dense_gemm_enabled", "has_fused_gemm", "gemm_path", "scale_"]
+           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "gemm_dx_", "gemm_dw_", "dense_gemm_enabled",
+           "has_fused_gemm", "gemm_path", "scale_"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
