@@ -14,10 +14,11 @@ TORCH_LIBRARY(hugehead, m) {
   // GEMM whose epilogue does the statistics (CUTLASS, sm_90a; a CUDA kernel only in builds with CUTLASS).
   // The logits are rounded to x's dtype (as a stored GEMM output would be) before the statistics.
   // with_logit_sum=False: logit_sum is left as it is (only label smoothing needs it; the GEMM skips it).
+  // logits [N, C] (x's dtype, optional): the same GEMM also stores the logits there (no softcap).
   m.def(
       "gemm_chunk_stats_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, float softcap, "
       "Tensor(a!) row_max, Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum, "
-      "bool with_logit_sum=True) -> ()");
+      "bool with_logit_sum=True, Tensor(e!)? logits=None) -> ()");
   // chunk_grad_ of the logits chunk x @ weight^T (+ bias) without materializing it: the recompute GEMM's
   // epilogue writes dLoss/dlogits into grad_logits [N, C] (x's dtype). CUTLASS builds only, as above.
   m.def(

@@ -14,6 +14,7 @@ does not know which.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
@@ -333,11 +334,13 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
                 continue
             if chunk.c0 < kept_classes:
                 z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
-            else:
-                if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
-                    # (a widened chunk the fused GEMM refused -- its layout -- needs its own width)
-                    workspace = x.new_empty(min(plan.rows, n) * min(max(plan.cols, chunk.c1 - chunk.c0), v))
-                z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
+                _stored_stats(x[r0:r1], chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, fused,
+                              logit_sum)
+                continue
+            if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
+                # (a widened chunk the fused GEMM refused -- its layout -- needs its own width)
+                workspace = x.new_empty(min(plan.rows, n) * min(max(plan.cols, chunk.c1 - chunk.c0), v))
+            z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
             _logits_into(x[r0:r1], chunk, z)
             _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
         yield
@@ -385,6 +388,29 @@ def _fused_stats_cols(plan: Plan, source) -> int:
             source.bias is not None and source.bias.dtype != source.compute_dtype):
         return plan.cols
     return plan.cols * FUSED_STATS_WIDEN
+
+
+def _tma_store_ready(z: Tensor) -> bool:
+    """A logits chunk view the fused GEMM can store into by TMA: unit column stride, a width and row stride
+    that are multiples of 8, a 16-byte aligned start."""
+    return z.stride(1) == 1 and z.stride(0) % 8 == 0 and z.shape[1] % 8 == 0 and z.data_ptr() % 16 == 0
+
+
+def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1: int, class_start: int,
+                  softcap: float, stats: RowStats, fused: bool, logit_sum: bool = True) -> None:
+    """Logits chunk ``x @ chunk.weightᵀ + chunk.bias`` (rows ``[r0, r1)`` of the shard, ``x`` already those
+    rows) stored into ``z`` (a kept chunk, a block of the rows plan) and folded into ``stats``. Where the fused
+    statistics GEMM applies (``fused``: :func:`_fused_applies`; no softcap, since kept logits are stored
+    uncapped; the layouts), one GEMM stores them as it folds them (:func:`ops.gemm_chunk_stats_` with
+    ``logits``): no pass reads them back. Else cuBLAS's GEMM, then :func:`_chunk_stats` on what it stored
+    (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per call: the benchmarks' A/B)."""
+    if (fused and not softcap and _fused_layout(x, chunk) and _tma_store_ready(z)
+            and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
+        ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,
+                              with_logit_sum=logit_sum, logits=z)
+        return
+    _logits_into(x, chunk, z)
+    _chunk_stats(target, r0, r1, z, class_start, softcap, stats)
 
 
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
@@ -749,6 +775,10 @@ def rows_steps(
             grad_w.zero_()
         return loss_rows, grad_x, grad_w, _bias_grad(grad_b, source)
     valid = target != options.ignore_index if row_losses_of is None else None
+    # Each block's logits stored by the fused statistics GEMM as it folds them, where it applies; the logit
+    # sums only where label smoothing reads them (class ids: a chunk target's kernels fold their own).
+    fused = _fused_applies(x, target, "stats")
+    fold_sums = bool(options.label_smoothing)
     workspace = x.new_empty(min(plan.rows, n) * v)
     one_chunk = plan.cols >= v
     dx_acc = x.new_empty(min(plan.rows, n), d, dtype=acc) if (need_x and not one_chunk) else None
@@ -763,8 +793,8 @@ def rows_steps(
         stats = _new_stats(xr)
         # Two passes over the weight's chunks (slices, or casts made again: never a whole cast weight).
         for chunk in source.chunks(plan.cols):
-            z = _logits_into(xr, chunk, block[:, chunk.c0:chunk.c1])
-            _chunk_stats(target, r0, r1, z, chunk.c0, options.kernel_softcap, stats)
+            _stored_stats(xr, chunk, block[:, chunk.c0:chunk.c1], target, r0, r1, chunk.c0, options.kernel_softcap,
+                          stats, fused, fold_sums)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         if row_losses_of is None:
             loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)

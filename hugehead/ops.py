@@ -64,10 +64,12 @@ def gemm_chunk_stats_(
     target_logit: Tensor,
     logit_sum: Tensor,
     with_logit_sum: bool = True,
+    logits: Optional[Tensor] = None,
 ) -> None:
     """:func:`chunk_stats_` of the logits chunk ``x @ weight.T + bias`` without materializing it: one
     CUTLASS sm_90a GEMM whose epilogue folds each (row, column tile) into partial statistics, then a merge
-    into the running ones (only where :func:`has_fused_gemm` is True).
+    into the running ones (only where :func:`has_fused_gemm` is True); with ``logits`` given, the same GEMM
+    also stores the chunk's logits there (a chunk whose logits are kept), so no pass reads them back.
 
     Args:
         x: ``[N, D]`` bfloat16/float16 on an sm_90 GPU, unit column stride, row stride a multiple of 8,
@@ -81,6 +83,10 @@ def gemm_chunk_stats_(
             stays consistent with the backward's recomputed logits.
         with_logit_sum: False leaves ``logit_sum`` as it is (the loss without label smoothing never reads
             it; the GEMM then skips its sums, about a tenth of its epilogue's instructions).
+        logits: ``[N, C]`` in x's dtype, or None. Gets exactly the values the statistics were folded from
+            (``acc + bias`` rounded once to x's dtype), written through shared memory by TMA: unit column
+            stride, a row stride and ``C`` that are multiples of 8, a 16-byte aligned start. Not with
+            ``softcap`` (kept logits are stored uncapped; :func:`chunk_grad_` applies the cap).
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative`` (environment, read per call) picks
         the CUTLASS schedule (default here: pingpong_cluster, clusters of two CTAs that share each weight
         tile through TMA multicast, below a depth of 2048 and cooperative from it; pingpong_cluster for
@@ -91,7 +97,8 @@ def gemm_chunk_stats_(
             without CUTLASS (no CUDA kernel).
     """
     torch.ops.hugehead.gemm_chunk_stats_.default(
-        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum, with_logit_sum
+        x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum, with_logit_sum,
+        logits,
     )
 
 
@@ -394,10 +401,11 @@ def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp,
 
 @torch.library.register_fake("hugehead::gemm_chunk_stats_")
 def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit,
-                           logit_sum, with_logit_sum=True):
+                           logit_sum, with_logit_sum=True, logits=None):
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")
+    torch._check(logits is None or logits.shape == (x.shape[0], weight.shape[0]), lambda: "logits must be [N, C]")
     return None
 
 

@@ -186,6 +186,85 @@ def test_stats_without_logit_sums(schedule, bias, n, c, d):
     assert not torch.equal(with_sum[3], before)
 
 
+# (N, C, D, class_start, bias): columns off the 128 / 256 column tiles (C a multiple of 8, as the TMA store
+# needs), rows off the 128 row tiles, the seed's D.
+STORE_SHAPES = [
+    (5, 296, 64, 0, True),
+    (257, 1000, 768, 500, True),
+    (1000, 3000 + 8, 768, 4096, False),
+    (4096, 8192 + 24, 768, 64, False),
+]
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_logit_sum", [True, False])
+@pytest.mark.parametrize("n,c,d,class_start,bias", STORE_SHAPES)
+def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, class_start, bias):
+    """logits=z (a kept chunk, the rows plan's block): the statistics are bitwise those of the GEMM that stores
+    nothing (the same mainloop and fold), z holds exactly the values they were folded from (chunk_stats_ on z
+    gives the same max and target logit bitwise, the same sum up to its order), z is as close to float64
+    x Wᵀ + b as cuBLAS's stored logits (at most one ulp from them), and z may be a strided view into a wider
+    buffer whose other columns stay untouched."""
+    seed = n + c + 17
+    x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
+    xc, wc, bc = x.cuda(), w.cuda(), None if b is None else b.cuda()
+    target = _targets(n, c, class_start, class_start + c + 100, seed).cuda()
+    plain = [t.cuda() for t in _start_state(n, seed)]
+    stored = [t.cuda() for t in _start_state(n, seed)]
+    buf = torch.full((n, c + 40), float("nan"), dtype=dtype, device="cuda")
+    z = buf[:, 16:16 + c]
+    ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *plain, with_logit_sum=with_logit_sum)
+    ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *stored, with_logit_sum=with_logit_sum, logits=z)
+    for a, r in zip(stored, plain):
+        assert torch.equal(a, r)
+    assert torch.isnan(buf[:, :16]).all() and torch.isnan(buf[:, 16 + c:]).all()
+    assert not torch.isnan(z).any()
+    ref = xc.double() @ wc.double().t() + (0.0 if bc is None else bc.double())
+    cublas = xc @ wc.t() if bc is None else torch.addmm(bc, xc, wc.t())
+    eps = torch.finfo(dtype).eps
+    assert ((z.double() - cublas.double()).abs() <= eps * ref.abs() + 1e-6).all()
+    assert rel_err(z, ref) <= 2 * rel_err(cublas, ref) + 1e-7
+    again = [t.cuda() for t in _start_state(n, seed)]
+    ops.chunk_stats_(z, target, class_start, 0.0, *again)
+    assert torch.equal(again[0], stored[0]) and torch.equal(again[2], stored[2])
+    torch.testing.assert_close(again[1], stored[1], rtol=1e-5, atol=0)
+    if with_logit_sum:
+        torch.testing.assert_close(again[3], stored[3], rtol=1e-5, atol=1e-3)
+
+
+@requires_fused
+def test_stored_logits_refused_clearly():
+    """Stored logits the TMA store cannot take, or with softcap (kept logits are stored uncapped), raise a
+    RuntimeError that names the problem; nothing is written, and the context stays usable."""
+    n, c, d = 64, 296, 64
+    x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=8)
+    xc, wc = x.cuda(), w.cuda()
+    target = _targets(n, c, 0, c, 8).cuda()
+    state = [t.cuda() for t in _start_state(n, 8)]
+    before = [t.clone() for t in state]
+    buf = torch.zeros(n, c + 16, dtype=torch.bfloat16, device="cuda")
+    cases = [
+        (dict(softcap=30.0, logits=buf[:, :c]), "softcap"),
+        (dict(logits=buf[:, :c - 8]), "shape"),
+        (dict(logits=buf[:, 1:1 + c]), "16-byte"),
+        (dict(logits=torch.zeros(n, c, device="cuda")), "must be"),
+    ]
+    for kwargs, match in cases:
+        softcap = kwargs.pop("softcap", 0.0)
+        with pytest.raises(RuntimeError, match=match):
+            ops.gemm_chunk_stats_(xc, wc, None, target, 0, softcap, *state, **kwargs)
+    w_odd = wc[:300 - 4]  # 292 columns: not a multiple of 8
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        ops.gemm_chunk_stats_(xc, w_odd, None, target, 0, 0.0, *state,
+                              logits=torch.zeros(n, 296, dtype=torch.bfloat16, device="cuda")[:, :292])
+    for a, r in zip(state, before):
+        assert torch.equal(a, r)
+    assert torch.equal(buf, torch.zeros_like(buf))
+    ops.gemm_chunk_stats_(xc, wc, None, target, 0, 0.0, *state, logits=buf[:, :c])
+    torch.cuda.synchronize()  # the context is still usable
+
+
 @requires_fused
 def test_schedules_agree():
     x, w, b = _inputs(300, 5000, 768, torch.bfloat16, bias=True, seed=5)
@@ -243,6 +322,10 @@ def test_opcheck():
     state = [t.cuda() for t in _start_state(40, 2)]
     torch.library.opcheck(torch.ops.hugehead.gemm_chunk_stats_.default,
                           (x.cuda(), w.cuda(), b.cuda(), target, 0, 0.0, *state))
+    logits = torch.empty(40, 296, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.hugehead.gemm_chunk_stats_.default,
+                          (x.cuda(), w[:296].cuda(), b[:296].cuda(), target.clamp(max=295), 0, 0.0, *state),
+                          {"with_logit_sum": True, "logits": logits})
 
 
 def _grad_inputs(n, c, seed, with_grad_lse):
@@ -486,15 +569,17 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
     b = b.cuda() if b is not None else None
     target = _targets(n, v, 0, v, 11).cuda()
     plan = plan_chunks(n, d, v, torch.bfloat16, x.device, opts.get("chunk_size"), opts.get("memory_budget"))
-    # chunks the planner keeps as stored logits never take the fused GEMMs (planned here: all kept)
+    # chunks the planner keeps as stored logits never take the fused gradient GEMM (planned here: all kept);
+    # without softcap the statistics GEMM stores them as it folds them
     streamed = not plan.keep_logits or plan.kept_chunks * plan.cols < v
+    stored = plan.keep_logits and not opts.get("softcap")
     results = {}
     for path in ("cublas", "cutlass_forward", "cutlass"):
         monkeypatch.setenv("HUGEHEAD_GEMM", path)
         assert ops.gemm_path(x.device, x.dtype) == path
         calls = _count_fused_calls(monkeypatch)
         results[path] = _lce_grads(x, w, b, target, **opts)
-        assert (len(calls["stats"]) > 0) == (path != "cublas" and streamed), f"{path}: {calls}"
+        assert (len(calls["stats"]) > 0) == (path != "cublas" and (streamed or stored)), f"{path}: {calls}"
         assert (len(calls["grad"]) > 0) == (path == "cutlass" and streamed), f"{path}: {calls}"
     ref = _lce_float64(x, w, b, target, **opts)
     names = ["loss", "dx", "dw", "db"]
@@ -582,17 +667,21 @@ def _emulate_fused_ops(monkeypatch):
 
     monkeypatch.setattr(loop, "_fused_applies", lambda x, target, kind: isinstance(target, torch.Tensor))
 
-    def logits(x, w, b):
+    def matmul(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
 
-    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True):
+    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True, logits=None):
         before = state[3].clone()
-        ops.chunk_stats_(logits(x, w, b), target, class_start, softcap, *state)
+        z = matmul(x, w, b)
+        if logits is not None:  # the logits stored as they are folded (kept chunks, the rows plan)
+            assert softcap == 0.0, "stored logits are uncapped"
+            z = logits.copy_(z)
+        ops.chunk_stats_(z, target, class_start, softcap, *state)
         if not with_logit_sum:  # the fused op leaves it as it was
             state[3].copy_(before)
 
     def grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse, out):
-        out.copy_(logits(x, w, b))
+        out.copy_(matmul(x, w, b))
         ops.chunk_grad_(out, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse)
 
     monkeypatch.setattr(ops, "gemm_chunk_stats_", stats)
@@ -618,8 +707,8 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     asked = []
     emulated = ops.gemm_chunk_stats_
     monkeypatch.setattr(ops, "gemm_chunk_stats_",
-                        lambda *a, with_logit_sum=True: asked.append(with_logit_sum) or emulated(
-                            *a, with_logit_sum=with_logit_sum))
+                        lambda *a, with_logit_sum=True, logits=None: asked.append(with_logit_sum) or emulated(
+                            *a, with_logit_sum=with_logit_sum, logits=logits))
     calls = _count_fused_calls(monkeypatch)
     fused = _lce_grads(x, w, b, target, **opts)
     assert asked and all(s == (eps > 0) for s in asked), asked
@@ -628,6 +717,46 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     ref = _lce_float64(x, w, b, target, **opts)
     for ours, theirs, r in zip(fused, plain, ref):
         assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("case", ["keep_all", "rows_plan"])
+def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
+    """Chunks whose logits are kept (all of them here; the rows plan's blocks) go through the
+    statistics GEMM with ``logits`` (no softcap), which stores them as it folds them: with emulated fused ops
+    (cuBLAS's arithmetic, on the CPU) the loss and gradients are bitwise the cuBLAS path's, one such call
+    per kept chunk (and row block), and the logit sums asked for only with label smoothing."""
+    from hugehead import loop
+
+    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 1)
+    n, d, v = 96, 16, 296
+    x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=23)
+    target = _targets(n, v, 0, v, 23)
+    opts = dict(label_smoothing=eps, z_loss=1e-3)
+    if case == "rows_plan":
+        from conftest import rows_budget
+
+        opts.update(memory_budget=rows_budget(n, d, v, torch.float32, 32))  # 3 blocks
+    plain = _lce_grads(x, w, b, target, **opts)
+    _emulate_fused_ops(monkeypatch)
+    stores = []
+    emulated = ops.gemm_chunk_stats_
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", lambda *a, with_logit_sum=True, logits=None: (
+        stores.append((logits is not None, with_logit_sum, a[0].shape[0])) or emulated(
+            *a, with_logit_sum=with_logit_sum, logits=logits)))
+    fused = _lce_grads(x, w, b, target, **opts)
+    for a, r in zip(fused, plain):
+        assert torch.equal(a, r)
+    kept = [s for s in stores if s[0]]
+    assert kept and all(s[1] == (eps > 0) for s in stores), stores
+    if case == "keep_all":
+        assert [s[2] for s in kept] == [n]
+    else:  # every chunk of every block of 32 rows stores its logits
+        assert len(kept) == len(stores) and sum(s[2] for s in kept) % n == 0 and max(s[2] for s in kept) == 32
+    # softcap: kept logits are stored uncapped, so they take cuBLAS and chunk_stats_
+    stores.clear()
+    _lce_grads(x, w, b, target, softcap=20.0, **opts)
+    assert not any(s[0] for s in stores), stores
 
 
 @pytest.mark.parametrize("budget", ["default", "rows", "keep_all"])

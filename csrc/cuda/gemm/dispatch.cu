@@ -19,6 +19,12 @@ HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_cooperative, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_cooperative, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_cooperative, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
@@ -59,30 +65,38 @@ bool mainloop_only_from_env() {
 
 int stats_gemm_tile_cols(Schedule schedule) { return schedule == Schedule::kCooperative ? 256 : 128; }
 
-size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule) {
-  switch (schedule) {
-    case Schedule::kPingpongCluster:
-      return half ? stats_gemm_fp16_pingpong_cluster_workspace(p) : stats_gemm_bf16_pingpong_cluster_workspace(p);
-    case Schedule::kCooperative:
-      return half ? stats_gemm_fp16_cooperative_workspace(p) : stats_gemm_bf16_cooperative_workspace(p);
-    default:
-      return half ? stats_gemm_fp16_pingpong_workspace(p) : stats_gemm_bf16_pingpong_workspace(p);
+namespace {
+struct StatsLaunchers {
+  size_t (*workspace)(const StatsGemmParams&);
+  const char* (*run)(const StatsGemmParams&, void*, cudaStream_t);
+};
+#define HUGEHEAD_STATS(NAME) StatsLaunchers{&NAME##_workspace, &NAME##_run}
+#define HUGEHEAD_STATS_PICK(KIND)                                                                        \
+  switch (schedule) {                                                                                    \
+    case Schedule::kPingpongCluster:                                                                     \
+      return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong_cluster) : HUGEHEAD_STATS(KIND##_bf16_pingpong_cluster); \
+    case Schedule::kCooperative:                                                                         \
+      return half ? HUGEHEAD_STATS(KIND##_fp16_cooperative) : HUGEHEAD_STATS(KIND##_bf16_cooperative);   \
+    default:                                                                                             \
+      return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong) : HUGEHEAD_STATS(KIND##_bf16_pingpong);         \
   }
+StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
+  if (p.logits != nullptr) {
+    HUGEHEAD_STATS_PICK(stats_gemm_store)
+  }
+  HUGEHEAD_STATS_PICK(stats_gemm)
+}
+#undef HUGEHEAD_STATS_PICK
+#undef HUGEHEAD_STATS
+}  // namespace
+
+size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule) {
+  return stats_launchers(p, half, schedule).workspace(p);
 }
 
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream) {
-  switch (schedule) {
-    case Schedule::kPingpongCluster:
-      return half ? stats_gemm_fp16_pingpong_cluster_run(p, workspace, stream)
-                  : stats_gemm_bf16_pingpong_cluster_run(p, workspace, stream);
-    case Schedule::kCooperative:
-      return half ? stats_gemm_fp16_cooperative_run(p, workspace, stream)
-                  : stats_gemm_bf16_cooperative_run(p, workspace, stream);
-    default:
-      return half ? stats_gemm_fp16_pingpong_run(p, workspace, stream)
-                  : stats_gemm_bf16_pingpong_run(p, workspace, stream);
-  }
+  return stats_launchers(p, half, schedule).run(p, workspace, stream);
 }
 
 bool grad_gemm_tma_store_applies(const GradGemmParams& p) {

@@ -2,12 +2,14 @@
 // (stats_gemm.cuh) folds z = x W_c^T + b_c into one partial (max, sum-exp, logit sum) per (row, column tile)
 // and writes the target logits; a merge kernel then folds each row's partials, in tile order, into the
 // running statistics exactly as chunk_stats_ folds a chunk: lse_merge into (row_max, row_sumexp), += into
-// logit_sum. The logits never reach global memory.
+// logit_sum. The logits never reach global memory, unless logits is given: then the same GEMM also stores
+// them there (stats_store_gemm.cuh), for a chunk whose logits are kept.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -51,8 +53,24 @@ __global__ void __launch_bounds__(kMergeThreads)
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
-                           const at::Tensor& logit_sum, bool with_logit_sum) {
+                           const at::Tensor& logit_sum, bool with_logit_sum,
+                           const std::optional<at::Tensor>& logits) {
   check_gemm_operands(x, weight, bias, "gemm_chunk_stats_");
+  if (logits.has_value()) {
+    const at::Tensor& z = *logits;
+    TORCH_CHECK(z.scalar_type() == x.scalar_type(), "hugehead: logits must be ", x.scalar_type(), ", got ",
+                z.scalar_type());
+    TORCH_CHECK(z.device() == x.device(), "hugehead: logits are on ", z.device(), " but x is on ", x.device());
+    TORCH_CHECK(z.dim() == 2 && z.size(0) == x.size(0) && z.size(1) == weight.size(0),
+                "hugehead: logits must have shape [", x.size(0), ", ", weight.size(0), "], got ", z.sizes());
+    TORCH_CHECK(z.size(1) % 8 == 0 && (z.size(1) <= 1 || z.stride(1) == 1) && z.stride(0) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 == 0,
+                "hugehead: gemm_chunk_stats_ stores logits by TMA: they need a column count and a row stride that "
+                "are multiples of 8, unit column stride and a 16-byte aligned start; got shape ", z.sizes(),
+                ", strides ", z.strides());
+    TORCH_CHECK(!(softcap > 0.0), "hugehead: gemm_chunk_stats_ stores logits only without softcap (kept logits "
+                "are stored uncapped; softcap ", softcap, " given)");
+  }
   // x stands in for the logits chunk: its row count, device and the state's accumulation dtype.
   check_chunk_rows(x, target,
                    {{"row_max", &row_max}, {"row_sumexp", &row_sumexp},
@@ -69,8 +87,13 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                           target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), partials.data_ptr<float>(),
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
                           static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
-  p.mainloop_only = gemm::mainloop_only_from_env();
   p.logit_sum = with_logit_sum;
+  if (logits.has_value()) {
+    p.logits = logits->data_ptr();
+    p.logits_stride = logits->stride(0);
+  } else {
+    p.mainloop_only = gemm::mainloop_only_from_env();  // (benchmarks: the stored logits are always written)
+  }
   const bool half = x.scalar_type() == at::kHalf;
   const size_t ws_bytes = gemm::stats_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;

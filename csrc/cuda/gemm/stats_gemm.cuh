@@ -201,23 +201,30 @@ struct StatsEpilogue : EpilogueBase<Element> {
   Params params;
 };
 
+// The statistics epilogue's arguments for a launch (shared with stats_store_gemm.cuh), tiles kTileCols wide.
+template <class Element>
+typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsGemmParams& p, int tile_cols) {
+  typename StatsEpilogue<Element>::Arguments epi;
+  epi.bias = static_cast<const Element*>(p.bias);
+  epi.target = p.target;
+  epi.target_logit = p.target_logit;
+  epi.partials = p.partials;
+  epi.class_start = p.class_start;
+  epi.num_col_tiles = (p.cols + tile_cols - 1) / tile_cols;
+  epi.softcap = p.softcap;
+  epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
+  epi.mainloop_only = p.mainloop_only;
+  epi.logit_sum = p.logit_sum;
+  return epi;
+}
+
 template <class Element, Schedule S>
 struct StatsGemm {
   using Gemm = FusedGemm<Element, S, StatsEpilogue<Element>>;
 
   static typename Gemm::Device::Arguments arguments(const StatsGemmParams& p) {
-    typename StatsEpilogue<Element>::Arguments epi;
-    epi.bias = static_cast<const Element*>(p.bias);
-    epi.target = p.target;
-    epi.target_logit = p.target_logit;
-    epi.partials = p.partials;
-    epi.class_start = p.class_start;
-    epi.num_col_tiles = (p.cols + Gemm::kTileCols - 1) / Gemm::kTileCols;
-    epi.softcap = p.softcap;
-    epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
-    epi.mainloop_only = p.mainloop_only;
-    epi.logit_sum = p.logit_sum;
-    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);
+    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth,
+                           stats_epilogue_arguments<Element>(p, Gemm::kTileCols), p.sm_count);
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Gemm::Device::get_workspace_size(arguments(p)); }
   static const char* run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {

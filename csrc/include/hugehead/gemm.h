@@ -11,8 +11,9 @@
 namespace hugehead {
 namespace gemm {
 
-// z = x @ weight^T (+ bias), softcapped, folded per (row, column tile) into partials; the logits are
-// never stored. x [rows, depth] and weight [cols, depth] are K-major (unit stride along depth).
+// z = x @ weight^T (+ bias), softcapped, folded per (row, column tile) into partials; the logits are not
+// stored unless logits is set (then z, unsoftcapped, also goes there: stats_store_gemm.cuh). x [rows, depth]
+// and weight [cols, depth] are K-major (unit stride along depth).
 struct StatsGemmParams {
   const void* x;          // [rows, depth], row stride x_stride elements; bf16 or fp16
   const void* weight;     // [cols, depth], row stride weight_stride elements; x's dtype
@@ -31,6 +32,8 @@ struct StatsGemmParams {
   int sm_count;   // SMs the persistent kernel spreads its tiles over
   bool mainloop_only = false;  // benchmarks only: skip the epilogue (nothing is written), see below
   bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials of 8 bytes
+  void* logits = nullptr;      // [rows, cols] x's dtype, row stride logits_stride (16-byte aligned base and
+  int64_t logits_stride = 0;   //   rows, cols a multiple of 8), or nullptr: z stored there too (no softcap)
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
@@ -89,7 +92,8 @@ int stats_gemm_tile_cols(Schedule schedule);
 // Bytes of device workspace CUTLASS's kernel needs for these params (0 for the persistent scheduler).
 size_t stats_gemm_workspace_bytes(const StatsGemmParams& p, bool half, Schedule schedule);
 
-// Queue the fused GEMM on stream. Returns nullptr, or a message saying why CUTLASS refused the problem.
+// Queue the fused GEMM on stream (the one that also stores the logits where p.logits is set). Returns
+// nullptr, or a message saying why CUTLASS refused the problem.
 const char* run_stats_gemm(const StatsGemmParams& p, bool half, Schedule schedule, void* workspace,
                            cudaStream_t stream);
 

@@ -1,0 +1,142 @@
+// The statistics GEMM that also stores its logits: for the chunks whose logits are kept (the kept chunks of
+// the forward, the rows plan's row blocks), where cuBLAS's GEMM wrote z and chunk_stats_ then read all of it
+// again (xc1M's rows plan: 16.4 GB a step, 4.1 ms at 4 TB/s). Each tile's accumulators go first through the
+// statistics epilogue's fold (stats_gemm.cuh, the same code and so the same bits as the GEMM that stores
+// nothing), which turns them into z = acc + bias rounded to Element in place, then through CUTLASS's sm90 TMA
+// warp-specialized collective epilogue (subtiles staged in shared memory, written by TMA stores while the
+// warpgroup goes on, as grad_tma_gemm.cuh stores the gradient), which stores z as it is: the stored logits are
+// exactly the values the statistics were folded from.
+//
+// No softcap: kept logits are stored raw (chunk_stats_ / chunk_grad_ apply the cap to what they read), and
+// the fold leaves the capped values in the accumulators. The host entry (gemm_chunk_stats.cu) refuses it.
+#pragma once
+
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "stats_gemm.cuh"
+
+namespace hugehead {
+namespace gemm {
+
+// The fusion callbacks of the store: each accumulator element as it is (already z). Their params are the
+// statistics epilogue's, which StatsStoreEpilogue below reads from the collective's params.
+template <class Element>
+struct StoreLogitsCallbacks {
+  struct SharedStorage {};
+  using Arguments = typename StatsEpilogue<Element>::Arguments;
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    return StatsEpilogue<Element>::can_implement(shape, args);
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE StoreLogitsCallbacks() {}
+  CUTLASS_HOST_DEVICE StoreLogitsCallbacks(Params const&, SharedStorage const&) {}
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    template <typename ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const& acc,
+                                                             int, int, int) {
+      // z is already representable in Element: the collective's conversion to Element is exact.
+      return acc;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const&) {
+    return ConsumerStoreCallbacks{};
+  }
+};
+
+// CUTLASS's TMA collective epilogue (Base) with the statistics fold run on each tile's accumulators first.
+template <class Element, class Base>
+struct StatsStoreEpilogue : Base {
+  CUTLASS_HOST_DEVICE StatsStoreEpilogue(typename Base::Params const& p, typename Base::TensorStorage& shared)
+      : Base(p, shared), stats(p.thread) {}
+
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemShapeMNKL,
+            class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma, class... Rest>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state, StorePipeline store_pipeline,
+                            StoreState store_state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                            TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
+                            TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared, Rest... rest) {
+    // The fold's residue and shared-memory arguments are unused (its bounds come from the problem shape).
+    stats(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, 0, thread_idx, nullptr);
+    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
+                       tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared, rest...);
+  }
+
+  StatsEpilogue<Element> stats;
+};
+
+template <class Element, Schedule S>
+struct StatsStoreGemm {
+  using Config = ScheduleConfig<S>;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kTileCols = cute::size<1>(typename Config::Tile{});
+  using Callbacks = StoreLogitsCallbacks<Element>;
+  // The cooperative kernel's two warpgroups share a tile, and so its epilogue.
+  using EpilogueSchedule = std::conditional_t<S == Schedule::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                              cutlass::epilogue::TmaWarpSpecialized>;
+  using Store = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
+      cutlass::layout::RowMajor, kAlign, EpilogueSchedule, Callbacks>::CollectiveOp;
+  using Epilogue = StatsStoreEpilogue<Element, Store>;
+  using Mainloop = FusedMainloop<Element, S, static_cast<int>(sizeof(typename Epilogue::SharedStorage))>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Device::Arguments arguments(const StatsGemmParams& p) {
+    const typename Callbacks::Arguments cb = stats_epilogue_arguments<Element>(p, kTileCols);
+    typename Kernel::StrideA stride_a{p.x_stride, cute::Int<1>{}, p.x_stride * p.rows};
+    typename Kernel::StrideB stride_b{p.weight_stride, cute::Int<1>{}, p.weight_stride * p.cols};
+    typename Kernel::StrideD stride_d{p.logits_stride, cute::Int<1>{}, p.logits_stride * p.rows};
+    cutlass::KernelHardwareInfo hw;
+    cudaGetDevice(&hw.device_id);
+    hw.sm_count = p.sm_count;
+    return typename Device::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.depth), 1},
+        {static_cast<const Element*>(p.x), stride_a, static_cast<const Element*>(p.weight), stride_b},
+        {cb, nullptr, stride_d, static_cast<Element*>(p.logits), stride_d},
+        hw};
+  }
+  static size_t workspace_bytes(const StatsGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
+  static const char* run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {
+    return launch<Device>(arguments(p), workspace, stream,
+                          "CUTLASS cannot implement this statistics GEMM with stored logits (alignment of logits?)");
+  }
+};
+
+}  // namespace gemm
+}  // namespace hugehead
+
+#define HUGEHEAD_STATS_STORE_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
+  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, StatsGemmParams, StatsStoreGemm<ELEMENT, SCHEDULE>)
