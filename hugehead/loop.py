@@ -396,16 +396,24 @@ def _tma_store_ready(z: Tensor) -> bool:
     return z.stride(1) == 1 and z.stride(0) % 8 == 0 and z.shape[1] % 8 == 0 and z.data_ptr() % 16 == 0
 
 
+# The statistics GEMM that stores its logits pays below this depth (D = K) only. One H200 at 02deba1, bench_lce
+# hugehead-only, the store on / off (HUGEHEAD_GEMM_STORE=0): xc1M's rows plan (D 768) 69.72 / 70.33 ms, its four
+# logits GEMMs 21.89 ms (split.md) where cuBLAS's + chunk_stats_ took 20.08 + 4.06; at D 4096 (llama3_4k, kept)
+# 5.85 against 5.46 + 0.26, at D 2304 (gemma2) the step 46.02 / 45.32: there chunk_stats_' pass is a small
+# part of a long GEMM, and the cooperative fused GEMM's store costs more than that pass.
+FUSED_STORE_MAX_DEPTH = 2048
+
+
 def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1: int, class_start: int,
                   softcap: float, stats: RowStats, fused: bool, logit_sum: bool = True) -> None:
     """Logits chunk ``x @ chunk.weightᵀ + chunk.bias`` (rows ``[r0, r1)`` of the shard, ``x`` already those
     rows) stored into ``z`` (a kept chunk, a block of the rows plan) and folded into ``stats``. Where the fused
     statistics GEMM applies (``fused``: :func:`_fused_applies`; no softcap, since kept logits are stored
-    uncapped; the layouts), one GEMM stores them as it folds them (:func:`ops.gemm_chunk_stats_` with
+    uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`), one GEMM stores them as it folds them (:func:`ops.gemm_chunk_stats_` with
     ``logits``): no pass reads them back. Else cuBLAS's GEMM, then :func:`_chunk_stats` on what it stored
     (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per call: the benchmarks' A/B)."""
-    if (fused and not softcap and _fused_layout(x, chunk) and _tma_store_ready(z)
-            and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
+    if (fused and not softcap and x.shape[1] < FUSED_STORE_MAX_DEPTH and _fused_layout(x, chunk)
+            and _tma_store_ready(z) and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
         ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,
                               with_logit_sum=logit_sum, logits=z)
         return

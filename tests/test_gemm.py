@@ -254,7 +254,7 @@ def test_stored_logits_refused_clearly():
         softcap = kwargs.pop("softcap", 0.0)
         with pytest.raises(RuntimeError, match=match):
             ops.gemm_chunk_stats_(xc, wc, None, target, 0, softcap, *state, **kwargs)
-    w_odd = wc[:300 - 4]  # 292 columns: not a multiple of 8
+    w_odd = wc[:292]  # 292 columns: not a multiple of 8
     with pytest.raises(RuntimeError, match="multiples of 8"):
         ops.gemm_chunk_stats_(xc, w_odd, None, target, 0, 0.0, *state,
                               logits=torch.zeros(n, 296, dtype=torch.bfloat16, device="cuda")[:, :292])
@@ -563,6 +563,8 @@ def _lce_float64(x, w, b, target, **opts):
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bias):
+    from hugehead import loop
+
     n, d, v = 1000, 768, 5000
     x, w, b = _inputs(n, v, d, torch.bfloat16, bias=bias, seed=11)
     x, w = x.cuda(), w.cuda()
@@ -572,7 +574,7 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
     # chunks the planner keeps as stored logits never take the fused gradient GEMM (planned here: all kept);
     # without softcap the statistics GEMM stores them as it folds them
     streamed = not plan.keep_logits or plan.kept_chunks * plan.cols < v
-    stored = plan.keep_logits and not opts.get("softcap")
+    stored = plan.keep_logits and not opts.get("softcap") and d < loop.FUSED_STORE_MAX_DEPTH
     results = {}
     for path in ("cublas", "cutlass_forward", "cutlass"):
         monkeypatch.setenv("HUGEHEAD_GEMM", path)
@@ -753,10 +755,16 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
         assert [s[2] for s in kept] == [n]
     else:  # every chunk of every block of 32 rows stores its logits
         assert len(kept) == len(stores) and sum(s[2] for s in kept) % n == 0 and max(s[2] for s in kept) == 32
-    # softcap: kept logits are stored uncapped, so they take cuBLAS and chunk_stats_
+    # softcap: kept logits are stored uncapped, so they take cuBLAS and chunk_stats_; so does a depth from
+    # FUSED_STORE_MAX_DEPTH on (where the store costs more than the pass it saves)
     stores.clear()
     _lce_grads(x, w, b, target, softcap=20.0, **opts)
     assert not any(s[0] for s in stores), stores
+    monkeypatch.setattr(loop, "FUSED_STORE_MAX_DEPTH", d)
+    again = _lce_grads(x, w, b, target, **opts)
+    assert not any(s[0] for s in stores), stores
+    for a, r in zip(again, plain):
+        assert torch.equal(a, r)
 
 
 @pytest.mark.parametrize("budget", ["default", "rows", "keep_all"])
