@@ -1,6 +1,5 @@
-// The backward's recompute GEMM with the gradient stored through shared memory and TMA: CUTLASS's sm90 TMA
-// warp-specialized collective epilogue (subtiles staged in shared memory by stmatrix, written by TMA stores
-// that run while the warpgroup goes on) with a fusion callback of ours that turns each accumulator fragment
+// The backward's recompute GEMM with the gradient stored through shared memory and TMA (tma_store_gemm.cuh:
+// CUTLASS's sm90 TMA collective epilogue) with a fusion callback of ours that turns each accumulator fragment
 // into dLoss/dlogits. grad_gemm.cuh's register epilogue stores each adjacent pair with its own 32-bit STG:
 // a warp's store then covers 8 rows x 16 bytes, half of every 32-byte sector it touches, and the H200 ran
 // that GEMM at 0.764 ms a chunk against 0.633 for the statistics GEMM that stores nothing (xc1M, ae0dbc5).
@@ -11,14 +10,11 @@
 // write the same bits.
 #pragma once
 
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
 #include <cutlass/numeric_conversion.h>
 
 #include <cstdint>
-#include <type_traits>
 
-#include "fused_gemm.cuh"
+#include "tma_store_gemm.cuh"
 
 namespace hugehead {
 namespace gemm {
@@ -191,22 +187,11 @@ struct GradTmaCallbacks {
 
 template <class Element, Schedule S>
 struct GradTmaGemm {
-  using Config = ScheduleConfig<S>;
-  static constexpr int kAlign = 16 / sizeof(Element);
-  using Callbacks = GradTmaCallbacks<Element>;
-  // The cooperative kernel's two warpgroups share a tile, and so its epilogue.
-  using EpilogueSchedule = std::conditional_t<S == Schedule::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                                              cutlass::epilogue::TmaWarpSpecialized>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
-      cutlass::layout::RowMajor, kAlign, EpilogueSchedule, Callbacks>::CollectiveOp;
-  using Mainloop = FusedMainloop<Element, S, static_cast<int>(sizeof(typename Epilogue::SharedStorage))>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Gemm = TmaStoreGemm<Element, S, GradTmaCallbacks<Element>>;
+  using Device = typename Gemm::Device;
 
   static typename Device::Arguments arguments(const GradGemmParams& p) {
-    typename Callbacks::Arguments cb;
+    typename GradTmaCallbacks<Element>::Arguments cb;
     cb.target = p.target;
     cb.lse = p.lse;
     cb.grad_rows = p.grad_rows;
@@ -214,18 +199,8 @@ struct GradTmaGemm {
     // As grad_gemm.cuh computes them, so both paths write the same bits.
     cb.smooth = static_cast<float>(static_cast<double>(p.label_smoothing) / static_cast<double>(p.num_classes));
     cb.target_weight = 1.f - p.label_smoothing;
-    typename Kernel::StrideA stride_a{p.x_stride, cute::Int<1>{}, p.x_stride * p.rows};
-    typename Kernel::StrideB stride_b{p.weight_stride, cute::Int<1>{}, p.weight_stride * p.cols};
-    typename Kernel::StrideD stride_d{p.grad_stride, cute::Int<1>{}, p.grad_stride * p.rows};
-    cutlass::KernelHardwareInfo hw;
-    cudaGetDevice(&hw.device_id);
-    hw.sm_count = p.sm_count;
-    return typename Device::Arguments{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.depth), 1},
-        {static_cast<const Element*>(p.x), stride_a, static_cast<const Element*>(p.weight), stride_b},
-        {cb, nullptr, stride_d, static_cast<Element*>(p.grad_logits), stride_d},
-        hw};
+    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, cb, p.grad_logits,
+                           p.grad_stride, p.sm_count);
   }
   static size_t workspace_bytes(const GradGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
   static const char* run(const GradGemmParams& p, void* workspace, cudaStream_t stream) {

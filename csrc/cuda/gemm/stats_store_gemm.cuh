@@ -11,13 +11,10 @@
 // the fold leaves the capped values in the accumulators. The host entry (gemm_chunk_stats.cu) refuses it.
 #pragma once
 
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
-
 #include <cstdint>
-#include <type_traits>
 
 #include "stats_gemm.cuh"
+#include "tma_store_gemm.cuh"
 
 namespace hugehead {
 namespace gemm {
@@ -75,8 +72,10 @@ struct StoreLogitsCallbacks {
 };
 
 // CUTLASS's TMA collective epilogue (Base) with the statistics fold run on each tile's accumulators first.
-template <class Element, class Base>
+template <class Base>
 struct StatsStoreEpilogue : Base {
+  using Element = typename Base::ElementD;
+
   CUTLASS_HOST_DEVICE StatsStoreEpilogue(typename Base::Params const& p, typename Base::TensorStorage& shared)
       : Base(p, shared), stats(p.thread) {}
 
@@ -97,36 +96,13 @@ struct StatsStoreEpilogue : Base {
 
 template <class Element, Schedule S>
 struct StatsStoreGemm {
-  using Config = ScheduleConfig<S>;
-  static constexpr int kAlign = 16 / sizeof(Element);
-  static constexpr int kTileCols = cute::size<1>(typename Config::Tile{});
-  using Callbacks = StoreLogitsCallbacks<Element>;
-  // The cooperative kernel's two warpgroups share a tile, and so its epilogue.
-  using EpilogueSchedule = std::conditional_t<S == Schedule::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                                              cutlass::epilogue::TmaWarpSpecialized>;
-  using Store = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
-      cutlass::layout::RowMajor, kAlign, EpilogueSchedule, Callbacks>::CollectiveOp;
-  using Epilogue = StatsStoreEpilogue<Element, Store>;
-  using Mainloop = FusedMainloop<Element, S, static_cast<int>(sizeof(typename Epilogue::SharedStorage))>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Gemm = TmaStoreGemm<Element, S, StoreLogitsCallbacks<Element>, StatsStoreEpilogue>;
+  using Device = typename Gemm::Device;
 
   static typename Device::Arguments arguments(const StatsGemmParams& p) {
-    const typename Callbacks::Arguments cb = stats_epilogue_arguments<Element>(p, kTileCols);
-    typename Kernel::StrideA stride_a{p.x_stride, cute::Int<1>{}, p.x_stride * p.rows};
-    typename Kernel::StrideB stride_b{p.weight_stride, cute::Int<1>{}, p.weight_stride * p.cols};
-    typename Kernel::StrideD stride_d{p.logits_stride, cute::Int<1>{}, p.logits_stride * p.rows};
-    cutlass::KernelHardwareInfo hw;
-    cudaGetDevice(&hw.device_id);
-    hw.sm_count = p.sm_count;
-    return typename Device::Arguments{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.depth), 1},
-        {static_cast<const Element*>(p.x), stride_a, static_cast<const Element*>(p.weight), stride_b},
-        {cb, nullptr, stride_d, static_cast<Element*>(p.logits), stride_d},
-        hw};
+    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth,
+                           stats_epilogue_arguments<Element>(p, Gemm::kTileCols), p.logits, p.logits_stride,
+                           p.sm_count);
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
   static const char* run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {

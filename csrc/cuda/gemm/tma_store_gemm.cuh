@@ -1,0 +1,60 @@
+// A fused GEMM whose [rows, cols] output (x's dtype) goes through CUTLASS's sm90 TMA warp-specialized collective
+// epilogue from the builder, with fusion callbacks of ours: subtiles staged in shared memory by stmatrix and
+// written by TMA stores that run while the warpgroup goes on. Shared by grad_tma_gemm.cuh (dLoss/dlogits) and
+// stats_store_gemm.cuh (the logits, after the statistics fold). Wrap<Collective> may derive from the collective
+// to work on each tile's accumulators before it stores them (default: the collective as it is).
+#pragma once
+
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "fused_gemm.cuh"
+
+namespace hugehead {
+namespace gemm {
+
+template <class Collective>
+using PlainCollective = Collective;
+
+template <class Element, Schedule S, class Callbacks, template <class> class Wrap = PlainCollective>
+struct TmaStoreGemm {
+  using Config = ScheduleConfig<S>;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kTileCols = cute::size<1>(typename Config::Tile{});
+  // The cooperative kernel's two warpgroups share a tile, and so its epilogue.
+  using EpilogueSchedule = std::conditional_t<S == Schedule::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                              cutlass::epilogue::TmaWarpSpecialized>;
+  using Collective = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
+      cutlass::layout::RowMajor, kAlign, EpilogueSchedule, Callbacks>::CollectiveOp;
+  using Epilogue = Wrap<Collective>;
+  using Mainloop = FusedMainloop<Element, S, static_cast<int>(sizeof(typename Epilogue::SharedStorage))>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // out: [rows, cols] with row stride out_stride (16-byte aligned base and rows: TMA's rules).
+  static typename Device::Arguments arguments(const void* x, int64_t x_stride, const void* weight,
+                                              int64_t weight_stride, int64_t rows, int64_t cols, int64_t depth,
+                                              typename Callbacks::Arguments const& cb, void* out, int64_t out_stride,
+                                              int sm_count) {
+    typename Kernel::StrideA stride_a{x_stride, cute::Int<1>{}, x_stride * rows};
+    typename Kernel::StrideB stride_b{weight_stride, cute::Int<1>{}, weight_stride * cols};
+    typename Kernel::StrideD stride_d{out_stride, cute::Int<1>{}, out_stride * rows};
+    cutlass::KernelHardwareInfo hw;
+    cudaGetDevice(&hw.device_id);
+    hw.sm_count = sm_count;
+    return typename Device::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(depth), 1},
+        {static_cast<const Element*>(x), stride_a, static_cast<const Element*>(weight), stride_b},
+        {cb, nullptr, stride_d, static_cast<Element*>(out), stride_d},
+        hw};
+  }
+};
+
+}  // namespace gemm
+}  // namespace hugehead
