@@ -409,9 +409,10 @@ def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1:
     """Logits chunk ``x @ chunk.weightᵀ + chunk.bias`` (rows ``[r0, r1)`` of the shard, ``x`` already those
     rows) stored into ``z`` (a kept chunk, a block of the rows plan) and folded into ``stats``. Where the fused
     statistics GEMM applies (``fused``: :func:`_fused_applies`; no softcap, since kept logits are stored
-    uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`), one GEMM stores them as it folds them (:func:`ops.gemm_chunk_stats_` with
-    ``logits``): no pass reads them back. Else cuBLAS's GEMM, then :func:`_chunk_stats` on what it stored
-    (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per call: the benchmarks' A/B)."""
+    uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`), one GEMM stores them as it folds
+    them (:func:`ops.gemm_chunk_stats_` with ``logits``): no pass reads them back. Else cuBLAS's GEMM, then
+    :func:`_chunk_stats` on what it stored (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per
+    call: the benchmarks' A/B)."""
     if (fused and not softcap and x.shape[1] < FUSED_STORE_MAX_DEPTH and _fused_layout(x, chunk)
             and _tma_store_ready(z) and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
         ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,
