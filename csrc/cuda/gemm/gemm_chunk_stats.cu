@@ -9,7 +9,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -63,11 +62,9 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     TORCH_CHECK(z.device() == x.device(), "hugehead: logits are on ", z.device(), " but x is on ", x.device());
     TORCH_CHECK(z.dim() == 2 && z.size(0) == x.size(0) && z.size(1) == weight.size(0),
                 "hugehead: logits must have shape [", x.size(0), ", ", weight.size(0), "], got ", z.sizes());
-    TORCH_CHECK(z.size(1) % 8 == 0 && (z.size(1) <= 1 || z.stride(1) == 1) && z.stride(0) % 8 == 0 &&
-                    reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 == 0,
-                "hugehead: gemm_chunk_stats_ stores logits by TMA: they need a column count and a row stride that "
-                "are multiples of 8, unit column stride and a 16-byte aligned start; got shape ", z.sizes(),
-                ", strides ", z.strides());
+    check_k_major(z, "logits");  // TMA stores them: the loads' layout rules
+    TORCH_CHECK(z.size(1) % 8 == 0, "hugehead: gemm_chunk_stats_ stores logits by TMA: their column count and row "
+                "stride must be multiples of 8 (whole 16-byte rows), got ", z.size(1), " columns");
     TORCH_CHECK(!(softcap > 0.0), "hugehead: gemm_chunk_stats_ stores logits only without softcap (kept logits "
                 "are stored uncapped; softcap ", softcap, " given)");
   }
