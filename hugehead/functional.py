@@ -42,6 +42,7 @@ from .options import (  # noqa: F401  (re-exported: the loss's rules were public
     no_second_order,
     reduce_loss,
     row_losses,
+    start_target_check,
     validate_options,
 )
 from .plan import (  # noqa: F401  (re-exported: the planner's names were public here before plan.py)
@@ -127,12 +128,14 @@ def _lce_forward(
     the caller (None: planned here from chunk_size/memory_budget)."""
     v = weight.shape[0]
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    check_target_range(target, v, ignore_index)  # (inside the op: eager, and no checked copy needed)
+    # (inside the op: eager, and no checked copy needed); finished once the loop's kernels are queued
+    finish_check = start_target_check(target, v, ignore_index)
     step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
     with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, step_plan, memory_budget or None):
         stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, options, step_plan)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         loss = row_losses(lse, target_logit, logit_sum, target != ignore_index, v, options)
+    finish_check()
     return loss, lse, (x.new_empty(0) if kept is None else kept)
 
 
@@ -343,7 +346,8 @@ def _lce_rows(
     for backward (torch.compile)."""
     acc = ops.acc_dtype(x.dtype)
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    check_target_range(target, weight.shape[0], ignore_index)  # (inside the op: eager, no checked copy needed)
+    # (inside the op: eager, no checked copy needed); finished once the pass's kernels are queued
+    finish_check = start_target_check(target, weight.shape[0], ignore_index)
     target = target.long().contiguous()
     valid = target != ignore_index
     count = valid.sum(dtype=acc)
@@ -354,6 +358,7 @@ def _lce_rows(
     loss_rows, grad_x, grad_w, grad_b = rows_pass(x, weight, bias, target, options, rows_plan(plan), grad_rows,
                                                   need_x, need_weight)
     loss = loss_rows.sum() / count if mean else loss_rows.sum()
+    finish_check()
     return loss, grad_x, grad_w, grad_b
 
 

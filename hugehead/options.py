@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ __all__ = [
     "check_memory_budget",
     "check_target_tensor",
     "check_target_range",
+    "start_target_check",
     "check_targets",
     "validate_options",
     "autocast_dtype",
@@ -217,6 +218,39 @@ def check_target_range(target: Tensor, num_classes: int, ignore_index: Optional[
         valid = f"0..{num_classes - 1}" + ("" if ignore_index is None else f", or ignore_index={ignore_index}")
         raise ValueError(f"hugehead: {what} {int(target[first])} at row {first} is out of range for {num_classes} "
                          f"classes (valid: {valid})")
+
+
+def start_target_check(target: Tensor, num_classes: int, ignore_index: Optional[int],
+                       what: str = "target") -> Callable[[], None]:
+    """:func:`check_target_range` without waiting for the device: returns the function that finishes it
+    (raises the same ValueError). On CUDA the reduction and the copy of its two values into pinned host
+    memory are queued with an event, and the finisher waits for that event only, so the caller can queue
+    its kernels first: the host no longer drains the queue (the model's kernels before the loss) ahead of
+    the loss's launches. Elsewhere the check runs now and the finisher does nothing.
+
+    Only for ops whose outputs are fresh tensors, which call the finisher before returning them: the
+    kernels queued in between read the targets as class ids compared with column ranges (none indexes
+    memory by them), so out-of-range ids compute garbage that is never returned, and nothing is corrupted."""
+    if target.device.type != "cuda" or target.numel() == 0:
+        check_target_range(target, num_classes, ignore_index, what)
+        return _checked
+    exempt = target if ignore_index is None else torch.where(target == ignore_index, 0, target)
+    low_high = torch.empty(2, dtype=exempt.dtype, pin_memory=True)
+    low_high.copy_(torch.stack(torch.aminmax(exempt)), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def finish() -> None:
+        done.synchronize()
+        low, high = low_high.tolist()
+        if low < 0 or high >= num_classes:
+            check_target_range(target, num_classes, ignore_index, what)  # the error naming the first bad value
+
+    return finish
+
+
+def _checked() -> None:
+    return None
 
 
 @torch.library.custom_op("hugehead::checked_targets", mutates_args=())

@@ -237,6 +237,35 @@ def test_long_rows_from_mid_pack_match_float64(device, dtype, label_smoothing):
     assert rel_err(buf[:, 3:].double().cpu(), z64.grad) <= tol
 
 
+@pytest.mark.parametrize("dtype,label_smoothing", [(torch.bfloat16, 0.0), (torch.float32, 0.1)])
+def test_chunk_grad_across_column_segments_matches_float64(device, dtype, label_smoothing):
+    """Rows of several CUDA segments (65536 columns a block): targets on both sides of each segment edge
+    and in the short last segment, an ignored row (zeros in every segment), the chunk 5 columns into a
+    row of a strided buffer, whose other columns stay as they were."""
+    torch.manual_seed(4)
+    n, v, off = 7, 140003, 5
+    full = (torch.randn(n, v + off + 2, dtype=torch.float64) * 3).to(dtype)
+    z = full[:, off:off + v]
+    target = torch.tensor([65535, 65536, 65537, 131071, 131072, v - 1, 0])
+    grad_rows = torch.rand(n, dtype=torch.float64) + 0.5
+    grad_rows[6] = 0.0
+    z64 = z.double().requires_grad_()
+    loss, lse = hand_row_loss(z64, target, label_smoothing, 0.0, 0.0)
+    (loss * grad_rows).sum().backward()
+    acc = ops.acc_dtype(dtype)
+    buf = full.clone().to(device)
+    torch.ops.hugehead.chunk_grad_(buf[:, off:off + v], target.to(device), 0, v, lse.detach().to(acc).to(device),
+                                   grad_rows.to(acc).to(device), label_smoothing, 0.0, 0.0)
+    got = buf.double().cpu()
+    before = full.double()
+    assert torch.equal(got[:, :off], before[:, :off]) and torch.equal(got[:, off + v:], before[:, off + v:])
+    assert bool((got[6, off:off + v] == 0).all())
+    rows = torch.arange(6)
+    assert torch.all((got[rows, off + target[:6]] - z64.grad[rows, target[:6]]).abs()
+                     <= torch.finfo(dtype).eps * z64.grad[rows, target[:6]].abs())  # each target's own term
+    assert rel_err(got[:, off:off + v], z64.grad) <= torch.finfo(dtype).eps / 2 + 2e-6
+
+
 # --------------------------------------------------------------------------------------------------
 # Argument checks of the kernels
 # --------------------------------------------------------------------------------------------------

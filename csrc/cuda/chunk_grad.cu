@@ -1,5 +1,8 @@
-// CUDA kernel of hugehead::chunk_grad_: one block per row turns a logits chunk into its gradient in
-// place (16-byte loads and stores where the row allows, four in flight per thread). The plain loss of
+// CUDA kernel of hugehead::chunk_grad_: one block per (row, segment of kSegmentCols columns) turns a logits
+// chunk into its gradient in place (16-byte loads and stores where the row allows, four in flight per
+// thread). Segments, not whole rows: a block of one 1M-class row ran ~1.2 ms, so the rows plan's 2048-row
+// chunks took two waves of such blocks with their tails; 64k-column blocks balance to the end (the result
+// is elementwise: the same bits whatever the split). The plain loss of
 // 16-bit logits (no label smoothing, z-loss, softcap or returned lse: kPlain) takes g * exp(z - lse) with
 // the SFU's exponential (one FFMA and one MUFU.EX2, cuda::exp_minus, as the fused gradient GEMM): the general
 // formula with the accurate expf takes about 16 instructions an element, this one 4.5 (SASS), in the rows
@@ -8,6 +11,8 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "hugehead/common.h"
@@ -19,14 +24,16 @@ namespace hugehead {
 namespace {
 
 template <typename scalar_t, typename acc_t, bool kPlain>
-__global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGradParams p) {
+__global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGradParams p, int64_t seg_cols) {
   static_assert(!kPlain || sizeof(scalar_t) == 2, "the SFU exponential is for 16-bit logits only");
   const int64_t row = blockIdx.x;
-  scalar_t* logits = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * seg_cols;
+  const int64_t cols = p.cols - c0 < seg_cols ? p.cols - c0 : seg_cols;  // this block's columns [c0, c0 + cols)
+  scalar_t* logits = static_cast<scalar_t*>(p.logits) + row * p.row_stride + c0;
   const acc_t g = static_cast<const acc_t*>(p.grad_rows)[row];
   const acc_t gl = p.grad_lse == nullptr ? acc_t(0) : static_cast<const acc_t*>(p.grad_lse)[row];
   if (g == acc_t(0) && gl == acc_t(0)) {  // ignored rows: exact zeros, whatever the logits hold
-    cuda::zero_row(logits, p.cols);
+    cuda::zero_row(logits, cols);
     return;
   }
   const acc_t lse = static_cast<const acc_t*>(p.lse)[row];
@@ -34,8 +41,8 @@ __global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGrad
   const acc_t eps = static_cast<acc_t>(p.label_smoothing);
   const acc_t smooth = eps / static_cast<acc_t>(p.num_classes);
   const acc_t z_term = acc_t(2) * static_cast<acc_t>(p.z_loss) * lse;
-  const int64_t t = p.target[row] - p.class_start;
-  const bool has_target = t >= 0 && t < p.cols;
+  const int64_t t = p.target[row] - p.class_start - c0;  // the target's column in this segment
+  const bool has_target = t >= 0 && t < cols;
   // The target's logit is read before any thread overwrites it; every element is then written with the
   // non-target formula (no index compare per element) and thread 0 rewrites the target's afterwards.
   __shared__ acc_t target_z;
@@ -49,7 +56,7 @@ __global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGrad
   if (kPlain && gl == acc_t(0)) {
     // g p with p = exp(z - lse) as the fused gradient GEMM's epilogue computes it (cuda::exp_minus)
     const float lse_log2e = lse * cuda::kLog2e;
-    cuda::for_each_pack_in_row<scalar_t, /*Write=*/true, /*kUnroll=*/4>(logits, p.cols, [&](auto& pack) {
+    cuda::for_each_pack_in_row<scalar_t, /*Write=*/true, /*kUnroll=*/4>(logits, cols, [&](auto& pack) {
       constexpr int N = std::decay_t<decltype(pack)>::kSize;
 #pragma unroll
       for (int k = 0; k < N; ++k) {
@@ -57,7 +64,7 @@ __global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGrad
       }
     });
   } else {
-    cuda::for_each_pack_in_row<scalar_t, /*Write=*/true, /*kUnroll=*/4>(logits, p.cols, [&](auto& pack) {
+    cuda::for_each_pack_in_row<scalar_t, /*Write=*/true, /*kUnroll=*/4>(logits, cols, [&](auto& pack) {
       constexpr int N = std::decay_t<decltype(pack)>::kSize;
 #pragma unroll
       for (int k = 0; k < N; ++k) pack.v[k] = static_cast<scalar_t>(grad(static_cast<acc_t>(pack.v[k]), false));
@@ -69,16 +76,28 @@ __global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGrad
   }
 }
 
+// Columns a block: a multiple of 8 (a segment starts 16-byte aligned where its row does). HUGEHEAD_GRAD_SEGMENT
+// overrides it (0: one block per whole row, the layout before; an A/B knob).
+int64_t segment_cols() {
+  static const int64_t cols = [] {
+    const char* env = std::getenv("HUGEHEAD_GRAD_SEGMENT");
+    const int64_t v = env == nullptr ? int64_t(65536) : std::atoll(env);
+    return v <= 0 ? int64_t(0) : (v + 7) / 8 * 8;
+  }();
+  return cols;
+}
+
 template <typename scalar_t>
 void launch_chunk_grad(const ChunkGradParams& p, const at::Tensor& logits) {
   using acc_t = at::opmath_type<scalar_t>;
+  const int64_t seg = segment_cols() == 0 || segment_cols() >= p.cols ? std::max<int64_t>(p.cols, 1) : segment_cols();
+  const int64_t segments = (p.cols + seg - 1) / seg;
+  TORCH_CHECK(segments <= 65535, "hugehead: chunk_grad_: too many column segments in one row");
+  auto* kernel = chunk_grad_kernel<scalar_t, acc_t, false>;
   if constexpr (sizeof(scalar_t) == 2) {
-    if (p.label_smoothing == 0 && p.z_loss == 0 && p.softcap <= 0) {
-      cuda::launch_row_blocks(chunk_grad_kernel<scalar_t, acc_t, true>, p, logits);
-      return;
-    }
+    if (p.label_smoothing == 0 && p.z_loss == 0 && p.softcap <= 0) kernel = chunk_grad_kernel<scalar_t, acc_t, true>;
   }
-  cuda::launch_row_blocks(chunk_grad_kernel<scalar_t, acc_t, false>, p, logits);
+  cuda::launch_row_blocks(kernel, p, logits, static_cast<unsigned>(std::max<int64_t>(segments, 1)), seg);
 }
 
 void chunk_grad_cuda(const ChunkGradParams& p, const at::Tensor& logits) {
