@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench import harness  # first: decides which hugehead is imported
 
+import hugehead  # noqa: E402,F401  (registers torch.ops.hugehead.*)
 import torch  # noqa: E402
 
 
