@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
         times = _time_ms(fn, restore, args.reps)
         ms = statistics.median(times)
         rows.append({"pass": name, "ms": ms, "min_ms": min(times), "tb_per_s": moved / ms / 1e9, "reps": len(times)})
-    segment = os.environ.get("HUGEHEAD_GRAD_SEGMENT", "default (65536)")
+    segment = os.environ.get("HUGEHEAD_GRAD_SEGMENT", "default (16384)")
     result = {"meta": {**harness.git_sha(), **harness.environment(dev), "rows": n, "cols": c,
                        "HUGEHEAD_GRAD_SEGMENT": segment, "bytes_moved": moved}, "rows": rows}
     lines = [f"# memory-bound passes, {n} x {c} bf16 in place ({moved / 1e9:.1f} GB moved), "

@@ -239,9 +239,9 @@ def test_long_rows_from_mid_pack_match_float64(device, dtype, label_smoothing):
 
 @pytest.mark.parametrize("dtype,label_smoothing", [(torch.bfloat16, 0.0), (torch.float32, 0.1)])
 def test_chunk_grad_across_column_segments_matches_float64(device, dtype, label_smoothing):
-    """Rows of several CUDA segments (65536 columns a block): targets on both sides of each segment edge
-    and in the short last segment, an ignored row (zeros in every segment), the chunk 5 columns into a
-    row of a strided buffer, whose other columns stay as they were."""
+    """Rows of several CUDA segments (16384 columns a block; 65536 and 131072 are edges of 65536-column ones
+    too): targets on both sides of segment edges and in the short last segment, an ignored row (zeros in
+    every segment), the chunk 5 columns into a row of a strided buffer, whose other columns stay as they were."""
     torch.manual_seed(4)
     n, v, off = 7, 140003, 5
     full = (torch.randn(n, v + off + 2, dtype=torch.float64) * 3).to(dtype)

@@ -1,8 +1,10 @@
-// CUDA kernel of hugehead::chunk_grad_: one block per (row, segment of kSegmentCols columns) turns a logits
+// CUDA kernel of hugehead::chunk_grad_: one block per (row, segment of 16384 columns) turns a logits
 // chunk into its gradient in place (16-byte loads and stores where the row allows, four in flight per
-// thread). Segments, not whole rows: a block of one 1M-class row ran ~1.2 ms, so the rows plan's 2048-row
-// chunks took two waves of such blocks with their tails; 64k-column blocks balance to the end (the result
-// is elementwise: the same bits whatever the split). The plain loss of
+// thread). Segments, not a block a row, and a row's segments side by side in the grid: with a block a
+// 1M-class row the ~1000 blocks resident at once each swept their own row, 2 MB apart, and the rows plan's
+// 2048-row chunks took two waves of ~1.2 ms blocks (3.50 TB/s on one H200 at 2048 x 1M bf16, bench_passes,
+// where torch's in-place passes reach 4.27; 64k-column segments with the rows fastest in the grid: 3.66).
+// The result is elementwise: the same bits whatever the split. The plain loss of
 // 16-bit logits (no label smoothing, z-loss, softcap or returned lse: kPlain) takes g * exp(z - lse) with
 // the SFU's exponential (one FFMA and one MUFU.EX2, cuda::exp_minus, as the fused gradient GEMM): the general
 // formula with the accurate expf takes about 16 instructions an element, this one 4.5 (SASS), in the rows
@@ -24,10 +26,11 @@ namespace hugehead {
 namespace {
 
 template <typename scalar_t, typename acc_t, bool kPlain>
-__global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGradParams p, int64_t seg_cols) {
+__global__ void __launch_bounds__(cuda::kRowThreads)
+chunk_grad_kernel(ChunkGradParams p, int64_t segments, int64_t seg_cols) {
   static_assert(!kPlain || sizeof(scalar_t) == 2, "the SFU exponential is for 16-bit logits only");
-  const int64_t row = blockIdx.x;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * seg_cols;
+  const int64_t row = blockIdx.x / segments;  // launch_row_blocks: a row's segments side by side
+  const int64_t c0 = (blockIdx.x % segments) * seg_cols;
   const int64_t cols = p.cols - c0 < seg_cols ? p.cols - c0 : seg_cols;  // this block's columns [c0, c0 + cols)
   scalar_t* logits = static_cast<scalar_t*>(p.logits) + row * p.row_stride + c0;
   const acc_t g = static_cast<const acc_t*>(p.grad_rows)[row];
@@ -81,7 +84,7 @@ __global__ void __launch_bounds__(cuda::kRowThreads) chunk_grad_kernel(ChunkGrad
 int64_t segment_cols() {
   static const int64_t cols = [] {
     const char* env = std::getenv("HUGEHEAD_GRAD_SEGMENT");
-    const int64_t v = env == nullptr ? int64_t(65536) : std::atoll(env);
+    const int64_t v = env == nullptr ? int64_t(16384) : std::atoll(env);
     return v <= 0 ? int64_t(0) : (v + 7) / 8 * 8;
   }();
   return cols;
@@ -91,13 +94,12 @@ template <typename scalar_t>
 void launch_chunk_grad(const ChunkGradParams& p, const at::Tensor& logits) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t seg = segment_cols() == 0 || segment_cols() >= p.cols ? std::max<int64_t>(p.cols, 1) : segment_cols();
-  const int64_t segments = (p.cols + seg - 1) / seg;
-  TORCH_CHECK(segments <= 65535, "hugehead: chunk_grad_: too many column segments in one row");
+  const int64_t segments = std::max<int64_t>((p.cols + seg - 1) / seg, 1);
   auto* kernel = chunk_grad_kernel<scalar_t, acc_t, false>;
   if constexpr (sizeof(scalar_t) == 2) {
     if (p.label_smoothing == 0 && p.z_loss == 0 && p.softcap <= 0) kernel = chunk_grad_kernel<scalar_t, acc_t, true>;
   }
-  cuda::launch_row_blocks(kernel, p, logits, static_cast<unsigned>(std::max<int64_t>(segments, 1)), seg);
+  cuda::launch_row_blocks(kernel, p, logits, segments, segments, seg);
 }
 
 void chunk_grad_cuda(const ChunkGradParams& p, const at::Tensor& logits) {

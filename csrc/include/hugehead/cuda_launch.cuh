@@ -15,15 +15,17 @@ namespace cuda {
 
 constexpr int kRowThreads = 256;  // the block of one row: kernels take it as __launch_bounds__
 
-// kernel<<<(p.rows, segments) blocks of kRowThreads>>>(p, extra...) on the current stream of the logits'
-// device: blockIdx.x the row, blockIdx.y the row's segment (1 by default).
+// kernel<<<p.rows * segments blocks of kRowThreads>>>(p, extra...) on the current stream of the logits'
+// device. Block b is segment b % segments of row b / segments (segments 1: block b is row b): a row's
+// segments are neighbours in the grid, so the blocks resident at once sweep contiguous memory.
 template <typename Params, typename... Extra>
 void launch_row_blocks(void (*kernel)(Params, Extra...), const Params& p, const at::Tensor& logits,
-                       unsigned segments = 1, Extra... extra) {
-  TORCH_CHECK(p.rows <= std::numeric_limits<int32_t>::max(), "hugehead: too many rows in one chunk");
+                       int64_t segments = 1, Extra... extra) {
+  TORCH_CHECK(segments >= 1 && p.rows <= std::numeric_limits<int32_t>::max() / segments,
+              "hugehead: too many rows in one chunk");
   const c10::cuda::CUDAGuard guard(logits.device());
-  const dim3 grid(static_cast<unsigned>(p.rows), segments);
-  kernel<<<grid, kRowThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, extra...);
+  const auto blocks = static_cast<unsigned>(p.rows * segments);
+  kernel<<<blocks, kRowThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, extra...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
