@@ -201,6 +201,12 @@ def _out_of_range(target: Tensor, num_classes: int, ignore_index: Optional[int])
     return bad if ignore_index is None else bad & (target != ignore_index)
 
 
+def _low_high(target: Tensor, ignore_index: Optional[int]) -> Tensor:
+    """``[min, max]`` of ``target`` on its device, ``ignore_index`` counted as 0 (valid)."""
+    exempt = target if ignore_index is None else torch.where(target == ignore_index, 0, target)
+    return torch.stack(torch.aminmax(exempt))
+
+
 def check_target_range(target: Tensor, num_classes: int, ignore_index: Optional[int], what: str = "target") -> None:
     """Raise ValueError naming the first value of ``target [N]`` outside ``[0, num_classes)`` that is not
     ``ignore_index`` (None: none exempt). One reduction and one device-to-host read (the call's one
@@ -210,8 +216,7 @@ def check_target_range(target: Tensor, num_classes: int, ignore_index: Optional[
     # bad rows took 6 (the mask is made only on the error path).
     if target.numel() == 0:
         return
-    exempt = target if ignore_index is None else torch.where(target == ignore_index, 0, target)
-    low, high = torch.stack(torch.aminmax(exempt)).tolist()
+    low, high = _low_high(target, ignore_index).tolist()
     if low < 0 or high >= num_classes:
         bad = _out_of_range(target, num_classes, ignore_index)
         first = int(bad.nonzero()[0, 0])
@@ -234,9 +239,8 @@ def start_target_check(target: Tensor, num_classes: int, ignore_index: Optional[
     if target.device.type != "cuda" or target.numel() == 0:
         check_target_range(target, num_classes, ignore_index, what)
         return _checked
-    exempt = target if ignore_index is None else torch.where(target == ignore_index, 0, target)
-    low_high = torch.empty(2, dtype=exempt.dtype, pin_memory=True)
-    low_high.copy_(torch.stack(torch.aminmax(exempt)), non_blocking=True)
+    low_high = torch.empty(2, dtype=target.dtype, pin_memory=True)
+    low_high.copy_(_low_high(target, ignore_index), non_blocking=True)
     done = torch.cuda.Event()
     done.record()
 

@@ -93,8 +93,9 @@ int64_t segment_cols() {
 template <typename scalar_t>
 void launch_chunk_grad(const ChunkGradParams& p, const at::Tensor& logits) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t seg = segment_cols() == 0 || segment_cols() >= p.cols ? std::max<int64_t>(p.cols, 1) : segment_cols();
-  const int64_t segments = std::max<int64_t>((p.cols + seg - 1) / seg, 1);
+  const int64_t width = std::max<int64_t>(p.cols, 1);
+  const int64_t seg = segment_cols() > 0 ? std::min(segment_cols(), width) : width;
+  const int64_t segments = (width + seg - 1) / seg;
   auto* kernel = chunk_grad_kernel<scalar_t, acc_t, false>;
   if constexpr (sizeof(scalar_t) == 2) {
     if (p.label_smoothing == 0 && p.z_loss == 0 && p.softcap <= 0) kernel = chunk_grad_kernel<scalar_t, acc_t, true>;
