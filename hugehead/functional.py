@@ -21,6 +21,7 @@ from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loo
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     ResidentChunks,
     RowStats,
+    fused_applies,
     merge_row_stats,
     rows_steps,
     run_steps,
@@ -473,9 +474,11 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
     compiling = torch.compiler.is_compiling()
     keep = wants_grad and not compiling
     # The one plan of this step: the forward follows it, and it travels to the backward with the op's inputs.
+    # Where the fused GEMMs take the chunks there is nothing to overlap on a side stream (see plan_chunks).
     plan = plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
-                     allow_rows=wants_grad and not return_lse and options.reduction != "none")
+                     allow_rows=wants_grad and not return_lse and options.reduction != "none",
+                     side_stream=not fused_applies(x, target, "grad"))
     if plan.grad_in_forward:
         return _rows_op(x, weight, bias, target, options, plan), None
     loss_rows, lse, _ = torch.ops.hugehead.linear_cross_entropy_forward(

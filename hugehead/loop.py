@@ -284,7 +284,7 @@ def forward_stats_steps(
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
     # The fused GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
-    if _overlapped(plan, x, source) and not _fused_applies(x, target, "stats"):
+    if _overlapped(plan, x, source) and not fused_applies(x, target, "stats"):
         return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
     # Only label smoothing reads the logit sums: without it the fused GEMM skips them.
     return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan,
@@ -321,7 +321,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     if n == 0 or v == 0:
         return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    fused = _fused_applies(x, target, "stats")
+    fused = fused_applies(x, target, "stats")
     workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
     cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
@@ -349,7 +349,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
 
 # -- gemm (issue 21): the chunk steps through the CUTLASS GEMMs with the statistics (forward) or dLoss/dlogits
 # (backward) in their epilogues.
-def _fused_applies(x: Tensor, target, kind: str) -> bool:
+def fused_applies(x: Tensor, target, kind: str) -> bool:
     """Whether this shard's chunks may take :func:`ops.gemm_chunk_stats_` (``kind="stats"``) or
     :func:`ops.gemm_chunk_grad_` (``"grad"``): class-id targets, a bf16/fp16 ``x`` on an sm_90 GPU of a
     CUTLASS build, and :func:`ops.gemm_path` saying ``cutlass`` (or ``cutlass_forward`` for the statistics
@@ -408,7 +408,7 @@ def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1:
                   softcap: float, stats: RowStats, fused: bool, logit_sum: bool = True) -> None:
     """Logits chunk ``x @ chunk.weightᵀ + chunk.bias`` (rows ``[r0, r1)`` of the shard, ``x`` already those
     rows) stored into ``z`` (a kept chunk, a block of the rows plan) and folded into ``stats``. Where the fused
-    statistics GEMM applies (``fused``: :func:`_fused_applies`; no softcap, since kept logits are stored
+    statistics GEMM applies (``fused``: :func:`fused_applies`; no softcap, since kept logits are stored
     uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`), one GEMM stores them as it folds
     them (:func:`ops.gemm_chunk_stats_` with ``logits``): no pass reads them back. Else cuBLAS's GEMM, then
     :func:`_chunk_stats` on what it stored (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per
@@ -606,7 +606,7 @@ def backward_steps(
     args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
             grad_lse)
     # The fused gradient GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
-    if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not _fused_applies(x, target, "grad"):
+    if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not fused_applies(x, target, "grad"):
         return _backward_overlapped(*args)
     return _backward_streamed(*args)
 
@@ -628,7 +628,7 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
             return grad_w, grad_b
         return None, None
     rows_split = plan.rows < n
-    fused = _fused_applies(x, target, "grad")
+    fused = fused_applies(x, target, "grad")
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     dx_partial = None
@@ -786,7 +786,7 @@ def rows_steps(
     valid = target != options.ignore_index if row_losses_of is None else None
     # Each block's logits stored by the fused statistics GEMM as it folds them, where it applies; the logit
     # sums only where label smoothing reads them (class ids: a chunk target's kernels fold their own).
-    fused = _fused_applies(x, target, "stats")
+    fused = fused_applies(x, target, "stats")
     fold_sums = bool(options.label_smoothing)
     workspace = x.new_empty(min(plan.rows, n) * v)
     one_chunk = plan.cols >= v

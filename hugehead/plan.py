@@ -264,6 +264,7 @@ def plan_chunks(
     weight_dtype: Optional[torch.dtype] = None,
     allow_keep: bool = True,
     direct_dx: bool = False,
+    side_stream: bool = True,
 ) -> Plan:
     """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
 
@@ -275,6 +276,9 @@ def plan_chunks(
     a chunk at a time. Rows are split only when even a ``_MIN_COLS``-wide chunk of all rows would not fit.
     ``direct_dx``: the caller computes the ``dX`` of a plan that keeps all logits in one chunk as one GEMM
     straight into the gradient (the single-device op), so that plan needs no ``dX`` buffers.
+    ``side_stream``: the loop has memory-bound kernels to overlap with the GEMMs on a side stream. False where
+    the fused GEMMs fold them (the caller asks :func:`hugehead.loop.fused_applies`): a second workspace would
+    buy nothing, so its memory keeps one more chunk of logits instead.
     """
     budget = _as_budget(memory_budget, device)
     chosen = dict(budget=budget.bytes, budget_reason=budget.reason)
@@ -311,7 +315,7 @@ def plan_chunks(
         rows = max(1, memory_budget // (cols * itemsize + d * (itemsize + 4)))
     chunk_bytes = n * cols * itemsize
     # A second workspace lets the memory-bound kernels overlap the next chunk's GEMMs (CUDA, rows whole).
-    overlap = (device.type == "cuda" and rows >= n and cols < v and overlap_enabled()
+    overlap = (side_stream and device.type == "cuda" and rows >= n and cols < v and overlap_enabled()
                and dx_bytes + 2 * chunk_bytes <= memory_budget)
     if keep and rows >= n:
         # Keep as many leading chunks as the budget holds beyond the streaming workspace(s).
@@ -402,7 +406,7 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
 
 def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
               memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
-              allow_rows: bool = False, direct_dx: bool = False) -> Plan:
+              allow_rows: bool = False, direct_dx: bool = False, side_stream: bool = True) -> Plan:
     """The plan of one loss call: the cheapest that fits the budget.
 
     Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
@@ -418,7 +422,7 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     weight_dtype = dtype if weight_dtype is None else weight_dtype
     budget = _as_budget(memory_budget, device)
     plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
-                       allow_keep=allow_keep, direct_dx=direct_dx)
+                       allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream)
     if not (allow_rows and chunk_size is None and rows_enabled()):
         return plan
     rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)

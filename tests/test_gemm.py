@@ -663,11 +663,11 @@ def test_fake_kernel_checks_shapes():
 
 
 def _emulate_fused_ops(monkeypatch):
-    """Run the chunk loop's fused branches on any device: _fused_applies says yes for class-id targets and
+    """Run the chunk loop's fused branches on any device: fused_applies says yes for class-id targets and
     the fused ops are emulated by addmm + chunk_stats_ / chunk_grad_ (the arithmetic of the cuBLAS path)."""
     from hugehead import loop
 
-    monkeypatch.setattr(loop, "_fused_applies", lambda x, target, kind: isinstance(target, torch.Tensor))
+    monkeypatch.setattr(loop, "fused_applies", lambda x, target, kind: isinstance(target, torch.Tensor))
 
     def matmul(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())

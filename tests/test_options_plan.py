@@ -145,6 +145,26 @@ def test_shards_on_one_device_share_its_budget_and_the_plan_records_it(monkeypat
     assert plan == planner.Plan(plan.rows, plan.cols, plan.keep_logits, plan.kept_chunks, plan.overlap)
 
 
+def test_fused_loop_spends_the_overlap_workspace_on_one_more_kept_chunk(monkeypatch):
+    """Where the fused GEMMs take the chunks (side_stream=False) there is nothing to overlap: the planner
+    reserves no second workspace, and the same budget keeps one more chunk of logits (xc6M's shape, 4 GiB)."""
+    monkeypatch.setenv("HUGEHEAD_OVERLAP", "1")
+    cuda = torch.device("cuda")  # planned only: no GPU is touched
+    n, d, v, budget = 4096, 768, 6_000_000, 4 << 30
+    both = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget)
+    fused = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, side_stream=False)
+    assert both.overlap and not fused.overlap
+    assert (both.cols, both.rows) == (fused.cols, fused.rows) == (65536, n)
+    assert both.keep_logits and fused.kept_chunks == both.kept_chunks + 1
+    chunk = n * fused.cols * 2
+    assert n * d * 6 + (fused.kept_chunks + 1) * chunk <= budget < n * d * 6 + (fused.kept_chunks + 2) * chunk
+    # The CPU has no side stream either way; a plan that keeps everything is unchanged.
+    cpu = torch.device("cpu")
+    assert planner.plan_chunks(64, 8, 3000, torch.float32, cpu, None, 1 << 20, side_stream=False) == \
+        planner.plan_chunks(64, 8, 3000, torch.float32, cpu, None, 1 << 20)
+    assert planner.plan_chunks(64, 8, 3000, torch.float32, cuda, None, 64 << 20, side_stream=False).kept_chunks == 1
+
+
 def test_workspace_estimate_is_what_the_planner_plans():
     """hugehead.demo's "will it fit" asks the planner: two CPU shards of 3000 classes sharing 1 MiB stream
     their own plans' workspaces; a budget that holds every logit keeps them all."""
