@@ -71,14 +71,20 @@ def _hugehead_plan(n, d, v, dtype, device, memory_budget: Optional[int] = None) 
     """What ``hugehead.linear_cross_entropy`` plans with ``memory_budget`` (None: the default) for forward +
     backward of the mean loss (whatever fields ``Plan`` has, and its ``kind``: ``rows``, ``kept`` or
     ``recompute``), and, where the planner can be told that nothing will be kept (``allow_keep``), for the
-    forward alone (prefixed ``fwd_``). An older hugehead without ``plan_loss`` is asked through
-    ``plan_chunks``."""
+    forward alone (prefixed ``fwd_``). An older hugehead without ``loss_plan`` is asked through ``plan_loss``,
+    one without that through ``plan_chunks``."""
     import inspect
 
     from hugehead import functional
 
     planner = getattr(functional, "plan_loss", None)
-    if planner is not None:  # the functional's own planner: kept logits, rows, or recomputed chunks
+    if hasattr(functional, "loss_plan"):  # the plan of the call itself (it also asks whether the GEMMs are fused)
+        with torch.enable_grad():
+            x = torch.empty(n, d, dtype=dtype, device=device, requires_grad=True)
+            w = torch.empty(1, d, dtype=dtype, device=device, requires_grad=True).expand(v, d)  # shapes only
+            chosen = functional.loss_plan(x, w, torch.zeros(n, dtype=torch.long, device=device), None, None,
+                                          memory_budget)
+    elif planner is not None:  # the functional's own planner: kept logits, rows, or recomputed chunks
         chosen = planner(n, d, v, dtype, device, None, memory_budget, allow_rows=True, direct_dx=True)
     else:
         params = inspect.signature(functional.plan_chunks).parameters

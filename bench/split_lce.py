@@ -131,12 +131,13 @@ def _profiled_step(x, w, t):
 
 
 def split_shape(shape, reps: int, widths: List[int]) -> dict:
-    from hugehead.plan import plan_loss
+    from hugehead.functional import loss_plan
 
     dev = torch.device("cuda")
     x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
     n, d, v = shape.n, shape.d, shape.v
-    plan = plan_loss(n, d, v, BF16, dev, allow_rows=True, direct_dx=True)  # the plan the step below takes
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    plan = loss_plan(xg, wg, t)  # the plan the step below takes
     out = {"shape": shape.name, "n": n, "d": d, "v": v, "plan": dict(vars(plan)),
            "target_ms": TARGETS_MS.get(shape.name),
            "floor_6ndv_ms": 6.0 * n * d * v / PEAK_TFLOPS / 1e9, "floor_8ndv_ms": 8.0 * n * d * v / PEAK_TFLOPS / 1e9}
@@ -148,8 +149,7 @@ def split_shape(shape, reps: int, widths: List[int]) -> dict:
     out["step_no_overlap"] = _step_ms(x, w, t, reps)
     os.environ.pop("HUGEHEAD_OVERLAP", None)
     out["step_256mib"] = _step_ms(x, w, t, reps, memory_budget=256 << 20)
-    out["plan_256mib"] = dict(vars(plan_loss(n, d, v, BF16, dev, memory_budget=256 << 20, allow_rows=True,
-                                             direct_dx=True)))
+    out["plan_256mib"] = dict(vars(loss_plan(xg, wg, t, memory_budget=256 << 20)))
     torch.cuda.empty_cache()
 
     # The real step's kernels by stage (profile_step's attribution).

@@ -460,6 +460,24 @@ def linear_cross_entropy(
     return loss, (lse.view(shape) if flattened else lse)
 
 
+def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+              chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, *, reduction: str = "mean",
+              return_lse: bool = False) -> Plan:
+    """The plan :func:`linear_cross_entropy` takes for ``x [N, D]`` (in the compute dtype), ``weight``,
+    class-id ``target [N]`` and ``bias`` on one device, under the current grad mode: kept logits and the rows
+    plan need gradients wanted (and eager mode), the rows plan a scalar loss without a returned lse, and where
+    the fused GEMMs take the chunks there is nothing to overlap on a side stream (see
+    :func:`hugehead.plan.plan_chunks`). Benchmarks report it as the step's plan."""
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
+    keep = wants_grad and not torch.compiler.is_compiling()
+    return plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
+                     weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
+                     allow_rows=wants_grad and not return_lse and reduction != "none",
+                     side_stream=not fused_applies(x, target, "grad"))
+
+
 def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
                           compute: Optional[torch.dtype], options: LossOptions, chunk_size: Optional[int],
                           memory_budget: Optional[int], return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
@@ -468,17 +486,9 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
     if compute is not None and x.dtype != compute:
         x = x.to(compute)  # differentiable: x.grad comes back in x's own dtype
     target = target.long().contiguous()
-    wants_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
-    compiling = torch.compiler.is_compiling()
-    keep = wants_grad and not compiling
     # The one plan of this step: the forward follows it, and it travels to the backward with the op's inputs.
-    # Where the fused GEMMs take the chunks there is nothing to overlap on a side stream (see plan_chunks).
-    plan = plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
-                     weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
-                     allow_rows=wants_grad and not return_lse and options.reduction != "none",
-                     side_stream=not fused_applies(x, target, "grad"))
+    plan = loss_plan(x, weight, target, bias, chunk_size, memory_budget, reduction=options.reduction,
+                     return_lse=return_lse)
     if plan.grad_in_forward:
         return _rows_op(x, weight, bias, target, options, plan), None
     loss_rows, lse, _ = torch.ops.hugehead.linear_cross_entropy_forward(
