@@ -83,7 +83,9 @@ struct DenseGemm {
     }
     const typename Kernel::StrideB stride_b = make_stride(Int<1>{}, p.b_stride, p.b_stride * k);
     const typename Epilogue::StrideD stride_d = make_stride(p.out_stride, Int<1>{}, p.out_stride * m);
-    const cutlass::KernelHardwareInfo hw = hardware_info<Kernel>(p.sm_count);
+    cutlass::KernelHardwareInfo hw;
+    cudaGetDevice(&hw.device_id);
+    hw.sm_count = p.sm_count;
     typename Device::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {static_cast<int>(m), static_cast<int>(p.depth), static_cast<int>(k), 1},

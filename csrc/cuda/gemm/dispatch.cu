@@ -19,16 +19,12 @@ HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_cooperative, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster2x2, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster2x2, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_cooperative, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_cooperative, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster2x2, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster2x2, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
@@ -37,10 +33,6 @@ HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster_tma, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster2x2_tma, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster2x2_tma, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster2x2, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster2x2, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float, DenseGemmParams)
@@ -58,7 +50,6 @@ Schedule schedule_from_env(Schedule fallback) {
   if (v == nullptr) return fallback;
   if (std::strcmp(v, "cooperative") == 0) return Schedule::kCooperative;
   if (std::strcmp(v, "pingpong_cluster") == 0) return Schedule::kPingpongCluster;
-  if (std::strcmp(v, "pingpong_cluster2x2") == 0) return Schedule::kPingpongCluster2x2;
   if (std::strcmp(v, "pingpong") == 0) return Schedule::kPingpong;
   return fallback;
 }
@@ -84,8 +75,6 @@ struct StatsLaunchers {
   switch (schedule) {                                                                                    \
     case Schedule::kPingpongCluster:                                                                     \
       return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong_cluster) : HUGEHEAD_STATS(KIND##_bf16_pingpong_cluster); \
-    case Schedule::kPingpongCluster2x2:                                                                  \
-      return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong_cluster2x2) : HUGEHEAD_STATS(KIND##_bf16_pingpong_cluster2x2); \
     case Schedule::kCooperative:                                                                         \
       return half ? HUGEHEAD_STATS(KIND##_fp16_cooperative) : HUGEHEAD_STATS(KIND##_bf16_cooperative);   \
     default:                                                                                             \
@@ -130,42 +119,44 @@ bool stores_by_tma(const GradGemmParams& p) {
   const GradStore store = grad_store_from_env();
   return store != GradStore::kDirect && grad_gemm_tma_store_applies(p);
 }
-
-struct GradLaunchers {
-  size_t (*workspace)(const GradGemmParams&);
-  const char* (*run)(const GradGemmParams&, void*, cudaStream_t);
-};
-#define HUGEHEAD_GRAD(NAME) GradLaunchers{&NAME##_workspace, &NAME##_run}
-#define HUGEHEAD_GRAD_PICK(SCHEDULE) \
-  return half ? HUGEHEAD_GRAD(grad_gemm_fp16_##SCHEDULE) : HUGEHEAD_GRAD(grad_gemm_bf16_##SCHEDULE)
-GradLaunchers grad_launchers(const GradGemmParams& p, bool half, Schedule schedule) {
-  const bool tma = stores_by_tma(p);
-  switch (schedule) {
-    case Schedule::kCooperative:  // the register epilogue has no cooperative instantiation: pingpong
-      if (tma) HUGEHEAD_GRAD_PICK(cooperative_tma);
-      HUGEHEAD_GRAD_PICK(pingpong);
-    case Schedule::kPingpongCluster:
-      if (tma) HUGEHEAD_GRAD_PICK(pingpong_cluster_tma);
-      HUGEHEAD_GRAD_PICK(pingpong_cluster);
-    case Schedule::kPingpongCluster2x2:
-      if (tma) HUGEHEAD_GRAD_PICK(pingpong_cluster2x2_tma);
-      HUGEHEAD_GRAD_PICK(pingpong_cluster2x2);
-    default:
-      if (tma) HUGEHEAD_GRAD_PICK(pingpong_tma);
-      HUGEHEAD_GRAD_PICK(pingpong);
-  }
-}
-#undef HUGEHEAD_GRAD_PICK
-#undef HUGEHEAD_GRAD
 }  // namespace
 
 size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule) {
-  return grad_launchers(p, half, schedule).workspace(p);
+  const bool tma = stores_by_tma(p);
+  if (tma && schedule == Schedule::kCooperative) {
+    return half ? grad_gemm_fp16_cooperative_tma_workspace(p) : grad_gemm_bf16_cooperative_tma_workspace(p);
+  }
+  if (schedule == Schedule::kPingpongCluster) {
+    if (tma) {
+      return half ? grad_gemm_fp16_pingpong_cluster_tma_workspace(p) : grad_gemm_bf16_pingpong_cluster_tma_workspace(p);
+    }
+    return half ? grad_gemm_fp16_pingpong_cluster_workspace(p) : grad_gemm_bf16_pingpong_cluster_workspace(p);
+  }
+  if (tma) return half ? grad_gemm_fp16_pingpong_tma_workspace(p) : grad_gemm_bf16_pingpong_tma_workspace(p);
+  return half ? grad_gemm_fp16_pingpong_workspace(p) : grad_gemm_bf16_pingpong_workspace(p);
 }
 
 const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
                           cudaStream_t stream) {
-  return grad_launchers(p, half, schedule).run(p, workspace, stream);
+  const bool tma = stores_by_tma(p);
+  if (tma && schedule == Schedule::kCooperative) {
+    return half ? grad_gemm_fp16_cooperative_tma_run(p, workspace, stream)
+                : grad_gemm_bf16_cooperative_tma_run(p, workspace, stream);
+  }
+  if (schedule == Schedule::kPingpongCluster) {
+    if (tma) {
+      return half ? grad_gemm_fp16_pingpong_cluster_tma_run(p, workspace, stream)
+                  : grad_gemm_bf16_pingpong_cluster_tma_run(p, workspace, stream);
+    }
+    return half ? grad_gemm_fp16_pingpong_cluster_run(p, workspace, stream)
+                : grad_gemm_bf16_pingpong_cluster_run(p, workspace, stream);
+  }
+  if (tma) {
+    return half ? grad_gemm_fp16_pingpong_tma_run(p, workspace, stream)
+                : grad_gemm_bf16_pingpong_tma_run(p, workspace, stream);
+  }
+  return half ? grad_gemm_fp16_pingpong_run(p, workspace, stream)
+              : grad_gemm_bf16_pingpong_run(p, workspace, stream);
 }
 
 DenseConfig dense_config_from_env() {

@@ -56,14 +56,6 @@ struct ScheduleConfig<Schedule::kPingpongCluster> {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
-// Pingpong in clusters of 2 x 2 CTAs: each W tile is multicast to the two CTAs of its column pair and each x
-// tile to the two of its row pair, half the L2 reads of one CTA alone (a quarter less than 2 x 1).
-template <>
-struct ScheduleConfig<Schedule::kPingpongCluster2x2> {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_2, cute::_2, cute::_1>;
-};
 // Cooperative: both warpgroups on one 128 x 256 tile (half the partials, no epilogue overlap).
 template <>
 struct ScheduleConfig<Schedule::kCooperative> {
@@ -269,48 +261,6 @@ CUTLASS_DEVICE bool pick_at_offsets(Acc& acc, Coords const& tCcD, int col0, cons
   return true;
 }
 
-// The persistent grid's hardware: sm_count SMs and, for a kernel in clusters, how many of its clusters fit the
-// device at once (cudaOccupancyMaxActiveClusters with the kernel's shared memory, once per device). Without
-// the count CUTLASS sizes the grid by a heuristic that assumes 18-SM GPCs: 116 of 132 CTAs in 2 x 2 clusters.
-template <class Kernel>
-cutlass::KernelHardwareInfo hardware_info(int sm_count) {
-  cutlass::KernelHardwareInfo hw;
-  cudaGetDevice(&hw.device_id);
-  hw.sm_count = sm_count;
-  constexpr int kClusterM = cute::size<0>(typename Kernel::ClusterShape{});
-  constexpr int kClusterN = cute::size<1>(typename Kernel::ClusterShape{});
-  if constexpr (kClusterM * kClusterN > 1) {
-    constexpr int kDevices = 64;
-    static int counts[kDevices] = {};  // 0: not asked yet (benign race: every thread writes the same count)
-    if (hw.device_id >= 0 && hw.device_id < kDevices) {
-      if (counts[hw.device_id] == 0) {
-        const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
-        const int smem = static_cast<int>(Kernel::SharedStorageSize);
-        int count = -1;
-        cudaLaunchAttribute cluster;
-        cluster.id = cudaLaunchAttributeClusterDimension;
-        cluster.val.clusterDim.x = kClusterM;
-        cluster.val.clusterDim.y = kClusterN;
-        cluster.val.clusterDim.z = 1;
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(kClusterM, kClusterN, 1);
-        config.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
-        config.dynamicSmemBytes = smem;
-        config.attrs = &cluster;
-        config.numAttrs = 1;
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-            cudaOccupancyMaxActiveClusters(&count, kernel, &config) != cudaSuccess) {
-          (void)cudaGetLastError();  // the heuristic grid then, as before
-          count = -1;
-        }
-        counts[hw.device_id] = count;
-      }
-      hw.max_active_clusters = counts[hw.device_id] > 0 ? counts[hw.device_id] : 0;
-    }
-  }
-  return hw;
-}
-
 // Check, initialize and queue one of our GemmUniversalAdapter instantiations: nullptr, or why not (refused:
 // the message when CUTLASS cannot implement the problem, naming what the caller's layout rules are).
 template <class Device>
@@ -347,7 +297,9 @@ struct FusedGemm {
                                               typename EpilogueOp::Arguments const& epi, int sm_count) {
     typename Kernel::StrideA stride_a{x_stride, cute::Int<1>{}, x_stride * rows};
     typename Kernel::StrideB stride_b{weight_stride, cute::Int<1>{}, weight_stride * cols};
-    const cutlass::KernelHardwareInfo hw = hardware_info<Kernel>(sm_count);
+    cutlass::KernelHardwareInfo hw;
+    cudaGetDevice(&hw.device_id);
+    hw.sm_count = sm_count;
     return typename Device::Arguments{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(depth), 1},

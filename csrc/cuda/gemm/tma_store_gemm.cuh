@@ -44,7 +44,9 @@ struct TmaStoreGemm {
     typename Kernel::StrideA stride_a{x_stride, cute::Int<1>{}, x_stride * rows};
     typename Kernel::StrideB stride_b{weight_stride, cute::Int<1>{}, weight_stride * cols};
     typename Kernel::StrideD stride_d{out_stride, cute::Int<1>{}, out_stride * rows};
-    const cutlass::KernelHardwareInfo hw = hardware_info<Kernel>(sm_count);
+    cutlass::KernelHardwareInfo hw;
+    cudaGetDevice(&hw.device_id);
+    hw.sm_count = sm_count;
     return typename Device::Arguments{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(depth), 1},

@@ -62,11 +62,10 @@ struct GradGemmParams {
   bool mainloop_only = false;
 };
 
-// HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster2x2|cooperative picks one (read per call, for A/B runs). The
+// HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative picks one (read per call, for A/B runs). The
 // defaults: default_stats_schedule for the statistics GEMM; pingpong_cluster for the gradient GEMM (one H200
 // at 194b171, gemm_clocks' two-second soak at xc1M: 0.680 ms a chunk against 0.691 for pingpong).
-// pingpong_cluster2x2: pingpong in clusters of 2 x 2 CTAs (both operands multicast).
-enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2, kPingpongCluster2x2 = 3 };
+enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
 
 // The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
 // register epilogue has no cooperative instantiation and takes pingpong for it (its TMA store has one).

@@ -1,4 +1,0 @@
-// The gradient GEMM for fp16 inputs, pingpong schedule in 2 x 2 clusters (see grad_gemm.cuh).
-#include "grad_gemm.cuh"
-
-HUGEHEAD_GRAD_GEMM_INSTANCE(grad_gemm_fp16_pingpong_cluster2x2, cutlass::half_t, hugehead::gemm::Schedule::kPingpongCluster2x2)
