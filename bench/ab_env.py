@@ -1,0 +1,111 @@
+"""A/B of environment settings on hugehead's forward + backward step at a benchmark shape: the settings
+take turns, round after round (so a board that warms up or throttles weighs on each alike), each round a
+warm-up step and ``--reps`` timed ones (CUDA events); the median and minimum per setting, and the
+gradients' norms (a setting that changes the arithmetic shows here). The knobs are the ones hugehead
+reads per call (``HUGEHEAD_GEMM_SCHEDULE``, ``HUGEHEAD_GEMM_DENSE``, ``HUGEHEAD_GEMM_GRAD_STORE``, ...).
+
+    python -m bench.ab_env --shapes xc1M,xc6M --out DIR \\
+        '2x1={"HUGEHEAD_GEMM_SCHEDULE": "pingpong_cluster"}' 'pingpong={"HUGEHEAD_GEMM_SCHEDULE": "pingpong"}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from bench import harness  # first: decides which hugehead is imported
+from bench.common import find_shape, make_inputs
+
+import torch  # noqa: E402
+
+
+def _setting(text: str):
+    name, sep, env = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME={{json object}}, got {text!r}")
+    values = json.loads(env)
+    if not isinstance(values, dict):
+        raise argparse.ArgumentTypeError(f"{name}: the settings must be a JSON object of variables")
+    return name, {str(k): str(v) for k, v in values.items()}
+
+
+def measure(shape_name: str, settings, rounds: int, reps: int):
+    import hugehead
+
+    shape = find_shape(shape_name)
+    x, w, t = make_inputs(shape, torch.device("cuda"))
+    x.requires_grad_()
+    w.requires_grad_()
+    names = sorted({k for _, env in settings for k in env})
+    saved = {k: os.environ.get(k) for k in names}
+
+    def restore():
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    times = {name: [] for name, _ in settings}
+    norms = {}
+    try:
+        for rnd in range(rounds):
+            for name, env in settings:
+                restore()
+                os.environ.update(env)
+                gx, gw = torch.autograd.grad(hugehead.linear_cross_entropy(x, w, t), (x, w))
+                norms.setdefault(name, [float(gx.float().norm()), float(gw.float().norm())])
+                del gx, gw
+                for _ in range(reps):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    torch.autograd.grad(hugehead.linear_cross_entropy(x, w, t), (x, w))
+                    end.record()
+                    torch.cuda.synchronize()
+                    times[name].append(start.elapsed_time(end))
+                print(f"{shape_name} round {rnd} {name}: {statistics.median(times[name][-reps:]):.2f} ms", flush=True)
+    finally:
+        restore()
+    return {name: {"env": env, "median_ms": statistics.median(times[name]), "min_ms": min(times[name]),
+                   "ms": times[name], "grad_norms": norms[name]} for name, env in settings}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("settings", nargs="+", type=_setting, help='NAME={"VARIABLE": "value", ...}')
+    p.add_argument("--shapes", default="xc6M")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.ab_env needs a CUDA GPU", file=sys.stderr)
+        return 2
+    results = {}
+    for shape in a.shapes.split(","):
+        results[shape] = measure(shape, a.settings, a.rounds, a.reps)
+        torch.cuda.empty_cache()
+    meta = harness.run_meta("ab_env", torch.device("cuda"), options=a,
+                            command=" ".join(["python", "-m", "bench.ab_env", *sys.argv[1:]]))
+    doc = {"meta": meta, "results": results}
+    lines = [harness.header(f"Environment A/B of the fwd+bwd step: {meta.get('machine')} (bfloat16)", meta),
+             f"{a.rounds} rounds, the settings taking turns; each round one warm-up step and {a.reps} timed ones "
+             "(CUDA events).", "",
+             "| shape | setting | environment | median ms | min ms | grad norms (x, W) |", "|---|---|---|--:|--:|---|"]
+    for shape, rows in results.items():
+        for name, r in rows.items():
+            env = ", ".join(f"{k}={v}" for k, v in r["env"].items()) or "-"
+            lines.append(f"| {shape} | {name} | {env} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
+                         f"{r['grad_norms'][0]:.9g}, {r['grad_norms'][1]:.9g} |")
+    md = "\n".join(lines) + "\n" + harness.footer(meta)
+    if a.out:
+        harness.write_report(Path(a.out), "ab_env", doc, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
