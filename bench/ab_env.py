@@ -1,11 +1,13 @@
 """A/B of environment settings on hugehead's forward + backward step at a benchmark shape: the settings
 take turns, round after round (so a board that warms up or throttles weighs on each alike), each round a
-warm-up step and ``--reps`` timed ones (CUDA events); the median and minimum per setting, and the
-gradients' norms (a setting that changes the arithmetic shows here). The knobs are the ones hugehead
-reads per call (``HUGEHEAD_GEMM_SCHEDULE``, ``HUGEHEAD_GEMM_DENSE``, ``HUGEHEAD_GEMM_GRAD_STORE``, ...).
+warm-up step and ``--reps`` timed ones (CUDA events; the host clock with ``--device cpu``); the median and
+minimum per setting, and the gradients' norms (a setting that changes the arithmetic shows here). The
+knobs are the ones hugehead reads per call (``HUGEHEAD_GEMM_SCHEDULE``, ``HUGEHEAD_GEMM_DENSE``,
+``HUGEHEAD_GEMM_GRAD_STORE``, ``HUGEHEAD_ROWS``, ...).
 
     python -m bench.ab_env --shapes xc1M,xc6M --out DIR \\
         '2x1={"HUGEHEAD_GEMM_SCHEDULE": "pingpong_cluster"}' 'pingpong={"HUGEHEAD_GEMM_SCHEDULE": "pingpong"}'
+    python -m bench.ab_env --device cpu --shapes tiny 'on={}' 'off={"HUGEHEAD_ROWS": "0"}'   # a smoke run
 """
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ def _setting(text: str):
     return name, {str(k): str(v) for k, v in values.items()}
 
 
-def measure(shape_name: str, settings, rounds: int, reps: int):
+def measure(shape_name: str, settings, rounds: int, reps: int, device: torch.device, dtype: torch.dtype):
     import hugehead
 
     shape = find_shape(shape_name)
-    x, w, t = make_inputs(shape, torch.device("cuda"))
+    x, w, t = make_inputs(shape, device, dtype)
     x.requires_grad_()
     w.requires_grad_()
     names = sorted({k for _, env in settings for k in env})
@@ -49,6 +51,9 @@ def measure(shape_name: str, settings, rounds: int, reps: int):
             else:
                 os.environ[k] = v
 
+    def step():
+        return torch.autograd.grad(hugehead.linear_cross_entropy(x, w, t), (x, w))
+
     times = {name: [] for name, _ in settings}
     norms = {}
     try:
@@ -56,16 +61,11 @@ def measure(shape_name: str, settings, rounds: int, reps: int):
             for name, env in settings:
                 restore()
                 os.environ.update(env)
-                gx, gw = torch.autograd.grad(hugehead.linear_cross_entropy(x, w, t), (x, w))
+                gx, gw = step()
                 norms.setdefault(name, [float(gx.float().norm()), float(gw.float().norm())])
                 del gx, gw
                 for _ in range(reps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    torch.autograd.grad(hugehead.linear_cross_entropy(x, w, t), (x, w))
-                    end.record()
-                    torch.cuda.synchronize()
-                    times[name].append(start.elapsed_time(end))
+                    times[name].append(harness.time_call_ms(step, device)[0])
                 print(f"{shape_name} round {rnd} {name}: {statistics.median(times[name][-reps:]):.2f} ms", flush=True)
     finally:
         restore()
@@ -80,20 +80,25 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", help="cuda (bf16, CUDA events), or cpu (fp32: a smoke run)")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.ab_env needs a CUDA GPU", file=sys.stderr)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench.ab_env: no CUDA GPU here (--device cpu runs a smoke check)", file=sys.stderr)
         return 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = {}
     for shape in a.shapes.split(","):
-        results[shape] = measure(shape, a.settings, a.rounds, a.reps)
-        torch.cuda.empty_cache()
-    meta = harness.run_meta("ab_env", torch.device("cuda"), options=a,
+        results[shape] = measure(shape, a.settings, a.rounds, a.reps, device, dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    meta = harness.run_meta("ab_env", device, options=a,
                             command=" ".join(["python", "-m", "bench.ab_env", *sys.argv[1:]]))
     doc = {"meta": meta, "results": results}
-    lines = [harness.header(f"Environment A/B of the fwd+bwd step: {meta.get('machine')} (bfloat16)", meta),
+    clock = "CUDA events" if device.type == "cuda" else "host clock"
+    lines = [harness.header(f"Environment A/B of the fwd+bwd step: {meta.get('machine')} ({str(dtype)[6:]})", meta),
              f"{a.rounds} rounds, the settings taking turns; each round one warm-up step and {a.reps} timed ones "
-             "(CUDA events).", "",
+             f"({clock}).", "",
              "| shape | setting | environment | median ms | min ms | grad norms (x, W) |", "|---|---|---|--:|--:|---|"]
     for shape, rows in results.items():
         for name, r in rows.items():

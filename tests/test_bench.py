@@ -654,6 +654,42 @@ def test_skip_items_carry_their_reason_into_the_row():
         _parse_skips("xc6M")
 
 
+def test_ab_env_takes_turns_restores_the_environment_and_computes_the_gradients(tmp_path, monkeypatch):
+    """bench/ab_env.py on the CPU: every setting set during its own steps only (the rows plan off for one),
+    the environment as it was afterwards, the recorded gradient norms those of float64 autograd, and the
+    report written. The times come from a scripted clock (no time is asserted)."""
+    import math
+    import os
+
+    from bench import ab_env
+    from bench.common import find_shape, make_inputs
+    from hugehead import reference
+
+    seen = []
+
+    def fake(fn, devices=None, clock="events"):
+        seen.append(os.environ.get("HUGEHEAD_ROWS"))
+        return float(len(seen)), fn()
+
+    monkeypatch.setattr(harness, "time_call_ms", fake)
+    monkeypatch.setenv("HUGEHEAD_ROWS", "1")
+    settings = ['on={}', 'off={"HUGEHEAD_ROWS": "0"}']
+    assert ab_env.main(["--device", "cpu", "--shapes", "tiny", "--rounds", "2", "--reps", "3", "--out", str(tmp_path),
+                        *settings]) == 0
+    assert os.environ["HUGEHEAD_ROWS"] == "1"
+    assert seen == ["1"] * 3 + ["0"] * 3 + ["1"] * 3 + ["0"] * 3  # the settings take turns, round after round
+    doc = json.loads((tmp_path / "ab_env.json").read_text())
+    res = doc["results"]["tiny"]
+    assert res["on"]["ms"] == [1.0, 2.0, 3.0, 7.0, 8.0, 9.0] and res["off"]["median_ms"] == 8.0
+    x, w, t = make_inputs(find_shape("tiny"), torch.device("cpu"), torch.float32)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    gx, gw = torch.autograd.grad(reference.linear_cross_entropy(xr, wr, t), (xr, wr))
+    for name in ("on", "off"):
+        nx, nw = res[name]["grad_norms"]
+        assert math.isclose(nx, float(gx.norm()), rel_tol=1e-5) and math.isclose(nw, float(gw.norm()), rel_tol=1e-5)
+    assert "| tiny | off | HUGEHEAD_ROWS=0 |" in (tmp_path / "ab_env.md").read_text()
+
+
 def test_bench_prologue_smoke_writes_its_report(tmp_path):
     """bench/bench_prologue.py (issue 21: the forward's host work before its first GEMM) end to end on the CPU."""
     from bench import bench_prologue
