@@ -28,7 +28,7 @@ import torch  # noqa: E402
 BF16 = torch.bfloat16
 # HUGEHEAD_GEMM_SCHEDULE values each fused GEMM has (the gradient GEMM has a cooperative one for its TMA store only).
 STATS_SCHEDULES = ("pingpong", "pingpong_cluster", "cooperative")
-GRAD_SCHEDULES = ("pingpong", "pingpong_cluster")
+GRAD_SCHEDULES = ("pingpong", "pingpong_cluster", "pingpong_cluster_192")
 # HUGEHEAD_GEMM_GRAD_STORE values: the gradient through shared memory and TMA stores (the default where it
 # applies) or the register epilogue's direct stores.
 GRAD_STORES = ("tma", "direct")

@@ -77,6 +77,8 @@ def _variants(name: str):
          grad),
         ("fused gradient, TMA store (pingpong_cluster)",
          env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"), grad),
+        ("fused gradient, TMA store (pingpong_cluster_192)",
+         env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192"), grad),
         ("fused gradient, TMA store (cooperative)",
          env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="cooperative"), grad),
         ("fused gradient, direct stores (pingpong_cluster)",

@@ -90,7 +90,7 @@ def gemm_chunk_stats_(
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative`` (environment, read per call) picks
         the CUTLASS schedule (default here: pingpong_cluster, clusters of two CTAs that share each weight
         tile through TMA multicast, below a depth of 2048 and cooperative from it; pingpong_cluster for
-        :func:`gemm_chunk_grad_`).
+        :func:`gemm_chunk_grad_`, whose TMA store also has pingpong_cluster_192: 128 x 192 tiles, for A/B runs).
 
     Raises:
         RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build

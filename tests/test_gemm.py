@@ -18,7 +18,8 @@ HAS_FUSED = HAS_CUDA_KERNELS and ops.has_fused_gemm(torch.device("cuda"), torch.
 requires_fused = pytest.mark.skipif(
     not HAS_FUSED, reason="needs a CUDA GPU of compute capability 9.0 and hugehead's CUTLASS GEMMs")
 SCHEDULES = ["pingpong", "pingpong_cluster", "cooperative"]
-GRAD_SCHEDULES = ["pingpong", "pingpong_cluster"]  # the gradient GEMM has no cooperative instantiation
+# the gradient GEMM has no cooperative instantiation; pingpong_cluster_192 (128 x 192 tiles) has the TMA store only
+GRAD_SCHEDULES = ["pingpong", "pingpong_cluster", "pingpong_cluster_192"]
 IGNORE = -100
 
 
@@ -410,7 +411,7 @@ def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dty
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,class_start,eps,pad", [(1024, 4096, 128, 0.1, 0), (1000, 3008, 0, 0.0, 8),
                                                      (257, 1000, 500, 0.1, 0), (129, 136, 0, 0.0, 0)])
-@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "cooperative"])
+@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192", "cooperative"])
 def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch, dtype, n, c, class_start, eps,
                                                        pad):
     """The TMA-stored gradient (grad_tma_gemm.cuh) and the register epilogue's (grad_gemm.cuh) compute the same
@@ -438,7 +439,7 @@ def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch,
 
 @requires_fused
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "cooperative"])
+@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192", "cooperative"])
 def test_grad_tma_store_without_ignored_rows_writes_the_direct_stores_bits(tma_schedule, eps, monkeypatch):
     """No ignored row, and a target in the chunk for one row in eight: most warps' tiles then hold no target
     and no row with g == 0, and take the TMA epilogue's path without the per-element compare and select. The

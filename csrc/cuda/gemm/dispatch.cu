@@ -33,6 +33,8 @@ HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster192_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster192_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float, DenseGemmParams)
@@ -50,6 +52,7 @@ Schedule schedule_from_env(Schedule fallback) {
   if (v == nullptr) return fallback;
   if (std::strcmp(v, "cooperative") == 0) return Schedule::kCooperative;
   if (std::strcmp(v, "pingpong_cluster") == 0) return Schedule::kPingpongCluster;
+  if (std::strcmp(v, "pingpong_cluster_192") == 0) return Schedule::kPingpongCluster192;
   if (std::strcmp(v, "pingpong") == 0) return Schedule::kPingpong;
   return fallback;
 }
@@ -63,7 +66,16 @@ bool mainloop_only_from_env() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-int stats_gemm_tile_cols(Schedule schedule) { return schedule == Schedule::kCooperative ? 256 : 128; }
+namespace {
+// The statistics GEMM has no 128 x 192 instantiation: pingpong_cluster_192 runs it as pingpong_cluster.
+Schedule stats_schedule(Schedule schedule) {
+  return schedule == Schedule::kPingpongCluster192 ? Schedule::kPingpongCluster : schedule;
+}
+}  // namespace
+
+int stats_gemm_tile_cols(Schedule schedule) {
+  return stats_schedule(schedule) == Schedule::kCooperative ? 256 : 128;
+}
 
 namespace {
 struct StatsLaunchers {
@@ -81,6 +93,7 @@ struct StatsLaunchers {
       return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong) : HUGEHEAD_STATS(KIND##_bf16_pingpong);         \
   }
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
+  schedule = stats_schedule(schedule);
   if (p.logits != nullptr) {
     HUGEHEAD_STATS_PICK(stats_gemm_store)
   }
@@ -123,6 +136,13 @@ bool stores_by_tma(const GradGemmParams& p) {
 
 size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule) {
   const bool tma = stores_by_tma(p);
+  if (schedule == Schedule::kPingpongCluster192) {
+    if (tma) {
+      return half ? grad_gemm_fp16_pingpong_cluster192_tma_workspace(p)
+                  : grad_gemm_bf16_pingpong_cluster192_tma_workspace(p);
+    }
+    schedule = Schedule::kPingpongCluster;  // the register epilogue has no 128 x 192 instantiation
+  }
   if (tma && schedule == Schedule::kCooperative) {
     return half ? grad_gemm_fp16_cooperative_tma_workspace(p) : grad_gemm_bf16_cooperative_tma_workspace(p);
   }
@@ -139,6 +159,13 @@ size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule sc
 const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
                           cudaStream_t stream) {
   const bool tma = stores_by_tma(p);
+  if (schedule == Schedule::kPingpongCluster192) {
+    if (tma) {
+      return half ? grad_gemm_fp16_pingpong_cluster192_tma_run(p, workspace, stream)
+                  : grad_gemm_bf16_pingpong_cluster192_tma_run(p, workspace, stream);
+    }
+    schedule = Schedule::kPingpongCluster;
+  }
   if (tma && schedule == Schedule::kCooperative) {
     return half ? grad_gemm_fp16_cooperative_tma_run(p, workspace, stream)
                 : grad_gemm_bf16_cooperative_tma_run(p, workspace, stream);

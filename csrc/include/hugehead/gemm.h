@@ -62,10 +62,12 @@ struct GradGemmParams {
   bool mainloop_only = false;
 };
 
-// HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|cooperative picks one (read per call, for A/B runs). The
-// defaults: default_stats_schedule for the statistics GEMM; pingpong_cluster for the gradient GEMM (one H200
-// at 194b171, gemm_clocks' two-second soak at xc1M: 0.680 ms a chunk against 0.691 for pingpong).
-enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2 };
+// HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative picks one (read per call,
+// for A/B runs). The defaults: default_stats_schedule for the statistics GEMM; pingpong_cluster for the gradient
+// GEMM (one H200 at 194b171, gemm_clocks' two-second soak at xc1M: 0.680 ms a chunk against 0.691 for pingpong).
+// pingpong_cluster_192: the gradient GEMM's TMA-stored kernel on 128 x 192 tiles in 2-CTA clusters (not yet
+// measured); the statistics GEMM and the gradient's register epilogue take pingpong_cluster for it.
+enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2, kPingpongCluster192 = 3 };
 
 // The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
 // register epilogue has no cooperative instantiation and takes pingpong for it (its TMA store has one).
