@@ -26,9 +26,11 @@ from bench.common import find_shape, make_inputs
 import torch  # noqa: E402
 
 BF16 = torch.bfloat16
-# HUGEHEAD_GEMM_SCHEDULE values each fused GEMM has (the gradient GEMM has a cooperative one for its TMA store only).
+# HUGEHEAD_GEMM_SCHEDULE values each fused GEMM has (the gradient GEMM has cooperative and pingpong_cluster_192
+# ones for its TMA store only).
 STATS_SCHEDULES = ("pingpong", "pingpong_cluster", "cooperative")
-GRAD_SCHEDULES = ("pingpong", "pingpong_cluster", "pingpong_cluster_192")
+GRAD_SCHEDULES = ("pingpong", "pingpong_cluster")
+GRAD_TMA_ONLY = ("pingpong_cluster_192", "cooperative")
 # HUGEHEAD_GEMM_GRAD_STORE values: the gradient through shared memory and TMA stores (the default where it
 # applies) or the register epilogue's direct stores.
 GRAD_STORES = ("tma", "direct")
@@ -102,7 +104,7 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     timings["cublas_grad"] = _ms(cublas_grad, reps)
     for store in GRAD_STORES:
         os.environ["HUGEHEAD_GEMM_GRAD_STORE"] = store
-        for schedule in GRAD_SCHEDULES + (("cooperative",) if store == "tma" else ()):
+        for schedule in GRAD_SCHEDULES + (GRAD_TMA_ONLY if store == "tma" else ()):
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             timings[_grad_key(schedule, store)] = _ms(fused_grad, reps)
     os.environ.pop("HUGEHEAD_GEMM_GRAD_STORE")
@@ -211,7 +213,7 @@ def ncu_one(name: str) -> None:
         for schedule in STATS_SCHEDULES:
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state)
-        for schedule in GRAD_SCHEDULES:
+        for schedule in GRAD_SCHEDULES + GRAD_TMA_ONLY[:1]:  # no bias: the TMA store applies
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, g)
         os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
@@ -219,7 +221,7 @@ def ncu_one(name: str) -> None:
     chunk()
     torch.cuda.synchronize()
     print(f"ncu: {name} width {cols}: stats GEMM (+ merge) for each of {STATS_SCHEDULES}, grad GEMM for each of "
-          f"{GRAD_SCHEDULES}", flush=True)
+          f"{GRAD_SCHEDULES + GRAD_TMA_ONLY[:1]}", flush=True)
     torch.cuda.profiler.start()
     chunk()
     torch.cuda.synchronize()
@@ -229,14 +231,16 @@ def ncu_one(name: str) -> None:
 def render(doc: dict) -> str:
     m = doc["meta"]
     stats = [f"fused_stats_{k}" for k in STATS_SCHEDULES]
-    grads = [_grad_key(k, st) for st in GRAD_STORES for k in GRAD_SCHEDULES] + [_grad_key("cooperative", "tma")]
+    grads = ([_grad_key(k, st) for st in GRAD_STORES for k in GRAD_SCHEDULES]
+             + [_grad_key(k, "tma") for k in GRAD_TMA_ONLY])
     lines = [harness.header(f"Fused CUTLASS GEMMs vs cuBLAS + kernels, one chunk: {m['machine']} (bfloat16)", m),
              "ms per chunk (TFLOP/s on 2·N·D·C); per step = × V / C. Fused = no logits in HBM; the fused columns "
              "are the HUGEHEAD_GEMM_SCHEDULE values; grad tma / direct: the gradient stored through shared memory "
              "by TMA (the default where it applies) or by the register epilogue (HUGEHEAD_GEMM_GRAD_STORE=direct).", "",
              "| shape | C | cuBLAS logits GEMM | cuBLAS + chunk_stats_ | "
              + " | ".join(f"stats {k}" for k in STATS_SCHEDULES) + " | cuBLAS + chunk_grad_ | "
-             + " | ".join(f"grad {k} {st}" for st in GRAD_STORES for k in GRAD_SCHEDULES) + " | grad cooperative tma"
+             + " | ".join(f"grad {k} {st}" for st in GRAD_STORES for k in GRAD_SCHEDULES)
+             + "".join(f" | grad {k} tma" for k in GRAD_TMA_ONLY)
              + " | fwd per step cuBLAS → best fused | bwd recompute per step cuBLAS → best fused | Δlse max | grad rel Δ "
              "| tma = direct bitwise |",
              "|---|--:|" + "--:|" * (4 + len(stats) + len(grads)) + "---|---|--:|--:|---|"]
