@@ -132,58 +132,44 @@ bool stores_by_tma(const GradGemmParams& p) {
   const GradStore store = grad_store_from_env();
   return store != GradStore::kDirect && grad_gemm_tma_store_applies(p);
 }
+
+// One pick for the workspace query and the launch (as stats_launchers): the register epilogue has no
+// cooperative instantiation (pingpong for it) and no 128 x 192 one (pingpong_cluster for it).
+struct GradLaunchers {
+  size_t (*workspace)(const GradGemmParams&);
+  const char* (*run)(const GradGemmParams&, void*, cudaStream_t);
+};
+#define HUGEHEAD_GRAD(NAME) GradLaunchers{&NAME##_workspace, &NAME##_run}
+#define HUGEHEAD_GRAD_PICK(KIND) \
+  return half ? HUGEHEAD_GRAD(grad_gemm_fp16_##KIND) : HUGEHEAD_GRAD(grad_gemm_bf16_##KIND)
+GradLaunchers grad_launchers(const GradGemmParams& p, bool half, Schedule schedule) {
+  const bool tma = stores_by_tma(p);
+  switch (schedule) {
+    case Schedule::kCooperative:
+      if (tma) HUGEHEAD_GRAD_PICK(cooperative_tma);
+      HUGEHEAD_GRAD_PICK(pingpong);
+    case Schedule::kPingpongCluster192:
+      if (tma) HUGEHEAD_GRAD_PICK(pingpong_cluster192_tma);
+      HUGEHEAD_GRAD_PICK(pingpong_cluster);
+    case Schedule::kPingpongCluster:
+      if (tma) HUGEHEAD_GRAD_PICK(pingpong_cluster_tma);
+      HUGEHEAD_GRAD_PICK(pingpong_cluster);
+    default:
+      if (tma) HUGEHEAD_GRAD_PICK(pingpong_tma);
+      HUGEHEAD_GRAD_PICK(pingpong);
+  }
+}
+#undef HUGEHEAD_GRAD_PICK
+#undef HUGEHEAD_GRAD
 }  // namespace
 
 size_t grad_gemm_workspace_bytes(const GradGemmParams& p, bool half, Schedule schedule) {
-  const bool tma = stores_by_tma(p);
-  if (schedule == Schedule::kPingpongCluster192) {
-    if (tma) {
-      return half ? grad_gemm_fp16_pingpong_cluster192_tma_workspace(p)
-                  : grad_gemm_bf16_pingpong_cluster192_tma_workspace(p);
-    }
-    schedule = Schedule::kPingpongCluster;  // the register epilogue has no 128 x 192 instantiation
-  }
-  if (tma && schedule == Schedule::kCooperative) {
-    return half ? grad_gemm_fp16_cooperative_tma_workspace(p) : grad_gemm_bf16_cooperative_tma_workspace(p);
-  }
-  if (schedule == Schedule::kPingpongCluster) {
-    if (tma) {
-      return half ? grad_gemm_fp16_pingpong_cluster_tma_workspace(p) : grad_gemm_bf16_pingpong_cluster_tma_workspace(p);
-    }
-    return half ? grad_gemm_fp16_pingpong_cluster_workspace(p) : grad_gemm_bf16_pingpong_cluster_workspace(p);
-  }
-  if (tma) return half ? grad_gemm_fp16_pingpong_tma_workspace(p) : grad_gemm_bf16_pingpong_tma_workspace(p);
-  return half ? grad_gemm_fp16_pingpong_workspace(p) : grad_gemm_bf16_pingpong_workspace(p);
+  return grad_launchers(p, half, schedule).workspace(p);
 }
 
 const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule, void* workspace,
                           cudaStream_t stream) {
-  const bool tma = stores_by_tma(p);
-  if (schedule == Schedule::kPingpongCluster192) {
-    if (tma) {
-      return half ? grad_gemm_fp16_pingpong_cluster192_tma_run(p, workspace, stream)
-                  : grad_gemm_bf16_pingpong_cluster192_tma_run(p, workspace, stream);
-    }
-    schedule = Schedule::kPingpongCluster;
-  }
-  if (tma && schedule == Schedule::kCooperative) {
-    return half ? grad_gemm_fp16_cooperative_tma_run(p, workspace, stream)
-                : grad_gemm_bf16_cooperative_tma_run(p, workspace, stream);
-  }
-  if (schedule == Schedule::kPingpongCluster) {
-    if (tma) {
-      return half ? grad_gemm_fp16_pingpong_cluster_tma_run(p, workspace, stream)
-                  : grad_gemm_bf16_pingpong_cluster_tma_run(p, workspace, stream);
-    }
-    return half ? grad_gemm_fp16_pingpong_cluster_run(p, workspace, stream)
-                : grad_gemm_bf16_pingpong_cluster_run(p, workspace, stream);
-  }
-  if (tma) {
-    return half ? grad_gemm_fp16_pingpong_tma_run(p, workspace, stream)
-                : grad_gemm_bf16_pingpong_tma_run(p, workspace, stream);
-  }
-  return half ? grad_gemm_fp16_pingpong_run(p, workspace, stream)
-              : grad_gemm_bf16_pingpong_run(p, workspace, stream);
+  return grad_launchers(p, half, schedule).run(p, workspace, stream);
 }
 
 DenseConfig dense_config_from_env() {
