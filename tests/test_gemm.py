@@ -17,7 +17,9 @@ from conftest import HAS_CUDA_KERNELS, rel_err
 HAS_FUSED = HAS_CUDA_KERNELS and ops.has_fused_gemm(torch.device("cuda"), torch.bfloat16)
 requires_fused = pytest.mark.skipif(
     not HAS_FUSED, reason="needs a CUDA GPU of compute capability 9.0 and hugehead's CUTLASS GEMMs")
-SCHEDULES = ["pingpong", "pingpong_cluster", "cooperative"]
+# pingpong_cluster_192 (128 x 192 tiles) serves the statistics GEMM without logit sums, softcap or stored logits;
+# the op runs pingpong_cluster for those
+SCHEDULES = ["pingpong", "pingpong_cluster", "pingpong_cluster_192", "cooperative"]
 # the gradient GEMM has no cooperative instantiation; pingpong_cluster_192 (128 x 192 tiles) has the TMA store only
 GRAD_SCHEDULES = ["pingpong", "pingpong_cluster", "pingpong_cluster_192"]
 IGNORE = -100
@@ -95,9 +97,14 @@ def _run(fn, x, w, b, target, class_start, softcap, state):
     return [t.cpu() for t in dev]
 
 
-def _fused(x, w, b, target, class_start, softcap, state):
+def _fused(x, w, b, target, class_start, softcap, state, with_logit_sum=True):
     ops.gemm_chunk_stats_(x.cuda(), w.cuda(), None if b is None else b.cuda(), target.cuda(), class_start, softcap,
-                          *state)
+                          *state, with_logit_sum=with_logit_sum)
+
+
+def _fused_plain(x, w, b, target, class_start, softcap, state):
+    """Without the logit sums: what the loop asks without label smoothing (the 128 x 192 tiles' case)."""
+    _fused(x, w, b, target, class_start, softcap, state, with_logit_sum=False)
 
 
 def _cublas(x, w, b, target, class_start, softcap, state):
@@ -127,16 +134,25 @@ def test_stats_match_float64_and_the_cublas_path(schedule, dtype, n, c, d, class
     target = _targets(n, c, class_start, class_start + c + 100, seed)
     state = _start_state(n, seed)
     fused = _run(_fused, x, w, b, target, class_start, softcap, state)
+    plain = _run(_fused_plain, x, w, b, target, class_start, softcap, state)
     cublas = _run(_cublas, x, w, b, target, class_start, softcap, state)
     ref_lse, ref_t, ref_sum = _float64_stats(x, w, b, target, class_start, softcap, state)
 
     def lse(s):
         return s[0].double() + s[1].double().log()
 
+    eps = torch.finfo(dtype).eps
+    # Without the logit sums (another schedule's tiles for pingpong_cluster_192): logit_sum is left alone,
+    # lse and the target logits as close to float64 and the cuBLAS path as below.
+    assert torch.equal(plain[3], state[3])
+    for what, got, other, ref in (("lse", lse(plain), lse(cublas), ref_lse), ("target_logit", plain[2], cublas[2], ref_t)):
+        diff = (got.double() - other.double()).abs()
+        assert (diff <= 2 * eps * (1 + ref.abs())).all(), f"{what}: max |fused - cublas| {float(diff.max()):.3g}"
+        assert rel_err(got, ref) <= 2 * rel_err(other, ref) + 1e-6, what
+
     # Both paths fold the same logits (acc + bias rounded once to the dtype) up to the GEMM's and the sums'
     # orders: elementwise within a couple of the dtype's epsilons of each other (a logit the two K orders
     # round apart moves by one ulp), and norm-wise as close to float64 as the cuBLAS path (2x, the rule).
-    eps = torch.finfo(dtype).eps
     for what, got, other, ref in (("lse", lse(fused), lse(cublas), ref_lse), ("target_logit", fused[2], cublas[2], ref_t),
                                   ("logit_sum", fused[3], cublas[3], ref_sum)):
         assert torch.isfinite(got).all(), what
@@ -158,11 +174,12 @@ def test_repeated_runs_are_bitwise_identical(schedule, n, c, d):
     x, w, b = _inputs(n, c, d, torch.bfloat16, bias=True, seed=3)
     target = _targets(n, c, 0, c, 3)
     state = _start_state(n, 3)
-    first = _run(_fused, x, w, b, target, 0, 0.0, state)
-    for _ in range(3):
-        again = _run(_fused, x, w, b, target, 0, 0.0, state)
-        for a, r in zip(again, first):
-            assert torch.equal(a, r)
+    for fn in (_fused, _fused_plain):
+        first = _run(fn, x, w, b, target, 0, 0.0, state)
+        for _ in range(3):
+            again = _run(fn, x, w, b, target, 0, 0.0, state)
+            for a, r in zip(again, first):
+                assert torch.equal(a, r)
 
 
 @requires_fused
@@ -181,8 +198,14 @@ def test_stats_without_logit_sums(schedule, bias, n, c, d):
     before = without[3].clone()
     ops.gemm_chunk_stats_(xc, wc, bc, target, 0, 0.0, *with_sum)
     ops.gemm_chunk_stats_(xc, wc, bc, target, 0, 0.0, *without, with_logit_sum=False)
-    for a, b_ in zip(with_sum[:3], without[:3]):
-        assert torch.equal(a, b_)
+    if schedule == "pingpong_cluster_192":
+        # the call with logit sums runs 128-column tiles: the max and target logits are the same values, the
+        # sums of exps grouped by other tiles
+        assert torch.equal(with_sum[0], without[0]) and torch.equal(with_sum[2], without[2])
+        torch.testing.assert_close(with_sum[1], without[1], rtol=2e-6, atol=0)
+    else:
+        for a, b_ in zip(with_sum[:3], without[:3]):
+            assert torch.equal(a, b_)
     assert torch.equal(without[3], before)
     assert not torch.equal(with_sum[3], before)
 
@@ -280,6 +303,40 @@ def test_schedules_agree():
     # values 2.3e-6 apart, relative).
     for a, r in zip(results["pingpong"], results["cooperative"]):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    plain = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for s in ("pingpong_cluster", "pingpong_cluster_192"):
+            mp.setenv("HUGEHEAD_GEMM_SCHEDULE", s)
+            plain[s] = _run(_fused_plain, x, w, b, target, 0, 0.0, state)
+    for a, r in zip(plain["pingpong_cluster"], plain["pingpong_cluster_192"]):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_logit_sum", [True, False])
+@pytest.mark.parametrize("n,c,d,bias", [(5, 300, 64, True), (257, 1000, 768, False), (300, 20000 + 17, 768, True),
+                                        (1000, 3000, 768, False)])
+def test_pair_fold_writes_the_float_folds_bits(schedule, dtype, with_logit_sum, n, c, d, bias, monkeypatch):
+    """The statistics epilogue's fold on logits packed two to a register (the default) and on the float32
+    accumulators (HUGEHEAD_GEMM_STATS_FOLD=float) do the same arithmetic in the same order: the same bits,
+    whole tiles and the checked edge tiles alike, with a NaN row, a row of infinite logits, ignored rows and
+    targets inside and outside the chunk. (pingpong_cluster_192 has the pair fold only: there both runs take
+    it where it applies, so they must agree as repeated runs do.)"""
+    x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=n + c)
+    x[3 % n, 0] = float("nan")
+    if n > 5:
+        x[5, :] = float("inf")
+    target = _targets(n, c, 0, c + 50, n + c)
+    state = _start_state(n, n + c)
+    fn = _fused if with_logit_sum else _fused_plain
+    pairs = _run(fn, x, w, b, target, 0, 0.0, state)
+    monkeypatch.setenv("HUGEHEAD_GEMM_STATS_FOLD", "float")
+    floats = _run(fn, x, w, b, target, 0, 0.0, state)
+    for a, r in zip(pairs, floats):
+        assert torch.equal(a.isnan(), r.isnan())
+        assert torch.equal(a.nan_to_num(), r.nan_to_num())
+    assert pairs[0].isnan().any() or pairs[1].isnan().any()  # the NaN row reached the statistics
 
 
 @requires_fused

@@ -25,6 +25,8 @@ HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_cooperative, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster192, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
@@ -66,15 +68,25 @@ bool mainloop_only_from_env() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-namespace {
-// The statistics GEMM has no 128 x 192 instantiation: pingpong_cluster_192 runs it as pingpong_cluster.
-Schedule stats_schedule(Schedule schedule) {
-  return schedule == Schedule::kPingpongCluster192 ? Schedule::kPingpongCluster : schedule;
+Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
+  const bool pairs_only_applies = p.logits == nullptr && !(p.softcap > 0.f) && !p.logit_sum;
+  return schedule == Schedule::kPingpongCluster192 && !pairs_only_applies ? Schedule::kPingpongCluster : schedule;
 }
-}  // namespace
+
+bool stats_pair_fold_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_STATS_FOLD");
+  return v == nullptr || std::strcmp(v, "float") != 0;
+}
 
 int stats_gemm_tile_cols(Schedule schedule) {
-  return stats_schedule(schedule) == Schedule::kCooperative ? 256 : 128;
+  switch (schedule) {
+    case Schedule::kCooperative:
+      return 256;
+    case Schedule::kPingpongCluster192:
+      return 192;
+    default:
+      return 128;
+  }
 }
 
 namespace {
@@ -93,7 +105,10 @@ struct StatsLaunchers {
       return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong) : HUGEHEAD_STATS(KIND##_bf16_pingpong);         \
   }
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
-  schedule = stats_schedule(schedule);
+  schedule = stats_schedule_for(schedule, p);
+  if (schedule == Schedule::kPingpongCluster192) {  // never with stored logits (stats_schedule_for)
+    return half ? HUGEHEAD_STATS(stats_gemm_fp16_pingpong_cluster192) : HUGEHEAD_STATS(stats_gemm_bf16_pingpong_cluster192);
+  }
   if (p.logits != nullptr) {
     HUGEHEAD_STATS_PICK(stats_gemm_store)
   }

@@ -56,9 +56,9 @@ struct ScheduleConfig<Schedule::kPingpongCluster> {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
-// The gradient GEMM (TMA store) on 128 x 192 tiles in 2-CTA clusters: a sixth fewer L2 bytes a FLOP than
-// 128 x 128, wgmma n192. 192 fp32 accumulators a thread leave the statistics GEMM's register fold too few
-// registers (ptxas spills ~1 KB a thread), so only the gradient GEMM has it (A/B: HUGEHEAD_GEMM_SCHEDULE).
+// 128 x 192 tiles in 2-CTA clusters: a sixth fewer L2 bytes a FLOP than 128 x 128, wgmma n192. The gradient
+// GEMM's TMA store, and the statistics GEMM with fold_pairs() without logit sums (192 fp32 accumulators a
+// thread leave its other folds too few registers: ptxas spilled ~1 KB a thread); A/B: HUGEHEAD_GEMM_SCHEDULE.
 template <>
 struct ScheduleConfig<Schedule::kPingpongCluster192> {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;

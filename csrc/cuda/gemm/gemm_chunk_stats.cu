@@ -76,12 +76,8 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   if (rows == 0 || cols == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const gemm::Schedule schedule = gemm::schedule_from_env(gemm::default_stats_schedule(depth));
-  const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
-  const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
-  at::Tensor partials = at::empty({rows, tiles, with_logit_sum ? 4 : 2}, x.options().dtype(at::kFloat));
   gemm::StatsGemmParams p{x.data_ptr(), weight.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr,
-                          target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), partials.data_ptr<float>(),
+                          target.data_ptr<int64_t>(), target_logit.data_ptr<float>(), /*partials=*/nullptr,
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
                           static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
   p.logit_sum = with_logit_sum;
@@ -91,6 +87,13 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   } else {
     p.mainloop_only = gemm::mainloop_only_from_env();  // (benchmarks: the stored logits are always written)
   }
+  p.pair_fold = gemm::stats_pair_fold_from_env();
+  const gemm::Schedule schedule =
+      gemm::stats_schedule_for(gemm::schedule_from_env(gemm::default_stats_schedule(depth)), p);
+  const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
+  const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
+  at::Tensor partials = at::empty({rows, tiles, with_logit_sum ? 4 : 2}, x.options().dtype(at::kFloat));
+  p.partials = partials.data_ptr<float>();
   const bool half = x.scalar_type() == at::kHalf;
   const size_t ws_bytes = gemm::stats_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;

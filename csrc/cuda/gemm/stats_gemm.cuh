@@ -11,23 +11,63 @@
 namespace hugehead {
 namespace gemm {
 
+// Two logits of one row in one 32-bit register: z rounded to Element is exact in Element, so a tile's
+// logits take half the registers of its float32 accumulators, and their max is one max.{bf16,f16}x2 a
+// pair (exact: the max of the same values, NaNs ignored as fmaxf ignores them).
+template <class Element>
+struct LogitPair;
+template <>
+struct LogitPair<cutlass::bfloat16_t> {
+  using Pair = __nv_bfloat162;
+  static CUTLASS_DEVICE Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static CUTLASS_DEVICE Pair max(Pair a, Pair b) { return __hmax2(a, b); }
+  static CUTLASS_DEVICE Pair neg_inf() { return __floats2bfloat162_rn(-INFINITY, -INFINITY); }
+  static CUTLASS_DEVICE float lo(Pair h) { return __low2float(h); }
+  static CUTLASS_DEVICE float hi(Pair h) { return __high2float(h); }
+  static CUTLASS_DEVICE Pair with_lo(Pair h, float v) { return __halves2bfloat162(__float2bfloat16_rn(v), h.y); }
+  static CUTLASS_DEVICE Pair with_hi(Pair h, float v) { return __halves2bfloat162(h.x, __float2bfloat16_rn(v)); }
+};
+template <>
+struct LogitPair<cutlass::half_t> {
+  using Pair = __half2;
+  static CUTLASS_DEVICE Pair pack(float a, float b) { return __floats2half2_rn(a, b); }
+  static CUTLASS_DEVICE Pair max(Pair a, Pair b) { return __hmax2(a, b); }
+  static CUTLASS_DEVICE Pair neg_inf() { return __floats2half2_rn(-INFINITY, -INFINITY); }
+  static CUTLASS_DEVICE float lo(Pair h) { return __low2float(h); }
+  static CUTLASS_DEVICE float hi(Pair h) { return __high2float(h); }
+  static CUTLASS_DEVICE Pair with_lo(Pair h, float v) { return __halves2half2(__float2half_rn(v), h.y); }
+  static CUTLASS_DEVICE Pair with_hi(Pair h, float v) { return __halves2half2(h.x, __float2half_rn(v)); }
+};
+
+// The statistics epilogue's arguments (one type for both StatsEpilogue variants: stats_store_gemm.cuh passes
+// its callbacks' arguments on).
+template <class Element>
+struct StatsEpilogueArguments {
+  const Element* bias = nullptr;     // [cols] or nullptr
+  const int64_t* target = nullptr;   // [rows] global class ids
+  float* target_logit = nullptr;     // [rows]
+  float* partials = nullptr;         // [rows, num_col_tiles, 4], or [rows, num_col_tiles, 2] without logit_sum
+  int64_t class_start = 0;
+  int64_t num_col_tiles = 0;
+  float softcap = 0.f;
+  float inv_softcap = 0.f;  // 1 / softcap, computed on the host
+  bool mainloop_only = false;
+  bool logit_sum = true;  // fold the logit sums (label smoothing needs them); false: (max, sum) partials
+  bool pair_fold = true;  // fold_pairs() where it applies (false: fold(), for A/B runs; 128 x 192: always)
+};
+
 // Epilogue of the statistics GEMM (fragment layout and why it is written this way: fused_gemm.cuh). A
 // row's statistics over the tile are the thread's own columns, then two xor shuffles inside the quad that
 // holds the row; no shared memory, and the lane with lane % 4 == 0 writes the row's partial.
-template <class Element>
+//
+// Two folds with the same arithmetic in the same order (so the same bits): fold() rounds the accumulators to
+// z in place (what the GEMM that also stores z needs: stats_store_gemm.cuh, kKeepLogits) and fold_pairs()
+// packs them two to a register first (fewer instructions and half the registers: the 128 x 192 tile's 192
+// accumulators a thread leave fold() too few, ptxas spilled ~1 KB a thread). Softcap's float32 logits take
+// fold(): they are not representable in Element.
+template <class Element, bool kKeepLogits = false>
 struct StatsEpilogue : EpilogueBase<Element> {
-  struct Arguments {
-    const Element* bias = nullptr;     // [cols] or nullptr
-    const int64_t* target = nullptr;   // [rows] global class ids
-    float* target_logit = nullptr;     // [rows]
-    float* partials = nullptr;         // [rows, num_col_tiles, 4], or [rows, num_col_tiles, 2] without logit_sum
-    int64_t class_start = 0;
-    int64_t num_col_tiles = 0;
-    float softcap = 0.f;
-    float inv_softcap = 0.f;  // 1 / softcap, computed on the host
-    bool mainloop_only = false;
-    bool logit_sum = true;  // fold the logit sums (label smoothing needs them); false: (max, sum) partials
-  };
+  using Arguments = StatsEpilogueArguments<Element>;
   using Params = Arguments;
 
   template <class ProblemShape>
@@ -51,29 +91,62 @@ struct StatsEpilogue : EpilogueBase<Element> {
     check_fragment<FrgLayout, TiledMma>();
     if (params.mainloop_only) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
+    // The 128 x 192 tile has fold_pairs() without logit sums only (more spills there); its launches have no
+    // softcap and no logit sums (stats_schedule_for picks another schedule for those) and store no logits.
+    constexpr bool kPairsOnly = size<1>(BlockShapeMNK{}) == 192;
+    static_assert(!(kPairsOnly && kKeepLogits), "the 128 x 192 statistics GEMM stores no logits");
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     opaque_per_tile(thread_idx);
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
     const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-    int64_t target[kRows];
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) target[i] = f.row[i] < M ? params.target[f.row[i]] : int64_t(-1);
-    // Fast paths for the tiles inside the problem without softcap; every other tile takes a checked path.
     const bool cap = params.softcap > 0.f;
-    // The logit sums only serve label smoothing: without it (params.logit_sum false) the fast path skips them
-    // (a partial's sum is then 0, and logit_sum is left as it was).
-    if (f.full && !cap) {
-      if (params.logit_sum) {
-        if (params.bias != nullptr) fold<true, false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-        else fold<true, false, false, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-      } else {
-        if (params.bias != nullptr) fold<true, false, true, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-        else fold<true, false, false, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+    // The pair fold where a warpgroup holds a whole 128-row tile (pingpong); cooperative's 64 rows of a
+    // 128 x 256 tile (the LLM shapes' depths) keep fold(), as measured there.
+    if constexpr (!kKeepLogits && kRows == 4) {
+      if (kPairsOnly || (params.pair_fold && !cap)) {
+        pairs_path<!kPairsOnly>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        return;
       }
-    } else {
-      if (cap) fold<false, true, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-      else fold<false, false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
     }
+    if constexpr (!kPairsOnly) {
+      int64_t target[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) target[i] = f.row[i] < M ? params.target[f.row[i]] : int64_t(-1);
+      // Fast paths for the tiles inside the problem without softcap; every other tile takes a checked path.
+      // The logit sums only serve label smoothing: without it (params.logit_sum false) the fast path skips
+      // them (a partial's sum is then 0, and logit_sum is left as it was).
+      if (f.full && !cap) {
+        if (params.logit_sum) {
+          if (params.bias != nullptr) fold<true, false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+          else fold<true, false, false, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        } else {
+          if (params.bias != nullptr) fold<true, false, true, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+          else fold<true, false, false, false>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        }
+      } else {
+        if (cap) fold<false, true, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        else fold<false, false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      }
+    }
+  }
+
+  // fold_pairs()'s variants, as operator() picks fold()'s (the checked one for tiles past the problem's edge).
+  // kSums false: only the variants without logit sums (the 128 x 192 tile: with them ptxas spills there).
+  template <bool kSums, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
+            class BlockCoordMNKL>
+  CUTLASS_DEVICE void pairs_path(Acc& acc, Coords const& tCcD, Rows const& f, ProblemShapeMNKL const& problem_shape_mnkl,
+                                 BlockShapeMNK const& blk_shape_MNK, BlockCoordMNKL const& blk_coord_mnkl) {
+    if constexpr (kSums) {
+      if (params.logit_sum) {
+        if (!f.full) fold_pairs<false, true, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        else if (params.bias != nullptr) fold_pairs<true, true, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        else fold_pairs<true, false, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        return;
+      }
+    }
+    if (!f.full) fold_pairs<false, true, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+    else if (params.bias != nullptr) fold_pairs<true, true, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+    else fold_pairs<true, false, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
   }
 
   // kSum: fold the logit sums (else their partial is 0; the checked path always folds them).
@@ -182,8 +255,15 @@ struct StatsEpilogue : EpilogueBase<Element> {
       t_z[i] = 0.f;
     }
     pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z);
+    write_rows(f, M, mine, t_z, m, s, sum, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
+  }
+
+  // The target logits this thread holds, and the quad's partial of each row (the lane with lane % 4 == 0).
+  template <class Rows, int kRows>
+  CUTLASS_DEVICE void write_rows(Rows const& f, int M, const bool (&mine)[kRows], const float (&t_z)[kRows],
+                                 const float (&m)[kRows], const float (&s)[kRows], const float (&sum)[kRows],
+                                 int64_t n_coord) const {
     const int lane = static_cast<int>(threadIdx.x) % 32;
-    const int64_t n_coord = static_cast<int64_t>(get<1>(blk_coord_mnkl));
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       if (f.row[i] >= M) continue;
@@ -198,13 +278,142 @@ struct StatsEpilogue : EpilogueBase<Element> {
     }
   }
 
+  // fold()'s arithmetic (kCap false) on the logits packed two to a register (LogitPair): the same maxes,
+  // exps and sums in the same order, so the same bits. Columns past the problem (!kFull) are packed as -inf,
+  // which the max ignores and whose exps add +0; the logit sums leave them out by fold()'s select.
+  template <bool kFull, bool kBias, bool kSum, class Acc, class Coords, class Rows, class ProblemShapeMNKL,
+            class BlockShapeMNK, class BlockCoordMNKL>
+  CUTLASS_DEVICE void fold_pairs(Acc& acc, Coords const& tCcD, Rows const& f, ProblemShapeMNKL const& problem_shape_mnkl,
+                                 BlockShapeMNK const&, BlockCoordMNKL const& blk_coord_mnkl) {
+    using namespace cute;
+    using P = LogitPair<Element>;
+    using FrgLayout = typename Acc::layout_type;
+    constexpr int kSteps = size<0, 2>(FrgLayout{});
+    constexpr int kRows = 2 * size<1>(FrgLayout{});
+    constexpr int kTileN = size<1>(BlockShapeMNK{});
+    static_assert(size<2>(FrgLayout{}) == 1, "one MMA atom spans the tile's columns (the target's element is found from that)");
+    static_assert(kRows == 4, "fold()'s chains of four rows (its kSplit is false)");
+    const int M = static_cast<int>(get<0>(problem_shape_mnkl));
+    const int N = static_cast<int>(get<1>(problem_shape_mnkl));
+    // kFull || the column is inside the problem: (c, st)'s column, the same for all of the thread's rows.
+    auto ok = [&](int c, int st) { return kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) < N; };
+
+    // z = acc (+ bias) rounded to Element, two columns of a row to a register (logits_in_place's values).
+    typename P::Pair h[kSteps][kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int st = 0; st < kSteps; ++st) {
+      float b[2] = {0.f, 0.f};
+      if constexpr (kBias) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0)));
+          b[c] = (params.bias != nullptr && ok(c, st)) ? static_cast<float>(params.bias[col]) : 0.f;
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        float a0 = acc(make_coord(make_coord(0, i % 2, st), i / 2, 0));
+        float a1 = acc(make_coord(make_coord(1, i % 2, st), i / 2, 0));
+        if constexpr (kBias) {
+          a0 += b[0];
+          a1 += b[1];
+        }
+        h[st][i] = P::pack(ok(0, st) ? a0 : -INFINITY, ok(1, st) ? a1 : -INFINITY);
+      }
+    }
+    // The targets' loads after the packing (fewer registers live beside the accumulators); the max and exp
+    // loops then give them time to arrive.
+    int64_t target[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) target[i] = f.row[i] < M ? params.target[f.row[i]] : int64_t(-1);
+
+    typename P::Pair hm[kRows];
+    float sum[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      hm[i] = P::neg_inf();
+      sum[i] = 0.f;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int st = 0; st < kSteps; ++st) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) hm[i] = P::max(hm[i], h[st][i]);
+    }
+    float m[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) m[i] = ::fmaxf(P::lo(hm[i]), P::hi(hm[i]));
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off < 4; off *= 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) m[i] = ::fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], off));
+    }
+    float m0[kRows], s[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      m0[i] = (m[i] == -INFINITY ? 0.f : m[i]) * kLog2e;
+      s[i] = 0.f;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int st = 0; st < kSteps; ++st) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 2; ++c) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          const float z = c == 0 ? P::lo(h[st][i]) : P::hi(h[st][i]);
+          // The logit sums here, not beside the max as in fold(): the same adds in the same order, and each
+          // unpacked z is used where it is unpacked (else the compiler keeps them all for this loop).
+          if constexpr (kSum) sum[i] += ok(c, st) ? z : 0.f;
+          // A column past the problem holds -inf, whose exp is +0 whatever m0 (finite, or +inf: never -inf
+          // nor NaN while the max ignores NaNs): adding it leaves s's bits as fold()'s select does, without
+          // the per-column predicates (kept for all 48 steps of a 192-column tile, they spilled).
+          s[i] += exp_minus(z, m0[i]);
+        }
+      }
+    }
+    // fold() adds sb (+0 with four rows) here: s + 0 is s, so that add is left out.
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off < 4; off *= 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
+        if constexpr (kSum) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], off);
+      }
+    }
+    // The target logits (pick_at_offsets on the pairs): a uniform branch where a lane of the warp holds one.
+    int t_off[kRows];
+    bool mine[kRows], any_mine = false;
+    float t_z[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      t_off[i] = target_offset<kTileN>(target[i], params.class_start, f.col0);
+      mine[i] = f.row[i] < M && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+      any_mine |= mine[i];
+      t_z[i] = 0.f;
+    }
+    if (__any_sync(0xffffffffu, any_mine)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int st = 0; st < kSteps; ++st) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          const int offset = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) - f.col0;  // a constant
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < kRows; ++i) {
+            const float v = c == 0 ? P::lo(h[st][i]) : P::hi(h[st][i]);
+            t_z[i] = offset == t_off[i] ? v : t_z[i];
+          }
+        }
+      }
+    }
+    write_rows(f, M, mine, t_z, m, s, sum, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
+  }
+
   Params params;
 };
 
 // The statistics epilogue's arguments for a launch (shared with stats_store_gemm.cuh), tiles kTileCols wide.
 template <class Element>
-typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsGemmParams& p, int tile_cols) {
-  typename StatsEpilogue<Element>::Arguments epi;
+StatsEpilogueArguments<Element> stats_epilogue_arguments(const StatsGemmParams& p, int tile_cols) {
+  StatsEpilogueArguments<Element> epi;
   epi.bias = static_cast<const Element*>(p.bias);
   epi.target = p.target;
   epi.target_logit = p.target_logit;
@@ -215,6 +424,7 @@ typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsG
   epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
   epi.mainloop_only = p.mainloop_only;
   epi.logit_sum = p.logit_sum;
+  epi.pair_fold = p.pair_fold;
   return epi;
 }
 

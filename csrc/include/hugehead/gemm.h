@@ -34,6 +34,8 @@ struct StatsGemmParams {
   bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials of 8 bytes
   void* logits = nullptr;      // [rows, cols] x's dtype, row stride logits_stride (16-byte aligned base and
   int64_t logits_stride = 0;   //   rows, cols a multiple of 8), or nullptr: z stored there too (no softcap)
+  bool pair_fold = true;       // the epilogue's fold on packed 16-bit pairs where it applies (stats_gemm.cuh);
+                               //   false (HUGEHEAD_GEMM_STATS_FOLD=float, A/B runs): on float32 accumulators
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
@@ -65,8 +67,8 @@ struct GradGemmParams {
 // HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative picks one (read per call,
 // for A/B runs). The defaults: default_stats_schedule for the statistics GEMM; pingpong_cluster for the gradient
 // GEMM (one H200 at 194b171, gemm_clocks' two-second soak at xc1M: 0.680 ms a chunk against 0.691 for pingpong).
-// pingpong_cluster_192: the gradient GEMM's TMA-stored kernel on 128 x 192 tiles in 2-CTA clusters (not yet
-// measured); the statistics GEMM and the gradient's register epilogue take pingpong_cluster for it.
+// pingpong_cluster_192: 128 x 192 tiles in 2-CTA clusters, for the gradient GEMM's TMA-stored kernel and the
+// statistics GEMM where stats_schedule_for allows; the gradient's register epilogue takes pingpong_cluster.
 enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2, kPingpongCluster192 = 3 };
 
 // The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
@@ -88,7 +90,15 @@ Schedule default_stats_schedule(int64_t depth);
 // floor its epilogue is measured against. The op's outputs are then left as they were.
 bool mainloop_only_from_env();
 
-// Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)).
+// The schedule the statistics GEMM runs for these params when `schedule` is asked: pingpong_cluster_192's
+// fold is fold_pairs() without logit sums only (stats_gemm.cuh), so softcap, logit sums (label smoothing) and
+// stored logits take pingpong_cluster.
+Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p);
+
+// Whether the epilogue folds packed pairs (HUGEHEAD_GEMM_STATS_FOLD unset or "pairs"; "float": fold()).
+bool stats_pair_fold_from_env();
+
+// Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)), after stats_schedule_for.
 int stats_gemm_tile_cols(Schedule schedule);
 
 // Bytes of device workspace CUTLASS's kernel needs for these params (0 for the persistent scheduler).
