@@ -39,7 +39,7 @@ def _variants(name: str):
     def env(**kv):
         def set_():
             for k in ("HUGEHEAD_GEMM_MAINLOOP_ONLY", "HUGEHEAD_GEMM_GRAD_STORE", "HUGEHEAD_GEMM_SCHEDULE",
-                      "HUGEHEAD_GEMM_DENSE", "HUGEHEAD_GEMM_STATS_FOLD"):
+                      "HUGEHEAD_GEMM_DENSE"):
                 os.environ.pop(k, None)
             os.environ.update(kv)
         return set_
@@ -70,8 +70,6 @@ def _variants(name: str):
          env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"), stats),
         ("fused statistics, no logit sums (pingpong_cluster)", env(HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"),
          stats_plain),
-        ("fused statistics, no logit sums, float fold (pingpong_cluster)",
-         env(HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster", HUGEHEAD_GEMM_STATS_FOLD="float"), stats_plain),
         # 128 x 192 tiles serve the statistics GEMM without logit sums only (else pingpong_cluster)
         ("mainloop only (pingpong_cluster_192)",
          env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192"), stats_plain),

@@ -88,12 +88,11 @@ def gemm_chunk_stats_(
             stride, a row stride and ``C`` that are multiples of 8, a 16-byte aligned start. Not with
             ``softcap`` (kept logits are stored uncapped; :func:`chunk_grad_` applies the cap).
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative`` (environment,
-        read per call) picks the CUTLASS schedule (default here: pingpong_cluster, clusters of two CTAs that
-        share each weight tile through TMA multicast, below a depth of 2048 and cooperative from it;
-        pingpong_cluster for :func:`gemm_chunk_grad_`). pingpong_cluster_192 (128 x 192 tiles, for A/B runs)
-        serves this op without logit sums, softcap or stored logits (else pingpong_cluster) and the gradient's
-        TMA store. ``HUGEHEAD_GEMM_STATS_FOLD=float`` folds the float32 accumulators instead of the logits
-        packed two to a register (the default; the same bits), for A/B runs.
+        read per call) picks the CUTLASS schedule. The default below a depth of 2048: pingpong_cluster_192
+        (128 x 192 tiles, pingpong in clusters of two CTAs that share each weight tile through TMA multicast)
+        without logit sums, softcap or stored logits, else pingpong_cluster (128 x 128); cooperative from a
+        depth of 2048. :func:`gemm_chunk_grad_` likewise: pingpong_cluster_192 below 2048 (its TMA store; the
+        register epilogue's calls take pingpong_cluster), pingpong_cluster from it.
 
     Raises:
         RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build

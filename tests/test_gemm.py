@@ -145,7 +145,8 @@ def test_stats_match_float64_and_the_cublas_path(schedule, dtype, n, c, d, class
     # Without the logit sums (another schedule's tiles for pingpong_cluster_192): logit_sum is left alone,
     # lse and the target logits as close to float64 and the cuBLAS path as below.
     assert torch.equal(plain[3], state[3])
-    for what, got, other, ref in (("lse", lse(plain), lse(cublas), ref_lse), ("target_logit", plain[2], cublas[2], ref_t)):
+    for what, got, other, ref in (("lse", lse(plain), lse(cublas), ref_lse),
+                                  ("target_logit", plain[2], cublas[2], ref_t)):
         diff = (got.double() - other.double()).abs()
         assert (diff <= 2 * eps * (1 + ref.abs())).all(), f"{what}: max |fused - cublas| {float(diff.max()):.3g}"
         assert rel_err(got, ref) <= 2 * rel_err(other, ref) + 1e-6, what
@@ -240,8 +241,14 @@ def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, clas
     z = buf[:, 16:16 + c]
     ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *plain, with_logit_sum=with_logit_sum)
     ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *stored, with_logit_sum=with_logit_sum, logits=z)
-    for a, r in zip(stored, plain):
-        assert torch.equal(a, r)
+    # The GEMM that stores stores no 128 x 192 tiles: without logit sums, pingpong_cluster_192's call without
+    # logits runs them, its sums of exps grouped by other tiles.
+    tiles_differ = schedule == "pingpong_cluster_192" and not with_logit_sum
+    for k, (a, r) in enumerate(zip(stored, plain)):
+        if tiles_differ and k == 1:
+            torch.testing.assert_close(a, r, rtol=2e-6, atol=0)
+        else:
+            assert torch.equal(a, r)
     assert torch.isnan(buf[:, :16]).all() and torch.isnan(buf[:, 16 + c:]).all()
     assert not torch.isnan(z).any()
     ref = xc.double() @ wc.double().t() + (0.0 if bc is None else bc.double())
@@ -314,29 +321,27 @@ def test_schedules_agree():
 
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("with_logit_sum", [True, False])
-@pytest.mark.parametrize("n,c,d,bias", [(5, 300, 64, True), (257, 1000, 768, False), (300, 20000 + 17, 768, True),
-                                        (1000, 3000, 768, False)])
-def test_pair_fold_writes_the_float_folds_bits(schedule, dtype, with_logit_sum, n, c, d, bias, monkeypatch):
-    """The statistics epilogue's fold on logits packed two to a register (the default) and on the float32
-    accumulators (HUGEHEAD_GEMM_STATS_FOLD=float) do the same arithmetic in the same order: the same bits,
-    whole tiles and the checked edge tiles alike, with a NaN row, a row of infinite logits, ignored rows and
-    targets inside and outside the chunk. (pingpong_cluster_192 has the pair fold only: there both runs take
-    it where it applies, so they must agree as repeated runs do.)"""
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,c,d", [(5, 100, 64), (257, 128, 768), (300, 120, 768), (1000, 64, 768)])
+def test_pair_fold_writes_the_128_column_folds_bits(dtype, bias, n, c, d, monkeypatch):
+    """The 128 x 192 tiles' fold (logits packed two to a register) does fold()'s arithmetic in fold()'s order:
+    where a row's columns fit one tile of either width (C <= 128), pingpong_cluster_192 and pingpong_cluster
+    give the same bits (the mainloops' K order is the same), with a NaN row, a row of infinite logits,
+    ignored rows and targets inside and outside the chunk."""
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=n + c)
     x[3 % n, 0] = float("nan")
     if n > 5:
         x[5, :] = float("inf")
     target = _targets(n, c, 0, c + 50, n + c)
     state = _start_state(n, n + c)
-    fn = _fused if with_logit_sum else _fused_plain
-    pairs = _run(fn, x, w, b, target, 0, 0.0, state)
-    monkeypatch.setenv("HUGEHEAD_GEMM_STATS_FOLD", "float")
-    floats = _run(fn, x, w, b, target, 0, 0.0, state)
-    for a, r in zip(pairs, floats):
+    got = {}
+    for s in ("pingpong_cluster", "pingpong_cluster_192"):
+        monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", s)
+        got[s] = _run(_fused_plain, x, w, b, target, 0, 0.0, state)
+    for a, r in zip(got["pingpong_cluster_192"], got["pingpong_cluster"]):
         assert torch.equal(a.isnan(), r.isnan())
         assert torch.equal(a.nan_to_num(), r.nan_to_num())
-    assert pairs[0].isnan().any() or pairs[1].isnan().any()  # the NaN row reached the statistics
+    assert got["pingpong_cluster_192"][1].isnan().any()  # the NaN row reached the statistics
 
 
 @requires_fused

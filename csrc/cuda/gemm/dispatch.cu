@@ -60,7 +60,11 @@ Schedule schedule_from_env(Schedule fallback) {
 }
 
 Schedule default_stats_schedule(int64_t depth) {
-  return depth >= kStatsCooperativeDepth ? Schedule::kCooperative : Schedule::kPingpongCluster;
+  return depth >= kStatsCooperativeDepth ? Schedule::kCooperative : Schedule::kPingpongCluster192;
+}
+
+Schedule default_grad_schedule(int64_t depth) {
+  return depth >= kStatsCooperativeDepth ? Schedule::kPingpongCluster : Schedule::kPingpongCluster192;
 }
 
 bool mainloop_only_from_env() {
@@ -71,11 +75,6 @@ bool mainloop_only_from_env() {
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
   const bool pairs_only_applies = p.logits == nullptr && !(p.softcap > 0.f) && !p.logit_sum;
   return schedule == Schedule::kPingpongCluster192 && !pairs_only_applies ? Schedule::kPingpongCluster : schedule;
-}
-
-bool stats_pair_fold_from_env() {
-  const char* v = std::getenv("HUGEHEAD_GEMM_STATS_FOLD");
-  return v == nullptr || std::strcmp(v, "float") != 0;
 }
 
 int stats_gemm_tile_cols(Schedule schedule) {
@@ -107,7 +106,8 @@ struct StatsLaunchers {
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
   schedule = stats_schedule_for(schedule, p);
   if (schedule == Schedule::kPingpongCluster192) {  // never with stored logits (stats_schedule_for)
-    return half ? HUGEHEAD_STATS(stats_gemm_fp16_pingpong_cluster192) : HUGEHEAD_STATS(stats_gemm_bf16_pingpong_cluster192);
+    return half ? HUGEHEAD_STATS(stats_gemm_fp16_pingpong_cluster192)
+                : HUGEHEAD_STATS(stats_gemm_bf16_pingpong_cluster192);
   }
   if (p.logits != nullptr) {
     HUGEHEAD_STATS_PICK(stats_gemm_store)

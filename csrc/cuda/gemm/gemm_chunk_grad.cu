@@ -49,7 +49,7 @@ void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const s
               "hugehead: HUGEHEAD_GEMM_GRAD_STORE=tma, but the TMA store does not apply to this gemm_chunk_grad_ call "
               "(it needs no bias, softcap, z-loss or grad_lse, and a grad_logits whose base and row stride are "
               "16-byte aligned with a multiple of 8 columns)");
-  const gemm::Schedule schedule = gemm::schedule_from_env(gemm::Schedule::kPingpongCluster);
+  const gemm::Schedule schedule = gemm::schedule_from_env(gemm::default_grad_schedule(x.size(1)));
   const size_t ws_bytes = gemm::grad_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));

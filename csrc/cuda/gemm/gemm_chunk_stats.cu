@@ -87,7 +87,6 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   } else {
     p.mainloop_only = gemm::mainloop_only_from_env();  // (benchmarks: the stored logits are always written)
   }
-  p.pair_fold = gemm::stats_pair_fold_from_env();
   const gemm::Schedule schedule =
       gemm::stats_schedule_for(gemm::schedule_from_env(gemm::default_stats_schedule(depth)), p);
   const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);

@@ -53,7 +53,6 @@ struct StatsEpilogueArguments {
   float inv_softcap = 0.f;  // 1 / softcap, computed on the host
   bool mainloop_only = false;
   bool logit_sum = true;  // fold the logit sums (label smoothing needs them); false: (max, sum) partials
-  bool pair_fold = true;  // fold_pairs() where it applies (false: fold(), for A/B runs; 128 x 192: always)
 };
 
 // Epilogue of the statistics GEMM (fragment layout and why it is written this way: fused_gemm.cuh). A
@@ -61,10 +60,11 @@ struct StatsEpilogueArguments {
 // holds the row; no shared memory, and the lane with lane % 4 == 0 writes the row's partial.
 //
 // Two folds with the same arithmetic in the same order (so the same bits): fold() rounds the accumulators to
-// z in place (what the GEMM that also stores z needs: stats_store_gemm.cuh, kKeepLogits) and fold_pairs()
-// packs them two to a register first (fewer instructions and half the registers: the 128 x 192 tile's 192
-// accumulators a thread leave fold() too few, ptxas spilled ~1 KB a thread). Softcap's float32 logits take
-// fold(): they are not representable in Element.
+// z in place (what the GEMM that also stores z needs: stats_store_gemm.cuh, kKeepLogits), and fold_pairs(),
+// the 128 x 192 tile's, packs them two to a register first: its 192 accumulators a thread leave fold() too
+// few registers (ptxas spilled ~1 KB a thread; fold_pairs() none, without logit sums). On 128-column tiles
+// fold_pairs() ran slower than fold() (one H200, xc6M chunk under a 2.5 s soak at 096447b: 601 against 618
+// TFLOP/s; ptxas spilled 108 bytes a thread there against fold()'s 32), so they keep fold().
 template <class Element, bool kKeepLogits = false>
 struct StatsEpilogue : EpilogueBase<Element> {
   using Arguments = StatsEpilogueArguments<Element>;
@@ -91,8 +91,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
     check_fragment<FrgLayout, TiledMma>();
     if (params.mainloop_only) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
-    // The 128 x 192 tile has fold_pairs() without logit sums only (more spills there); its launches have no
-    // softcap and no logit sums (stats_schedule_for picks another schedule for those) and store no logits.
+    // The 128 x 192 tile has fold_pairs() only; its launches have no softcap and no logit sums
+    // (stats_schedule_for picks another schedule for those) and store no logits.
     constexpr bool kPairsOnly = size<1>(BlockShapeMNK{}) == 192;
     static_assert(!(kPairsOnly && kKeepLogits), "the 128 x 192 statistics GEMM stores no logits");
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
@@ -100,12 +100,13 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
     const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
     const bool cap = params.softcap > 0.f;
-    // The pair fold where a warpgroup holds a whole 128-row tile (pingpong); cooperative's 64 rows of a
-    // 128 x 256 tile (the LLM shapes' depths) keep fold(), as measured there.
-    if constexpr (!kKeepLogits && kRows == 4) {
-      if (kPairsOnly || (params.pair_fold && !cap)) {
-        pairs_path<!kPairsOnly>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-        return;
+    if constexpr (kPairsOnly) {
+      if (!f.full) {
+        fold_pairs<false, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      } else if (params.bias != nullptr) {
+        fold_pairs<true, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      } else {
+        fold_pairs<true, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       }
     }
     if constexpr (!kPairsOnly) {
@@ -128,25 +129,6 @@ struct StatsEpilogue : EpilogueBase<Element> {
         else fold<false, false, true, true>(acc, tCcD, f, target, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       }
     }
-  }
-
-  // fold_pairs()'s variants, as operator() picks fold()'s (the checked one for tiles past the problem's edge).
-  // kSums false: only the variants without logit sums (the 128 x 192 tile: with them ptxas spills there).
-  template <bool kSums, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
-            class BlockCoordMNKL>
-  CUTLASS_DEVICE void pairs_path(Acc& acc, Coords const& tCcD, Rows const& f, ProblemShapeMNKL const& problem_shape_mnkl,
-                                 BlockShapeMNK const& blk_shape_MNK, BlockCoordMNKL const& blk_coord_mnkl) {
-    if constexpr (kSums) {
-      if (params.logit_sum) {
-        if (!f.full) fold_pairs<false, true, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-        else if (params.bias != nullptr) fold_pairs<true, true, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-        else fold_pairs<true, false, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-        return;
-      }
-    }
-    if (!f.full) fold_pairs<false, true, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-    else if (params.bias != nullptr) fold_pairs<true, true, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-    else fold_pairs<true, false, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
   }
 
   // kSum: fold the logit sums (else their partial is 0; the checked path always folds them).
@@ -278,20 +260,22 @@ struct StatsEpilogue : EpilogueBase<Element> {
     }
   }
 
-  // fold()'s arithmetic (kCap false) on the logits packed two to a register (LogitPair): the same maxes,
-  // exps and sums in the same order, so the same bits. Columns past the problem (!kFull) are packed as -inf,
-  // which the max ignores and whose exps add +0; the logit sums leave them out by fold()'s select.
-  template <bool kFull, bool kBias, bool kSum, class Acc, class Coords, class Rows, class ProblemShapeMNKL,
-            class BlockShapeMNK, class BlockCoordMNKL>
-  CUTLASS_DEVICE void fold_pairs(Acc& acc, Coords const& tCcD, Rows const& f, ProblemShapeMNKL const& problem_shape_mnkl,
-                                 BlockShapeMNK const&, BlockCoordMNKL const& blk_coord_mnkl) {
+  // fold()'s arithmetic without softcap and logit sums (kCap, kSum false) on the logits packed two to a
+  // register (LogitPair): the same maxes and exps added in the same order, so the same bits (checked against
+  // the 128-column tiles where a row's columns fit one tile of both: tests/test_gemm.py). Columns past the
+  // problem (!kFull) are packed as -inf, which the max ignores and whose exps add +0.
+  template <bool kFull, bool kBias, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
+            class BlockCoordMNKL>
+  CUTLASS_DEVICE void fold_pairs(Acc& acc, Coords const& tCcD, Rows const& f,
+                                 ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&,
+                                 BlockCoordMNKL const& blk_coord_mnkl) {
     using namespace cute;
     using P = LogitPair<Element>;
     using FrgLayout = typename Acc::layout_type;
     constexpr int kSteps = size<0, 2>(FrgLayout{});
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     constexpr int kTileN = size<1>(BlockShapeMNK{});
-    static_assert(size<2>(FrgLayout{}) == 1, "one MMA atom spans the tile's columns (the target's element is found from that)");
+    static_assert(size<2>(FrgLayout{}) == 1, "one MMA atom spans the tile's columns (the target's offsets)");
     static_assert(kRows == 4, "fold()'s chains of four rows (its kSplit is false)");
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
@@ -328,12 +312,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
     for (int i = 0; i < kRows; ++i) target[i] = f.row[i] < M ? params.target[f.row[i]] : int64_t(-1);
 
     typename P::Pair hm[kRows];
-    float sum[kRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      hm[i] = P::neg_inf();
-      sum[i] = 0.f;
-    }
+    for (int i = 0; i < kRows; ++i) hm[i] = P::neg_inf();
     CUTLASS_PRAGMA_UNROLL
     for (int st = 0; st < kSteps; ++st) {
       CUTLASS_PRAGMA_UNROLL
@@ -360,9 +340,6 @@ struct StatsEpilogue : EpilogueBase<Element> {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) {
           const float z = c == 0 ? P::lo(h[st][i]) : P::hi(h[st][i]);
-          // The logit sums here, not beside the max as in fold(): the same adds in the same order, and each
-          // unpacked z is used where it is unpacked (else the compiler keeps them all for this loop).
-          if constexpr (kSum) sum[i] += ok(c, st) ? z : 0.f;
           // A column past the problem holds -inf, whose exp is +0 whatever m0 (finite, or +inf: never -inf
           // nor NaN while the max ignores NaNs): adding it leaves s's bits as fold()'s select does, without
           // the per-column predicates (kept for all 48 steps of a 192-column tile, they spilled).
@@ -374,10 +351,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
     CUTLASS_PRAGMA_UNROLL
     for (int off = 1; off < 4; off *= 2) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
-        if constexpr (kSum) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], off);
-      }
+      for (int i = 0; i < kRows; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
     }
     // The target logits (pick_at_offsets on the pairs): a uniform branch where a lane of the warp holds one.
     int t_off[kRows];
@@ -404,7 +378,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
         }
       }
     }
-    write_rows(f, M, mine, t_z, m, s, sum, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
+    const float no_sums[kRows] = {};  // (max, sum) partials: params.logit_sum is false here
+    write_rows(f, M, mine, t_z, m, s, no_sums, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
   }
 
   Params params;
@@ -424,7 +399,6 @@ StatsEpilogueArguments<Element> stats_epilogue_arguments(const StatsGemmParams& 
   epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
   epi.mainloop_only = p.mainloop_only;
   epi.logit_sum = p.logit_sum;
-  epi.pair_fold = p.pair_fold;
   return epi;
 }
 

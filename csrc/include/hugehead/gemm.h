@@ -34,8 +34,6 @@ struct StatsGemmParams {
   bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials of 8 bytes
   void* logits = nullptr;      // [rows, cols] x's dtype, row stride logits_stride (16-byte aligned base and
   int64_t logits_stride = 0;   //   rows, cols a multiple of 8), or nullptr: z stored there too (no softcap)
-  bool pair_fold = true;       // the epilogue's fold on packed 16-bit pairs where it applies (stats_gemm.cuh);
-                               //   false (HUGEHEAD_GEMM_STATS_FOLD=float, A/B runs): on float32 accumulators
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
@@ -65,18 +63,20 @@ struct GradGemmParams {
 };
 
 // HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative picks one (read per call,
-// for A/B runs). The defaults: default_stats_schedule for the statistics GEMM; pingpong_cluster for the gradient
-// GEMM (one H200 at 194b171, gemm_clocks' two-second soak at xc1M: 0.680 ms a chunk against 0.691 for pingpong).
-// pingpong_cluster_192: 128 x 192 tiles in 2-CTA clusters, for the gradient GEMM's TMA-stored kernel and the
-// statistics GEMM where stats_schedule_for allows; the gradient's register epilogue takes pingpong_cluster.
+// for A/B runs); else default_stats_schedule / default_grad_schedule by depth. pingpong_cluster_192: 128 x 192
+// tiles in 2-CTA clusters, for the gradient GEMM's TMA-stored kernel and the statistics GEMM where
+// stats_schedule_for allows; the gradient's register epilogue takes pingpong_cluster for it.
 enum class Schedule { kPingpong = 0, kCooperative = 1, kPingpongCluster = 2, kPingpongCluster192 = 3 };
 
 // The schedule HUGEHEAD_GEMM_SCHEDULE names, or fallback when it is unset or names none. The gradient GEMM's
 // register epilogue has no cooperative instantiation and takes pingpong for it (its TMA store has one).
 Schedule schedule_from_env(Schedule fallback);
 
-// The statistics GEMM's default for a depth (K = D): pingpong_cluster below kStatsCooperativeDepth,
-// cooperative from it on, where the mainloop outweighs the epilogue. Measured on one H200, ms a chunk:
+// The statistics GEMM's default for a depth (K = D): pingpong_cluster_192 below kStatsCooperativeDepth (where
+// stats_schedule_for allows, else pingpong_cluster), cooperative from it on, where the mainloop outweighs the
+// epilogue. 128 x 192 against 128 x 128 tiles at xc6M (one H200, 096447b, gemm_clocks' 2.5 s soak of a
+// 4096 x 65536 chunk at the ~690 W cap): mainloop alone 688 against 665 TFLOP/s, the fused statistics without
+// logit sums 653 against 618 (fold()) / 601 (fold_pairs()). Earlier, for 128 x 128 tiles, ms a chunk:
 // K = 768 (xc1M, 8192 x 32768) at fae39e7 (bench/bench_gemm.py, 10 calls) pingpong 0.617, pingpong_cluster
 // 0.580, cooperative 0.643; under gemm_clocks' two-second soak (194b171, power-capped) pingpong and
 // pingpong_cluster both 0.654-0.658 without logit sums, so the step is the same and a forward alone ~6%
@@ -84,6 +84,14 @@ Schedule schedule_from_env(Schedule fallback);
 // pingpong 3.459, pingpong_cluster 3.026, cooperative 2.927, against cuBLAS + chunk_stats_ 3.009.
 constexpr int64_t kStatsCooperativeDepth = 2048;
 Schedule default_stats_schedule(int64_t depth);
+
+// The gradient GEMM's default: pingpong_cluster_192 below kStatsCooperativeDepth (the TMA store's; the register
+// epilogue's calls take pingpong_cluster), pingpong_cluster from it on (not measured there on 128 x 192).
+// At xc6M (one H200, 096447b, the soak above): 636 against 611 TFLOP/s for pingpong_cluster's TMA store; a
+// bench/ab_env.py step with both GEMMs on 128 x 192 (rounds taking turns) 230.61 ms against 236.64 on
+// 128 x 128, xc6M_16k 934.52 against 945.30, xc1M 71.46 against 71.44. Earlier (194b171, soak at xc1M)
+// pingpong_cluster 0.680 ms a chunk against 0.691 for pingpong.
+Schedule default_grad_schedule(int64_t depth);
 
 // HUGEHEAD_GEMM_MAINLOOP_ONLY=1 (benchmarks only, read per call): the fused GEMMs return from their
 // epilogue at once and write nothing, so bench/bench_gemm.py can time a schedule's mainloop alone -- the
@@ -94,9 +102,6 @@ bool mainloop_only_from_env();
 // fold is fold_pairs() without logit sums only (stats_gemm.cuh), so softcap, logit sums (label smoothing) and
 // stored logits take pingpong_cluster.
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p);
-
-// Whether the epilogue folds packed pairs (HUGEHEAD_GEMM_STATS_FOLD unset or "pairs"; "float": fold()).
-bool stats_pair_fold_from_env();
 
 // Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)), after stats_schedule_for.
 int stats_gemm_tile_cols(Schedule schedule);
