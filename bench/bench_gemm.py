@@ -31,6 +31,9 @@ BF16 = torch.bfloat16
 STATS_SCHEDULES = ("pingpong", "pingpong_cluster", "cooperative")
 GRAD_SCHEDULES = ("pingpong", "pingpong_cluster")
 GRAD_TMA_ONLY = ("pingpong_cluster_192", "cooperative")
+# The statistics GEMM without logit sums (a loss without label smoothing) has 128 x 192 tiles too (the default
+# below a depth of 2048); with them pingpong_cluster_192 runs pingpong_cluster.
+NOSUM_SCHEDULES = ("pingpong_cluster", "pingpong_cluster_192")
 # HUGEHEAD_GEMM_GRAD_STORE values: the gradient through shared memory and TMA stores (the default where it
 # applies) or the register epilogue's direct stores.
 GRAD_STORES = ("tma", "direct")
@@ -97,10 +100,15 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     for schedule in STATS_SCHEDULES:
         os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
         timings[f"fused_stats_{schedule}"] = _ms(fused_stats, reps)
-    # Without the logit sums (a loss without label smoothing), the default schedule.
+    # Without the logit sums (a loss without label smoothing): the default schedule, and by schedule.
+    def fused_stats_nosum():
+        ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False)
+
     os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
-    timings["fused_stats_nosum"] = _ms(
-        lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False), reps)
+    timings["fused_stats_nosum"] = _ms(fused_stats_nosum, reps)
+    for schedule in NOSUM_SCHEDULES:
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
+        timings[f"fused_stats_nosum_{schedule}"] = _ms(fused_stats_nosum, reps)
     timings["cublas_grad"] = _ms(cublas_grad, reps)
     for store in GRAD_STORES:
         os.environ["HUGEHEAD_GEMM_GRAD_STORE"] = store
@@ -113,6 +121,8 @@ def bench_shape(name: str, reps: int, cols=None) -> dict:
     for schedule in STATS_SCHEDULES:
         os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
         timings[f"mainloop_{schedule}"] = _ms(fused_stats, reps)
+    os.environ["HUGEHEAD_GEMM_SCHEDULE"] = "pingpong_cluster_192"  # its tiles run without logit sums only
+    timings["mainloop_pingpong_cluster_192"] = _ms(fused_stats_nosum, reps)
     os.environ.pop("HUGEHEAD_GEMM_MAINLOOP_ONLY")
     os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
     # With a bias (nn.Linear's default), the default schedule.
@@ -213,6 +223,8 @@ def ncu_one(name: str) -> None:
         for schedule in STATS_SCHEDULES:
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state)
+        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = "pingpong_cluster_192"  # 128 x 192: without logit sums
+        ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False)
         for schedule in GRAD_SCHEDULES + GRAD_TMA_ONLY[:1]:  # no bias: the TMA store applies
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, g)
@@ -220,7 +232,8 @@ def ncu_one(name: str) -> None:
 
     chunk()
     torch.cuda.synchronize()
-    print(f"ncu: {name} width {cols}: stats GEMM (+ merge) for each of {STATS_SCHEDULES}, grad GEMM for each of "
+    print(f"ncu: {name} width {cols}: stats GEMM (+ merge) for each of {STATS_SCHEDULES} and pingpong_cluster_192 "
+          "(without logit sums), grad GEMM for each of "
           f"{GRAD_SCHEDULES + GRAD_TMA_ONLY[:1]}", flush=True)
     torch.cuda.profiler.start()
     chunk()
@@ -259,9 +272,10 @@ def render(doc: dict) -> str:
                      f"{r['max_abs_lse_diff']:.2g} | {r['grad_rel_diff']:.2g} | {r.get('grad_tma_equals_direct', '–')} |")
     lines += ["", "The floors (HUGEHEAD_GEMM_MAINLOOP_ONLY=1: the epilogue returns at once) and a bias (the default "
               "schedule):", "",
-              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES)
-              + " | stats + bias | grad + bias | stats without logit sums (no label smoothing) |",
-              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 3)]
+              "| shape | C | " + " | ".join(f"mainloop {k}" for k in STATS_SCHEDULES + ("pingpong_cluster_192",))
+              + " | stats + bias | grad + bias | stats without logit sums (no label smoothing) | "
+              + " | ".join(f"stats without logit sums {k}" for k in NOSUM_SCHEDULES) + " |",
+              "|---|--:|" + "--:|" * (len(STATS_SCHEDULES) + 4 + len(NOSUM_SCHEDULES))]
     for r in doc["results"]:
         c, tf = r["chunk_ms"], r["chunk_tflops"]
 
@@ -269,8 +283,9 @@ def render(doc: dict) -> str:
             return f"{c[k]:.3f} ({tf[k]:.0f})" if k in c else "–"
 
         lines.append(f"| {r['shape']} | {r['cols']} | "
-                     + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES)
-                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} | {cell2('fused_stats_nosum')} |")
+                     + " | ".join(cell2(f"mainloop_{k}") for k in STATS_SCHEDULES + ("pingpong_cluster_192",))
+                     + f" | {cell2('fused_stats_bias')} | {cell2('fused_grad_bias')} | {cell2('fused_stats_nosum')} | "
+                     + " | ".join(cell2(f"fused_stats_nosum_{k}") for k in NOSUM_SCHEDULES) + " |")
     dense = ("cublas_dx", "cublas_dx_partial", "dense_dx", "dense_dx_alt", "cublas_dw", "dense_dw", "dense_dw_alt")
     lines += ["", "The backward's dense GEMMs on a gradient chunk (HUGEHEAD_GEMM_DENSE: ours on the default or the "
               "alternate tiles, or cuBLAS): dX = g W_c into float32 (cuBLAS: addmm with out_dtype, or a bf16 "
