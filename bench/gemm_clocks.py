@@ -2,7 +2,7 @@
 beside a few seconds of each): whether a fused epilogue costs time by its instructions or by the clock the
 GPU drops to under the extra power. Needs a CUDA build with CUTLASS on an sm_90 GPU and nvidia-smi.
 
-    python -m bench.gemm_clocks [--shape xc1M] [--seconds 3] [--out DIR]   # writes gemm_clocks.{json,md}
+    python -m bench.gemm_clocks [--shape xc1M] [--cols C] [--seconds 3] [--out DIR]   # gemm_clocks.{json,md}
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import torch  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def _variants(name: str):
+def _variants(name: str, cols=None):
     from hugehead import ops
 
-    shape, x, w, t, cols, wc, tc = planned_chunk(name)
+    shape, x, w, t, cols, wc, tc = planned_chunk(name, cols)
     dev = torch.device("cuda")
     n, v = shape.n, shape.v
     z = x.new_empty(n, cols)
@@ -122,10 +122,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="xc1M")
     p.add_argument("--seconds", type=float, default=2.5)
+    p.add_argument("--cols", type=int, default=None,
+                   help="chunk width (default: the planned one); e.g. a gradient chunk that fits in L2")
     p.add_argument("--out", default=None)
     p.add_argument("--only", default=None, help="comma-separated substrings: soak only the variants whose label has one")
     a = p.parse_args(argv)
-    cols, flops, variants = _variants(a.shape)
+    cols, flops, variants = _variants(a.shape, a.cols)
     if a.only:
         variants = [v for v in variants if any(k in v[0] for k in a.only.split(","))]
     results = []
