@@ -89,7 +89,7 @@ Schedule default_stats_schedule(int64_t depth);
 // epilogue's calls take pingpong_cluster), pingpong_cluster from it on (not measured there on 128 x 192).
 // At xc6M (one H200, 096447b, the soak above): 636 against 611 TFLOP/s for pingpong_cluster's TMA store; a
 // bench/ab_env.py step with both GEMMs on 128 x 192 (rounds taking turns) 230.61 ms against 236.64 on
-// 128 x 128, xc6M_16k 934.52 against 945.30, xc1M 71.46 against 71.44. Earlier (194b171, soak at xc1M)
+// 128 x 128, xc6M_16k 934.52 against 945.30 (xc1M's step, the rows plan, runs neither). Earlier (194b171, xc1M)
 // pingpong_cluster 0.680 ms a chunk against 0.691 for pingpong.
 Schedule default_grad_schedule(int64_t depth);
 
