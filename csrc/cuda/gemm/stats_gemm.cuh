@@ -15,44 +15,19 @@ namespace gemm {
 // logits take half the registers of its float32 accumulators, and their max is one max.{bf16,f16}x2 a
 // pair (exact: the max of the same values, NaNs ignored as fmaxf ignores them).
 template <class Element>
-struct LogitPair;
-template <>
-struct LogitPair<cutlass::bfloat16_t> {
-  using Pair = __nv_bfloat162;
-  static CUTLASS_DEVICE Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+struct LogitPair {
+  static constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
+  using Pair = std::conditional_t<kBf16, __nv_bfloat162, __half2>;
+  static CUTLASS_DEVICE Pair pack(float a, float b) {
+    if constexpr (kBf16) {
+      return __floats2bfloat162_rn(a, b);
+    } else {
+      return __floats2half2_rn(a, b);
+    }
+  }
   static CUTLASS_DEVICE Pair max(Pair a, Pair b) { return __hmax2(a, b); }
-  static CUTLASS_DEVICE Pair neg_inf() { return __floats2bfloat162_rn(-INFINITY, -INFINITY); }
   static CUTLASS_DEVICE float lo(Pair h) { return __low2float(h); }
   static CUTLASS_DEVICE float hi(Pair h) { return __high2float(h); }
-  static CUTLASS_DEVICE Pair with_lo(Pair h, float v) { return __halves2bfloat162(__float2bfloat16_rn(v), h.y); }
-  static CUTLASS_DEVICE Pair with_hi(Pair h, float v) { return __halves2bfloat162(h.x, __float2bfloat16_rn(v)); }
-};
-template <>
-struct LogitPair<cutlass::half_t> {
-  using Pair = __half2;
-  static CUTLASS_DEVICE Pair pack(float a, float b) { return __floats2half2_rn(a, b); }
-  static CUTLASS_DEVICE Pair max(Pair a, Pair b) { return __hmax2(a, b); }
-  static CUTLASS_DEVICE Pair neg_inf() { return __floats2half2_rn(-INFINITY, -INFINITY); }
-  static CUTLASS_DEVICE float lo(Pair h) { return __low2float(h); }
-  static CUTLASS_DEVICE float hi(Pair h) { return __high2float(h); }
-  static CUTLASS_DEVICE Pair with_lo(Pair h, float v) { return __halves2half2(__float2half_rn(v), h.y); }
-  static CUTLASS_DEVICE Pair with_hi(Pair h, float v) { return __halves2half2(h.x, __float2half_rn(v)); }
-};
-
-// The statistics epilogue's arguments (one type for both StatsEpilogue variants: stats_store_gemm.cuh passes
-// its callbacks' arguments on).
-template <class Element>
-struct StatsEpilogueArguments {
-  const Element* bias = nullptr;     // [cols] or nullptr
-  const int64_t* target = nullptr;   // [rows] global class ids
-  float* target_logit = nullptr;     // [rows]
-  float* partials = nullptr;         // [rows, num_col_tiles, 4], or [rows, num_col_tiles, 2] without logit_sum
-  int64_t class_start = 0;
-  int64_t num_col_tiles = 0;
-  float softcap = 0.f;
-  float inv_softcap = 0.f;  // 1 / softcap, computed on the host
-  bool mainloop_only = false;
-  bool logit_sum = true;  // fold the logit sums (label smoothing needs them); false: (max, sum) partials
 };
 
 // Epilogue of the statistics GEMM (fragment layout and why it is written this way: fused_gemm.cuh). A
@@ -60,14 +35,25 @@ struct StatsEpilogueArguments {
 // holds the row; no shared memory, and the lane with lane % 4 == 0 writes the row's partial.
 //
 // Two folds with the same arithmetic in the same order (so the same bits): fold() rounds the accumulators to
-// z in place (what the GEMM that also stores z needs: stats_store_gemm.cuh, kKeepLogits), and fold_pairs(),
+// z in place (what the GEMM that also stores z needs: stats_store_gemm.cuh), and fold_pairs(),
 // the 128 x 192 tile's, packs them two to a register first: its 192 accumulators a thread leave fold() too
 // few registers (ptxas spilled ~1 KB a thread; fold_pairs() none, without logit sums). On 128-column tiles
 // fold_pairs() ran slower than fold() (one H200, xc6M chunk under a 2.5 s soak at 096447b: 601 against 618
 // TFLOP/s; ptxas spilled 108 bytes a thread there against fold()'s 32), so they keep fold().
-template <class Element, bool kKeepLogits = false>
+template <class Element>
 struct StatsEpilogue : EpilogueBase<Element> {
-  using Arguments = StatsEpilogueArguments<Element>;
+  struct Arguments {
+    const Element* bias = nullptr;     // [cols] or nullptr
+    const int64_t* target = nullptr;   // [rows] global class ids
+    float* target_logit = nullptr;     // [rows]
+    float* partials = nullptr;         // [rows, num_col_tiles, 4], or [rows, num_col_tiles, 2] without logit_sum
+    int64_t class_start = 0;
+    int64_t num_col_tiles = 0;
+    float softcap = 0.f;
+    float inv_softcap = 0.f;  // 1 / softcap, computed on the host
+    bool mainloop_only = false;
+    bool logit_sum = true;  // fold the logit sums (label smoothing needs them); false: (max, sum) partials
+  };
   using Params = Arguments;
 
   template <class ProblemShape>
@@ -92,14 +78,12 @@ struct StatsEpilogue : EpilogueBase<Element> {
     if (params.mainloop_only) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     // The 128 x 192 tile has fold_pairs() only; its launches have no softcap and no logit sums
-    // (stats_schedule_for picks another schedule for those) and store no logits.
+    // (stats_schedule_for picks another schedule for those) and store no logits (no such instantiation).
     constexpr bool kPairsOnly = size<1>(BlockShapeMNK{}) == 192;
-    static_assert(!(kPairsOnly && kKeepLogits), "the 128 x 192 statistics GEMM stores no logits");
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     opaque_per_tile(thread_idx);
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
     const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-    const bool cap = params.softcap > 0.f;
     if constexpr (kPairsOnly) {
       if (!f.full) {
         fold_pairs<false, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
@@ -110,6 +94,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
       }
     }
     if constexpr (!kPairsOnly) {
+      const bool cap = params.softcap > 0.f;
       int64_t target[kRows];
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) target[i] = f.row[i] < M ? params.target[f.row[i]] : int64_t(-1);
@@ -288,6 +273,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
     for (int st = 0; st < kSteps; ++st) {
       float b[2] = {0.f, 0.f};
       if constexpr (kBias) {
+        // logits_in_place's bias loop, with its bounds test as ok() (its form matters to ptxas here: the
+        // same loop through a helper shared with logits_in_place spilled 16 bytes a thread).
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 2; ++c) {
           const int col = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0)));
@@ -313,7 +300,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
 
     typename P::Pair hm[kRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) hm[i] = P::neg_inf();
+    for (int i = 0; i < kRows; ++i) hm[i] = P::pack(-INFINITY, -INFINITY);
     CUTLASS_PRAGMA_UNROLL
     for (int st = 0; st < kSteps; ++st) {
       CUTLASS_PRAGMA_UNROLL
@@ -387,8 +374,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
 
 // The statistics epilogue's arguments for a launch (shared with stats_store_gemm.cuh), tiles kTileCols wide.
 template <class Element>
-StatsEpilogueArguments<Element> stats_epilogue_arguments(const StatsGemmParams& p, int tile_cols) {
-  StatsEpilogueArguments<Element> epi;
+typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsGemmParams& p, int tile_cols) {
+  typename StatsEpilogue<Element>::Arguments epi;
   epi.bias = static_cast<const Element*>(p.bias);
   epi.target = p.target;
   epi.target_logit = p.target_logit;

@@ -24,7 +24,7 @@ namespace gemm {
 template <class Element>
 struct StoreLogitsCallbacks {
   struct SharedStorage {};
-  using Arguments = StatsEpilogueArguments<Element>;
+  using Arguments = typename StatsEpilogue<Element>::Arguments;
   using Params = Arguments;
 
   template <class ProblemShape>
@@ -91,7 +91,7 @@ struct StatsStoreEpilogue : Base {
                        tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared, rest...);
   }
 
-  StatsEpilogue<Element, /*kKeepLogits=*/true> stats;
+  StatsEpilogue<Element> stats;
 };
 
 template <class Element, Schedule S>
