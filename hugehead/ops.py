@@ -212,7 +212,7 @@ def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
 def dense_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the backward's dX and dW GEMMs of a chunk take ours (:func:`gemm_dx_` / :func:`gemm_dw_`)
     instead of cuBLAS's: only when asked, by the environment variable ``HUGEHEAD_GEMM_DENSE=cutlass`` (or
-    ``alternate``: their other tiles; read at every call), and where :func:`gemm_path` says ``cutlass``.
+    ``alternate`` / ``pingpong``: their other tiles; read at every call), and where :func:`gemm_path` says ``cutlass``.
     Not the default: on one H200 (0f740e1) they tie cuBLAS under a two-second soak at the ~690 W power cap
     (``bench/gemm_clocks.py``, xc1M chunk: dX 0.641 / 0.631 ms against 0.636, dW 0.627 against 0.622) and an
     xc6M step took 233.3 ms on them against 230.8 on cuBLAS. They stay as that A/B: every GEMM of the step,
@@ -220,7 +220,7 @@ def dense_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     import os
 
     wanted = os.environ.get("HUGEHEAD_GEMM_DENSE", "cublas").lower()
-    return wanted in ("cutlass", "alternate") and gemm_path(device, dtype) == "cutlass"
+    return wanted in ("cutlass", "alternate", "pingpong") and gemm_path(device, dtype) == "cutlass"
 
 
 def chunk_grad_(

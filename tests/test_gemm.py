@@ -866,7 +866,7 @@ DENSE_SHAPES = [  # (rows, cols, depth): whole tiles, ragged edges on every dime
     (4096, 8192, 768), (1000, 3000, 200), (1, 64, 8), (257, 8, 96), (300, 1000, 1032)]
 
 
-@pytest.fixture(params=["cutlass", "alternate"])
+@pytest.fixture(params=["cutlass", "alternate", "pingpong"])
 def dense_config(request, monkeypatch):
     monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", request.param)
 
@@ -1045,6 +1045,6 @@ def test_dense_gemm_enabled_rules(monkeypatch):
         if torch.cuda.is_available():
             assert not ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)
     if HAS_FUSED:
-        for ours in ("cutlass", "alternate"):
+        for ours in ("cutlass", "alternate", "pingpong"):
             monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", ours)
             assert ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)

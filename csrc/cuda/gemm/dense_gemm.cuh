@@ -1,7 +1,7 @@
 // The backward's two dense GEMMs on the chunk's dLoss/dlogits g [rows, cols] (gemm.h's DenseGemmParams):
 //   dX: out [rows, depth] float32 (+)= g @ W_c   (A = g, K-major; B = W_c [cols, depth], N-major; K = cols)
 //   dW: out [cols, depth]         (+)= g^T @ x   (A = g^T, M-major; B = x [rows, depth], N-major; K = rows)
-// on CUTLASS's sm_90a warp-specialized cooperative kernel (TMA loads, persistent tile scheduler) with its
+// on CUTLASS's sm_90a warp-specialized cooperative (or pingpong) kernel (TMA loads, persistent tile scheduler) with its
 // collective epilogue (a linear combination, C read by TMA only where beta != 0). No epilogue of ours: what
 // these replace is cuBLAS's mm / addmm, with the same per-chunk arithmetic (a float32 sum over K rounded once
 // to out's dtype), so the loop's results stay those of one GEMM per chunk.
@@ -22,29 +22,43 @@
 namespace hugehead {
 namespace gemm {
 
-// Tiles and clusters of a dense GEMM (gemm.h's DenseConfig picks one; both cooperative).
+// Tiles, clusters and schedules of a dense GEMM (gemm.h's DenseConfig picks one). Cooperative unless said.
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
 template <DenseKind K, DenseConfig C>
 struct DenseTiles;
 // dX: 128 x 192 tiles (768 / 192 = 4 column tiles: 128 tiles at 4096 rows), W tiles multicast to the two
 // CTAs of a cluster along M.
 template <>
-struct DenseTiles<DenseKind::kDx, DenseConfig::kDefault> {
+struct DenseTiles<DenseKind::kDx, DenseConfig::kDefault> : Cooperative {
   using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
 template <>
-struct DenseTiles<DenseKind::kDx, DenseConfig::kAlternate> {
+struct DenseTiles<DenseKind::kDx, DenseConfig::kAlternate> : Cooperative {
   using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 };
 // dW: 128 x 256 tiles, x tiles multicast along M.
 template <>
-struct DenseTiles<DenseKind::kDw, DenseConfig::kDefault> {
+struct DenseTiles<DenseKind::kDw, DenseConfig::kDefault> : Cooperative {
   using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
 template <>
-struct DenseTiles<DenseKind::kDw, DenseConfig::kAlternate> {
+struct DenseTiles<DenseKind::kDw, DenseConfig::kAlternate> : Cooperative {
+  using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
+// Pingpong, both kinds: 128 x 192 tiles a warpgroup (the fused GEMMs' pingpong_cluster_192, whose bare mainloop
+// soaked at 688 TFLOP/s on an xc6M chunk against 660-675 for every dense GEMM of the step), 2-CTA clusters along
+// M; one warpgroup's epilogue (dW's store, dX's float32 read-add-write) under the other's MMAs.
+template <DenseKind K>
+struct DenseTiles<K, DenseConfig::kPingpong> {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
   using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
@@ -61,12 +75,12 @@ struct DenseGemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::Tile, typename Tiles::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignD, ElementD, LayoutD,
-      kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      kAlignD, typename Tiles::Epilogue>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign, float,
       typename Tiles::Tile, typename Tiles::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Tiles::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 

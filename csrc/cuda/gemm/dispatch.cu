@@ -41,9 +41,11 @@ HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float_alt, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float_pingpong, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dx_float, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store_alt, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store_pingpong, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dw_store, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_float, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dw_float, DenseGemmParams)
@@ -189,7 +191,9 @@ const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule,
 
 DenseConfig dense_config_from_env() {
   const char* v = std::getenv("HUGEHEAD_GEMM_DENSE");
-  return v != nullptr && std::strcmp(v, "alternate") == 0 ? DenseConfig::kAlternate : DenseConfig::kDefault;
+  if (v != nullptr && std::strcmp(v, "alternate") == 0) return DenseConfig::kAlternate;
+  if (v != nullptr && std::strcmp(v, "pingpong") == 0) return DenseConfig::kPingpong;
+  return DenseConfig::kDefault;
 }
 
 namespace {
@@ -200,12 +204,15 @@ struct DenseLaunchers {
 #define HUGEHEAD_DENSE(NAME) DenseLaunchers{&NAME##_workspace, &NAME##_run}
 DenseLaunchers dense_launchers(const DenseGemmParams& p, bool half, DenseKind kind, DenseConfig config) {
   const bool alt = config == DenseConfig::kAlternate && !half;
+  const bool pingpong = config == DenseConfig::kPingpong && !half;
   if (kind == DenseKind::kDx) {
     if (half) return HUGEHEAD_DENSE(dense_gemm_fp16_dx_float);
+    if (pingpong) return HUGEHEAD_DENSE(dense_gemm_bf16_dx_float_pingpong);
     return alt ? HUGEHEAD_DENSE(dense_gemm_bf16_dx_float_alt) : HUGEHEAD_DENSE(dense_gemm_bf16_dx_float);
   }
   if (p.out_float) return half ? HUGEHEAD_DENSE(dense_gemm_fp16_dw_float) : HUGEHEAD_DENSE(dense_gemm_bf16_dw_float);
   if (half) return HUGEHEAD_DENSE(dense_gemm_fp16_dw_store);
+  if (pingpong) return HUGEHEAD_DENSE(dense_gemm_bf16_dw_store_pingpong);
   return alt ? HUGEHEAD_DENSE(dense_gemm_bf16_dw_store_alt) : HUGEHEAD_DENSE(dense_gemm_bf16_dw_store);
 }
 #undef HUGEHEAD_DENSE
