@@ -564,6 +564,44 @@ def test_grad_repeated_runs_are_bitwise_identical():
 
 
 @requires_fused
+@pytest.mark.parametrize("schedule_name", GRAD_SCHEDULES)
+@pytest.mark.parametrize("raster,swizzle", [("m", None), ("n", None), ("n", "4"), ("m", "8"), (None, "2")])
+def test_tile_order_gives_the_same_bits(monkeypatch, schedule_name, raster, swizzle):
+    """HUGEHEAD_GEMM_RASTER / HUGEHEAD_GEMM_SWIZZLE reorder the persistent tiles only: the statistics (with
+    and without logit sums) and the gradient (TMA store, and the direct stores a bias takes) are the bits
+    CUTLASS's default order gives. 8 row tiles x 63-94 column tiles: every order differs."""
+    n, c, d = 1000, 12000, 768
+    x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=8))
+    target = _targets(n, c, 0, c, 8).cuda()
+    lse, grad_rows, grad_lse = (t.cuda() for t in _grad_inputs(n, c, 8, True))
+    state = _start_state(n, 8)
+    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", schedule_name)
+
+    def run_all():
+        outs = []
+        for with_sum in (True, False):
+            st = [t.cuda() for t in state]
+            ops.gemm_chunk_stats_(x, w, None, target, 0, 0.0, *st, with_logit_sum=with_sum)
+            outs += st
+        for bias in (None, b):
+            out = torch.empty(n, c, dtype=torch.bfloat16, device="cuda")
+            ops.gemm_chunk_grad_(x, w, bias, target, 0, c, lse, grad_rows, 0.1, 1e-4, 0.0, grad_lse, out)
+            outs.append(out)
+        return outs
+
+    for var in ("HUGEHEAD_GEMM_RASTER", "HUGEHEAD_GEMM_SWIZZLE"):
+        monkeypatch.delenv(var, raising=False)
+    default = run_all()
+    if raster is not None:
+        monkeypatch.setenv("HUGEHEAD_GEMM_RASTER", raster)
+    if swizzle is not None:
+        monkeypatch.setenv("HUGEHEAD_GEMM_SWIZZLE", swizzle)
+    for got, ref in zip(run_all(), default):
+        assert torch.equal(got, ref)
+    assert torch.isfinite(default[-1].float()).all() and default[-1].abs().max() > 0
+
+
+@requires_fused
 def test_grad_opcheck_and_bad_inputs():
     n, c, d = 40, 300, 64
     x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=6))

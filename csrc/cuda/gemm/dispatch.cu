@@ -74,6 +74,19 @@ bool mainloop_only_from_env() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+TileOrder tile_order_from_env() {
+  TileOrder order;
+  const char* r = std::getenv("HUGEHEAD_GEMM_RASTER");
+  if (r != nullptr && std::strcmp(r, "m") == 0) order.raster = 1;
+  if (r != nullptr && std::strcmp(r, "n") == 0) order.raster = 2;
+  const char* s = std::getenv("HUGEHEAD_GEMM_SWIZZLE");
+  if (s != nullptr) {
+    const int v = std::atoi(s);
+    if (v == 2 || v == 4 || v == 8) order.swizzle = v;
+  }
+  return order;
+}
+
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
   const bool pairs_only_applies = p.logits == nullptr && !(p.softcap > 0.f) && !p.logit_sum;
   return schedule == Schedule::kPingpongCluster192 && !pairs_only_applies ? Schedule::kPingpongCluster : schedule;

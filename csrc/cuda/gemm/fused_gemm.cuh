@@ -283,6 +283,16 @@ const char* launch(typename Device::Arguments const& args, void* workspace, cuda
   return nullptr;
 }
 
+// The persistent scheduler's tile order that gemm.h's tile_order_from_env() asks for (default: CUTLASS's).
+template <class Arguments>
+void with_tile_order(Arguments& args) {
+  const TileOrder order = tile_order_from_env();
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  args.scheduler.raster_order =
+      order.raster == 1 ? Raster::AlongM : order.raster == 2 ? Raster::AlongN : Raster::Heuristic;
+  args.scheduler.max_swizzle_size = order.swizzle;
+}
+
 // The mainloop every fused GEMM runs (x [rows, depth] and W [cols, depth], both K-major, float32
 // accumulators), with its stages carved out around the epilogue's shared memory.
 template <class Element, Schedule S, int kEpilogueSmemBytes>
@@ -309,12 +319,14 @@ struct FusedGemm {
     cutlass::KernelHardwareInfo hw;
     cudaGetDevice(&hw.device_id);
     hw.sm_count = sm_count;
-    return typename Device::Arguments{
+    typename Device::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(depth), 1},
         {static_cast<const Element*>(x), stride_a, static_cast<const Element*>(weight), stride_b},
         epi,
         hw};
+    with_tile_order(args);
+    return args;
   }
 
   static const char* run(typename Device::Arguments const& args, void* workspace, cudaStream_t stream) {

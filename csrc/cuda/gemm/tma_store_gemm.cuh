@@ -47,12 +47,14 @@ struct TmaStoreGemm {
     cutlass::KernelHardwareInfo hw;
     cudaGetDevice(&hw.device_id);
     hw.sm_count = sm_count;
-    return typename Device::Arguments{
+    typename Device::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(depth), 1},
         {static_cast<const Element*>(x), stride_a, static_cast<const Element*>(weight), stride_b},
         {cb, nullptr, stride_d, static_cast<Element*>(out), stride_d},
         hw};
+    with_tile_order(args);
+    return args;
   }
 };
 

@@ -98,6 +98,16 @@ Schedule default_grad_schedule(int64_t depth);
 // floor its epilogue is measured against. The op's outputs are then left as they were.
 bool mainloop_only_from_env();
 
+// The fused GEMMs' persistent tile order (CUTLASS's PersistentTileSchedulerSm90 arguments), for A/B runs
+// (read per call; results are the same bits in any order: each tile's partials and gradient have one home):
+// HUGEHEAD_GEMM_RASTER=m|n (consecutive tiles down the rows / along the columns; unset: CUTLASS's heuristic,
+// along the longer side) and HUGEHEAD_GEMM_SWIZZLE=1|2|4|8 (tiles grouped in stripes that wide; unset: 1).
+struct TileOrder {
+  int raster = 0;  // 0 heuristic, 1 along M (rows), 2 along N (columns)
+  int swizzle = 1;
+};
+TileOrder tile_order_from_env();
+
 // The schedule the statistics GEMM runs for these params when `schedule` is asked: pingpong_cluster_192's
 // fold is fold_pairs() without logit sums only (stats_gemm.cuh), so softcap, logit sums (label smoothing) and
 // stored logits take pingpong_cluster.
