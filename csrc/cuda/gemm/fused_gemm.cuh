@@ -113,6 +113,17 @@ CUTLASS_DEVICE constexpr void check_fragment() {
 // on that reload (ncu at e45e006: ~6% of the statistics epilogue's time).
 CUTLASS_DEVICE void opaque_per_tile(int& v) { asm volatile("" : "+r"(v)); }
 
+// Whether the persistent scheduler handed out a tile wholly past the chunk's columns: with a swizzle
+// (HUGEHEAD_GEMM_SWIZZLE, tile_order_from_env) CUTLASS pads the tile grid to a multiple of it, and the
+// statistics epilogue would write such a tile's partial into the next row's slots. Epilogues skip it.
+template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL>
+CUTLASS_DEVICE bool tile_past_columns(ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&,
+                                      BlockCoordMNKL const& blk_coord_mnkl) {
+  using namespace cute;
+  return static_cast<int64_t>(get<1>(blk_coord_mnkl)) * size<1>(BlockShapeMNK{}) >=
+         static_cast<int64_t>(get<1>(problem_shape_mnkl));
+}
+
 // (row, column) in the chunk of each accumulator element of this thread: (MMA, MMA_M, MMA_N) like acc.
 template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class TiledMma>
 CUTLASS_DEVICE auto tile_coordinates(ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const& blk_shape_MNK,

@@ -63,7 +63,7 @@ struct GradEpilogue : EpilogueBase<Element> {
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
-    if (params.mainloop_only) return;
+    if (params.mainloop_only || tile_past_columns(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl)) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);

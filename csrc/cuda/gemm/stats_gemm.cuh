@@ -75,7 +75,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
-    if (params.mainloop_only) return;
+    if (params.mainloop_only || tile_past_columns(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl)) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     // The 128 x 192 tile has fold_pairs() only; its launches have no softcap and no logit sums
     // (stats_schedule_for picks another schedule for those) and store no logits (no such instantiation).
