@@ -8,6 +8,7 @@ knobs are the ones hugehead reads per call (``HUGEHEAD_GEMM_SCHEDULE``, ``HUGEHE
     python -m bench.ab_env --shapes xc1M,xc6M --out DIR \\
         '2x1={"HUGEHEAD_GEMM_SCHEDULE": "pingpong_cluster"}' 'pingpong={"HUGEHEAD_GEMM_SCHEDULE": "pingpong"}'
     python -m bench.ab_env --device cpu --shapes tiny 'on={}' 'off={"HUGEHEAD_ROWS": "0"}'   # a smoke run
+    python -m bench.ab_env --shapes xc6M_16k default= m8=HUGEHEAD_GEMM_RASTER=m,HUGEHEAD_GEMM_SWIZZLE=8
 """
 from __future__ import annotations
 
@@ -25,13 +26,23 @@ import torch  # noqa: E402
 
 
 def _setting(text: str):
+    """``NAME={json object}``, or the shell-safe ``NAME=VAR=value,VAR=value`` / ``NAME=`` (no braces or quotes
+    for a shell to expand or strip: device_check.sh's EXTRA steps pass through eval)."""
     name, sep, env = text.partition("=")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME={{json object}}, got {text!r}")
-    values = json.loads(env)
-    if not isinstance(values, dict):
-        raise argparse.ArgumentTypeError(f"{name}: the settings must be a JSON object of variables")
-    return name, {str(k): str(v) for k, v in values.items()}
+        raise argparse.ArgumentTypeError(f"expected NAME={{json object}} or NAME=VAR=value,..., got {text!r}")
+    if env.lstrip().startswith("{"):
+        values = json.loads(env)
+        if not isinstance(values, dict):
+            raise argparse.ArgumentTypeError(f"{name}: the settings must be a JSON object of variables")
+        return name, {str(k): str(v) for k, v in values.items()}
+    values = {}
+    for item in filter(None, env.split(",")):
+        var, sep, value = item.partition("=")
+        if not sep or not var:
+            raise argparse.ArgumentTypeError(f"{name}: expected VAR=value, got {item!r} in {text!r}")
+        values[var] = value
+    return name, values
 
 
 def measure(shape_name: str, settings, rounds: int, reps: int, device: torch.device, dtype: torch.dtype):

@@ -690,6 +690,20 @@ def test_ab_env_takes_turns_restores_the_environment_and_computes_the_gradients(
     assert "| tiny | off | HUGEHEAD_ROWS=0 |" in (tmp_path / "ab_env.md").read_text()
 
 
+def test_ab_env_settings_parse_json_and_the_shell_safe_form():
+    import argparse
+
+    from bench.ab_env import _setting
+
+    assert _setting('a={"X": 1, "Y": "n"}') == ("a", {"X": "1", "Y": "n"})
+    assert _setting("b=X=1,Y=n") == ("b", {"X": "1", "Y": "n"})
+    assert _setting("c=") == ("c", {})
+    assert _setting("d=X=") == ("d", {"X": ""})
+    for bad in ("noequals", "=X=1", "e=X", 'f=["X"]', "g=X=1,Y"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _setting(bad)
+
+
 def test_bench_prologue_smoke_writes_its_report(tmp_path):
     """bench/bench_prologue.py (issue 21: the forward's host work before its first GEMM) end to end on the CPU."""
     from bench import bench_prologue
