@@ -3,6 +3,8 @@ beside a few seconds of each): whether a fused epilogue costs time by its instru
 GPU drops to under the extra power. Needs a CUDA build with CUTLASS on an sm_90 GPU and nvidia-smi.
 
     python -m bench.gemm_clocks [--shape xc1M] [--cols C] [--seconds 3] [--out DIR]   # gemm_clocks.{json,md}
+    python -m bench.gemm_clocks --shape xc6M_16k --only "statistics, no logit sums (pingpong_cluster_192)" \
+        --orders default,m8,n8          # the fused GEMMs' tile orders (HUGEHEAD_GEMM_RASTER / _SWIZZLE)
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _variants(name: str, cols=None):
     def env(**kv):
         def set_():
             for k in ("HUGEHEAD_GEMM_MAINLOOP_ONLY", "HUGEHEAD_GEMM_GRAD_STORE", "HUGEHEAD_GEMM_SCHEDULE",
-                      "HUGEHEAD_GEMM_DENSE"):
+                      "HUGEHEAD_GEMM_DENSE", "HUGEHEAD_GEMM_RASTER", "HUGEHEAD_GEMM_SWIZZLE"):
                 os.environ.pop(k, None)
             os.environ.update(kv)
         return set_
@@ -93,6 +95,37 @@ def _variants(name: str, cols=None):
     ]
 
 
+def order_env(order: str) -> dict:
+    """A fused GEMM tile order as its environment (gemm.h's tile_order_from_env): "default", or a raster "m" /
+    "n" and / or a swizzle 2 / 4 / 8, e.g. "m8", "n4", "8" (CUTLASS's raster with swizzle 8), "m"."""
+    import re
+
+    if order == "default":
+        return {}
+    match = re.fullmatch(r"([mn]?)([248]?)", order)
+    if not match or not order:
+        raise ValueError(f"tile order {order!r}: expected default, or m / n and / or 2 / 4 / 8 (e.g. m8)")
+    raster, swizzle = match.groups()
+    return {**({"HUGEHEAD_GEMM_RASTER": raster} if raster else {}),
+            **({"HUGEHEAD_GEMM_SWIZZLE": swizzle} if swizzle else {})}
+
+
+def with_orders(variants, orders):
+    """Each variant under each tile order in turn (labels suffixed [order]), so drift weighs on each alike."""
+    if not orders:
+        return variants
+    out = []
+    for label, set_env, fn in variants:
+        for order in orders:
+            extra = order_env(order)
+
+            def set_both(set_env=set_env, extra=extra):
+                set_env()
+                os.environ.update(extra)
+            out.append((f"{label} [{order}]", set_both, fn))
+    return out
+
+
 def soak(fn, seconds: float):
     """Runs fn back to back for about `seconds`, with nvidia-smi sampling the clock and power meanwhile; returns
     (ms per call by CUDA events, median SM MHz, median W, median GPU °C)."""
@@ -128,10 +161,16 @@ def main(argv=None) -> int:
                    help="chunk width (default: the planned one); e.g. a gradient chunk that fits in L2")
     p.add_argument("--out", default=None)
     p.add_argument("--only", default=None, help="comma-separated substrings: soak only the variants whose label has one")
+    p.add_argument("--orders", default=None,
+                   help="comma-separated fused GEMM tile orders to soak each variant under, e.g. default,m8,n8")
     a = p.parse_args(argv)
+    orders = a.orders.split(",") if a.orders else []
+    for order in orders:
+        order_env(order)  # a bad one fails before any soak
     cols, flops, variants = _variants(a.shape, a.cols)
     if a.only:
         variants = [v for v in variants if any(k in v[0] for k in a.only.split(","))]
+    variants = with_orders(variants, orders)
     results = []
     for label, set_env, fn in variants:
         set_env()

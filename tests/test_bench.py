@@ -704,6 +704,38 @@ def test_ab_env_settings_parse_json_and_the_shell_safe_form():
             _setting(bad)
 
 
+def test_gemm_clocks_tile_orders(monkeypatch):
+    """bench/gemm_clocks.py --orders: each variant under each order, the order's variables set after the
+    variant's own (and removed again by the next variant's setter)."""
+    import os
+
+    from bench import gemm_clocks
+
+    assert gemm_clocks.order_env("default") == {}
+    assert gemm_clocks.order_env("m8") == {"HUGEHEAD_GEMM_RASTER": "m", "HUGEHEAD_GEMM_SWIZZLE": "8"}
+    assert gemm_clocks.order_env("n") == {"HUGEHEAD_GEMM_RASTER": "n"}
+    assert gemm_clocks.order_env("4") == {"HUGEHEAD_GEMM_SWIZZLE": "4"}
+    for bad in ("", "x8", "m3", "m16", "mn"):
+        with pytest.raises(ValueError, match="tile order"):
+            gemm_clocks.order_env(bad)
+    for var in ("HUGEHEAD_GEMM_RASTER", "HUGEHEAD_GEMM_SWIZZLE"):
+        monkeypatch.setenv(var, "")  # recorded, so the setters' changes are undone after the test
+        monkeypatch.delenv(var)
+
+    def setter():
+        os.environ.pop("HUGEHEAD_GEMM_RASTER", None)
+        os.environ.pop("HUGEHEAD_GEMM_SWIZZLE", None)
+    out = gemm_clocks.with_orders([("a", setter, len), ("b", setter, len)], ["default", "m8"])
+    assert [label for label, _, _ in out] == ["a [default]", "a [m8]", "b [default]", "b [m8]"]
+    seen = []
+    for _, set_env, fn in out:
+        set_env()
+        seen.append((os.environ.get("HUGEHEAD_GEMM_RASTER"), os.environ.get("HUGEHEAD_GEMM_SWIZZLE")))
+        assert fn is len
+    assert seen == [(None, None), ("m", "8")] * 2
+    assert gemm_clocks.with_orders([("a", setter, len)], []) == [("a", setter, len)]
+
+
 def test_bench_prologue_smoke_writes_its_report(tmp_path):
     """bench/bench_prologue.py (issue 21: the forward's host work before its first GEMM) end to end on the CPU."""
     from bench import bench_prologue
