@@ -128,11 +128,12 @@ def with_orders(variants, orders):
 
 def soak(fn, seconds: float):
     """Runs fn back to back for about `seconds`, with nvidia-smi sampling the clock and power meanwhile; returns
-    (ms per call by CUDA events, median SM MHz, median W, median GPU °C)."""
+    (ms per call by CUDA events, median SM MHz, median W, median GPU °C, median memory utilization %: the share
+    of the sample time HBM was read or written)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.memory",
                             "--format=csv,noheader,nounits", "-lms", "100", "-i", str(torch.cuda.current_device())],
                            stdout=subprocess.PIPE, text=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -147,10 +148,21 @@ def soak(fn, seconds: float):
     torch.cuda.synchronize()
     smi.terminate()
     out, _ = smi.communicate(timeout=10)
-    rows = [[float(v) for v in line.split(",")] for line in out.strip().splitlines() if line.count(",") == 2]
+    rows = smi_rows(out)
     rows = rows[len(rows) // 4:]  # the first quarter: the clock still settling
     med = lambda i: statistics.median(r[i] for r in rows) if rows else float("nan")  # noqa: E731
-    return start.elapsed_time(end) / calls, med(0), med(1), med(2)
+    return start.elapsed_time(end) / calls, med(0), med(1), med(2), med(3)
+
+
+def smi_rows(out: str):
+    """nvidia-smi's CSV samples (clock, power, temperature, memory utilization %) as floats; a field it cannot
+    report ("[N/A]") is NaN, a line of another shape is dropped."""
+    def num(v):
+        try:
+            return float(v)
+        except ValueError:
+            return float("nan")
+    return [[num(v) for v in line.split(",")] for line in out.strip().splitlines() if line.count(",") == 3]
 
 
 def main(argv=None) -> int:
@@ -174,9 +186,9 @@ def main(argv=None) -> int:
     results = []
     for label, set_env, fn in variants:
         set_env()
-        ms, mhz, watts, temp = soak(fn, a.seconds)
+        ms, mhz, watts, temp, mem = soak(fn, a.seconds)
         results.append({"variant": label, "ms": ms, "tflops": flops / ms / 1e9, "sm_mhz": mhz, "watts": watts,
-                         "temp_c": temp})
+                         "temp_c": temp, "mem_util_pct": mem})
         print(f"{label:32s} {ms:.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s  {mhz:6.0f} MHz {watts:6.0f} W {temp:4.0f} C",
               flush=True)
     meta = harness.run_meta("gemm_clocks", torch.device("cuda"), options=a,
@@ -185,10 +197,11 @@ def main(argv=None) -> int:
     title = f"Chunk GEMMs, clock and power: {meta.get('machine')} (bfloat16, {a.shape}, {cols} columns)"
     lines = [harness.header(title, meta),
              f"Each variant back to back for {a.seconds:g} s; ms by CUDA events over all its calls, SM clock / power /"
-             " temperature the median of nvidia-smi's 100 ms samples after the first quarter.", "",
-             "| variant | ms per chunk | TFLOP/s | SM MHz | W | °C |", "|---|--:|--:|--:|--:|--:|"]
+             " temperature / HBM busy (utilization.memory: the share of a sample's time HBM was read or written) the"
+             " median of nvidia-smi's 100 ms samples after the first quarter.", "",
+             "| variant | ms per chunk | TFLOP/s | SM MHz | W | °C | HBM busy % |", "|---|--:|--:|--:|--:|--:|--:|"]
     lines += [f"| {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['sm_mhz']:.0f} | {r['watts']:.0f} | "
-              f"{r['temp_c']:.0f} |" for r in results]
+              f"{r['temp_c']:.0f} | {r['mem_util_pct']:.0f} |" for r in results]
     md = "\n".join(lines) + "\n" + harness.footer(meta)
     if a.out:
         harness.write_report(Path(a.out), "gemm_clocks", doc, md)

@@ -734,6 +734,10 @@ def test_gemm_clocks_tile_orders(monkeypatch):
         assert fn is len
     assert seen == [(None, None), ("m", "8")] * 2
     assert gemm_clocks.with_orders([("a", setter, len)], []) == [("a", setter, len)]
+    # nvidia-smi's samples: a field it cannot report is NaN, a line of another shape is dropped
+    rows = gemm_clocks.smi_rows("1500, 690.1, 60, 35\n1485, 688.0, 61, [N/A]\nbad line\n")
+    assert rows[0] == [1500.0, 690.1, 60.0, 35.0] and rows[1][:3] == [1485.0, 688.0, 61.0] and len(rows) == 2
+    assert rows[1][3] != rows[1][3]  # NaN
 
 
 def test_bench_prologue_smoke_writes_its_report(tmp_path):
