@@ -225,6 +225,22 @@ class Plan:
         return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap))
 
 
+def chunk_multiple() -> int:
+    """What a planned chunk's width is rounded down to (where it is not all the classes): 256 columns, or
+    ``HUGEHEAD_CHUNK_MULTIPLE`` (read at every plan; a positive multiple of 64) for A/B runs, e.g. 768 =
+    lcm(256, 192) so that the fused GEMMs' 192-column tiles cover a chunk without a ragged last tile."""
+    text = os.environ.get("HUGEHEAD_CHUNK_MULTIPLE")
+    if text is None or text == "":
+        return _MIN_COLS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0 or value % 64:
+        raise ValueError(f"HUGEHEAD_CHUNK_MULTIPLE must be a positive multiple of 64, got {text!r}")
+    return value
+
+
 def overlap_enabled() -> bool:
     # HUGEHEAD_OVERLAP=0 turns the side-stream overlap off (A/B measurements, debugging).
     return os.environ.get("HUGEHEAD_OVERLAP", "1") != "0"
@@ -307,8 +323,9 @@ def plan_chunks(
         if device.type in _CHUNK_ELEMS:
             cols = min(cols, max(_MIN_COLS, _CHUNK_ELEMS[device.type] // n))
         cols = max(_MIN_COLS, min(max_cols, cols))
-        if cols < v:  # round down to a multiple of 256 columns: aligned rows, GEMM-friendly widths
-            cols = max(_MIN_COLS, cols // _MIN_COLS * _MIN_COLS)
+        if cols < v:  # round down to a multiple of 256 columns (chunk_multiple): aligned rows, GEMM-friendly widths
+            multiple = chunk_multiple()
+            cols = max(_MIN_COLS, cols // multiple * multiple)
         cols = min(cols, v)
     rows = n
     if rows * cols * itemsize + rows * d * (itemsize + 4) > memory_budget:

@@ -165,6 +165,25 @@ def test_fused_loop_spends_the_overlap_workspace_on_one_more_kept_chunk(monkeypa
     assert planner.plan_chunks(64, 8, 3000, torch.float32, cuda, None, 64 << 20, side_stream=False).kept_chunks == 1
 
 
+def test_chunk_multiple_rounds_the_planned_width(monkeypatch):
+    """HUGEHEAD_CHUNK_MULTIPLE (an A/B knob): the planned width rounded down to its multiple instead of 256's;
+    a width pinned by chunk_size, or all the classes, is left alone; a bad value is a clear error."""
+    cuda = torch.device("cuda")  # planned only: no GPU is touched
+    monkeypatch.setenv("HUGEHEAD_CHUNK_MULTIPLE", "")
+    assert planner.plan_chunks(16384, 768, 6_000_000, torch.bfloat16, cuda, None, 4 << 30).cols == 16384
+    monkeypatch.setenv("HUGEHEAD_CHUNK_MULTIPLE", "768")
+    for n, cols in ((16384, 16128), (4096, 65280), (8192, 32256)):
+        plan = planner.plan_chunks(n, 768, 6_000_000, torch.bfloat16, cuda, None, 4 << 30, side_stream=False)
+        assert plan.cols == cols and plan.cols % 768 == 0 and plan.rows == n, (n, plan)
+        assert plan.keep_logits and plan.kept_chunks >= 1
+    assert planner.plan_chunks(16384, 768, 6_000_000, torch.bfloat16, cuda, 1000, 4 << 30).cols == 1000
+    assert planner.plan_chunks(64, 8, 3000, torch.float32, cuda, None, 64 << 20).cols == 3000
+    for bad in ("0", "100", "-768", "x"):
+        monkeypatch.setenv("HUGEHEAD_CHUNK_MULTIPLE", bad)
+        with pytest.raises(ValueError, match="HUGEHEAD_CHUNK_MULTIPLE must be a positive multiple of 64"):
+            planner.plan_chunks(16384, 768, 6_000_000, torch.bfloat16, cuda, None, 4 << 30)
+
+
 def test_workspace_estimate_is_what_the_planner_plans():
     """hugehead.demo's "will it fit" asks the planner: two CPU shards of 3000 classes sharing 1 MiB stream
     their own plans' workspaces; a budget that holds every logit keeps them all."""
