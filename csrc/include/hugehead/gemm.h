@@ -99,9 +99,11 @@ Schedule default_grad_schedule(int64_t depth);
 bool mainloop_only_from_env();
 
 // The fused GEMMs' persistent tile order (CUTLASS's PersistentTileSchedulerSm90 arguments), for A/B runs
-// (read per call; results are the same bits in any order: each tile's partials and gradient have one home):
+// (read per call; results are the same bits in any order: each tile's partials and gradient have one home, and
+// the padding tiles a swizzle adds are skipped, fused_gemm.cuh's tile_past_columns):
 // HUGEHEAD_GEMM_RASTER=m|n (consecutive tiles down the rows / along the columns; unset: CUTLASS's heuristic,
-// along the longer side) and HUGEHEAD_GEMM_SWIZZLE=1|2|4|8 (tiles grouped in stripes that wide; unset: 1).
+// down the rows where there are more column tiles than row tiles, else along the columns) and
+// HUGEHEAD_GEMM_SWIZZLE=1|2|4|8 (tiles grouped in stripes that wide; unset: 1).
 struct TileOrder {
   int raster = 0;  // 0 heuristic, 1 along M (rows), 2 along N (columns)
   int swizzle = 1;
