@@ -57,13 +57,15 @@ def _variants(name: str, cols=None):
     dw_ours = lambda: ops.gemm_dw_(dw, z, x, False)  # noqa: E731
     dense = [
         ("cuBLAS dX (addmm into float32)", env(), lambda: torch.addmm(gx, z, wc, out_dtype=gx.dtype, out=gx)),
-        ("dX, ours", env(), dx_ours),
+        ("dX, ours", env(HUGEHEAD_GEMM_DENSE="cutlass"), dx_ours),
         ("dX, ours (alternate tiles)", env(HUGEHEAD_GEMM_DENSE="alternate"), dx_ours),
         ("dX, ours (pingpong)", env(HUGEHEAD_GEMM_DENSE="pingpong"), dx_ours),
+        ("dX, ours (stream-K)", env(HUGEHEAD_GEMM_DENSE="streamk"), dx_ours),
         ("cuBLAS dW (mm, bf16 out)", env(), lambda: torch.mm(z.t(), x, out=dw)),
-        ("dW, ours", env(), dw_ours),
+        ("dW, ours", env(HUGEHEAD_GEMM_DENSE="cutlass"), dw_ours),
         ("dW, ours (alternate tiles)", env(HUGEHEAD_GEMM_DENSE="alternate"), dw_ours),
         ("dW, ours (pingpong)", env(HUGEHEAD_GEMM_DENSE="pingpong"), dw_ours),
+        ("dW, ours (stream-K)", env(HUGEHEAD_GEMM_DENSE="streamk"), dw_ours),
     ]
     return cols, 2.0 * n * shape.d * cols, dense + [
         ("cuBLAS logits GEMM", env(), lambda: torch.mm(x, wc.t(), out=z)),

@@ -209,18 +209,22 @@ def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
     return wanted
 
 
+# What the backward's dense GEMMs take without HUGEHEAD_GEMM_DENSE (dense_gemm_enabled).
+DENSE_GEMM_DEFAULT = "cublas"
+
+
 def dense_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the backward's dX and dW GEMMs of a chunk take ours (:func:`gemm_dx_` / :func:`gemm_dw_`)
-    instead of cuBLAS's: only when asked, by the environment variable ``HUGEHEAD_GEMM_DENSE=cutlass`` (or
-    ``alternate`` / ``pingpong``: their other tiles; read at every call), and where :func:`gemm_path` says ``cutlass``.
-    Not the default: on one H200 (0f740e1) they tie cuBLAS under a two-second soak at the ~690 W power cap
-    (``bench/gemm_clocks.py``, xc1M chunk: dX 0.641 / 0.631 ms against 0.636, dW 0.627 against 0.622) and an
-    xc6M step took 233.3 ms on them against 230.8 on cuBLAS. They stay as that A/B: every GEMM of the step,
-    ours or cuBLAS's, runs at the same power-bound ~650 TFLOP/s."""
+    instead of cuBLAS's, where :func:`gemm_path` says ``cutlass``: as the environment variable
+    ``HUGEHEAD_GEMM_DENSE`` asks (read at every call): ``cublas``, or ours as ``cutlass`` (the default tiles),
+    ``alternate`` / ``pingpong`` (other tiles) or ``streamk`` (CUTLASS's stream-K scheduler); unset:
+    :data:`DENSE_GEMM_DEFAULT`. On one H200 (0f740e1) ours on the persistent scheduler tie cuBLAS under a
+    two-second soak at the ~690 W power cap (``bench/gemm_clocks.py``, xc1M chunk: dX 0.641 / 0.631 ms against
+    0.636, dW 0.627 against 0.622) and an xc6M step took 233.3 ms on them against 230.8 on cuBLAS."""
     import os
 
-    wanted = os.environ.get("HUGEHEAD_GEMM_DENSE", "cublas").lower()
-    return wanted in ("cutlass", "alternate", "pingpong") and gemm_path(device, dtype) == "cutlass"
+    wanted = os.environ.get("HUGEHEAD_GEMM_DENSE", DENSE_GEMM_DEFAULT).lower()
+    return wanted in ("cutlass", "alternate", "pingpong", "streamk") and gemm_path(device, dtype) == "cutlass"
 
 
 def chunk_grad_(

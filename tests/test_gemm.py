@@ -904,7 +904,7 @@ DENSE_SHAPES = [  # (rows, cols, depth): whole tiles, ragged edges on every dime
     (4096, 8192, 768), (1000, 3000, 200), (1, 64, 8), (257, 8, 96), (300, 1000, 1032)]
 
 
-@pytest.fixture(params=["cutlass", "alternate", "pingpong"])
+@pytest.fixture(params=["cutlass", "alternate", "pingpong", "streamk"])
 def dense_config(request, monkeypatch):
     monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", request.param)
 
@@ -988,14 +988,15 @@ def test_dense_bad_inputs_raise_and_leave_out_alone():
 
 @requires_fused
 @pytest.mark.parametrize("opts", [dict(chunk_size=1024), dict(chunk_size=512, memory_budget=64 << 10)])
-def test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64(monkeypatch, opts):
-    """The whole loss with the backward's dX / dW on our GEMMs (HUGEHEAD_GEMM_DENSE=cutlass) against them on
-    cuBLAS (the default) and float64; the second plan splits rows (dW accumulated in float32)."""
+@pytest.mark.parametrize("config", ["cutlass", "streamk"])
+def test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64(monkeypatch, opts, config):
+    """The whole loss with the backward's dX / dW on our GEMMs (HUGEHEAD_GEMM_DENSE=cutlass / streamk) against
+    them on cuBLAS and float64; the second plan splits rows (dW accumulated in float32)."""
     n, d, v = 1000, 768, 5000
     x, w, b = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
     x, w = x.cuda(), w.cuda()
     target = _targets(n, v, 0, v, 17).cuda()
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cutlass")
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", config)
     calls = _count_dense_calls(monkeypatch)
     ours = _lce_grads(x, w, None, target, **opts)
     assert calls["dx"] and calls["dw"], calls
@@ -1006,7 +1007,7 @@ def test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64(monkeypatch, opts
     ref = _lce_float64(x, w, None, target, **opts)
     for a, t, r in zip(ours, theirs, ref):
         assert rel_err(a, r) <= 2 * rel_err(t, r) + torch.finfo(torch.bfloat16).eps
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cutlass")
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", config)
     for a, r in zip(_lce_grads(x, w, None, target, **opts), ours):
         assert torch.equal(a, r)
 

@@ -26,6 +26,7 @@ namespace gemm {
 struct Cooperative {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Scheduler = void;  // CUTLASS's persistent data-parallel tile scheduler
 };
 template <DenseKind K, DenseConfig C>
 struct DenseTiles;
@@ -59,7 +60,21 @@ template <DenseKind K>
 struct DenseTiles<K, DenseConfig::kPingpong> {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+  using Scheduler = void;
   using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
+// Stream-K, both kinds: cooperative 128 x 256 tiles (the widest mainloop, 686-691 TFLOP/s in the soaks) under
+// CUTLASS's stream-K scheduler, which splits the K loop of the last, partial wave of output tiles over the SMs
+// that would idle (its heuristic: data-parallel waves, then stream-K units; split-K where that is better). The
+// persistent scheduler leaves a ragged wave: dX at xc6M is 96 (128 x 256) or 128 (128 x 192) tiles for 132 SMs,
+// dX / dW at N = 16384 are 384 tiles (2.9 waves), dW at xc6M 1536 (11.6 waves). The partial accumulators are
+// summed in a fixed order (ReductionMode::Deterministic, the default): repeated runs give the same bits; the
+// sum's association differs from one accumulator's, so not cuBLAS's bits.
+template <DenseKind K>
+struct DenseTiles<K, DenseConfig::kStreamK> : Cooperative {
+  using Scheduler = cutlass::gemm::StreamKScheduler;
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
 
@@ -81,7 +96,8 @@ struct DenseGemm {
       typename Tiles::Tile, typename Tiles::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::Kernel>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      typename Tiles::Scheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Device::Arguments arguments(const DenseGemmParams& p) {

@@ -42,10 +42,12 @@ HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float_alt, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float_pingpong, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float_streamk, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dx_float, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store_alt, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store_pingpong, DenseGemmParams)
+HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_store_streamk, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dw_store, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dw_float, DenseGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_fp16_dw_float, DenseGemmParams)
@@ -203,9 +205,12 @@ const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule,
 }
 
 DenseConfig dense_config_from_env() {
+  // Unset: stream-K, what the loop runs when hugehead/ops.py's DENSE_GEMM_DEFAULT takes ours; "cutlass" (or
+  // anything else): the persistent scheduler's tiles.
   const char* v = std::getenv("HUGEHEAD_GEMM_DENSE");
-  if (v != nullptr && std::strcmp(v, "alternate") == 0) return DenseConfig::kAlternate;
-  if (v != nullptr && std::strcmp(v, "pingpong") == 0) return DenseConfig::kPingpong;
+  if (v == nullptr || std::strcmp(v, "streamk") == 0) return DenseConfig::kStreamK;
+  if (std::strcmp(v, "alternate") == 0) return DenseConfig::kAlternate;
+  if (std::strcmp(v, "pingpong") == 0) return DenseConfig::kPingpong;
   return DenseConfig::kDefault;
 }
 
@@ -218,14 +223,17 @@ struct DenseLaunchers {
 DenseLaunchers dense_launchers(const DenseGemmParams& p, bool half, DenseKind kind, DenseConfig config) {
   const bool alt = config == DenseConfig::kAlternate && !half;
   const bool pingpong = config == DenseConfig::kPingpong && !half;
+  const bool streamk = config == DenseConfig::kStreamK && !half;
   if (kind == DenseKind::kDx) {
     if (half) return HUGEHEAD_DENSE(dense_gemm_fp16_dx_float);
     if (pingpong) return HUGEHEAD_DENSE(dense_gemm_bf16_dx_float_pingpong);
+    if (streamk) return HUGEHEAD_DENSE(dense_gemm_bf16_dx_float_streamk);
     return alt ? HUGEHEAD_DENSE(dense_gemm_bf16_dx_float_alt) : HUGEHEAD_DENSE(dense_gemm_bf16_dx_float);
   }
   if (p.out_float) return half ? HUGEHEAD_DENSE(dense_gemm_fp16_dw_float) : HUGEHEAD_DENSE(dense_gemm_bf16_dw_float);
   if (half) return HUGEHEAD_DENSE(dense_gemm_fp16_dw_store);
   if (pingpong) return HUGEHEAD_DENSE(dense_gemm_bf16_dw_store_pingpong);
+  if (streamk) return HUGEHEAD_DENSE(dense_gemm_bf16_dw_store_streamk);
   return alt ? HUGEHEAD_DENSE(dense_gemm_bf16_dw_store_alt) : HUGEHEAD_DENSE(dense_gemm_bf16_dw_store);
 }
 #undef HUGEHEAD_DENSE

@@ -144,9 +144,10 @@ const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule,
 //   kDw: out [cols, depth] (+)= g^T @ b [rows, depth]                     (b: x); out float32 or g's dtype
 // Every operand has unit column stride, a 16-byte aligned base and 16-byte aligned row strides.
 enum class DenseKind { kDx = 0, kDw = 1 };
-// HUGEHEAD_GEMM_DENSE=alternate / pingpong (read per call, for A/B runs in bench/) picks the other tiles
-// (dense_gemm.cuh's DenseTiles; bf16 only, and pingpong not for a float32 dW: those take the default).
-enum class DenseConfig { kDefault = 0, kAlternate = 1, kPingpong = 2 };
+// HUGEHEAD_GEMM_DENSE (read per call): streamk or unset: stream-K; cutlass: the persistent scheduler's tiles;
+// alternate / pingpong: other tiles (dense_gemm.cuh's DenseTiles; all but the default bf16 only, and not for a
+// float32 dW: those take the default).
+enum class DenseConfig { kDefault = 0, kAlternate = 1, kPingpong = 2, kStreamK = 3 };
 DenseConfig dense_config_from_env();
 struct DenseGemmParams {
   const void* g;  // [rows, cols] bf16 / fp16, row stride g_stride
