@@ -602,6 +602,29 @@ def test_tile_order_gives_the_same_bits(monkeypatch, schedule_name, raster, swiz
 
 
 @requires_fused
+@pytest.mark.parametrize("dense", ["cublas", "streamk"])
+@pytest.mark.parametrize("opts", [dict(chunk_size=4096), dict(chunk_size=3072, label_smoothing=0.1)])
+def test_pdl_gives_the_same_bits(monkeypatch, dense, opts):
+    """HUGEHEAD_GEMM_PDL=1 launches our GEMMs and the partials' merge early (programmatic dependent launch);
+    each waits for the kernel before it before touching memory, so the whole loss over many chunks (merges
+    reading the partials the GEMM before them wrote, gradient GEMMs reading the lse the forward made, reusing
+    the buffer dW read) is the same bits as without (test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64
+    holds those bits to float64)."""
+    n, d, v = 4096, 768, 40000
+    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=23)
+    x, w = x.cuda(), w.cuda()
+    target = _targets(n, v, 0, v, 23).cuda()
+    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", dense)
+    monkeypatch.delenv("HUGEHEAD_GEMM_PDL", raising=False)
+    plain = _lce_grads(x, w, None, target, **opts)
+    monkeypatch.setenv("HUGEHEAD_GEMM_PDL", "1")
+    for _ in range(3):
+        for got, ref in zip(_lce_grads(x, w, None, target, **opts), plain):
+            assert torch.equal(got, ref)
+    assert all(torch.isfinite(t).all() and t.abs().max() > 0 for t in plain)
+
+
+@requires_fused
 def test_grad_opcheck_and_bad_inputs():
     n, c, d = 40, 300, 64
     x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=6))

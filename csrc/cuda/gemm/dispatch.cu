@@ -76,6 +76,11 @@ bool mainloop_only_from_env() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+bool pdl_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_PDL");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 TileOrder tile_order_from_env() {
   TileOrder order;
   const char* r = std::getenv("HUGEHEAD_GEMM_RASTER");

@@ -290,7 +290,14 @@ const char* launch(typename Device::Arguments const& args, void* workspace, cuda
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
     return "CUTLASS failed to initialize the fused GEMM";
   }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS failed to launch the fused GEMM";
+#ifdef CUTLASS_ENABLE_GDC_FOR_SM90
+  const bool pdl = pdl_from_env();
+#else
+  const bool pdl = false;  // this kernel has no griddepcontrol.wait: it must not start before its inputs are done
+#endif
+  if (gemm.run(stream, nullptr, pdl) != cutlass::Status::kSuccess) {
+    return "CUTLASS failed to launch the fused GEMM";
+  }
   return nullptr;
 }
 

@@ -33,6 +33,10 @@ __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
                           float* row_sumexp, float* logit_sum) {
   using Part = std::conditional_t<kSum, float4, float2>;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched with PDL (gemm.h's pdl_from_env): the GEMM before it may still be running; a no-op otherwise.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / cuda::kWarp;
   const int lane = threadIdx.x % cuda::kWarp;
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
@@ -102,10 +106,20 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
   const auto merge = with_logit_sum ? merge_partials_kernel<true> : merge_partials_kernel<false>;
-  merge<<<blocks, kMergeThreads, 0, stream>>>(partials.data_ptr<float>(), rows, tiles, row_max.data_ptr<float>(),
-                                              row_sumexp.data_ptr<float>(),
-                                              with_logit_sum ? logit_sum.data_ptr<float>() : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kMergeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  if (gemm::pdl_from_env()) {
+    config.attrs = &pdl;
+    config.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, merge, static_cast<const float*>(partials.data_ptr<float>()), rows,
+                                    tiles, row_max.data_ptr<float>(), row_sumexp.data_ptr<float>(),
+                                    with_logit_sum ? logit_sum.data_ptr<float>() : nullptr));
 }
 
 }  // namespace

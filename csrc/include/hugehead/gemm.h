@@ -98,6 +98,14 @@ Schedule default_grad_schedule(int64_t depth);
 // floor its epilogue is measured against. The op's outputs are then left as they were.
 bool mainloop_only_from_env();
 
+// Programmatic dependent launch (read per call; HUGEHEAD_GEMM_PDL=1 on, unset or 0 off): every GEMM of ours
+// and the statistics' merge kernel are launched with cudaLaunchAttributeProgrammaticStreamSerialization, so
+// each may be scheduled while the kernel before it in the stream drains instead of after it has completed.
+// Each waits (griddepcontrol.wait) before its first global memory access: CUTLASS's producer warps (built with
+// CUTLASS_ENABLE_GDC_FOR_SM90) before their first load, everything else of the kernel only after data those
+// loads brought; the merge kernel at its start. Results are the same bits either way.
+bool pdl_from_env();
+
 // The fused GEMMs' persistent tile order (CUTLASS's PersistentTileSchedulerSm90 arguments), for A/B runs
 // (read per call; results are the same bits in any order: each tile's partials and gradient have one home, and
 // the padding tiles a swizzle adds are skipped, fused_gemm.cuh's tile_past_columns):
