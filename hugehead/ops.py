@@ -220,7 +220,8 @@ def dense_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     ``alternate`` / ``pingpong`` (other tiles) or ``streamk`` (CUTLASS's stream-K scheduler); unset:
     :data:`DENSE_GEMM_DEFAULT`. On one H200 (0f740e1) ours on the persistent scheduler tie cuBLAS under a
     two-second soak at the ~690 W power cap (``bench/gemm_clocks.py``, xc1M chunk: dX 0.641 / 0.631 ms against
-    0.636, dW 0.627 against 0.622) and an xc6M step took 233.3 ms on them against 230.8 on cuBLAS."""
+    0.636, dW 0.627 against 0.622) and an xc6M step took 233.3 ms on them against 230.8 on cuBLAS; stream-K
+    (dbd5ce0) was slower still (xc6M 244.9 against 231.2, xc6M_16k 949.1 against 934.2)."""
     import os
 
     wanted = os.environ.get("HUGEHEAD_GEMM_DENSE", DENSE_GEMM_DEFAULT).lower()

@@ -70,7 +70,10 @@ struct DenseTiles<K, DenseConfig::kPingpong> {
 // persistent scheduler leaves a ragged wave: dX at xc6M is 96 (128 x 256) or 128 (128 x 192) tiles for 132 SMs,
 // dX / dW at N = 16384 are 384 tiles (2.9 waves), dW at xc6M 1536 (11.6 waves). The partial accumulators are
 // summed in a fixed order (ReductionMode::Deterministic, the default): repeated runs give the same bits; the
-// sum's association differs from one accumulator's, so not cuBLAS's bits.
+// sum's association differs from one accumulator's, so not cuBLAS's bits. Measured (one H200, dbd5ce0, 2.5 s
+// soaks, bench/results/h200/s15/c2_dbd5ce0/): slower than cuBLAS everywhere: dX 569 TFLOP/s against 657 at xc6M
+// (96 tiles: the split K's fix-ups, the SMs waiting at 1650 MHz), 636 against 650 at xc6M_16k; dW 631 against
+// 647 and 654 against 666; whole steps xc6M 244.9 ms against 231.2, xc6M_16k 949.1 against 934.2. An A/B only.
 template <DenseKind K>
 struct DenseTiles<K, DenseConfig::kStreamK> : Cooperative {
   using Scheduler = cutlass::gemm::StreamKScheduler;

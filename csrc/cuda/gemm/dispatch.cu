@@ -210,10 +210,11 @@ const char* run_grad_gemm(const GradGemmParams& p, bool half, Schedule schedule,
 }
 
 DenseConfig dense_config_from_env() {
-  // Unset: stream-K, what the loop runs when hugehead/ops.py's DENSE_GEMM_DEFAULT takes ours; "cutlass" (or
-  // anything else): the persistent scheduler's tiles.
+  // Unset or "cutlass": the persistent scheduler's tiles (what the loop runs when hugehead/ops.py's
+  // DENSE_GEMM_DEFAULT takes ours); the others for A/B runs.
   const char* v = std::getenv("HUGEHEAD_GEMM_DENSE");
-  if (v == nullptr || std::strcmp(v, "streamk") == 0) return DenseConfig::kStreamK;
+  if (v == nullptr) return DenseConfig::kDefault;
+  if (std::strcmp(v, "streamk") == 0) return DenseConfig::kStreamK;
   if (std::strcmp(v, "alternate") == 0) return DenseConfig::kAlternate;
   if (std::strcmp(v, "pingpong") == 0) return DenseConfig::kPingpong;
   return DenseConfig::kDefault;
