@@ -10,6 +10,7 @@ moment).
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -87,12 +88,12 @@ def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: 
 
 
 def _given_plan(plan: Optional[List[int]]) -> Optional[Plan]:
-    """The plan that travelled with the call (``[rows, cols, kept_chunks, overlap, budget]``), or None."""
+    """The plan that travelled with the call (``[rows, cols, kept_chunks, overlap, kept_in_grad, budget]``), or
+    None."""
     if not plan:
         return None
-    out = Plan.from_list(plan[:4])
-    return Plan(out.rows, out.cols, out.keep_logits, out.kept_chunks, out.overlap, budget=int(plan[4]),
-                budget_reason=f"a budget of {int(plan[4])} bytes")
+    out = Plan.from_list(plan[:5])
+    return replace(out, budget=int(plan[5]), budget_reason=f"a budget of {int(plan[5])} bytes")
 
 
 def _plan_list(plan: Plan) -> List[int]:
@@ -121,11 +122,13 @@ def _lce_forward(
     memory_budget: int,
     keep_logits: bool,
     plan: Optional[List[int]] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-row losses ``[N]``, lse ``[N]`` (accumulation dtype) and the kept logits
-    ``[kept_chunks, N, cols]`` (empty unless ``keep_logits`` and the plan keeps some). ``x`` is in the
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row losses ``[N]``, lse ``[N]`` (accumulation dtype), the kept logits
+    ``[kept_chunks - kept_in_grad, N, cols]`` (empty unless ``keep_logits`` and the plan keeps some) and the
+    weight gradient's buffer ``[V, D]`` holding the plan's ``kept_in_grad`` chunks (empty when none: see
+    :func:`hugehead.plan.grad_store_layout`), which the backward returns as ``dW``. ``x`` is in the
     compute dtype; weight and bias may be stored in another float dtype (autocast), cast chunk by chunk.
-    chunk_size/memory_budget 0: planned. ``plan``: ``[rows, cols, kept_chunks, overlap, budget]`` made by
+    chunk_size/memory_budget 0: planned. ``plan``: ``[rows, cols, kept_chunks, overlap, kept_in_grad, budget]`` made by
     the caller (None: planned here from chunk_size/memory_budget)."""
     v = weight.shape[0]
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
@@ -133,11 +136,20 @@ def _lce_forward(
     finish_check = start_target_check(target, v, ignore_index)
     step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
     with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, step_plan, memory_budget or None):
-        stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, options, step_plan)
+        store = _grad_store(weight, step_plan, keep_logits)
+        stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, options, step_plan,
+                                          store=store)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         loss = row_losses(lse, target_logit, logit_sum, target != ignore_index, v, options)
     finish_check()
-    return loss, lse, (x.new_empty(0) if kept is None else kept)
+    return loss, lse, (x.new_empty(0) if kept is None else kept), (weight.new_empty(0) if store is None else store)
+
+
+def _grad_store(weight: Tensor, plan: Plan, keep_logits: bool) -> Optional[Tensor]:
+    """The weight gradient's buffer, allocated now to hold the plan's ``kept_in_grad`` chunks, or None."""
+    if not (keep_logits and plan.keep_logits and plan.kept_in_grad > 0):
+        return None
+    return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
 
 @_lce_forward.register_fake
@@ -146,10 +158,12 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, c
     acc = ops.acc_dtype(x.dtype)
     step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
     kept = x.new_empty(kept_shape(step_plan, x.shape[0])) if step_plan.keep_logits else x.new_empty(0)
-    return x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc), kept
+    store = _grad_store(weight, step_plan, keep_logits)
+    return (x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc), kept,
+            weight.new_empty(0) if store is None else store)
 
 
-@torch.library.custom_op("hugehead::linear_cross_entropy_backward", mutates_args=("kept",))
+@torch.library.custom_op("hugehead::linear_cross_entropy_backward", mutates_args=("kept", "store"))
 def _lce_backward(
     grad_loss: Tensor,
     grad_lse: Optional[Tensor],
@@ -168,28 +182,39 @@ def _lce_backward(
     need_x: bool,
     need_weight: bool,
     plan: Optional[List[int]] = None,
+    store: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dX [N, D], dW [V, D], db [V])``; a gradient not asked for (or db without bias) is empty.
     Non-empty ``kept`` logits are overwritten by their gradient (no recompute). ``plan``: the forward's
-    (None: derived from the kept logits, or planned again from chunk_size/memory_budget)."""
+    (None: derived from the kept logits, or planned again from chunk_size/memory_budget). A non-empty
+    ``store`` (the forward's fourth output, holding kept chunks) receives dW, and dW comes back empty."""
     acc = ops.acc_dtype(x.dtype)
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
     keep = kept.numel() > 0
     step_plan = _given_plan(plan)
     if step_plan is None:
         step_plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
+    if store is not None and store.numel() == 0:
+        store = None
+    if store is None and keep and step_plan.kept_in_grad:
+        raise RuntimeError("hugehead: the forward kept logits in the weight gradient's buffer: pass it as `store`")
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, step_plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
-        return whole_head_backward(x, weight, bias, target, lse, grad_rows, options, step_plan, need_x, need_weight,
-                                   kept, None if grad_lse is None else grad_lse.to(acc).contiguous())
+        grad_x, grad_w, grad_b = whole_head_backward(
+            x, weight, bias, target, lse, grad_rows, options, step_plan, need_x, need_weight, kept,
+            None if grad_lse is None else grad_lse.to(acc).contiguous(), store=store)
+    # dW went into the store: an op's output may not alias its inputs, so it comes back empty here
+    return grad_x, (x.new_empty(0) if store is not None else grad_w), grad_b
 
 
 @_lce_backward.register_fake
 def _(grad_loss, grad_lse, x, weight, bias, target, lse, kept, ignore_index, label_smoothing, z_loss, softcap,
-      chunk_size, memory_budget, need_x, need_weight, plan=None):
+      chunk_size, memory_budget, need_x, need_weight, plan=None, store=None):
+    in_store = store is not None and store.numel() > 0
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0),
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty(0),
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if (need_weight and not in_store)
+        else x.new_empty(0),
         torch.empty_like(bias) if (need_weight and bias is not None) else x.new_empty(0),
     )
 
@@ -197,24 +222,27 @@ def _(grad_loss, grad_lse, x, weight, bias, target, lse, kept, ignore_index, lab
 def _lce_setup_context(ctx, inputs, output):
     x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget, keep_logits = (
         inputs[:11])
-    _, lse, kept = output
+    _, lse, kept, store = output
     ctx.save_for_backward(x, weight, bias, target, lse)
     ctx.options = (ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget)
     # The forward's plan goes with the saved inputs: the backward never plans again.
     ctx.plan = inputs[11] if len(inputs) > 11 else None
-    ctx.mark_non_differentiable(kept)
+    ctx.mark_non_differentiable(kept, store)
     # Not saved for backward: the backward turns the kept logits into their gradient in place and drops
     # them, so a second backward (retain_graph=True) finds none and recomputes instead.
     # Under torch.compile nothing is kept (keep_logits is False there), so nothing rides on ctx.
     ctx.kept = kept if keep_logits else None
+    # The weight gradient's buffer holding kept chunks rides the same way, and becomes the returned dW.
+    ctx.store = store if (keep_logits and store.numel() > 0) else None
     # Outputs nobody differentiates (the kept logits always, lse unless returned) get None, not a
     # materialized zero tensor: for the kept logits that would be an [N, V]-sized allocation and fill.
     ctx.set_materialize_grads(False)
 
 
-def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
+def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept, grad_store):
     x, weight, bias, target, lse = ctx.saved_tensors
     kept, ctx.kept = ctx.kept, None
+    store, ctx.store = ctx.store, None
     if kept is None:
         kept = x.new_empty(0)
     if grad_loss is None:  # only the returned lse is differentiated
@@ -222,8 +250,10 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
     need_x = ctx.needs_input_grad[0]
     need_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     grad_x, grad_w, grad_b = torch.ops.hugehead.linear_cross_entropy_backward(
-        grad_loss, grad_lse, x, weight, bias, target, lse, kept, *ctx.options, need_x, need_weight, ctx.plan
+        grad_loss, grad_lse, x, weight, bias, target, lse, kept, *ctx.options, need_x, need_weight, ctx.plan, store
     )
+    if store is not None:
+        grad_w, store = store, None  # the buffer the backward wrote dW into: the one reference left
     grad_x, grad_w, grad_b = no_second_order("linear_cross_entropy", (x, weight, bias), (
         grad_x if need_x else None,
         grad_w if ctx.needs_input_grad[1] else None,
@@ -467,7 +497,9 @@ def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] 
     class-id ``target [N]`` and ``bias`` on one device, under the current grad mode: kept logits and the rows
     plan need gradients wanted (and eager mode), the rows plan a scalar loss without a returned lse, and where
     the fused GEMMs take the chunks there is nothing to overlap on a side stream (see
-    :func:`hugehead.plan.plan_chunks`). Benchmarks report it as the step's plan."""
+    :func:`hugehead.plan.plan_chunks`). Where the weight itself wants its gradient, kept logits may also live
+    in that gradient's buffer, allocated at the forward (``Plan.kept_in_grad``). Benchmarks report it as the
+    step's plan."""
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
@@ -475,7 +507,8 @@ def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] 
     return plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
                      allow_rows=wants_grad and not return_lse and reduction != "none",
-                     side_stream=not fused_applies(x, target, "grad"))
+                     side_stream=not fused_applies(x, target, "grad"),
+                     grad_store=keep and weight.requires_grad and weight.device == x.device)
 
 
 def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
@@ -491,7 +524,7 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
                      return_lse=return_lse)
     if plan.grad_in_forward:
         return _rows_op(x, weight, bias, target, options, plan), None
-    loss_rows, lse, _ = torch.ops.hugehead.linear_cross_entropy_forward(
+    loss_rows, lse, _, _ = torch.ops.hugehead.linear_cross_entropy_forward(
         x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
         options.kernel_softcap, int(chunk_size or 0), int(memory_budget or 0), plan.keep_logits,
         _plan_list(plan),

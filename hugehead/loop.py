@@ -26,6 +26,7 @@ from .plan import (  # noqa: F401  (re-exported: the planner's names were public
     _MAX_COLS,
     DEFAULT_MEMORY_BUDGET,
     Plan,
+    grad_store_layout,
     kept_plan,
     kept_shape,
     plan_chunks,
@@ -39,6 +40,7 @@ __all__ = [
     "plan_topk_chunks",
     "kept_plan",
     "kept_shape",
+    "KeptLogits",
     "RowStats",
     "WeightChunk",
     "ResidentChunks",
@@ -80,10 +82,14 @@ class ResidentChunks:
     # Chunk j - 1 stays valid while chunk j is fetched (slices, or casts the caller holds).
     lookahead = True
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], compute_dtype: torch.dtype):
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], compute_dtype: torch.dtype,
+                 grad_weight_into: Optional[Tensor] = None):
         self.weight = weight
         self.bias = bias
         self.compute_dtype = compute_dtype
+        # The buffer the weight's gradient goes into (the forward's, which held kept logits: KeptLogits), or
+        # None: a fresh one at start_grads.
+        self.grad_weight_into = grad_weight_into
         self.grad_weight: Optional[Tensor] = None
         self.grad_bias: Optional[Tensor] = None
 
@@ -113,7 +119,8 @@ class ResidentChunks:
 
     # Gradient sink -------------------------------------------------------------------------------
     def start_grads(self, need_bias: bool) -> None:
-        self.grad_weight = torch.empty_like(self.weight, memory_format=torch.contiguous_format)
+        out, self.grad_weight_into = self.grad_weight_into, None
+        self.grad_weight = out if out is not None else torch.empty_like(self.weight, memory_format=torch.contiguous_format)
         self.grad_bias = torch.empty_like(self.bias) if (need_bias and self.bias is not None) else None
 
     def grad_weight_out(self, c0: int, c1: int, dtype: torch.dtype) -> Optional[Tensor]:
@@ -137,6 +144,37 @@ class ResidentChunks:
 # --------------------------------------------------------------------------------------------------
 # The chunk loop (one shard on one device)
 # --------------------------------------------------------------------------------------------------
+class KeptLogits:
+    """Where a plan's kept chunks live between forward and backward: the first ``plan.kept_in_grad`` in the
+    weight gradient's buffer ``store [V, D]`` (:func:`hugehead.plan.grad_store_layout`: laid out so that the
+    backward, taking the chunks in order, writes each chunk's ``dW`` over slots it already consumed), the
+    others in ``kept [kept_chunks - kept_in_grad, N, cols]``. :meth:`chunk` gives chunk ``i``'s ``[N, width]``
+    view (unit column stride, row stride ``cols``), the same either way."""
+
+    def __init__(self, plan: Plan, kept: Tensor, store: Optional[Tensor], n: int):
+        self.plan, self.kept, self.n = plan, kept, n
+        self.in_grad = plan.kept_in_grad
+        self.slots = None
+        if self.in_grad and store is None:
+            raise RuntimeError(f"hugehead: the plan keeps {self.in_grad} chunks in the weight gradient's buffer, "
+                               "and none was given")
+        if self.in_grad:
+            offset, stride, slots = grad_store_layout(n, store.shape[1], store.shape[0], plan.cols,
+                                                      kept.element_size(), store.element_size())
+            if slots < self.in_grad or not store.is_contiguous():
+                raise RuntimeError(f"hugehead: the weight gradient's buffer holds {slots} kept chunks, the plan "
+                                   f"{self.in_grad}")
+            self.slots = (store.view(-1).view(torch.uint8), offset, stride)
+
+    def chunk(self, i: int, width: int) -> Tensor:
+        if i < self.in_grad:
+            raw, offset, stride = self.slots
+            start = offset + i * stride
+            size = self.n * self.plan.cols * self.kept.element_size()
+            return raw[start:start + size].view(self.kept.dtype).view(self.n, self.plan.cols)[:, :width]
+        return self.kept[i - self.in_grad, :, :width]
+
+
 class RowStats(NamedTuple):
     """Per-row statistics of one shard (or merged over shards), all ``[N]`` in the accumulation dtype."""
 
@@ -234,19 +272,24 @@ def shard_backward(*args, **kwargs) -> Tuple[Optional[Tensor], Optional[Tensor]]
 
 def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target, lse: Tensor, grad_rows: Tensor,
                         options: LossOptions, plan: Plan, need_x: bool, need_weight: bool, kept: Tensor,
-                        grad_lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                        grad_lse: Optional[Tensor] = None, store: Optional[Tensor] = None
+                        ) -> Tuple[Tensor, Tensor, Tensor]:
     """The backward of a head whose whole weight ``[V, D]`` is one shard on ``x``'s device (the registered
     ops of :mod:`hugehead.functional` and :mod:`hugehead.multilabel`): ``(dX [N, D] in x's dtype, dW [V, D],
     db [V])``, a gradient not asked for (or db without bias) empty. Non-empty ``kept`` logits are turned
-    into their gradient in place (no recompute). The caller holds the no-autocast and out-of-memory guards."""
-    keep = kept.numel() > 0
+    into their gradient in place (no recompute); ``store``: the weight gradient's buffer from the forward, which
+    holds the plan's ``kept_in_grad`` chunks (:class:`KeptLogits`) and becomes ``dW`` (None: a fresh one). The
+    caller holds the no-autocast and out-of-memory guards."""
+    keep = kept.numel() > 0 or (store is not None and plan.kept_in_grad > 0)
     # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
     # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
-    direct = keep and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0] and weight.dtype == x.dtype
+    direct = (keep and kept.dim() == 3 and kept.shape[0] == 1 and kept.shape[2] == weight.shape[0]
+              and weight.dtype == x.dtype and plan.kept_in_grad == 0)
     grad_x = torch.zeros(x.shape, dtype=ops.acc_dtype(x.dtype), device=x.device) if (need_x and not direct) else None
     grad_w, grad_b = shard_backward(
-        x, ResidentChunks(weight, bias, x.dtype), target, 0, weight.shape[0], lse, grad_rows, options, plan,
-        grad_x, need_weight, kept=kept if keep else None, grad_lse=grad_lse,
+        x, ResidentChunks(weight, bias, x.dtype, grad_weight_into=store if need_weight else None), target, 0,
+        weight.shape[0], lse, grad_rows, options, plan, grad_x, need_weight, kept=kept if keep else None,
+        grad_lse=grad_lse, store=store,
     )
     if need_x and direct:
         grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
@@ -265,6 +308,7 @@ def forward_stats_steps(
     class_start: int,
     options: LossOptions,
     plan: Plan,
+    store: Optional[Tensor] = None,
 ) -> Generator[None, None, Tuple[RowStats, Optional[Tensor]]]:
     """Row statistics of one shard's classes ``[class_start, class_start + V_k)``.
 
@@ -275,6 +319,8 @@ def forward_stats_steps(
             :mod:`hugehead.targets` (sparse / weighted / one-vs-all: its kernels fill the same statistics).
         options: the loss (its softcap).
         plan: the step's plan for this shard (its backward gets the same one).
+        store: the weight gradient's buffer ``[V, D]``, allocated for the backward, where the plan's first
+            ``kept_in_grad`` chunks are kept (:class:`KeptLogits`); None where the plan keeps none there.
     A generator that yields after queueing each weight chunk's work, so an engine can interleave the
     loops of several devices (:func:`run_steps` runs one alone).
 
@@ -285,10 +331,10 @@ def forward_stats_steps(
     """
     # The fused GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
     if _overlapped(plan, x, source) and not fused_applies(x, target, "stats"):
-        return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan)
+        return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan, store)
     # Only label smoothing reads the logit sums: without it the fused GEMM skips them.
     return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan,
-                             logit_sum=bool(options.label_smoothing))
+                             logit_sum=bool(options.label_smoothing), store=store)
 
 
 def _overlapped(plan: Plan, x: Tensor, source) -> bool:
@@ -312,12 +358,13 @@ def _new_stats(x: Tensor) -> RowStats:
     )
 
 
-def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True):
+def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True, store=None):
     """:func:`forward_stats_steps` on one stream (any rows split)."""
     n = x.shape[0]
     v = source.num_rows
     stats = _new_stats(x)
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
+    slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     if n == 0 or v == 0:
         return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
@@ -333,7 +380,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
                                                                    class_start + chunk.c0, softcap, rows, logit_sum):
                 continue
             if chunk.c0 < kept_classes:
-                z = kept[chunk.c0 // plan.cols, :, : chunk.c1 - chunk.c0]
+                z = slots.chunk(chunk.c0 // plan.cols, chunk.c1 - chunk.c0)
                 _stored_stats(x[r0:r1], chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, fused,
                               logit_sum)
                 continue
@@ -445,18 +492,20 @@ def _fused_grad(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int,
     return True
 
 
-def _forward_overlapped(x, source, target, class_start, softcap, plan):
+def _forward_overlapped(x, source, target, class_start, softcap, plan, store=None):
     """:func:`forward_stats_steps` with the statistics kernel of chunk ``j`` on the side stream while the
     main stream computes chunk ``j + 1``'s logits (rows whole)."""
     n = x.shape[0]
     stats = _new_stats(x)
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
+    slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows))
     for j, chunk in enumerate(source.chunks(plan.cols)):
         width = chunk.c1 - chunk.c0
         if chunk.c0 < kept_classes:
-            z = kept[chunk.c0 // plan.cols, :, :width]
+            z = slots.chunk(chunk.c0 // plan.cols, width)
         else:
             z = lanes.workspace(j, n, width)
         _logits_into(x, chunk, z)
@@ -584,6 +633,7 @@ def backward_steps(
     need_weight: bool,
     kept: Optional[Tensor] = None,
     grad_lse: Optional[Tensor] = None,
+    store: Optional[Tensor] = None,
 ) -> Generator[None, None, Tuple[Optional[Tensor], Optional[Tensor]]]:
     """Gradients of one shard, recomputing its logits chunk by chunk (or from ``kept``); a generator
     that yields after each weight chunk (see :func:`forward_stats_steps`).
@@ -599,12 +649,14 @@ def backward_steps(
         need_weight: compute ``dW`` (and ``db`` when the shard has a bias).
         kept: the kept logits ``[kept_chunks, N, cols]`` from :func:`forward_stats_steps` (None: a second
             backward, or nothing was kept: every chunk is recomputed); overwritten by their gradient.
+        store: the weight gradient's buffer holding the plan's ``kept_in_grad`` chunks (:class:`KeptLogits`;
+            the source writes ``dW`` into it), or None.
     Returns:
         ``(grad_weight [V_k, D], grad_bias [V_k] or None)`` in the stored dtype, from the source's
         gradient sink, each chunk written once (no atomics: deterministic), or ``(None, None)``.
     """
     args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
-            grad_lse)
+            grad_lse, store)
     # The fused gradient GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
     if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not fused_applies(x, target, "grad"):
         return _backward_overlapped(*args)
@@ -612,7 +664,7 @@ def backward_steps(
 
 
 def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
-                       need_weight, kept, grad_lse):
+                       need_weight, kept, grad_lse, store=None):
     """:func:`backward_steps` on one stream (any rows split)."""
     n, d = x.shape
     v = source.num_rows
@@ -630,6 +682,7 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     rows_split = plan.rows < n
     fused = fused_applies(x, target, "grad")
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
     dx_partial = None
     if grad_x is not None and grad_x.dtype != x.dtype:
@@ -644,7 +697,7 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
             xr = x[r0:r1]
             rows_grad_lse = None if grad_lse is None else grad_lse[r0:r1]
             if c0 < kept_classes:
-                g = kept[c0 // plan.cols, :, : c1 - c0]
+                g = slots.chunk(c0 // plan.cols, c1 - c0)
                 in_epilogue = False
             else:
                 g = _workspace_view(workspace, r1 - r0, c1 - c0)
@@ -678,7 +731,7 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
 
 
 def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
-                         need_weight, kept, grad_lse):
+                         need_weight, kept, grad_lse, store=None):
     """:func:`backward_steps` (rows whole) as a two-stage pipeline: chunk ``j``'s logits (main stream)
     and gradient kernel (side stream) are queued before chunk ``j - 1``'s dX and dW GEMMs (main stream),
     so the gradient kernel runs beside those GEMMs. Needs a source whose chunk ``j - 1`` stays valid
@@ -698,7 +751,7 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
     def produce(j: int, chunk: WeightChunk) -> None:
         width = chunk.c1 - chunk.c0
         if chunk.c0 < kept_classes:
-            g = kept[chunk.c0 // plan.cols, :, :width]
+            g = slots.chunk(chunk.c0 // plan.cols, width)
         else:
             g = _logits_into(x, chunk, lanes.workspace(j, n, width))
         side.wait_stream(main)

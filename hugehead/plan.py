@@ -43,6 +43,8 @@ __all__ = [
     "plan_streamed",
     "kept_plan",
     "kept_shape",
+    "grad_store_enabled",
+    "grad_store_layout",
     "overlap_enabled",
     "stream_cols",
     "cap_plan",
@@ -184,7 +186,9 @@ class Plan:
     ``keep_logits``: the forward writes its first ``kept_chunks`` chunks into a kept
     ``[kept_chunks, N, cols]`` tensor (:func:`kept_shape`) that the backward turns into their gradient in
     place, skipping their recompute (6·N·D·V FLOPs instead of 8 for the kept classes); the other chunks
-    stream through the workspace as usual.
+    stream through the workspace as usual. ``kept_in_grad`` of those chunks (the first ones) live in the weight
+    gradient's own buffer instead (:func:`grad_store_layout`), allocated at the forward rather than the
+    backward: memory the backward takes anyway, so they cost nothing against the budget.
 
     ``overlap`` (CUDA): two workspaces, and each chunk's memory-bound kernel (statistics, gradient) runs
     on a side stream while the main stream's GEMMs go on with the next chunk.
@@ -202,6 +206,7 @@ class Plan:
     kept_chunks: int = 0
     overlap: bool = False
     grad_in_forward: bool = False
+    kept_in_grad: int = 0
     budget: int = field(default=0, compare=False)
     budget_reason: str = field(default="", compare=False)
     reason: str = field(default="", compare=False)
@@ -216,13 +221,17 @@ class Plan:
         return "kept" if self.keep_logits else "recompute"
 
     def as_list(self) -> List[int]:
-        """``[rows, cols, kept_chunks, overlap]``: the plan as a custom op's ``int[]`` argument."""
-        return [self.rows, self.cols, self.kept_chunks if self.keep_logits else 0, int(self.overlap)]
+        """``[rows, cols, kept_chunks, overlap, kept_in_grad]``: the plan as a custom op's ``int[]`` argument."""
+        keep = self.keep_logits
+        return [self.rows, self.cols, self.kept_chunks if keep else 0, int(self.overlap),
+                self.kept_in_grad if keep else 0]
 
     @staticmethod
     def from_list(values: Sequence[int]) -> "Plan":
-        rows, cols, kept_chunks, overlap = (int(v) for v in values)
-        return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap))
+        """The plan of :meth:`as_list` (a list of four, from before ``kept_in_grad``, keeps none there)."""
+        rows, cols, kept_chunks, overlap, in_grad = (*(int(v) for v in values[:5]), 0)[:5]
+        return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap),
+                    kept_in_grad=in_grad)
 
 
 def chunk_multiple() -> int:
@@ -254,8 +263,42 @@ def kept_plan(kept: Tensor) -> Plan:
 
 
 def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
-    """Shape of the kept logits of a plan that keeps them: ``[kept_chunks, N, cols]``."""
-    return (plan.kept_chunks, n, plan.cols)
+    """Shape of the kept logits tensor of a plan that keeps them: ``[kept_chunks - kept_in_grad, N, cols]``
+    (the chunks that do not live in the weight gradient's buffer)."""
+    return (plan.kept_chunks - plan.kept_in_grad, n, plan.cols)
+
+
+def grad_store_enabled() -> bool:
+    """Whether plans may keep logits in the weight gradient's buffer (``HUGEHEAD_KEEP_IN_GRAD=0``: not, for
+    A/B runs)."""
+    return os.environ.get("HUGEHEAD_KEEP_IN_GRAD", "1") != "0"
+
+
+_STORE_ALIGN = 256  # bytes: a kept chunk's first row in the gradient's buffer (16 for the GEMMs' TMA loads)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def grad_store_layout(n: int, d: int, v: int, cols: int, itemsize: int, grad_itemsize: int) -> Tuple[int, int, int]:
+    """Where kept logits can live in the weight gradient's buffer ``[V, D]`` (``grad_itemsize`` bytes an
+    element) before the backward writes it: ``(offset, stride, slots)``, in bytes, a kept chunk ``[N, cols]``
+    (``itemsize`` bytes an element) ``i < slots`` at ``offset + i * stride``.
+
+    The backward takes the chunks in order and writes chunk ``i``'s ``dW`` (rows ``[i cols, (i + 1) cols)``,
+    bytes up to ``(i + 1) cols D grad_itemsize``) while it reads chunk ``i``'s gradient: the first slot starts
+    past one chunk's ``dW`` and a slot is at least as long as one, so that write ends at or before slot ``i``'s
+    start (``(i + 1) dW ≤ offset + i stride``), over slots already consumed. Where a chunk's logits are
+    smaller than its ``dW`` (``N itemsize < D grad_itemsize``) nothing lives there (0 slots)."""
+    chunk_bytes = n * cols * itemsize
+    dw_bytes = cols * d * grad_itemsize
+    if chunk_bytes < dw_bytes or cols <= 0 or n <= 0:
+        return 0, 0, 0
+    offset = _round_up(dw_bytes, _STORE_ALIGN)
+    stride = _round_up(chunk_bytes, _STORE_ALIGN)
+    total = v * d * grad_itemsize
+    return offset, stride, max(0, (total - offset) // stride)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -281,6 +324,7 @@ def plan_chunks(
     allow_keep: bool = True,
     direct_dx: bool = False,
     side_stream: bool = True,
+    grad_store: bool = False,
 ) -> Plan:
     """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
 
@@ -295,6 +339,9 @@ def plan_chunks(
     ``side_stream``: the loop has memory-bound kernels to overlap with the GEMMs on a side stream. False where
     the fused GEMMs fold them (the caller asks :func:`hugehead.loop.fused_applies`): a second workspace would
     buy nothing, so its memory keeps one more chunk of logits instead.
+    ``grad_store``: the forward may hold kept logits in the weight gradient's buffer (``[V, D]`` in
+    ``weight_dtype``, allocated at the forward; :func:`grad_store_layout`): the plan keeps the chunks that fit
+    there as well (:attr:`Plan.kept_in_grad`, the leading ones), beyond those the budget holds.
     """
     budget = _as_budget(memory_budget, device)
     chosen = dict(budget=budget.bytes, budget_reason=budget.reason)
@@ -336,10 +383,16 @@ def plan_chunks(
                and dx_bytes + 2 * chunk_bytes <= memory_budget)
     if keep and rows >= n:
         # Keep as many leading chunks as the budget holds beyond the streaming workspace(s).
+        num_chunks = -(-v // cols)
         kept_chunks = (memory_budget - dx_bytes - (2 if overlap else 1) * chunk_bytes) // chunk_bytes
-        kept_chunks = min(kept_chunks, -(-v // cols) - 1)
-        if kept_chunks >= 1:
-            return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks), overlap=overlap, **chosen)
+        kept_chunks = max(0, min(kept_chunks, num_chunks - 1))
+        in_grad = 0
+        if grad_store and grad_store_enabled():
+            in_grad = min(grad_store_layout(n, d, v, cols, itemsize, _itemsize(weight_dtype))[2],
+                          num_chunks - kept_chunks)
+        if kept_chunks + in_grad >= 1:
+            return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks + in_grad), overlap=overlap,
+                        kept_in_grad=int(in_grad), **chosen)
     return Plan(rows=min(rows, n), cols=max(cols, 1), overlap=overlap, **chosen)
 
 
@@ -423,7 +476,8 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
 
 def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
               memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
-              allow_rows: bool = False, direct_dx: bool = False, side_stream: bool = True) -> Plan:
+              allow_rows: bool = False, direct_dx: bool = False, side_stream: bool = True,
+              grad_store: bool = False) -> Plan:
     """The plan of one loss call: the cheapest that fits the budget.
 
     Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
@@ -439,7 +493,7 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     weight_dtype = dtype if weight_dtype is None else weight_dtype
     budget = _as_budget(memory_budget, device)
     plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
-                       allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream)
+                       allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream, grad_store=grad_store)
     if not (allow_rows and chunk_size is None and rows_enabled()):
         return plan
     rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)

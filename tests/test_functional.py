@@ -621,6 +621,62 @@ def test_partly_kept_logits_match_float64(device, bias, monkeypatch):
         assert_rel(t.grad, a, 1e-12, "second backward")
 
 
+@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, overlap, monkeypatch):
+    """Chunks kept in the weight gradient's own buffer (allocated at the forward; Plan.kept_in_grad) beside one
+    the budget keeps and two recomputed: the backward writes each chunk's dW over slots it consumed, so loss and
+    every gradient match float64 and the plan without them; the buffer comes back as w.grad; a second backward
+    (retain_graph) recomputes them; and HUGEHEAD_KEEP_IN_GRAD=0 keeps none there."""
+    from hugehead.functional import loss_plan
+    from hugehead.loop import _MAX_COLS
+    from hugehead.plan import grad_store_layout
+
+    monkeypatch.setenv("HUGEHEAD_OVERLAP", overlap)
+    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    cols = _MAX_COLS[device.type]
+    n, d, v = 12, 5, 4 * cols - 100
+    assert grad_store_layout(n, d, v, cols, 8, 8)[2] == 1  # one chunk's logits fit past the first chunk's dW
+    budget = n * d * (8 + 4) + int(3.5 * n * cols * 8)  # the workspace(s) and one or two kept chunks
+    torch.manual_seed(12)
+    x = torch.randn(n, d, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(v, d, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(v, dtype=torch.float64, device=device, requires_grad=True) if bias else None
+    target = torch.randint(0, v, (n,), device=device)
+    target[3] = -100
+    target[0] = 5  # a target in the chunk kept in the gradient's buffer
+    leaves = [x, w] + ([b] if bias else [])
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, memory_budget=budget)
+    plan = loss_plan(x, w, target, b, memory_budget=budget)
+    assert plan.kept_in_grad == 1 and plan.kept_chunks >= 2 and plan.kept_chunks * plan.cols < v, plan
+
+    def grads(retain=False):
+        for t in leaves:
+            t.grad = None
+        loss = hugehead.linear_cross_entropy(x, w, target, b, **opts)
+        loss.backward(retain_graph=retain)
+        return loss, [loss.detach()] + [t.grad for t in leaves]
+
+    loss, ours = grads(retain=True)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ref = reference.linear_cross_entropy(ref_leaves[0], ref_leaves[1], target, ref_leaves[2] if bias else None,
+                                         label_smoothing=0.1, z_loss=1e-3)
+    ref.backward()
+    for a, r in zip(ours, [ref.detach()] + [t.grad for t in ref_leaves]):
+        assert_rel(a, r, 1e-12, "kept in the gradient's buffer")
+    for t in leaves:
+        t.grad = None
+    loss.backward()  # the kept chunks were consumed: this one recomputes them all
+    for a, t in zip(ours[1:], leaves):
+        assert_rel(t.grad, a, 1e-12, "second backward")
+    monkeypatch.setenv("HUGEHEAD_KEEP_IN_GRAD", "0")
+    off = loss_plan(x, w, target, b, memory_budget=budget)
+    assert off.kept_in_grad == 0 and off.kept_chunks == plan.kept_chunks - 1, off
+    _, plain = grads()
+    for a, r in zip(ours, plain):
+        assert_rel(a, r, 1e-13, "against the plan without them")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_all_logits_kept_with_dx_straight_into_the_gradient(device, dtype):
     """A budget that holds all N x V logits but not the dX accumulation buffers beside them: the

@@ -724,6 +724,40 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
 
 
 @requires_fused
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, label_smoothing):
+    """bf16 on the fused GEMMs with chunks kept in the weight gradient's buffer (the statistics GEMM stores them
+    there; the backward's chunk_grad_ turns them into their gradient, and dW lands over consumed slots) and the
+    rest recomputed by the gradient GEMM: loss, dX and dW within 2x the error of the same step keeping none there
+    (HUGEHEAD_KEEP_IN_GRAD=0) against float64, bitwise repeatable."""
+    from hugehead.functional import loss_plan
+
+    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    n, d, v = 1024, 128, 40000
+    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
+    x, w = x.cuda(), w.cuda()
+    target = _targets(n, v, 0, v, 17).cuda()
+    opts = dict(memory_budget=n * d * 6 + (4 << 20), label_smoothing=label_smoothing)
+    plan = loss_plan(x.requires_grad_(), w.requires_grad_(), target, memory_budget=opts["memory_budget"])
+    x, w = x.detach(), w.detach()
+    chunks = -(-v // plan.cols)
+    assert plan.kept_in_grad >= 2 and plan.kept_chunks < chunks, plan
+    calls = _count_fused_calls(monkeypatch)
+    ours = _lce_grads(x, w, None, target, **opts)
+    assert len(calls["grad"]) == chunks - plan.kept_chunks, (plan, calls)
+    again = _lce_grads(x, w, None, target, **opts)
+    for a, r in zip(again, ours):
+        assert torch.equal(a, r)
+    monkeypatch.setenv("HUGEHEAD_KEEP_IN_GRAD", "0")
+    plain = _lce_grads(x, w, None, target, **opts)
+    ref = _lce_float64(x, w, None, target, **opts)
+    for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
+        err, err_plain = rel_err(a, r), rel_err(p, r)
+        assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
+
+
+@requires_fused
 def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
     """Rows split into blocks (a tiny budget): each block's chunk goes through the fused GEMM."""
     from hugehead import loop

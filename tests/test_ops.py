@@ -407,14 +407,51 @@ def sample_inputs_lce(device, dtype=torch.float32):
         opts = [cfg["ignore_index"], cfg["ls"], cfg["zl"], cfg["cap"], cfg["chunk"], cfg["budget"]]
         keep = cfg.get("keep", False)
         fwd = [x, w, b, target, *opts, keep]
-        _, lse, kept = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
+        _, lse, kept, store = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
         assert kept.dim() == 3 and kept.shape[1] == n if keep else kept.shape == (0,)
+        assert store.shape == (0,)  # planned inside the op: nothing kept in the weight gradient's buffer
         acc = ops.acc_dtype(x.dtype)
         grad_loss = torch.rand(n, device=device, dtype=acc)
         grad_lse = torch.rand(n, device=device, dtype=acc) if cfg.get("grad_lse") else None
         bwd = [grad_loss, grad_lse, x.detach(), w.detach(), None if b is None else b.detach(), target, lse.detach(),
                kept.detach(), *opts, *cfg["need"]]
         yield fwd, bwd, keep
+
+
+def test_opcheck_linear_cross_entropy_ops_keeping_logits_in_the_gradients_buffer(device, monkeypatch):
+    """The ops with a plan that keeps a chunk in the weight gradient's buffer (the forward's fourth output, the
+    backward's mutated ``store``): schema, autograd registration and fake tensors agree with the real ops, and
+    the backward's dW is the store (its own dW output empty) and matches the plan without it."""
+    from hugehead.functional import _plan_list, loss_plan
+    from hugehead.loop import _MAX_COLS
+
+    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    cols = _MAX_COLS[device.type]
+    n, d, v = 12, 5, 4 * cols - 100
+    budget = n * d * 12 + int(2.5 * n * cols * 8)
+    x = torch.randn(n, d, device=device, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, d, device=device, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, v, (n,), device=device)
+    plan = loss_plan(x, w, target, memory_budget=budget)
+    assert plan.kept_in_grad == 1, plan
+    opts = [-100, 0.0, 0.0, 0.0, 0, budget]
+    fwd = [x, w, None, target, *opts, True, _plan_list(plan)]
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_forward.default, fwd, test_utils=utils)
+    _, lse, kept, store = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
+    assert store.shape == w.shape and store.dtype == w.dtype
+    grad_loss = torch.rand(n, device=device, dtype=torch.float64)
+    common = [grad_loss, None, x.detach(), w.detach(), None, target, lse.detach()]
+    bwd = [*common, kept, *opts, True, True, _plan_list(plan), store]
+    torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_backward.default, bwd, test_utils=utils)
+    _, lse, kept, store = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
+    dx, dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, kept, *opts, True, True, _plan_list(plan),
+                                                                  store)
+    assert dw.shape == (0,)
+    ref_dx, ref_dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, x.new_empty(0), *opts, True, True,
+                                                                          None)
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=0)
+    torch.testing.assert_close(store, ref_dw, rtol=1e-12, atol=1e-300)
 
 
 def test_opcheck_linear_cross_entropy_ops(device):

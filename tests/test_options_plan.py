@@ -9,6 +9,8 @@ import pathlib
 import warnings
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
@@ -163,6 +165,46 @@ def test_fused_loop_spends_the_overlap_workspace_on_one_more_kept_chunk(monkeypa
     assert planner.plan_chunks(64, 8, 3000, torch.float32, cpu, None, 1 << 20, side_stream=False) == \
         planner.plan_chunks(64, 8, 3000, torch.float32, cpu, None, 1 << 20)
     assert planner.plan_chunks(64, 8, 3000, torch.float32, cuda, None, 64 << 20, side_stream=False).kept_chunks == 1
+
+
+@given(n=st.integers(1, 5000), d=st.integers(1, 3000), v=st.integers(1, 10**7), cols=st.integers(1, 70000),
+       itemsize=st.sampled_from([2, 4, 8]), grad_itemsize=st.sampled_from([2, 4, 8]))
+def test_grad_store_layout_puts_each_dw_write_over_consumed_slots(n, d, v, cols, itemsize, grad_itemsize):
+    """grad_store_layout's slots fit in the weight gradient's buffer, are aligned, and the backward's write of
+    chunk i's dW (taken in order, while it reads slot i) ends at or before slot i's start."""
+    offset, stride, slots = planner.grad_store_layout(n, d, v, cols, itemsize, grad_itemsize)
+    if slots == 0:
+        return
+    assert n * itemsize >= d * grad_itemsize  # only where a chunk's logits are at least its dW
+    assert offset % 256 == 0 and stride % 256 == 0 and stride >= n * cols * itemsize
+    assert offset + (slots - 1) * stride + n * cols * itemsize <= v * d * grad_itemsize
+    for i in range(min(slots, 50)):
+        assert (i + 1) * cols * d * grad_itemsize <= offset + i * stride
+
+
+def test_plan_keeps_chunks_in_the_weight_gradients_buffer(monkeypatch):
+    """xc6M's shape at the default 4 GiB: the six chunks the budget keeps, and sixteen more in the 9.2 GB
+    bf16 weight gradient (allocated at the forward instead of the backward); float32 master weights hold twice
+    as many; HUGEHEAD_KEEP_IN_GRAD=0 or grad_store=False keep none there; the plan's list carries them."""
+    cuda = torch.device("cuda")  # planned only: no GPU is touched
+    n, d, v, budget = 4096, 768, 6_000_000, 4 << 30
+    base = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, side_stream=False)
+    plan = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, side_stream=False, grad_store=True)
+    assert (base.kept_chunks, base.kept_in_grad) == (6, 0)
+    assert (plan.cols, plan.kept_chunks, plan.kept_in_grad) == (65536, 22, 16)
+    assert planner.kept_shape(plan, n) == (6, n, 65536)
+    assert planner.Plan.from_list(plan.as_list()) == plan
+    assert planner.Plan.from_list(plan.as_list()[:4]).kept_in_grad == 0  # a list from before kept_in_grad
+    fp32 = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, weight_dtype=torch.float32,
+                               side_stream=False, grad_store=True)
+    assert fp32.kept_in_grad == planner.grad_store_layout(n, d, v, fp32.cols, 2, 4)[2] > 2 * 16 - 2
+    monkeypatch.setenv("HUGEHEAD_KEEP_IN_GRAD", "0")
+    assert planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, side_stream=False,
+                               grad_store=True) == base
+    monkeypatch.delenv("HUGEHEAD_KEEP_IN_GRAD")
+    # Fewer rows than features (a chunk's logits smaller than its dW): none there.
+    assert planner.plan_chunks(512, 1024, v, torch.bfloat16, cuda, None, budget, side_stream=False,
+                               grad_store=True).kept_in_grad == 0
 
 
 def test_chunk_multiple_rounds_the_planned_width(monkeypatch):
