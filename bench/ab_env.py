@@ -67,6 +67,7 @@ def measure(shape_name: str, settings, rounds: int, reps: int, device: torch.dev
 
     times = {name: [] for name, _ in settings}
     norms = {}
+    peaks = {name: 0 for name, _ in settings}  # peak bytes beyond the inputs, the returned gradients included
     try:
         for rnd in range(rounds):
             for name, env in settings:
@@ -75,13 +76,21 @@ def measure(shape_name: str, settings, rounds: int, reps: int, device: torch.dev
                 gx, gw = step()
                 norms.setdefault(name, [float(gx.float().norm()), float(gw.float().norm())])
                 del gx, gw
+                cuda = device.type == "cuda"
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    base = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
                 for _ in range(reps):
                     times[name].append(harness.time_call_ms(step, device)[0])
+                if cuda:
+                    peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device) - base)
                 print(f"{shape_name} round {rnd} {name}: {statistics.median(times[name][-reps:]):.2f} ms", flush=True)
     finally:
         restore()
     return {name: {"env": env, "median_ms": statistics.median(times[name]), "min_ms": min(times[name]),
-                   "ms": times[name], "grad_norms": norms[name]} for name, env in settings}
+                   "ms": times[name], "grad_norms": norms[name], "peak_gib": peaks[name] / 2**30}
+            for name, env in settings}
 
 
 def main(argv=None) -> int:
@@ -110,11 +119,13 @@ def main(argv=None) -> int:
     lines = [harness.header(f"Environment A/B of the fwd+bwd step: {meta.get('machine')} ({str(dtype)[6:]})", meta),
              f"{a.rounds} rounds, the settings taking turns; each round one warm-up step and {a.reps} timed ones "
              f"({clock}).", "",
-             "| shape | setting | environment | median ms | min ms | grad norms (x, W) |", "|---|---|---|--:|--:|---|"]
+             "peak GiB: the most memory a step held beyond the inputs (its returned gradients included).", "",
+             "| shape | setting | environment | median ms | min ms | peak GiB | grad norms (x, W) |",
+             "|---|---|---|--:|--:|--:|---|"]
     for shape, rows in results.items():
         for name, r in rows.items():
             env = ", ".join(f"{k}={v}" for k, v in r["env"].items()) or "-"
-            lines.append(f"| {shape} | {name} | {env} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
+            lines.append(f"| {shape} | {name} | {env} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['peak_gib']:.2f} | "
                          f"{r['grad_norms'][0]:.9g}, {r['grad_norms'][1]:.9g} |")
     md = "\n".join(lines) + "\n" + harness.footer(meta)
     if a.out:
