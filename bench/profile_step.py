@@ -6,6 +6,8 @@ gaps between what bench_lce / bench_multilabel measure and the kernels' sum.
     python -m bench.profile_step --shape xc1M --case single         # forward + backward, class ids
     python -m bench.profile_step --shape xc1M --case multi          # forward + backward, 5 positives
     [--out DIR]  writes profile_<shape>_<case>.md there as well
+    [--host N]   also the host's time per Python function over the profiled steps (cProfile, the N largest by
+                 cumulative time): where the host spends the wait before a step's first kernel
 
 Besides the kernels' totals it reports where the GPU waited inside each profiled step: from the step's
 start on the host (a ``record_function`` range) to its first kernel, and the largest idle gaps between
@@ -225,6 +227,29 @@ def profile_steps(run, steps: int):
     return prof
 
 
+def _host_profile(run, steps: int, top: int) -> List[str]:
+    """Markdown lines: cProfile over ``steps`` calls of ``run``, each from an idle GPU, the ``top`` functions
+    by cumulative host time (ms per step)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        prof.enable()
+        run()
+        prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]
+    lines = ["", f"Host time per step (cProfile over {steps} steps; a CUDA call that waits counts as host time):",
+             "", "| function | calls / step | own ms / step | cumulative ms / step |", "|---|--:|--:|--:|"]
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{Path(file).name}:{line} {name}" if line else name
+        lines.append(f"| `{where[:100]}` | {calls / steps:.0f} | {1e3 * own / steps:.3f} | {1e3 * cum / steps:.3f} |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="xc1M", choices=sorted(SHAPES))
@@ -232,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--out", default=None)
+    p.add_argument("--host", type=int, default=0, help="cProfile's N largest functions by cumulative time")
     opts = p.parse_args(argv)
     run = build(opts.shape, opts.case)
     step_ms = harness.measure(run, torch.device("cuda"), reps=5, warmup=2).ms
@@ -253,6 +279,8 @@ def main(argv=None) -> int:
     lines += ["", "By stage of the chunk loop (the op that launched each kernel; TFLOP/s from its shapes):", ""]
     lines += stage_lines(stage_split(prof.events(), opts.steps, SHAPES[opts.shape].n, SHAPES[opts.shape].d), step_ms)
     lines += _step_waits(prof, opts.steps, top=5)
+    if opts.host:
+        lines += _host_profile(run, opts.steps, opts.host)
     text = "\n".join(lines) + "\n"
     print(text)
     if opts.out:

@@ -173,6 +173,7 @@ def _lce_backward(
     target: Tensor,
     lse: Tensor,
     kept: Tensor,
+    store: Tensor,
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
@@ -182,7 +183,6 @@ def _lce_backward(
     need_x: bool,
     need_weight: bool,
     plan: Optional[List[int]] = None,
-    store: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dX [N, D], dW [V, D], db [V])``; a gradient not asked for (or db without bias) is empty.
     Non-empty ``kept`` logits are overwritten by their gradient (no recompute). ``plan``: the forward's
@@ -194,7 +194,7 @@ def _lce_backward(
     step_plan = _given_plan(plan)
     if step_plan is None:
         step_plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
-    if store is not None and store.numel() == 0:
+    if store.numel() == 0:
         store = None
     if store is None and keep and step_plan.kept_in_grad:
         raise RuntimeError("hugehead: the forward kept logits in the weight gradient's buffer: pass it as `store`")
@@ -208,9 +208,9 @@ def _lce_backward(
 
 
 @_lce_backward.register_fake
-def _(grad_loss, grad_lse, x, weight, bias, target, lse, kept, ignore_index, label_smoothing, z_loss, softcap,
-      chunk_size, memory_budget, need_x, need_weight, plan=None, store=None):
-    in_store = store is not None and store.numel() > 0
+def _(grad_loss, grad_lse, x, weight, bias, target, lse, kept, store, ignore_index, label_smoothing, z_loss, softcap,
+      chunk_size, memory_budget, need_x, need_weight, plan=None):
+    in_store = store.numel() > 0
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0),
         torch.empty_like(weight, memory_format=torch.contiguous_format) if (need_weight and not in_store)
@@ -250,7 +250,8 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept, grad_store):
     need_x = ctx.needs_input_grad[0]
     need_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     grad_x, grad_w, grad_b = torch.ops.hugehead.linear_cross_entropy_backward(
-        grad_loss, grad_lse, x, weight, bias, target, lse, kept, *ctx.options, need_x, need_weight, ctx.plan, store
+        grad_loss, grad_lse, x, weight, bias, target, lse, kept, weight.new_empty(0) if store is None else store,
+        *ctx.options, need_x, need_weight, ctx.plan
     )
     if store is not None:
         grad_w, store = store, None  # the buffer the backward wrote dW into: the one reference left

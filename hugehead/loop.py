@@ -500,7 +500,6 @@ def _forward_overlapped(x, source, target, class_start, softcap, plan, store=Non
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows))
     for j, chunk in enumerate(source.chunks(plan.cols)):
         width = chunk.c1 - chunk.c0
@@ -741,6 +740,7 @@ def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_
     if need_weight:
         source.start_grads(need_bias=True)
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
+    slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows)) if kept_classes < source.num_rows else None
     dx_partial = x.new_empty(n, d) if (grad_x is not None and grad_x.dtype != x.dtype) else None
     dw_writer = _WeightGradWriter(source, x, min(plan.cols, source.num_rows))

@@ -414,7 +414,7 @@ def sample_inputs_lce(device, dtype=torch.float32):
         grad_loss = torch.rand(n, device=device, dtype=acc)
         grad_lse = torch.rand(n, device=device, dtype=acc) if cfg.get("grad_lse") else None
         bwd = [grad_loss, grad_lse, x.detach(), w.detach(), None if b is None else b.detach(), target, lse.detach(),
-               kept.detach(), *opts, *cfg["need"]]
+               kept.detach(), store, *opts, *cfg["need"]]
         yield fwd, bwd, keep
 
 
@@ -442,14 +442,14 @@ def test_opcheck_linear_cross_entropy_ops_keeping_logits_in_the_gradients_buffer
     assert store.shape == w.shape and store.dtype == w.dtype
     grad_loss = torch.rand(n, device=device, dtype=torch.float64)
     common = [grad_loss, None, x.detach(), w.detach(), None, target, lse.detach()]
-    bwd = [*common, kept, *opts, True, True, _plan_list(plan), store]
+    bwd = [*common, kept, store, *opts, True, True, _plan_list(plan)]
     torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_backward.default, bwd, test_utils=utils)
     _, lse, kept, store = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
-    dx, dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, kept, *opts, True, True, _plan_list(plan),
-                                                                  store)
+    dx, dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, kept, store, *opts, True, True,
+                                                                  _plan_list(plan))
     assert dw.shape == (0,)
-    ref_dx, ref_dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, x.new_empty(0), *opts, True, True,
-                                                                          None)
+    ref_dx, ref_dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, x.new_empty(0), w.new_empty(0),
+                                                                          *opts, True, True, None)
     torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=0)
     torch.testing.assert_close(store, ref_dw, rtol=1e-12, atol=1e-300)
 
