@@ -225,12 +225,16 @@ STORE_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_logit_sum", [True, False])
 @pytest.mark.parametrize("n,c,d,class_start,bias", STORE_SHAPES)
-def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, class_start, bias):
+@pytest.mark.parametrize("stats_store", ["tma", "direct"])
+def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, class_start, bias, stats_store,
+                                  monkeypatch):
     """logits=z (a kept chunk, the rows plan's block): the statistics are bitwise those of the GEMM that stores
     nothing (the same mainloop and fold), z holds exactly the values they were folded from (chunk_stats_ on z
     gives the same max and target logit bitwise, the same sum up to its order), z is as close to float64
     x Wᵀ + b as cuBLAS's stored logits (at most one ulp from them), and z may be a strided view into a wider
-    buffer whose other columns stay untouched."""
+    buffer whose other columns stay untouched. HUGEHEAD_GEMM_STATS_STORE=direct: the 128 x 192 tile stores
+    them from its registers where it applies (pingpong_cluster_192 without logit sums), the TMA store else."""
+    monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
     seed = n + c + 17
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
     xc, wc, bc = x.cuda(), w.cuda(), None if b is None else b.cuda()
@@ -243,7 +247,7 @@ def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, clas
     ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *stored, with_logit_sum=with_logit_sum, logits=z)
     # The GEMM that stores stores no 128 x 192 tiles: without logit sums, pingpong_cluster_192's call without
     # logits runs them, its sums of exps grouped by other tiles.
-    tiles_differ = schedule == "pingpong_cluster_192" and not with_logit_sum
+    tiles_differ = schedule == "pingpong_cluster_192" and not with_logit_sum and stats_store == "tma"
     for k, (a, r) in enumerate(zip(stored, plain)):
         if tiles_differ and k == 1:
             torch.testing.assert_close(a, r, rtol=2e-6, atol=0)
@@ -725,7 +729,8 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
 
 @requires_fused
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, label_smoothing):
+@pytest.mark.parametrize("stats_store", ["tma", "direct"])
+def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, label_smoothing, stats_store):
     """bf16 on the fused GEMMs with chunks kept in the weight gradient's buffer (the statistics GEMM stores them
     there; the backward's chunk_grad_ turns them into their gradient, and dW lands over consumed slots) and the
     rest recomputed by the gradient GEMM: loss, dX and dW within 2x the error of the same step keeping none there
@@ -734,6 +739,7 @@ def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch,
 
     monkeypatch.setenv("HUGEHEAD_ROWS", "0")
     monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
     n, d, v = 1024, 128, 40000
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
     x, w = x.cuda(), w.cuda()

@@ -94,8 +94,17 @@ TileOrder tile_order_from_env() {
   return order;
 }
 
+// HUGEHEAD_GEMM_STATS_STORE=direct: a chunk whose logits are kept takes the 128 x 192 tile too, which stores
+// them from its registers as it packs them (fold_pairs), instead of the 128 x 128 tile's TMA store.
+bool stats_store_direct_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_STATS_STORE");
+  return v != nullptr && std::strcmp(v, "direct") == 0;
+}
+
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
-  const bool pairs_only_applies = p.logits == nullptr && !(p.softcap > 0.f) && !p.logit_sum;
+  const bool direct_store = p.logits != nullptr && stats_store_direct_from_env() && p.logits_stride % 2 == 0 &&
+                            reinterpret_cast<uintptr_t>(p.logits) % 4 == 0;
+  const bool pairs_only_applies = (p.logits == nullptr || direct_store) && !(p.softcap > 0.f) && !p.logit_sum;
   return schedule == Schedule::kPingpongCluster192 && !pairs_only_applies ? Schedule::kPingpongCluster : schedule;
 }
 
@@ -127,7 +136,7 @@ struct StatsLaunchers {
   }
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
   schedule = stats_schedule_for(schedule, p);
-  if (schedule == Schedule::kPingpongCluster192) {  // never with stored logits (stats_schedule_for)
+  if (schedule == Schedule::kPingpongCluster192) {  // stored logits only as stats_schedule_for allows
     return half ? HUGEHEAD_STATS(stats_gemm_fp16_pingpong_cluster192)
                 : HUGEHEAD_STATS(stats_gemm_bf16_pingpong_cluster192);
   }

@@ -53,6 +53,10 @@ struct StatsEpilogue : EpilogueBase<Element> {
     float inv_softcap = 0.f;  // 1 / softcap, computed on the host
     bool mainloop_only = false;
     bool logit_sum = true;  // fold the logit sums (label smoothing needs them); false: (max, sum) partials
+    // z stored here as fold_pairs() packs it (the 128 x 192 tile's direct stores, HUGEHEAD_GEMM_STATS_STORE=direct:
+    // 4-byte aligned pairs), or nullptr; fold() ignores it (its stored logits go through stats_store_gemm.cuh).
+    Element* logits = nullptr;
+    int64_t logits_stride = 0;
   };
   using Params = Arguments;
 
@@ -267,7 +271,16 @@ struct StatsEpilogue : EpilogueBase<Element> {
     // kFull || the column is inside the problem: (c, st)'s column, the same for all of the thread's rows.
     auto ok = [&](int c, int st) { return kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) < N; };
 
-    // z = acc (+ bias) rounded to Element, two columns of a row to a register (logits_in_place's values).
+    // z = acc (+ bias) rounded to Element, two columns of a row to a register (logits_in_place's values),
+    // stored as they are packed where logits are asked for: one 32-bit store a pair (a quad's four lanes
+    // cover 16 contiguous bytes of a row), the row's first column's address a register, each pair's offset
+    // a constant of the static layout.
+    const bool store = params.logits != nullptr;
+    Element* out[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      out[i] = store ? params.logits + static_cast<int64_t>(f.row[i]) * params.logits_stride + f.col0 : nullptr;
+    }
     typename P::Pair h[kSteps][kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int st = 0; st < kSteps; ++st) {
@@ -290,6 +303,19 @@ struct StatsEpilogue : EpilogueBase<Element> {
           a1 += b[1];
         }
         h[st][i] = P::pack(ok(0, st) ? a0 : -INFINITY, ok(1, st) ? a1 : -INFINITY);
+        if (store) {
+          const int offset0 = get<1>(tCcD(make_coord(make_coord(0, 0, st), 0, 0))) - f.col0;  // even, a constant
+          if constexpr (kFull) {
+            *reinterpret_cast<typename P::Pair*>(out[i] + offset0) = h[st][i];
+          } else if (f.row[i] < M) {
+            const int col = f.col0 + offset0;
+            if (col + 1 < N) {
+              *reinterpret_cast<typename P::Pair*>(out[i] + offset0) = h[st][i];
+            } else if (col < N) {
+              out[i][offset0] = static_cast<Element>(P::lo(h[st][i]));
+            }
+          }
+        }
       }
     }
     // The targets' loads after the packing (fewer registers live beside the accumulators); the max and exp
@@ -386,6 +412,8 @@ typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsG
   epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
   epi.mainloop_only = p.mainloop_only;
   epi.logit_sum = p.logit_sum;
+  epi.logits = static_cast<Element*>(p.logits);
+  epi.logits_stride = p.logits_stride;
   return epi;
 }
 
