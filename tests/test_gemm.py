@@ -225,15 +225,16 @@ STORE_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_logit_sum", [True, False])
 @pytest.mark.parametrize("n,c,d,class_start,bias", STORE_SHAPES)
-@pytest.mark.parametrize("stats_store", ["tma", "direct"])
+@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct"])
 def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, class_start, bias, stats_store,
                                   monkeypatch):
     """logits=z (a kept chunk, the rows plan's block): the statistics are bitwise those of the GEMM that stores
     nothing (the same mainloop and fold), z holds exactly the values they were folded from (chunk_stats_ on z
     gives the same max and target logit bitwise, the same sum up to its order), z is as close to float64
     x Wᵀ + b as cuBLAS's stored logits (at most one ulp from them), and z may be a strided view into a wider
-    buffer whose other columns stay untouched. HUGEHEAD_GEMM_STATS_STORE=direct: the 128 x 192 tile stores
-    them from its registers where it applies (pingpong_cluster_192 without logit sums), the TMA store else."""
+    buffer whose other columns stay untouched. HUGEHEAD_GEMM_STATS_STORE: "tma" (the default) stores them by TMA
+    from each schedule's own tile (128 x 192 too, where pingpong_cluster_192 applies: without logit sums),
+    "direct" from the 128 x 192 tile's registers there, "tma128" on 128 x 128 tiles in place of 128 x 192."""
     monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
     seed = n + c + 17
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
@@ -245,9 +246,9 @@ def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, clas
     z = buf[:, 16:16 + c]
     ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *plain, with_logit_sum=with_logit_sum)
     ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *stored, with_logit_sum=with_logit_sum, logits=z)
-    # The GEMM that stores stores no 128 x 192 tiles: without logit sums, pingpong_cluster_192's call without
-    # logits runs them, its sums of exps grouped by other tiles.
-    tiles_differ = schedule == "pingpong_cluster_192" and not with_logit_sum and stats_store == "tma"
+    # With "tma128" the GEMM that stores runs no 128 x 192 tiles: without logit sums, pingpong_cluster_192's
+    # call without logits runs them, its sums of exps grouped by other tiles.
+    tiles_differ = schedule == "pingpong_cluster_192" and not with_logit_sum and stats_store == "tma128"
     for k, (a, r) in enumerate(zip(stored, plain)):
         if tiles_differ and k == 1:
             torch.testing.assert_close(a, r, rtol=2e-6, atol=0)
@@ -729,7 +730,7 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
 
 @requires_fused
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("stats_store", ["tma", "direct"])
+@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct"])
 def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, label_smoothing, stats_store):
     """bf16 on the fused GEMMs with chunks kept in the weight gradient's buffer (the statistics GEMM stores them
     there; the backward's chunk_grad_ turns them into their gradient, and dW lands over consumed slots) and the

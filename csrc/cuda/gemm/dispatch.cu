@@ -27,6 +27,8 @@ HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster192, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster192, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
@@ -94,17 +96,22 @@ TileOrder tile_order_from_env() {
   return order;
 }
 
-// HUGEHEAD_GEMM_STATS_STORE=direct: a chunk whose logits are kept takes the 128 x 192 tile too, which stores
-// them from its registers as it packs them (fold_pairs), instead of the 128 x 128 tile's TMA store.
-bool stats_store_direct_from_env() {
+// How a chunk whose logits are kept stores them (HUGEHEAD_GEMM_STATS_STORE, for A/B runs). Unset or "tma": the
+// tile its schedule gives (128 x 192 too: fold_pairs() writes z back into the accumulators for CUTLASS's TMA
+// epilogue); "tma128": the 128 x 128 tile's TMA store in place of 128 x 192 (the default before 128 x 192
+// stored logits); "direct": the 128 x 192 tile's own 32-bit stores as fold_pairs() packs the pairs.
+StatsStore stats_store_from_env() {
   const char* v = std::getenv("HUGEHEAD_GEMM_STATS_STORE");
-  return v != nullptr && std::strcmp(v, "direct") == 0;
+  if (v != nullptr && std::strcmp(v, "direct") == 0) return StatsStore::kDirect;
+  if (v != nullptr && std::strcmp(v, "tma128") == 0) return StatsStore::kTma128;
+  return StatsStore::kTma;
 }
 
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
-  const bool direct_store = p.logits != nullptr && stats_store_direct_from_env() && p.logits_stride % 2 == 0 &&
-                            reinterpret_cast<uintptr_t>(p.logits) % 4 == 0;
-  const bool pairs_only_applies = (p.logits == nullptr || direct_store) && !(p.softcap > 0.f) && !p.logit_sum;
+  const StatsStore store = stats_store_from_env();
+  const bool direct_ok = p.logits_stride % 2 == 0 && reinterpret_cast<uintptr_t>(p.logits) % 4 == 0;
+  const bool store_192 = p.logits == nullptr || store == StatsStore::kTma || (store == StatsStore::kDirect && direct_ok);
+  const bool pairs_only_applies = store_192 && !(p.softcap > 0.f) && !p.logit_sum;
   return schedule == Schedule::kPingpongCluster192 && !pairs_only_applies ? Schedule::kPingpongCluster : schedule;
 }
 
@@ -137,6 +144,10 @@ struct StatsLaunchers {
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
   schedule = stats_schedule_for(schedule, p);
   if (schedule == Schedule::kPingpongCluster192) {  // stored logits only as stats_schedule_for allows
+    if (p.logits != nullptr && stats_store_from_env() == StatsStore::kTma) {
+      return half ? HUGEHEAD_STATS(stats_gemm_store_fp16_pingpong_cluster192)
+                  : HUGEHEAD_STATS(stats_gemm_store_bf16_pingpong_cluster192);
+    }
     return half ? HUGEHEAD_STATS(stats_gemm_fp16_pingpong_cluster192)
                 : HUGEHEAD_STATS(stats_gemm_bf16_pingpong_cluster192);
   }

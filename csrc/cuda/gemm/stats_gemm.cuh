@@ -77,12 +77,22 @@ struct StatsEpilogue : EpilogueBase<Element> {
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
                                  BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout>& acc,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    fold_tile<false>(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, acc, tiled_mma, thread_idx);
+  }
+
+  // kInPlace: the accumulators leave as z (acc + bias rounded to Element, exact in float) for a TMA store of
+  // them after (stats_store_gemm.cuh): fold() always leaves them so, fold_pairs() only when asked.
+  template <bool kInPlace, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma>
+  CUTLASS_DEVICE void fold_tile(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout>& acc,
+                                TiledMma tiled_mma, int thread_idx) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
     if (params.mainloop_only || tile_past_columns(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl)) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     // The 128 x 192 tile has fold_pairs() only; its launches have no softcap and no logit sums
-    // (stats_schedule_for picks another schedule for those) and store no logits (no such instantiation).
+    // (stats_schedule_for picks another schedule for those).
     constexpr bool kPairsOnly = size<1>(BlockShapeMNK{}) == 192;
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     opaque_per_tile(thread_idx);
@@ -90,11 +100,11 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
     if constexpr (kPairsOnly) {
       if (!f.full) {
-        fold_pairs<false, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        fold_pairs<false, true, kInPlace>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       } else if (params.bias != nullptr) {
-        fold_pairs<true, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        fold_pairs<true, true, kInPlace>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       } else {
-        fold_pairs<true, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        fold_pairs<true, false, kInPlace>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       }
     }
     if constexpr (!kPairsOnly) {
@@ -253,7 +263,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
   // register (LogitPair): the same maxes and exps added in the same order, so the same bits (checked against
   // the 128-column tiles where a row's columns fit one tile of both: tests/test_gemm.py). Columns past the
   // problem (!kFull) are packed as -inf, which the max ignores and whose exps add +0.
-  template <bool kFull, bool kBias, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
+  template <bool kFull, bool kBias, bool kInPlace, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
             class BlockCoordMNKL>
   CUTLASS_DEVICE void fold_pairs(Acc& acc, Coords const& tCcD, Rows const& f,
                                  ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&,
@@ -275,7 +285,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
     // stored as they are packed where logits are asked for: one 32-bit store a pair (a quad's four lanes
     // cover 16 contiguous bytes of a row), the row's first column's address a register, each pair's offset
     // a constant of the static layout.
-    const bool store = params.logits != nullptr;
+    const bool store = !kInPlace && params.logits != nullptr;
     Element* out[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -357,6 +367,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
           // nor NaN while the max ignores NaNs): adding it leaves s's bits as fold()'s select does, without
           // the per-column predicates (kept for all 48 steps of a 192-column tile, they spilled).
           s[i] += exp_minus(z, m0[i]);
+          // kInPlace: z back into the accumulators as the pairs are last read (the pairs die as they fill).
+          if constexpr (kInPlace) acc(make_coord(make_coord(c, i % 2, st), i / 2, 0)) = z;
         }
       }
     }
@@ -385,7 +397,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
           const int offset = get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) - f.col0;  // a constant
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < kRows; ++i) {
-            const float v = c == 0 ? P::lo(h[st][i]) : P::hi(h[st][i]);
+            const float v = kInPlace ? acc(make_coord(make_coord(c, i % 2, st), i / 2, 0))
+                                     : (c == 0 ? P::lo(h[st][i]) : P::hi(h[st][i]));
             t_z[i] = offset == t_off[i] ? v : t_z[i];
           }
         }

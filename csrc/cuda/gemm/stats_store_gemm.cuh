@@ -5,7 +5,10 @@
 // nothing), which turns them into z = acc + bias rounded to Element in place, then through CUTLASS's sm90 TMA
 // warp-specialized collective epilogue (subtiles staged in shared memory, written by TMA stores while the
 // warpgroup goes on, as grad_tma_gemm.cuh stores the gradient), which stores z as it is: the stored logits are
-// exactly the values the statistics were folded from.
+// exactly the values the statistics were folded from. On the 128 x 192 tile fold_pairs() packs the logits two to
+// a register and writes each pair back into the accumulators as it reads it for the last time (kInPlace), so
+// the raw accumulators and the pairs are never all live at once (ptxas, sm_90a: 458 bytes a thread spilled in
+// bf16, nearly all on the tiles past the problem's columns, against ~3.5 KB writing them back after the fold).
 //
 // No softcap: kept logits are stored raw (chunk_stats_ / chunk_grad_ apply the cap to what they read), and
 // the fold leaves the capped values in the accumulators. The host entry (gemm_chunk_stats.cu) refuses it.
@@ -71,7 +74,8 @@ struct StoreLogitsCallbacks {
   }
 };
 
-// CUTLASS's TMA collective epilogue (Base) with the statistics fold run on each tile's accumulators first.
+// CUTLASS's TMA collective epilogue (Base) with the statistics fold run on each tile's accumulators first (which
+// leaves them holding z).
 template <class Base>
 struct StatsStoreEpilogue : Base {
   using Element = typename Base::ElementD;
@@ -85,8 +89,8 @@ struct StatsStoreEpilogue : Base {
                             StoreState store_state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                             TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
                             TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared, Rest... rest) {
-    // The fold's residue and shared-memory arguments are unused (its bounds come from the problem shape).
-    stats(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, 0, thread_idx, nullptr);
+    stats.template fold_tile<true>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma,
+                                   thread_idx);
     return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
                        tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared, rest...);
   }
@@ -100,9 +104,10 @@ struct StatsStoreGemm {
   using Device = typename Gemm::Device;
 
   static typename Device::Arguments arguments(const StatsGemmParams& p) {
-    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth,
-                           stats_epilogue_arguments<Element>(p, Gemm::kTileCols), p.logits, p.logits_stride,
-                           p.sm_count);
+    auto epi = stats_epilogue_arguments<Element>(p, Gemm::kTileCols);
+    epi.logits = nullptr;  // stored by TMA here, not by fold_pairs()'s direct stores
+    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.logits,
+                           p.logits_stride, p.sm_count);
   }
   static size_t workspace_bytes(const StatsGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
   static const char* run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {

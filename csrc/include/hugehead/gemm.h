@@ -119,9 +119,16 @@ struct TileOrder {
 };
 TileOrder tile_order_from_env();
 
+// How the statistics GEMM stores the logits of a kept chunk (HUGEHEAD_GEMM_STATS_STORE, read per call, for
+// A/B runs): unset / "tma" the schedule's own tile through CUTLASS's TMA epilogue (on 128 x 192, fold_pairs()
+// writes z back into the accumulators first), "tma128" the 128 x 128 tile's TMA store in place of 128 x 192,
+// "direct" the 128 x 192 tile's 32-bit stores from fold_pairs() (4-byte aligned pairs; else 128 x 128).
+enum class StatsStore { kTma = 0, kTma128 = 1, kDirect = 2 };
+StatsStore stats_store_from_env();
+
 // The schedule the statistics GEMM runs for these params when `schedule` is asked: pingpong_cluster_192's
-// fold is fold_pairs() without logit sums only (stats_gemm.cuh), so softcap, logit sums (label smoothing) and
-// stored logits take pingpong_cluster.
+// fold is fold_pairs() without logit sums only (stats_gemm.cuh), so softcap and logit sums (label smoothing)
+// take pingpong_cluster, as stored logits do where stats_store_from_env() says so.
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p);
 
 // Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)), after stats_schedule_for.
