@@ -18,7 +18,7 @@ TORCH_LIBRARY(hugehead, m) {
   m.def(
       "gemm_chunk_stats_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, float softcap, "
       "Tensor(a!) row_max, Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum, "
-      "bool with_logit_sum=True, Tensor(e!)? logits=None) -> ()");
+      "bool with_logit_sum=True, Tensor(e!)? logits=None, bool reference=False) -> ()");
   // chunk_grad_ of the logits chunk x @ weight^T (+ bias) without materializing it: the recompute GEMM's
   // epilogue writes dLoss/dlogits into grad_logits [N, C] (x's dtype). CUTLASS builds only, as above.
   m.def(

@@ -105,9 +105,13 @@ class ResidentChunks:
     def stored_dtype(self) -> torch.dtype:
         return self.weight.dtype
 
-    def chunks(self, cols: int) -> Iterator[WeightChunk]:
-        """Chunks ``[0, cols), [cols, 2 cols), …`` of the shard in the compute dtype."""
-        for c0 in range(0, self.num_rows, cols):
+    def chunks(self, cols: int, last: int = 0) -> Iterator[WeightChunk]:
+        """Chunks ``[0, cols), [cols, 2 cols), …`` of the shard in the compute dtype; with ``last`` (a multiple
+        of ``cols``), those from ``last`` on first and then those before it (:func:`_forward_chunks`)."""
+        starts = range(0, self.num_rows, cols)
+        if 0 < last < self.num_rows:
+            starts = list(range(last, self.num_rows, cols)) + list(range(0, last, cols))
+        for c0 in starts:
             c1 = min(c0 + cols, self.num_rows)
             w = self.weight[c0:c1]
             b = None if self.bias is None else self.bias[c0:c1]
@@ -358,6 +362,16 @@ def _new_stats(x: Tensor) -> RowStats:
     )
 
 
+def _forward_chunks(source, cols: int, kept_classes: int):
+    """The forward's chunks: where a resident shard keeps some of its chunks (the first ``kept_classes``
+    classes) and not all, the others first, so that each kept chunk's statistics GEMM finds every row's max
+    over most classes to fold against (:func:`ops.gemm_chunk_stats_`'s ``reference``). Returns the chunks and
+    whether they come in that order. The sums then fold in this order on every path (same bits on each)."""
+    if isinstance(source, ResidentChunks) and 0 < kept_classes < source.num_rows:
+        return source.chunks(cols, last=kept_classes), True
+    return source.chunks(cols), False
+
+
 def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True, store=None):
     """:func:`forward_stats_steps` on one stream (any rows split)."""
     n = x.shape[0]
@@ -372,7 +386,8 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
     cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
-    for chunk in source.chunks(cols):
+    chunks, kept_last = _forward_chunks(source, cols, kept_classes)
+    for chunk in chunks:
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             rows = RowStats(*(s[r0:r1] for s in stats))
@@ -382,7 +397,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
             if chunk.c0 < kept_classes:
                 z = slots.chunk(chunk.c0 // plan.cols, chunk.c1 - chunk.c0)
                 _stored_stats(x[r0:r1], chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, fused,
-                              logit_sum)
+                              logit_sum, reference=kept_last)
                 continue
             if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
                 # (a widened chunk the fused GEMM refused -- its layout -- needs its own width)
@@ -452,18 +467,20 @@ FUSED_STORE_MAX_DEPTH = 2048
 
 
 def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1: int, class_start: int,
-                  softcap: float, stats: RowStats, fused: bool, logit_sum: bool = True) -> None:
+                  softcap: float, stats: RowStats, fused: bool, logit_sum: bool = True,
+                  reference: bool = False) -> None:
     """Logits chunk ``x @ chunk.weightᵀ + chunk.bias`` (rows ``[r0, r1)`` of the shard, ``x`` already those
     rows) stored into ``z`` (a kept chunk, a block of the rows plan) and folded into ``stats``. Where the fused
     statistics GEMM applies (``fused``: :func:`fused_applies`; no softcap, since kept logits are stored
     uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`), one GEMM stores them as it folds
     them (:func:`ops.gemm_chunk_stats_` with ``logits``): no pass reads them back. Else cuBLAS's GEMM, then
     :func:`_chunk_stats` on what it stored (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per
-    call: the benchmarks' A/B)."""
+    call: the benchmarks' A/B). ``reference``: ``stats.row_max`` already holds each row's max over the chunks
+    the forward does not keep (:func:`_forward_chunks`), which the GEMM folds against (no tile maxima)."""
     if (fused and not softcap and x.shape[1] < FUSED_STORE_MAX_DEPTH and _fused_layout(x, chunk)
             and _tma_store_ready(z) and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
         ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,
-                              with_logit_sum=logit_sum, logits=z)
+                              with_logit_sum=logit_sum, logits=z, reference=reference)
         return
     _logits_into(x, chunk, z)
     _chunk_stats(target, r0, r1, z, class_start, softcap, stats)
@@ -501,7 +518,7 @@ def _forward_overlapped(x, source, target, class_start, softcap, plan, store=Non
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     lanes = _Overlap(x, n, min(plan.cols, source.num_rows))
-    for j, chunk in enumerate(source.chunks(plan.cols)):
+    for j, chunk in enumerate(_forward_chunks(source, plan.cols, kept_classes)[0]):
         width = chunk.c1 - chunk.c0
         if chunk.c0 < kept_classes:
             z = slots.chunk(chunk.c0 // plan.cols, width)

@@ -269,6 +269,79 @@ def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, clas
         torch.testing.assert_close(again[3], stored[3], rtol=1e-5, atol=1e-3)
 
 
+# (N, C, D, class_start): ragged rows and columns against the 128 x 192 tiles, the seed's D = 768.
+REF_SHAPES = [(5, 296, 64, 0), (257, 1000 + 8, 768, 500), (1000, 3000 + 8, 768, 4096), (4096, 8192 + 24, 768, 64)]
+
+
+@requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,c,d,class_start", REF_SHAPES)
+def test_stats_against_a_reference(dtype, n, c, d, class_start):
+    """reference=True (a kept chunk the loop folds after the chunks it does not keep; no bias, no logit sums):
+    each (row, tile) folds against the row_max it finds (stats_ref_gemm.cuh). The stored logits and target
+    logits are bitwise the fold's, and lse = row_max + log(row_sumexp) is float64's on those logits within
+    float32 rounding -- also for rows with no max yet (row 0: -inf) and rows whose max lies far below this
+    chunk's logits (every 7th: flagged, folded again exactly by the fix kernel); the other rows keep row_max."""
+    seed = n + c + 29
+    x, w, _ = _inputs(n, c, d, dtype, bias=False, seed=seed)
+    xc, wc = x.cuda(), w.cuda()
+    target = _targets(n, c, class_start, class_start + c + 100, seed).cuda()
+    start = _start_state(n, seed)
+    far = torch.zeros(n, dtype=torch.bool)
+    far[1::7] = True
+    start[0][far] -= 80.0
+    plain = [t.cuda() for t in start]
+    ours = [t.cuda() for t in start]
+    z_plain = torch.empty(n, c, dtype=dtype, device="cuda")
+    z = torch.full_like(z_plain, float("nan"))
+    ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *plain, with_logit_sum=False, logits=z_plain)
+    ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *ours, with_logit_sum=False, logits=z,
+                          reference=True)
+    assert torch.equal(z, z_plain)
+    assert torch.equal(ours[2], plain[2]) and torch.equal(ours[3], plain[3])
+    m_old, s_old = start[0].double(), start[1].double()
+    zd = z_plain.double().cpu()
+    m_new = torch.maximum(m_old, zd.max(dim=1).values)
+    s_new = torch.where(m_old == -math.inf, 0.0, s_old * torch.exp(m_old - m_new)) + torch.exp(
+        zd - m_new[:, None]).sum(dim=1)
+    expected = m_new + s_new.log()
+    for state in (ours, plain):
+        lse = state[0].double().cpu() + state[1].double().cpu().log()
+        torch.testing.assert_close(lse, expected, rtol=3e-6, atol=3e-6)
+    kept = torch.isfinite(start[0]) & ~far
+    assert torch.equal(ours[0].cpu()[kept], start[0][kept])
+    again = [t.cuda() for t in start]
+    ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *again, with_logit_sum=False, logits=z,
+                          reference=True)
+    for a, r in zip(again, ours):
+        assert torch.equal(a, r)
+
+
+@requires_fused
+def test_reference_applies_only_where_it_can(monkeypatch):
+    """reference=True with a bias, with logit sums, without stored logits, or with HUGEHEAD_GEMM_STATS_REF=0
+    runs the ordinary fold: bitwise the call without it."""
+    n, c, d = 300, 1000, 128
+    x, w, b = _inputs(n, c, d, torch.bfloat16, bias=True, seed=31)
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    target = _targets(n, c, 0, c, 31).cuda()
+    cases = [dict(bias=bc, with_logit_sum=False, store=True), dict(bias=None, with_logit_sum=True, store=True),
+             dict(bias=None, with_logit_sum=False, store=False), dict(bias=None, with_logit_sum=False, store=True,
+                                                                     env=True)]
+    for case in cases:
+        if case.get("env"):
+            monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
+        out = {}
+        for reference in (False, True):
+            state = [t.cuda() for t in _start_state(n, 31)]
+            z = torch.empty(n, c, dtype=torch.bfloat16, device="cuda") if case["store"] else None
+            ops.gemm_chunk_stats_(xc, wc, case["bias"], target, 0, 0.0, *state,
+                                  with_logit_sum=case["with_logit_sum"], logits=z, reference=reference)
+            out[reference] = state + ([z] if z is not None else [])
+        for a, r in zip(out[True], out[False]):
+            assert torch.equal(a, r), case
+
+
 @requires_fused
 def test_stored_logits_refused_clearly():
     """Stored logits the TMA store cannot take, or with softcap (kept logits are stored uncapped), raise a
@@ -730,17 +803,21 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
 
 @requires_fused
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct"])
+@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct", "ref_off"])
 def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, label_smoothing, stats_store):
     """bf16 on the fused GEMMs with chunks kept in the weight gradient's buffer (the statistics GEMM stores them
     there; the backward's chunk_grad_ turns them into their gradient, and dW lands over consumed slots) and the
     rest recomputed by the gradient GEMM: loss, dX and dW within 2x the error of the same step keeping none there
-    (HUGEHEAD_KEEP_IN_GRAD=0) against float64, bitwise repeatable."""
+    (HUGEHEAD_KEEP_IN_GRAD=0) against float64, bitwise repeatable. Without label smoothing the kept chunks fold
+    against the row max of the others (the reference kernel), unless HUGEHEAD_GEMM_STATS_REF=0 ("ref_off")."""
     from hugehead.functional import loss_plan
 
     monkeypatch.setenv("HUGEHEAD_ROWS", "0")
     monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
-    monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
+    if stats_store == "ref_off":
+        monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
+    else:
+        monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
     n, d, v = 1024, 128, 40000
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
     x, w = x.cuda(), w.cuda()
@@ -837,7 +914,9 @@ def _emulate_fused_ops(monkeypatch):
     def matmul(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
 
-    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True, logits=None):
+    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True, logits=None, reference=False):
+        # reference: row_max holds the row's max over the chunks folded before (the fold's order is the same)
+        assert not reference or (logits is not None and torch.isfinite(state[0]).all())
         before = state[3].clone()
         z = matmul(x, w, b)
         if logits is not None:  # the logits stored as they are folded (kept chunks, the rows plan)
@@ -874,8 +953,8 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     asked = []
     emulated = ops.gemm_chunk_stats_
     monkeypatch.setattr(ops, "gemm_chunk_stats_",
-                        lambda *a, with_logit_sum=True, logits=None: asked.append(with_logit_sum) or emulated(
-                            *a, with_logit_sum=with_logit_sum, logits=logits))
+                        lambda *a, with_logit_sum=True, **kw: asked.append(with_logit_sum) or emulated(
+                            *a, with_logit_sum=with_logit_sum, **kw))
     calls = _count_fused_calls(monkeypatch)
     fused = _lce_grads(x, w, b, target, **opts)
     assert asked and all(s == (eps > 0) for s in asked), asked
@@ -908,9 +987,9 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
     _emulate_fused_ops(monkeypatch)
     stores = []
     emulated = ops.gemm_chunk_stats_
-    monkeypatch.setattr(ops, "gemm_chunk_stats_", lambda *a, with_logit_sum=True, logits=None: (
-        stores.append((logits is not None, with_logit_sum, a[0].shape[0])) or emulated(
-            *a, with_logit_sum=with_logit_sum, logits=logits)))
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", lambda *a, with_logit_sum=True, logits=None, reference=False: (
+        stores.append((logits is not None, with_logit_sum, a[0].shape[0], reference)) or emulated(
+            *a, with_logit_sum=with_logit_sum, logits=logits, reference=reference)))
     fused = _lce_grads(x, w, b, target, **opts)
     for a, r in zip(fused, plain):
         assert torch.equal(a, r)

@@ -29,6 +29,8 @@ HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster192, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_ref_bf16_pingpong_cluster192, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_ref_fp16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
@@ -107,7 +109,14 @@ StatsStore stats_store_from_env() {
   return StatsStore::kTma;
 }
 
+bool stats_ref_applies(const StatsGemmParams& p) {
+  const char* v = std::getenv("HUGEHEAD_GEMM_STATS_REF");
+  return p.reference != nullptr && p.logits != nullptr && p.bias == nullptr &&
+         !(p.softcap > 0.f) && !p.logit_sum && !(v != nullptr && std::strcmp(v, "0") == 0);
+}
+
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
+  if (stats_ref_applies(p)) return Schedule::kPingpongCluster192;  // its one instantiation
   const StatsStore store = stats_store_from_env();
   const bool direct_ok = p.logits_stride % 2 == 0 && reinterpret_cast<uintptr_t>(p.logits) % 4 == 0;
   const bool store_192 = p.logits == nullptr || store == StatsStore::kTma || (store == StatsStore::kDirect && direct_ok);
@@ -142,6 +151,10 @@ struct StatsLaunchers {
       return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong) : HUGEHEAD_STATS(KIND##_bf16_pingpong);         \
   }
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
+  if (stats_ref_applies(p)) {
+    return half ? HUGEHEAD_STATS(stats_gemm_ref_fp16_pingpong_cluster192)
+                : HUGEHEAD_STATS(stats_gemm_ref_bf16_pingpong_cluster192);
+  }
   schedule = stats_schedule_for(schedule, p);
   if (schedule == Schedule::kPingpongCluster192) {  // stored logits only as stats_schedule_for allows
     if (p.logits != nullptr && stats_store_from_env() == StatsStore::kTma) {

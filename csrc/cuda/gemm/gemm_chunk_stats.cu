@@ -6,6 +6,7 @@
 // them there (stats_store_gemm.cuh), for a chunk whose logits are kept.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -67,11 +68,42 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
+// The rows the reference kernel flagged (stats_ref_gemm.cuh: a partial past kFlagSum), each folded again
+// exactly: one warp a row recomputes its logits tile by tile (a float32 dot over the depth in a fixed lane order,
+// rounded once to scalar_t as the GEMM's are) and overwrites the row's partials with each tile's (max, sum
+// exp(z - max)), so the merge after it folds them as any. Unflagged rows return at once (the common case: one
+// load a warp).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kMergeThreads)
+    fix_flagged_rows_kernel(const scalar_t* __restrict__ x, int64_t x_stride, const scalar_t* __restrict__ weight,
+                            int64_t weight_stride, int64_t rows, int64_t cols, int64_t depth, int64_t tile_cols,
+                            int64_t tiles, const int* __restrict__ flags, float* partials) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / cuda::kWarp;
+  const int lane = threadIdx.x % cuda::kWarp;
+  if (row >= rows || flags[row] == 0) return;  // whole warps leave together
+  const scalar_t* xr = x + row * x_stride;
+  float2* part = reinterpret_cast<float2*>(partials) + row * tiles;
+  for (int64_t t = 0; t < tiles; ++t) {
+    float m = neg_inf<float>(), s = 0.f;
+    const int64_t j1 = (t + 1) * tile_cols < cols ? (t + 1) * tile_cols : cols;
+    for (int64_t j = t * tile_cols; j < j1; ++j) {
+      const scalar_t* wr = weight + j * weight_stride;
+      float acc = 0.f;
+      for (int64_t k = lane; k < depth; k += cuda::kWarp) acc += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
+#pragma unroll
+      for (int o = cuda::kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      const float z = static_cast<float>(static_cast<scalar_t>(acc));
+      lse_merge(m, s, z, 1.f);
+    }
+    if (lane == 0) part[t] = make_float2(m, s);
+  }
+}
+
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
                            const at::Tensor& logit_sum, bool with_logit_sum,
-                           const std::optional<at::Tensor>& logits) {
+                           const std::optional<at::Tensor>& logits, bool reference) {
   check_gemm_operands(x, weight, bias, "gemm_chunk_stats_");
   if (logits.has_value()) {
     const at::Tensor& z = *logits;
@@ -105,6 +137,17 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   } else {
     p.mainloop_only = gemm::mainloop_only_from_env();  // (benchmarks: the stored logits are always written)
   }
+  at::Tensor flags;
+  if (reference && logits.has_value()) {
+    // The running max as each row's reference (the caller folded the chunks it does not keep first).
+    p.reference = row_max.data_ptr<float>();
+    if (gemm::stats_ref_applies(p)) {
+      flags = at::zeros({rows}, x.options().dtype(at::kInt));
+      p.flags = flags.data_ptr<int>();
+    } else {
+      p.reference = nullptr;
+    }
+  }
   const gemm::Schedule schedule =
       gemm::stats_schedule_for(gemm::schedule_from_env(gemm::default_stats_schedule(depth)), p);
   const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
@@ -119,6 +162,20 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(error == nullptr, "hugehead: ", error == nullptr ? "" : error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  if (p.flags != nullptr) {
+    auto fix = [&](auto element) {
+      using scalar_t = decltype(element);
+      fix_flagged_rows_kernel<scalar_t><<<blocks, kMergeThreads, 0, stream>>>(
+          x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(), weight.stride(0), rows, cols, depth,
+          tile_cols, tiles, p.flags, partials.data_ptr<float>());
+    };
+    if (half) {
+      fix(c10::Half{});
+    } else {
+      fix(c10::BFloat16{});
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   const auto merge = with_logit_sum ? merge_partials_kernel<true> : merge_partials_kernel<false>;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(blocks);

@@ -34,7 +34,18 @@ struct StatsGemmParams {
   bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials of 8 bytes
   void* logits = nullptr;      // [rows, cols] x's dtype, row stride logits_stride (16-byte aligned base and
   int64_t logits_stride = 0;   //   rows, cols a multiple of 8), or nullptr: z stored there too (no softcap)
+  // With logits, no bias, softcap or logit sums (stats_ref_applies): fold each (row, tile) against this
+  // reference, the row's running max, into partials (ref, sum exp(z - ref)) on 128 x 192 tiles
+  // (stats_ref_gemm.cuh), flagging in flags [rows] (zeroed by the caller) each row whose partial passed
+  // kFlagSum, for the caller to fix; nullptr: the fold takes each tile's own max.
+  const float* reference = nullptr;
+  int* flags = nullptr;
 };
+
+// Whether run_stats_gemm takes the reference kernel for these params (p.reference set, and p.flags then a
+// zeroed buffer, where it applies;
+// HUGEHEAD_GEMM_STATS_REF=0 in the environment, read per call, turns it off for A/B runs).
+bool stats_ref_applies(const StatsGemmParams& p);
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
 // stored logits) and written to grad_logits; the logits themselves are never stored.

@@ -1,0 +1,241 @@
+// The statistics GEMM of a kept chunk against a reference: the chunk's logits go out through CUTLASS's sm90 TMA
+// collective epilogue as the gradient GEMM's do (grad_tma_gemm.cuh), and the fusion callbacks fold each element
+// on its way there into sum exp(z - ref) per (row, column tile), where ref is the row's running max from the
+// chunks folded before (row_max as the call finds it). No max is taken over the tile: each partial is (ref,
+// sum), which lse_merge folds into (row_max, row_sumexp) as any partial, leaving row_max at ref. The epilogue is
+// then one exponential and one add an element beside the store, where stats_store_gemm.cuh runs the whole fold
+// (max, then the exponentials) before its TMA store: 0.738-0.796 ms against 0.600 for the gradient GEMM's TMA
+// store at xc6M (split at 10cf2bb / 7ca83e7).
+//
+// A reference only works where no logit of the row is far above it: a partial whose sum passes kFlagSum (an
+// exponent of ~55, or +inf, e.g. for a row with no finite max yet) flags the row, and gemm_chunk_stats.cu's fix
+// kernel recomputes that row's partials exactly before the merge (slow, and rare: the row's chunk max would have
+// to lie ~55 above its max over every chunk folded before). The loop folds the chunks it does not keep first, so
+// a kept chunk meets a row max over most classes.
+//
+// z = the accumulator rounded once to Element (no bias, no softcap: the host takes stats_store_gemm.cuh for those,
+// and for logit sums), stored as it is; the target's z goes to target_logit as the fold writes it.
+#pragma once
+
+#include <cutlass/numeric_conversion.h>
+
+#include <cstdint>
+
+#include "tma_store_gemm.cuh"
+
+namespace hugehead {
+namespace gemm {
+
+// A partial's sum above this flags its row (2^80 ~ e^55.5; sums of this size over a whole vocabulary stay far
+// from float32's overflow, and a row's gradient scale exp(ref - lse) far from its underflow).
+constexpr float kFlagSum = 1.2089258196146292e24f;
+
+template <class Element>
+struct StatsRefCallbacks {
+  struct SharedStorage {};
+  struct Arguments {
+    const int64_t* target = nullptr;
+    const float* reference = nullptr;  // [rows] the running row max
+    float* target_logit = nullptr;
+    float* partials = nullptr;  // [rows, tiles, 2]: (ref, sum of exp(z - ref))
+    int* flags = nullptr;       // [rows]: set to 1 for a row whose partial passed kFlagSum
+    int64_t class_start = 0;
+    int64_t tiles = 0;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.target != nullptr && args.reference != nullptr && args.target_logit != nullptr &&
+           args.partials != nullptr && args.flags != nullptr;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE StatsRefCallbacks() {}
+  CUTLASS_HOST_DEVICE StatsRefCallbacks(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  // RowF / RowI: register tensors with stride 0 along N (one value per row of the thread, as in
+  // grad_tma_gemm.cuh): `sum` is written through every element's index, so each row's elements add into the one
+  // register of that row.
+  template <class RowF, class RowI, class Coords, class Residue, int kTileN>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RowF ref_, RowF ref_log2e_, RowF sum_, RowI t_, Coords tCcD_,
+                                          Residue residue_, Params const& params_, int m0_, int n0_)
+        : ref(ref_), ref_log2e(ref_log2e_), sum(sum_), t(t_), tCcD(tCcD_), residue(residue_), params(params_),
+          m0(m0_), n0(n0_) {}
+
+    RowF ref;        // the row's reference
+    RowF ref_log2e;  // ref log2(e), for exp_minus
+    RowF sum;        // the thread's part of sum exp(z - ref)
+    RowI t;          // the target's column relative to the thread's first column, or -1 when it is not here
+    Coords tCcD;
+    Residue residue;
+    Params const& params;
+    int m0, n0;                // the thread's first row and column in the chunk
+    bool warp_targets = true;  // whether a row of any lane of the warp has its target in this tile
+    bool cols_full = true;     // whether every column of this tile is inside the chunk
+
+    CUTLASS_DEVICE void begin() {
+      using namespace cute;
+      Tensor ref_flt = filter_zeros(ref);
+      Tensor refl_flt = filter_zeros(ref_log2e);
+      Tensor sum_flt = filter_zeros(sum);
+      Tensor t_flt = filter_zeros(t);
+      Tensor c_flt = filter_zeros(tCcD, ref.stride());
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(ref_flt); ++i) {
+        const int r = get<0>(c_flt(i));
+        const bool ok = r < get<0>(residue);
+        const int row = m0 + r;
+        const float m = ok ? params.reference[row] : 0.f;
+        ref_flt(i) = m;
+        refl_flt(i) = m * kLog2e;
+        sum_flt(i) = 0.f;
+        const int64_t rel = ok ? params.target[row] - params.class_start - n0 : int64_t(-1);
+        t_flt(i) = (rel >= 0 && rel < int64_t(1) << 30) ? static_cast<int>(rel) : -1;
+      }
+      bool here = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(t_flt); ++i) here |= t_flt(i) >= 0 && t_flt(i) < kTileN;
+      warp_targets = __any_sync(0xffffffffu, here);
+      // The tile's first column: the thread's first one, less its offset in the tile.
+      const int tile_n0 = (n0 / kTileN) * kTileN;
+      cols_full = tile_n0 + kTileN <= n0 + static_cast<int>(get<1>(residue));
+    }
+
+    template <typename ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<Element, FragmentSize> visit(
+        cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
+      using namespace cute;
+      Tensor refl_mn = ref_log2e(_, _, _, epi_m, epi_n);
+      Tensor sum_mn = sum(_, _, _, epi_m, epi_n);
+      Tensor t_mn = t(_, _, _, epi_m, epi_n);
+      Tensor c_mn = tCcD(_, _, _, epi_m, epi_n);
+      // Rounded as cuBLAS rounds the logits it stores (pairs by one cvt.rn.bf16x2): the values stored and folded.
+      const cutlass::Array<Element, FragmentSize> z =
+          cutlass::NumericArrayConverter<Element, ElementAccumulator, FragmentSize>{}(acc);
+      // Uniform branches: a tile past the chunk's last column masks those columns (the TMA loads' zero fill
+      // would add exp(-ref)); a warp holding a target compares columns.
+      if (cols_full) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          const int idx = epi_v * FragmentSize + i;
+          sum_mn(idx) += exp_minus(static_cast<float>(z[i]), refl_mn(idx));
+        }
+      } else {
+        const int cols_left = static_cast<int>(get<1>(residue));
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          const int idx = epi_v * FragmentSize + i;
+          const float e = exp_minus(static_cast<float>(z[i]), refl_mn(idx));
+          sum_mn(idx) += get<1>(c_mn(idx)) < cols_left ? e : 0.f;
+        }
+      }
+      if (warp_targets) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          const int idx = epi_v * FragmentSize + i;
+          if (get<1>(c_mn(idx)) == t_mn(idx)) params.target_logit[m0 + get<0>(c_mn(idx))] = static_cast<float>(z[i]);
+        }
+      }
+      return z;
+    }
+
+    // The quad of lanes holding a row sums its parts (a fixed shuffle order: deterministic); its first lane
+    // writes the row's partial and, past kFlagSum, the flag.
+    CUTLASS_DEVICE void end() {
+      using namespace cute;
+      Tensor ref_flt = filter_zeros(ref);
+      Tensor sum_flt = filter_zeros(sum);
+      Tensor c_flt = filter_zeros(tCcD, ref.stride());
+      const int tile = n0 / kTileN;
+      // (a swizzled tile grid's padding tiles lie wholly past the columns: nothing of theirs is written)
+      const bool writer = (threadIdx.x % 4) == 0 && tile < params.tiles;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(sum_flt); ++i) {
+        float s = sum_flt(i);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        const int r = get<0>(c_flt(i));
+        if (writer && r < get<0>(residue)) {
+          const int64_t row = m0 + r;
+          reinterpret_cast<float2*>(params.partials)[row * params.tiles + tile] = make_float2(ref_flt(i), s);
+          if (s > kFlagSum) params.flags[row] = 1;
+        }
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    // A column vector (stride 1 along M, 0 along N and L), partitioned like the thread's accumulator subtiles;
+    // only its layout is used (the values are loaded in begin()).
+    Tensor mRow = make_tensor(make_gmem_ptr(params.reference),
+                              make_layout(make_shape(M, N, L), make_stride(_1{}, _0{}, _0{})));
+    Tensor tCgRow = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        mRow, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx);
+    Tensor ref_r = make_tensor_like<float>(tCgRow);
+    Tensor refl_r = make_tensor_like<float>(tCgRow);
+    Tensor sum_r = make_tensor_like<float>(tCgRow);
+    Tensor t_r = make_tensor_like<int>(tCgRow);
+    // args.residue_tCcD is (M, N) minus the thread's first coordinate.
+    const int m0 = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
+    const int n0 = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
+    constexpr int kTileN = decltype(size<1>(args.tile_shape_mnk))::value;
+    return ConsumerStoreCallbacks<decltype(ref_r), decltype(t_r), decltype(args.tCcD), decltype(args.residue_tCcD),
+                                  kTileN>(ref_r, refl_r, sum_r, t_r, args.tCcD, args.residue_tCcD, params, m0, n0);
+  }
+};
+
+template <class Element, Schedule S>
+struct StatsRefGemm {
+  using Gemm = TmaStoreGemm<Element, S, StatsRefCallbacks<Element>>;
+  using Device = typename Gemm::Device;
+
+  static typename Device::Arguments arguments(const StatsGemmParams& p) {
+    typename StatsRefCallbacks<Element>::Arguments cb;
+    cb.target = p.target;
+    cb.reference = p.reference;
+    cb.target_logit = p.target_logit;
+    cb.partials = p.partials;
+    cb.flags = p.flags;
+    cb.class_start = p.class_start;
+    cb.tiles = (p.cols + Gemm::kTileCols - 1) / Gemm::kTileCols;
+    return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, cb, p.logits,
+                           p.logits_stride, p.sm_count);
+  }
+  static size_t workspace_bytes(const StatsGemmParams& p) { return Device::get_workspace_size(arguments(p)); }
+  static const char* run(const StatsGemmParams& p, void* workspace, cudaStream_t stream) {
+    return launch<Device>(arguments(p), workspace, stream,
+                          "CUTLASS cannot implement this statistics GEMM against a reference (alignment of logits?)");
+  }
+};
+
+}  // namespace gemm
+}  // namespace hugehead
+
+#define HUGEHEAD_STATS_REF_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
+  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, StatsGemmParams, StatsRefGemm<ELEMENT, SCHEDULE>)
