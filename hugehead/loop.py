@@ -170,6 +170,19 @@ class KeptLogits:
                                    f"{self.in_grad}")
             self.slots = (store.view(-1).view(torch.uint8), offset, stride)
 
+    def scale_area(self) -> Optional[Tensor]:
+        """float32 ``[kept_chunks + 1, N]`` in the weight gradient's buffer ahead of its first slot (bytes the
+        backward first writes with chunk 0's ``dW``, after it read them) where the kept chunks hold
+        probabilities (:func:`_probs_plan`): row ``k`` the reference kept chunk ``k``'s values are relative to,
+        the last row the forward's target logits. None where nothing is kept there or the gap is too small."""
+        if self.slots is None:
+            return None
+        raw, offset, _ = self.slots
+        need = (self.plan.kept_chunks + 1) * self.n * 4
+        if offset < need:
+            return None
+        return raw[:need].view(torch.float32).view(self.plan.kept_chunks + 1, self.n)
+
     def chunk(self, i: int, width: int) -> Tensor:
         if i < self.in_grad:
             raw, offset, stride = self.slots
@@ -372,6 +385,22 @@ def _forward_chunks(source, cols: int, kept_classes: int):
     return source.chunks(cols), False
 
 
+def _probs_plan(x: Tensor, source, target, plan: Plan, slots: Optional[KeptLogits], kept_last: bool, fused: bool,
+                logit_sum: bool, softcap: float) -> bool:
+    """Whether the forward's kept chunks hold ``exp(z - ref)`` (``ref``: each row's max over the chunks not
+    kept) in place of their logits, for the factored backward (:class:`_FactoredKept`): the fused statistics
+    GEMM folding against that reference (bf16, no bias, softcap or logit sums, rows whole, the others first),
+    and room in the weight gradient's buffer to tell the backward the references (:meth:`KeptLogits.scale_area`).
+    The forward and the backward both ask it (the same inputs, options and plan: the same answer), so nothing
+    else tells the backward what its kept chunks hold. ``HUGEHEAD_KEPT_PROBS=0`` (environment, read per call;
+    change it between steps only) keeps the logits themselves, for A/B runs."""
+    return (fused and kept_last and slots is not None and isinstance(target, Tensor) and plan.rows >= x.shape[0]
+            and x.dtype == torch.bfloat16 and source.weight.dtype == x.dtype and source.bias is None
+            and not logit_sum and not softcap
+            and slots.scale_area() is not None and os.environ.get("HUGEHEAD_KEPT_PROBS", "1") != "0"
+            and os.environ.get("HUGEHEAD_GEMM_STATS_REF", "1") != "0")
+
+
 def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True, store=None):
     """:func:`forward_stats_steps` on one stream (any rows split)."""
     n = x.shape[0]
@@ -387,6 +416,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     chunks, kept_last = _forward_chunks(source, cols, kept_classes)
+    probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
     for chunk in chunks:
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
@@ -395,9 +425,16 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
                                                                    class_start + chunk.c0, softcap, rows, logit_sum):
                 continue
             if chunk.c0 < kept_classes:
-                z = slots.chunk(chunk.c0 // plan.cols, chunk.c1 - chunk.c0)
+                k = chunk.c0 // plan.cols
+                chunk_ref = None
+                if probs:  # this chunk's references, where the backward finds them (a flagged row's is moved)
+                    chunk_ref = slots.scale_area()[k]
+                    chunk_ref.copy_(stats.max)
+                elif kept_last and plan.rows >= n:
+                    chunk_ref = stats.max.clone()
+                z = slots.chunk(k, chunk.c1 - chunk.c0)
                 _stored_stats(x[r0:r1], chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, fused,
-                              logit_sum, reference=kept_last)
+                              logit_sum, reference=chunk_ref, probs=probs)
                 continue
             if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
                 # (a widened chunk the fused GEMM refused -- its layout -- needs its own width)
@@ -406,6 +443,8 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
             _logits_into(x[r0:r1], chunk, z)
             _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
         yield
+    if probs:
+        slots.scale_area()[plan.kept_chunks].copy_(stats.target_logit)
     return stats, kept
 
 
@@ -468,22 +507,33 @@ FUSED_STORE_MAX_DEPTH = 2048
 
 def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1: int, class_start: int,
                   softcap: float, stats: RowStats, fused: bool, logit_sum: bool = True,
-                  reference: bool = False) -> None:
+                  reference: Optional[Tensor] = None, probs: bool = False) -> None:
     """Logits chunk ``x @ chunk.weightᵀ + chunk.bias`` (rows ``[r0, r1)`` of the shard, ``x`` already those
     rows) stored into ``z`` (a kept chunk, a block of the rows plan) and folded into ``stats``. Where the fused
     statistics GEMM applies (``fused``: :func:`fused_applies`; no softcap, since kept logits are stored
     uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`), one GEMM stores them as it folds
     them (:func:`ops.gemm_chunk_stats_` with ``logits``): no pass reads them back. Else cuBLAS's GEMM, then
     :func:`_chunk_stats` on what it stored (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per
-    call: the benchmarks' A/B). ``reference``: ``stats.row_max`` already holds each row's max over the chunks
-    the forward does not keep (:func:`_forward_chunks`), which the GEMM folds against (no tile maxima)."""
+    call: the benchmarks' A/B). ``reference``: each row's max over the chunks the forward does not keep
+    (:func:`_forward_chunks`), which the GEMM folds against (no tile maxima); ``probs``: ``z`` then gets
+    ``exp(min(z - reference, 80))`` in place of the logits (:func:`_probs_plan`), on either path."""
     if (fused and not softcap and x.shape[1] < FUSED_STORE_MAX_DEPTH and _fused_layout(x, chunk)
             and _tma_store_ready(z) and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
         ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,
-                              with_logit_sum=logit_sum, logits=z, reference=reference)
+                              with_logit_sum=logit_sum, logits=z, reference=reference, probs=probs)
         return
     _logits_into(x, chunk, z)
     _chunk_stats(target, r0, r1, z, class_start, softcap, stats)
+    if probs:  # as the fused op: a row with a logit far above its reference (or none finite) takes its own max
+        zf = z.float()
+        top = zf.max(dim=1).values
+        reference.copy_(torch.where(~(top - reference <= KEPT_PROBS_REBASE), top, reference))
+        z.copy_(torch.exp(zf - reference[:, None]))
+
+
+# Where a kept chunk's row takes its own max as its reference on the cuBLAS path (the fused op's flag, kFlagSum
+# = 2^80 on a tile's sum, sits near this): exp(z - reference) stays far inside bf16's range.
+KEPT_PROBS_REBASE = 50.0
 
 
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
@@ -705,9 +755,20 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
         dx_partial = x.new_empty(min(plan.rows, n), d)
     dw_acc = x.new_empty(min(plan.cols, v), d, dtype=acc) if (rows_split and need_weight) else None
     dw_writer = _WeightGradWriter(source, x, min(plan.cols, v))
+    factored = None
+    if kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _forward_chunks(
+            source, plan.cols, kept_classes)[1], fused_applies(x, target, "stats"), bool(options.label_smoothing),
+            options.kernel_softcap):
+        factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots.scale_area(),
+                                 plan.kept_chunks, dw_writer if need_weight else None, grad_x)
     for chunk in source.chunks(plan.cols):
         c0, c1 = chunk.c0, chunk.c1
         db_chunk = None
+        if factored is not None and c0 < kept_classes:  # rows whole
+            factored.chunk(chunk, c0 // plan.cols, slots.chunk(c0 // plan.cols, c1 - c0), class_start + c0,
+                           grad_x, dx_partial)
+            yield
+            continue
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             xr = x[r0:r1]
@@ -744,6 +805,63 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     if need_weight:
         return source.finish_grads()
     return None, None
+
+
+# How far above a kept chunk's reference a row's lse may lie for the factored backward to take that row there
+# (exp(-60) keeps its scale s = g exp(ref - lse) and s x well inside float32's and bf16's normal ranges).
+FACTORED_MAX_GAP = 60.0
+
+
+class _FactoredKept:
+    """The backward of kept chunks that hold ``e = exp(z - ref_k)`` (:func:`_probs_plan`; ``ref_k`` chunk
+    ``k``'s references, :meth:`KeptLogits.scale_area`): their gradient is ``s e`` with one scale a row, ``s =
+    (g (1 + 2 z_loss lse) + g_lse) exp(ref_k - lse)``, less ``g`` at the target. So no pass turns them into
+    their gradient: the target's entry is overwritten with ``G_t / s`` (G_t from the forward's target logit in
+    float32, as chunk_grad_ computes it), ``dW = eᵀ (s x)`` (``s x`` rounded once to x's dtype) and ``dX += s (e
+    W)`` (e W summed in float32, then scaled). Rows with ``s = 0`` (ignored) have ``s x = 0`` and finite ``e``."""
+
+    def __init__(self, x, target, lse, grad_rows, options, grad_lse, area, kept_chunks, writer, grad_x):
+        acc = lse.dtype
+        g = grad_rows
+        scale = g * (1 + 2 * options.z_loss * lse) if options.z_loss else g
+        self.row_scale = scale + grad_lse if grad_lse is not None else scale
+        p_t = torch.exp(area[kept_chunks] - lse)
+        d_t = p_t - 1 + 2 * options.z_loss * lse * p_t if options.z_loss else p_t - 1
+        self.g_t = g * d_t + grad_lse * p_t if grad_lse is not None else g * d_t
+        self.refs = area[:kept_chunks].clone()  # (chunk 0's dW will be written over them)
+        self.x, self.lse, self.target, self.writer = x, lse, target, writer
+        self.rows = torch.arange(x.shape[0], device=x.device)
+        self.dx = torch.empty(x.shape[0], x.shape[1], dtype=acc, device=x.device) if grad_x is not None else None
+
+    def chunk(self, chunk: WeightChunk, k: int, e: Tensor, class_start: int, grad_x: Optional[Tensor],
+              dx_partial: Optional[Tensor]) -> None:
+        # A row whose lse lies far above this chunk's reference (its max is in a chunk folded after this one, a
+        # flagged row's) has probabilities below exp(-FACTORED_MAX_GAP) here: s would leave float32's normal
+        # range, so those entries are dropped (s = 0) but for the target's, added apart below.
+        gap = self.lse - self.refs[k]
+        far = ~(gap <= FACTORED_MAX_GAP)
+        s = torch.where(far, torch.zeros_like(gap), self.row_scale * torch.exp(-gap))
+        width = chunk.c1 - chunk.c0
+        local = self.target - class_start
+        inside = (local >= 0) & (local < width)
+        here = inside & (s != 0)
+        col = local.clamp(0, width - 1)
+        fix = (self.g_t / torch.where(s == 0, torch.ones_like(s), s)).to(e.dtype)
+        e[self.rows, col] = torch.where(here, fix, e[self.rows, col])
+        apart = torch.where(inside & far, self.g_t, torch.zeros_like(self.g_t))  # exact zeros elsewhere
+        if self.dx is not None:
+            self.dx.zero_()
+            _add_dx(self.dx, e, chunk.weight, dx_partial)
+            grad_x.addcmul_(self.dx, s[:, None])
+            grad_x.addcmul_(chunk.weight[col].to(grad_x.dtype), apart[:, None])
+        if self.writer is not None:
+            plain_x = self.writer.x
+            self.writer.x = (self.x.to(s.dtype) * s[:, None]).to(self.x.dtype)
+            self.writer.write(chunk, e, None)
+            self.writer.x = plain_x
+            # (the weight is in x's dtype here, _probs_plan; sorted, so deterministic; exact zeros elsewhere)
+            dw = self.writer.source.grad_weight_out(chunk.c0, chunk.c1, self.x.dtype)
+            dw.index_put_((col,), (self.x.to(s.dtype) * apart[:, None]).to(dw.dtype), accumulate=True)
 
 
 def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,

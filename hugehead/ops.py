@@ -65,7 +65,8 @@ def gemm_chunk_stats_(
     logit_sum: Tensor,
     with_logit_sum: bool = True,
     logits: Optional[Tensor] = None,
-    reference: bool = False,
+    reference: Optional[Tensor] = None,
+    probs: bool = False,
 ) -> None:
     """:func:`chunk_stats_` of the logits chunk ``x @ weight.T + bias`` without materializing it: one
     CUTLASS sm_90a GEMM whose epilogue folds each (row, column tile) into partial statistics, then a merge
@@ -88,13 +89,19 @@ def gemm_chunk_stats_(
             (``acc + bias`` rounded once to x's dtype), written through shared memory by TMA: unit column
             stride, a row stride and ``C`` that are multiples of 8, a 16-byte aligned start. Not with
             ``softcap`` (kept logits are stored uncapped; :func:`chunk_grad_` applies the cap).
-        reference: with ``logits``, no bias and no logit sums: ``row_max`` holds each row's running max over
-            the chunks folded before (finite), and the GEMM folds each (row, tile) against it, ``sum exp(z -
-            row_max)`` and no max of its own, beside the logits' TMA store: an epilogue of about the gradient
-            GEMM's cost where the fold and the store otherwise run one after the other. A row whose chunk holds
-            a logit ~55 above that max (or whose max is not finite) is flagged and folded again exactly by a
-            slow kernel, so the statistics are right either way; ``row_max`` is unchanged by this call unless a
-            row was. Elsewhere ignored. ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read per call) turns it off.
+        reference: ``[N]`` float32 contiguous, or None. With ``logits``, no bias and no logit sums: each row's
+            max over the chunks folded before (finite), which the GEMM folds each (row, tile) against, ``sum
+            exp(z - reference)`` and no max of its own, beside the logits' TMA store: an epilogue of about the
+            gradient GEMM's cost where the fold and the store otherwise run one after the other. A row whose
+            chunk holds a logit ~55 above its reference (or whose reference is not finite) is flagged and folded
+            again exactly by a slow kernel, so the statistics are right either way; ``row_max`` stays at the
+            reference where it was that. Elsewhere ignored. ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read
+            per call) turns it off.
+        probs: with ``reference`` (bf16, no bias, no logit sums): ``logits`` gets ``exp(min(z - reference,
+            80))`` rounded to bf16 in place of z: the chunk's probabilities up to each row's scale
+            ``exp(reference - lse)``, for the loop's factored backward; a flagged row gets ``exp(z - M)``
+            instead, with ``reference`` of that row set to ``M`` (its max over the chunk): ``reference`` is
+            then written. Raises where the reference kernel does not run.
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative`` (environment,
         read per call) picks the CUTLASS schedule. The default below a depth of 2048: pingpong_cluster_192
         (128 x 192 tiles, pingpong in clusters of two CTAs that share each weight tile through TMA multicast)
@@ -108,7 +115,7 @@ def gemm_chunk_stats_(
     """
     torch.ops.hugehead.gemm_chunk_stats_.default(
         x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum, with_logit_sum,
-        logits, reference,
+        logits, reference, probs,
     )
 
 
@@ -416,7 +423,7 @@ def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp,
 
 @torch.library.register_fake("hugehead::gemm_chunk_stats_")
 def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit,
-                           logit_sum, with_logit_sum=True, logits=None, reference=False):
+                           logit_sum, with_logit_sum=True, logits=None, reference=None, probs=False):
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")

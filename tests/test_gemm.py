@@ -276,12 +276,17 @@ REF_SHAPES = [(5, 296, 64, 0), (257, 1000 + 8, 768, 500), (1000, 3000 + 8, 768, 
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,d,class_start", REF_SHAPES)
-def test_stats_against_a_reference(dtype, n, c, d, class_start):
-    """reference=True (a kept chunk the loop folds after the chunks it does not keep; no bias, no logit sums):
-    each (row, tile) folds against the row_max it finds (stats_ref_gemm.cuh). The stored logits and target
-    logits are bitwise the fold's, and lse = row_max + log(row_sumexp) is float64's on those logits within
-    float32 rounding -- also for rows with no max yet (row 0: -inf) and rows whose max lies far below this
-    chunk's logits (every 7th: flagged, folded again exactly by the fix kernel); the other rows keep row_max."""
+@pytest.mark.parametrize("probs", [False, True])
+def test_stats_against_a_reference(dtype, n, c, d, class_start, probs):
+    """reference= each row's max so far (a kept chunk the loop folds after the chunks it does not keep; no bias,
+    no logit sums): each (row, tile) folds against it (stats_ref_gemm.cuh). The target logits are bitwise the
+    fold's, and lse = row_max + log(row_sumexp) is float64's on the fold's stored logits within float32
+    rounding -- also for rows with no max yet (row 0: -inf) and rows whose max lies far below this chunk's
+    logits (every 7th: flagged, folded again exactly by the fix kernel); the other rows keep row_max. The
+    stored values are the fold's logits bitwise, or with probs=True (bf16) exp(min(z - ref, 80)) within
+    bf16's rounding of float64's."""
+    if probs and dtype != torch.bfloat16:
+        pytest.skip("probabilities are kept in bf16 only")
     seed = n + c + 29
     x, w, _ = _inputs(n, c, d, dtype, bias=False, seed=seed)
     xc, wc = x.cuda(), w.cuda()
@@ -295,12 +300,17 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start):
     z_plain = torch.empty(n, c, dtype=dtype, device="cuda")
     z = torch.full_like(z_plain, float("nan"))
     ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *plain, with_logit_sum=False, logits=z_plain)
+    reference = start[0].cuda()
     ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *ours, with_logit_sum=False, logits=z,
-                          reference=True)
-    assert torch.equal(z, z_plain)
+                          reference=reference, probs=probs)
+    zd = z_plain.double().cpu()
+    if probs:
+        e = torch.exp((zd - start[0].double()[:, None]).clamp(max=80.0))
+        assert ((z.double().cpu() - e).abs() <= 2 ** -8 * e + 1e-30).all()
+    else:
+        assert torch.equal(z, z_plain)
     assert torch.equal(ours[2], plain[2]) and torch.equal(ours[3], plain[3])
     m_old, s_old = start[0].double(), start[1].double()
-    zd = z_plain.double().cpu()
     m_new = torch.maximum(m_old, zd.max(dim=1).values)
     s_new = torch.where(m_old == -math.inf, 0.0, s_old * torch.exp(m_old - m_new)) + torch.exp(
         zd - m_new[:, None]).sum(dim=1)
@@ -311,16 +321,18 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start):
     kept = torch.isfinite(start[0]) & ~far
     assert torch.equal(ours[0].cpu()[kept], start[0][kept])
     again = [t.cuda() for t in start]
-    ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *again, with_logit_sum=False, logits=z,
-                          reference=True)
-    for a, r in zip(again, ours):
+    z_again = torch.empty_like(z)
+    ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *again, with_logit_sum=False, logits=z_again,
+                          reference=reference, probs=probs)
+    for a, r in zip(again + [z_again], ours + [z]):
         assert torch.equal(a, r)
 
 
 @requires_fused
 def test_reference_applies_only_where_it_can(monkeypatch):
-    """reference=True with a bias, with logit sums, without stored logits, or with HUGEHEAD_GEMM_STATS_REF=0
-    runs the ordinary fold: bitwise the call without it."""
+    """A reference with a bias, with logit sums, without stored logits, or with HUGEHEAD_GEMM_STATS_REF=0 runs
+    the ordinary fold: bitwise the call without it; probs=True where that happens (or in fp16, or without a
+    reference) raises, naming the problem."""
     n, c, d = 300, 1000, 128
     x, w, b = _inputs(n, c, d, torch.bfloat16, bias=True, seed=31)
     xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
@@ -332,14 +344,28 @@ def test_reference_applies_only_where_it_can(monkeypatch):
         if case.get("env"):
             monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
         out = {}
-        for reference in (False, True):
+        for reference in (None, _start_state(n, 31)[0].cuda()):
             state = [t.cuda() for t in _start_state(n, 31)]
             z = torch.empty(n, c, dtype=torch.bfloat16, device="cuda") if case["store"] else None
             ops.gemm_chunk_stats_(xc, wc, case["bias"], target, 0, 0.0, *state,
                                   with_logit_sum=case["with_logit_sum"], logits=z, reference=reference)
-            out[reference] = state + ([z] if z is not None else [])
-        for a, r in zip(out[True], out[False]):
+            out[reference is None] = state + ([z] if z is not None else [])
+            if reference is not None:
+                with pytest.raises(RuntimeError, match="probs"):
+                    ops.gemm_chunk_stats_(xc, wc, case["bias"], target, 0, 0.0, *state,
+                                          with_logit_sum=case["with_logit_sum"], logits=z, reference=reference,
+                                          probs=True)
+        for a, r in zip(out[False], out[True]):
             assert torch.equal(a, r), case
+    monkeypatch.delenv("HUGEHEAD_GEMM_STATS_REF")
+    state = [t.cuda() for t in _start_state(n, 31)]
+    with pytest.raises(RuntimeError, match="probs"):
+        ops.gemm_chunk_stats_(xc.half(), wc.half(), None, target, 0, 0.0, *state, with_logit_sum=False,
+                              logits=torch.empty(n, c, dtype=torch.half, device="cuda"), reference=state[0].clone(),
+                              probs=True)
+    with pytest.raises(RuntimeError, match="probs"):
+        ops.gemm_chunk_stats_(xc, wc, None, target, 0, 0.0, *state, with_logit_sum=False,
+                              logits=torch.empty(n, c, dtype=torch.bfloat16, device="cuda"), probs=True)
 
 
 @requires_fused
@@ -803,19 +829,22 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
 
 @requires_fused
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct", "ref_off"])
+@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct", "ref_off", "probs_off"])
 def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, label_smoothing, stats_store):
     """bf16 on the fused GEMMs with chunks kept in the weight gradient's buffer (the statistics GEMM stores them
     there; the backward's chunk_grad_ turns them into their gradient, and dW lands over consumed slots) and the
     rest recomputed by the gradient GEMM: loss, dX and dW within 2x the error of the same step keeping none there
     (HUGEHEAD_KEEP_IN_GRAD=0) against float64, bitwise repeatable. Without label smoothing the kept chunks fold
-    against the row max of the others (the reference kernel), unless HUGEHEAD_GEMM_STATS_REF=0 ("ref_off")."""
+    against the row max of the others (the reference kernel) and keep exp(z - ref) for the factored backward,
+    unless HUGEHEAD_GEMM_STATS_REF=0 ("ref_off") or HUGEHEAD_KEPT_PROBS=0 ("probs_off": their logits)."""
     from hugehead.functional import loss_plan
 
     monkeypatch.setenv("HUGEHEAD_ROWS", "0")
     monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
     if stats_store == "ref_off":
         monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
+    elif stats_store == "probs_off":
+        monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
     else:
         monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
     n, d, v = 1024, 128, 40000
@@ -914,15 +943,30 @@ def _emulate_fused_ops(monkeypatch):
     def matmul(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
 
-    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True, logits=None, reference=False):
-        # reference: row_max holds the row's max over the chunks folded before (the fold's order is the same)
-        assert not reference or (logits is not None and torch.isfinite(state[0]).all())
+    def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True, logits=None, reference=None,
+              probs=False):
         before = state[3].clone()
+        m0, s0 = state[0].clone(), state[1].clone()
         z = matmul(x, w, b)
         if logits is not None:  # the logits stored as they are folded (kept chunks, the rows plan)
             assert softcap == 0.0, "stored logits are uncapped"
             z = logits.copy_(z)
         ops.chunk_stats_(z, target, class_start, softcap, *state)
+        if reference is not None and b is None and not with_logit_sum:
+            # the reference kernel's partials, (reference, sum exp(z - reference)), merged as lse_merge does;
+            # flagged rows (past 2^80) keep chunk_stats_' exact fold, as the fix kernel's
+            e = torch.exp((z.float() - reference[:, None]).clamp(max=80.0))
+            total = e.sum(dim=1)
+            ok = total <= 2.0 ** 80
+            m = torch.maximum(m0, reference)
+            s_new = torch.where(m0 == -math.inf, 0.0, s0 * torch.exp(m0 - m)) + total * torch.exp(reference - m)
+            state[0].copy_(torch.where(ok, m, state[0]))
+            state[1].copy_(torch.where(ok, s_new, state[1]))
+            if probs:  # a flagged row's values against its own max, which becomes its reference
+                reference.copy_(torch.where(ok, reference, z.float().max(dim=1).values))
+                logits.copy_(torch.exp((z.float() - reference[:, None]).clamp(max=80.0)))
+        else:
+            assert not probs
         if not with_logit_sum:  # the fused op leaves it as it was
             state[3].copy_(before)
 
@@ -987,9 +1031,9 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
     _emulate_fused_ops(monkeypatch)
     stores = []
     emulated = ops.gemm_chunk_stats_
-    monkeypatch.setattr(ops, "gemm_chunk_stats_", lambda *a, with_logit_sum=True, logits=None, reference=False: (
-        stores.append((logits is not None, with_logit_sum, a[0].shape[0], reference)) or emulated(
-            *a, with_logit_sum=with_logit_sum, logits=logits, reference=reference)))
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", lambda *a, with_logit_sum=True, logits=None, **kw: (
+        stores.append((logits is not None, with_logit_sum, a[0].shape[0])) or emulated(
+            *a, with_logit_sum=with_logit_sum, logits=logits, **kw)))
     fused = _lce_grads(x, w, b, target, **opts)
     for a, r in zip(fused, plain):
         assert torch.equal(a, r)
@@ -1009,6 +1053,58 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
     assert not any(s[0] for s in stores), stores
     for a, r in zip(again, plain):
         assert torch.equal(a, r)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("case", ["plain", "z_loss", "flagged", "logits"])
+def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, case, device):
+    """bf16 with chunks kept in the weight gradient's buffer and the fused ops emulated on the CPU: the forward
+    folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
+    loop._probs_plan), and the backward takes them without a pass (loop._FactoredKept: dW = eᵀ (s x), dX = s (e
+    W), the target's entry from the forward's target logit). Loss, dX and dW within 2x the error of the same step
+    keeping the logits (HUGEHEAD_KEPT_PROBS=0) against float64, plus bf16's eps; "flagged": a kept class's logit
+    far above the rest on some rows, whose kept values then take that chunk's own max as their reference;
+    "logits": HUGEHEAD_KEPT_PROBS=0 itself, bitwise. On "cuda" the fused ops themselves run (an H200)."""
+    from hugehead import loop
+    from hugehead.functional import loss_plan
+
+    if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
+                                                                                   torch.bfloat16)):
+        pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
+    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    n, d, v = 256, 128, 40000
+    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=41)
+    target = _targets(n, v, 0, v, 41)
+    x, w, target = x.to(device), w.to(device), target.to(device)
+    opts = dict(memory_budget=n * d * 6 + (1 << 20), z_loss=1e-3 if case == "z_loss" else 0.0)
+    plan = loss_plan(x.requires_grad_(), w.requires_grad_(), target, memory_budget=opts["memory_budget"])
+    x, w = x.detach(), w.detach()
+    chunks = -(-v // plan.cols)
+    assert plan.kept_in_grad >= 2 and plan.kept_chunks < chunks, plan
+    if case == "flagged":  # rows 0 and 3: a kept class's logit 100, ~95 above any other of theirs
+        w = w.clone()
+        for row, cls in ((0, 5), (3, 6)):
+            w[cls] = (100 * x[row].float() / x[row].float().square().sum()).to(w.dtype)
+    if device == "cpu":
+        _emulate_fused_ops(monkeypatch)
+    made = []
+    real = loop._FactoredKept
+    monkeypatch.setattr(loop, "_FactoredKept", lambda *a: made.append(1) or real(*a))
+    if case == "logits":
+        monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
+    ours = _lce_grads(x, w, None, target, **opts)
+    assert len(made) == (case != "logits"), made
+    monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
+    plain = _lce_grads(x, w, None, target, **opts)
+    if case == "logits":
+        for a, r in zip(ours, plain):
+            assert torch.equal(a, r)
+        return
+    ref = _lce_float64(x, w, None, target, **opts)
+    for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
+        err, err_plain = rel_err(a, r), rel_err(p, r)
+        assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
 
 
 @pytest.mark.parametrize("budget", ["default", "rows", "keep_all"])

@@ -31,6 +31,7 @@ HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster192, StatsGemmParams
 HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_ref_bf16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(stats_gemm_ref_fp16_pingpong_cluster192, StatsGemmParams)
+HUGEHEAD_DECLARE_GEMM(stats_gemm_probs_bf16_pingpong_cluster192, StatsGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
@@ -152,6 +153,7 @@ struct StatsLaunchers {
   }
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
   if (stats_ref_applies(p)) {
+    if (p.probs) return HUGEHEAD_STATS(stats_gemm_probs_bf16_pingpong_cluster192);  // (bf16 only: the host's check)
     return half ? HUGEHEAD_STATS(stats_gemm_ref_fp16_pingpong_cluster192)
                 : HUGEHEAD_STATS(stats_gemm_ref_bf16_pingpong_cluster192);
   }

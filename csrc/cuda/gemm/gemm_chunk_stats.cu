@@ -73,37 +73,50 @@ __global__ void __launch_bounds__(kMergeThreads)
 // rounded once to scalar_t as the GEMM's are) and overwrites the row's partials with each tile's (max, sum
 // exp(z - max)), so the merge after it folds them as any. Unflagged rows return at once (the common case: one
 // load a warp).
+// probs (the stored values are exp(min(z - reference, 80))): the row's stored values are rewritten as
+// exp(z - M) with M its max over the chunk, and reference[row] = M, the scale the backward reads for this chunk.
+template <typename scalar_t>
+__device__ __forceinline__ float row_logit(const scalar_t* xr, const scalar_t* wr, int64_t depth, int lane) {
+  float acc = 0.f;
+  for (int64_t k = lane; k < depth; k += cuda::kWarp) acc += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
+#pragma unroll
+  for (int o = cuda::kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return static_cast<float>(static_cast<scalar_t>(acc));
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kMergeThreads)
     fix_flagged_rows_kernel(const scalar_t* __restrict__ x, int64_t x_stride, const scalar_t* __restrict__ weight,
                             int64_t weight_stride, int64_t rows, int64_t cols, int64_t depth, int64_t tile_cols,
-                            int64_t tiles, const int* __restrict__ flags, float* partials) {
+                            int64_t tiles, const int* __restrict__ flags, float* partials, scalar_t* probs,
+                            int64_t probs_stride, float* reference) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / cuda::kWarp;
   const int lane = threadIdx.x % cuda::kWarp;
   if (row >= rows || flags[row] == 0) return;  // whole warps leave together
   const scalar_t* xr = x + row * x_stride;
   float2* part = reinterpret_cast<float2*>(partials) + row * tiles;
+  float row_max = neg_inf<float>();
   for (int64_t t = 0; t < tiles; ++t) {
     float m = neg_inf<float>(), s = 0.f;
     const int64_t j1 = (t + 1) * tile_cols < cols ? (t + 1) * tile_cols : cols;
-    for (int64_t j = t * tile_cols; j < j1; ++j) {
-      const scalar_t* wr = weight + j * weight_stride;
-      float acc = 0.f;
-      for (int64_t k = lane; k < depth; k += cuda::kWarp) acc += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
-#pragma unroll
-      for (int o = cuda::kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      const float z = static_cast<float>(static_cast<scalar_t>(acc));
-      lse_merge(m, s, z, 1.f);
-    }
+    for (int64_t j = t * tile_cols; j < j1; ++j) lse_merge(m, s, row_logit(xr, weight + j * weight_stride, depth, lane), 1.f);
     if (lane == 0) part[t] = make_float2(m, s);
+    row_max = m > row_max ? m : row_max;
   }
+  if (probs == nullptr) return;
+  for (int64_t j = 0; j < cols; ++j) {
+    const float z = row_logit(xr, weight + j * weight_stride, depth, lane);
+    if (lane == 0) probs[row * probs_stride + j] = static_cast<scalar_t>(::expf(z - row_max));
+  }
+  if (lane == 0) reference[row] = row_max;
 }
 
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor& target, int64_t class_start, double softcap, const at::Tensor& row_max,
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
                            const at::Tensor& logit_sum, bool with_logit_sum,
-                           const std::optional<at::Tensor>& logits, bool reference) {
+                           const std::optional<at::Tensor>& logits, const std::optional<at::Tensor>& reference,
+                           bool probs) {
   check_gemm_operands(x, weight, bias, "gemm_chunk_stats_");
   if (logits.has_value()) {
     const at::Tensor& z = *logits;
@@ -138,15 +151,28 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     p.mainloop_only = gemm::mainloop_only_from_env();  // (benchmarks: the stored logits are always written)
   }
   at::Tensor flags;
-  if (reference && logits.has_value()) {
-    // The running max as each row's reference (the caller folded the chunks it does not keep first).
-    p.reference = row_max.data_ptr<float>();
+  if (reference.has_value()) {
+    const at::Tensor& ref = *reference;
+    TORCH_CHECK(ref.scalar_type() == at::kFloat && ref.device() == x.device() && ref.dim() == 1 &&
+                    ref.size(0) == x.size(0) && ref.stride(0) == 1,
+                "hugehead: gemm_chunk_stats_'s reference must be a contiguous float32 [", x.size(0), "] on ",
+                x.device(), ", got ", ref.scalar_type(), " ", ref.sizes(), " on ", ref.device());
+    TORCH_CHECK(!probs || (logits.has_value() && x.scalar_type() == at::kBFloat16 && !bias.has_value() &&
+                           !with_logit_sum),
+                "hugehead: gemm_chunk_stats_ stores probabilities (probs=True) only for bf16 logits, without bias "
+                "or logit sums");
+    p.reference = ref.data_ptr<float>();
+    p.probs = probs;
     if (gemm::stats_ref_applies(p)) {
       flags = at::zeros({rows}, x.options().dtype(at::kInt));
       p.flags = flags.data_ptr<int>();
     } else {
+      TORCH_CHECK(!probs, "hugehead: gemm_chunk_stats_ with probs=True needs the reference kernel "
+                  "(HUGEHEAD_GEMM_STATS_REF=0 turns it off)");
       p.reference = nullptr;
     }
+  } else {
+    TORCH_CHECK(!probs, "hugehead: gemm_chunk_stats_ with probs=True needs a reference");
   }
   const gemm::Schedule schedule =
       gemm::stats_schedule_for(gemm::schedule_from_env(gemm::default_stats_schedule(depth)), p);
@@ -167,7 +193,9 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
       using scalar_t = decltype(element);
       fix_flagged_rows_kernel<scalar_t><<<blocks, kMergeThreads, 0, stream>>>(
           x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(), weight.stride(0), rows, cols, depth,
-          tile_cols, tiles, p.flags, partials.data_ptr<float>());
+          tile_cols, tiles, p.flags, partials.data_ptr<float>(),
+          p.probs ? static_cast<scalar_t*>(logits->data_ptr()) : nullptr, p.probs ? logits->stride(0) : 0,
+          p.probs ? reference->data_ptr<float>() : nullptr);
     };
     if (half) {
       fix(c10::Half{});

@@ -30,7 +30,13 @@ namespace gemm {
 // from float32's overflow, and a row's gradient scale exp(ref - lse) far from its underflow).
 constexpr float kFlagSum = 1.2089258196146292e24f;
 
-template <class Element>
+// kProbs: what goes to the logits' buffer is e = exp(min(z - ref, kMaxExp)) rounded to Element, the kept chunk's
+// probabilities up to each row's scale exp(ref - lse) (the loop's factored backward, loop.py), in place of z.
+// The cap keeps e finite in bf16 (it would overflow past ~e^88.7); a row where it bites passed kFlagSum and is
+// folded again, and its backward recomputes it. bf16 only: fp16 overflows past e^11 (the host refuses it).
+constexpr float kMaxExpLog2 = 80.f * 1.4426950408889634f;
+
+template <class Element, bool kProbs = false>
 struct StatsRefCallbacks {
   struct SharedStorage {};
   struct Arguments {
@@ -112,8 +118,9 @@ struct StatsRefCallbacks {
         ref_flt(i) = m;
         refl_flt(i) = m * kLog2e;
         sum_flt(i) = 0.f;
+        // (a target past the chunk's last column would match a column of the zero-filled edge tile)
         const int64_t rel = ok ? params.target[row] - params.class_start - n0 : int64_t(-1);
-        t_flt(i) = (rel >= 0 && rel < int64_t(1) << 30) ? static_cast<int>(rel) : -1;
+        t_flt(i) = (rel >= 0 && rel < static_cast<int64_t>(get<1>(residue))) ? static_cast<int>(rel) : -1;
       }
       bool here = false;
       CUTLASS_PRAGMA_UNROLL
@@ -137,19 +144,25 @@ struct StatsRefCallbacks {
           cutlass::NumericArrayConverter<Element, ElementAccumulator, FragmentSize>{}(acc);
       // Uniform branches: a tile past the chunk's last column masks those columns (the TMA loads' zero fill
       // would add exp(-ref)); a warp holding a target compares columns.
+      cutlass::Array<float, FragmentSize> e;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        const int idx = epi_v * FragmentSize + i;
+        if constexpr (kProbs) {
+          e[i] = exp2_ftz(::fminf(::fmaf(static_cast<float>(z[i]), kLog2e, -refl_mn(idx)), kMaxExpLog2));
+        } else {
+          e[i] = exp_minus(static_cast<float>(z[i]), refl_mn(idx));
+        }
+      }
       if (cols_full) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < FragmentSize; ++i) {
-          const int idx = epi_v * FragmentSize + i;
-          sum_mn(idx) += exp_minus(static_cast<float>(z[i]), refl_mn(idx));
-        }
+        for (int i = 0; i < FragmentSize; ++i) sum_mn(epi_v * FragmentSize + i) += e[i];
       } else {
         const int cols_left = static_cast<int>(get<1>(residue));
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < FragmentSize; ++i) {
           const int idx = epi_v * FragmentSize + i;
-          const float e = exp_minus(static_cast<float>(z[i]), refl_mn(idx));
-          sum_mn(idx) += get<1>(c_mn(idx)) < cols_left ? e : 0.f;
+          sum_mn(idx) += get<1>(c_mn(idx)) < cols_left ? e[i] : 0.f;
         }
       }
       if (warp_targets) {
@@ -159,7 +172,11 @@ struct StatsRefCallbacks {
           if (get<1>(c_mn(idx)) == t_mn(idx)) params.target_logit[m0 + get<0>(c_mn(idx))] = static_cast<float>(z[i]);
         }
       }
-      return z;
+      if constexpr (kProbs) {
+        return cutlass::NumericArrayConverter<Element, float, FragmentSize>{}(e);
+      } else {
+        return z;
+      }
     }
 
     // The quad of lanes holding a row sums its parts (a fixed shuffle order: deterministic); its first lane
@@ -210,13 +227,14 @@ struct StatsRefCallbacks {
   }
 };
 
-template <class Element, Schedule S>
+template <class Element, Schedule S, bool kProbs = false>
 struct StatsRefGemm {
-  using Gemm = TmaStoreGemm<Element, S, StatsRefCallbacks<Element>>;
+  using Callbacks = StatsRefCallbacks<Element, kProbs>;
+  using Gemm = TmaStoreGemm<Element, S, Callbacks>;
   using Device = typename Gemm::Device;
 
   static typename Device::Arguments arguments(const StatsGemmParams& p) {
-    typename StatsRefCallbacks<Element>::Arguments cb;
+    typename Callbacks::Arguments cb;
     cb.target = p.target;
     cb.reference = p.reference;
     cb.target_logit = p.target_logit;
@@ -237,5 +255,5 @@ struct StatsRefGemm {
 }  // namespace gemm
 }  // namespace hugehead
 
-#define HUGEHEAD_STATS_REF_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
-  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, StatsGemmParams, StatsRefGemm<ELEMENT, SCHEDULE>)
+#define HUGEHEAD_STATS_REF_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE, PROBS) \
+  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, StatsGemmParams, StatsRefGemm<ELEMENT, SCHEDULE, PROBS>)

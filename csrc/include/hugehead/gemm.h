@@ -35,11 +35,12 @@ struct StatsGemmParams {
   void* logits = nullptr;      // [rows, cols] x's dtype, row stride logits_stride (16-byte aligned base and
   int64_t logits_stride = 0;   //   rows, cols a multiple of 8), or nullptr: z stored there too (no softcap)
   // With logits, no bias, softcap or logit sums (stats_ref_applies): fold each (row, tile) against this
-  // reference, the row's running max, into partials (ref, sum exp(z - ref)) on 128 x 192 tiles
-  // (stats_ref_gemm.cuh), flagging in flags [rows] (zeroed by the caller) each row whose partial passed
-  // kFlagSum, for the caller to fix; nullptr: the fold takes each tile's own max.
+  // reference [rows] (the row's max over the chunks folded before) into partials (ref, sum exp(z - ref)) on
+  // 128 x 192 tiles (stats_ref_gemm.cuh), flagging in flags [rows] (zeroed by the caller) each row whose
+  // partial passed kFlagSum, for the caller to fix; nullptr: the fold takes each tile's own max.
   const float* reference = nullptr;
   int* flags = nullptr;
+  bool probs = false;  // with reference, bf16: logits gets exp(min(z - ref, 80)) in place of z
 };
 
 // Whether run_stats_gemm takes the reference kernel for these params (p.reference set, and p.flags then a
