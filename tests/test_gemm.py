@@ -304,11 +304,21 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start, probs):
     ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *ours, with_logit_sum=False, logits=z,
                           reference=reference, probs=probs)
     zd = z_plain.double().cpu()
-    if probs:
-        e = torch.exp((zd - start[0].double()[:, None]).clamp(max=80.0))
-        assert ((z.double().cpu() - e).abs() <= 2 ** -8 * e + 1e-30).all()
+    # the flagged rows (every 7th and row 0) are folded again from logits of a float32 dot of another order,
+    # each within one bf16 ulp of the GEMM's: float64's on the GEMM's logits within that
+    again_rows = far.clone()
+    again_rows[0] = True
+    loose = (2 ** -8 * (1 + zd.abs().max(dim=1).values))[:, None]
+    if probs:  # a flagged row's values against its own max, which becomes its reference
+        moved = reference.cpu()
+        assert torch.equal(moved[~again_rows], start[0][~again_rows])
+        assert (moved[again_rows] == zd[again_rows].max(dim=1).values.float()).float().mean() > 0.9
+        e = torch.exp((zd - moved.double()[:, None]).clamp(max=80.0))
+        tol = torch.where(again_rows[:, None], loose, torch.full_like(loose, 2 ** -8)) * e + 1e-30
+        assert ((z.double().cpu() - e).abs() <= tol).all()
     else:
         assert torch.equal(z, z_plain)
+        assert torch.equal(reference.cpu(), start[0])
     assert torch.equal(ours[2], plain[2]) and torch.equal(ours[3], plain[3])
     m_old, s_old = start[0].double(), start[1].double()
     m_new = torch.maximum(m_old, zd.max(dim=1).values)
@@ -317,13 +327,15 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start, probs):
     expected = m_new + s_new.log()
     for state in (ours, plain):
         lse = state[0].double().cpu() + state[1].double().cpu().log()
-        torch.testing.assert_close(lse, expected, rtol=3e-6, atol=3e-6)
+        rows = ~again_rows if state is ours else slice(None)
+        torch.testing.assert_close(lse[rows], expected[rows], rtol=3e-6, atol=3e-6)
+        assert ((lse - expected).abs() <= loose[:, 0] * (1 + expected.abs())).all()
     kept = torch.isfinite(start[0]) & ~far
     assert torch.equal(ours[0].cpu()[kept], start[0][kept])
     again = [t.cuda() for t in start]
     z_again = torch.empty_like(z)
     ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *again, with_logit_sum=False, logits=z_again,
-                          reference=reference, probs=probs)
+                          reference=start[0].cuda(), probs=probs)
     for a, r in zip(again + [z_again], ours + [z]):
         assert torch.equal(a, r)
 
