@@ -375,12 +375,18 @@ def _new_stats(x: Tensor) -> RowStats:
     )
 
 
+def _kept_last(source, kept_classes: int) -> bool:
+    """Whether the forward takes the kept chunks (the first ``kept_classes`` classes) after the others: a
+    resident shard that keeps some of its chunks and not all (:func:`_forward_chunks`)."""
+    return isinstance(source, ResidentChunks) and 0 < kept_classes < source.num_rows
+
+
 def _forward_chunks(source, cols: int, kept_classes: int):
-    """The forward's chunks: where a resident shard keeps some of its chunks (the first ``kept_classes``
-    classes) and not all, the others first, so that each kept chunk's statistics GEMM finds every row's max
-    over most classes to fold against (:func:`ops.gemm_chunk_stats_`'s ``reference``). Returns the chunks and
-    whether they come in that order. The sums then fold in this order on every path (same bits on each)."""
-    if isinstance(source, ResidentChunks) and 0 < kept_classes < source.num_rows:
+    """The forward's chunks: where :func:`_kept_last`, the chunks not kept first, so that each kept chunk's
+    statistics GEMM finds every row's max over most classes to fold against (:func:`ops.gemm_chunk_stats_`'s
+    ``reference``). Returns the chunks and whether they come in that order. The sums then fold in this order
+    on every path (same bits on each)."""
+    if _kept_last(source, kept_classes):
         return source.chunks(cols, last=kept_classes), True
     return source.chunks(cols), False
 
@@ -758,9 +764,9 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     dw_acc = x.new_empty(min(plan.cols, v), d, dtype=acc) if (rows_split and need_weight) else None
     dw_writer = _WeightGradWriter(source, x, min(plan.cols, v))
     factored = None
-    if kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _forward_chunks(
-            source, plan.cols, kept_classes)[1], fused_applies(x, target, "stats"), bool(options.label_smoothing),
-            options.kernel_softcap):
+    if kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _kept_last(source, kept_classes),
+                                        fused_applies(x, target, "stats"), bool(options.label_smoothing),
+                                        options.kernel_softcap):
         factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots.scale_area(),
                                  plan.kept_chunks, dw_writer if need_weight else None, grad_x)
     for chunk in source.chunks(plan.cols):
@@ -832,6 +838,7 @@ class _FactoredKept:
         self.g_t = g * d_t + grad_lse * p_t if grad_lse is not None else g * d_t
         self.refs = area[:kept_chunks].clone()  # (chunk 0's dW will be written over them)
         self.x, self.lse, self.target, self.writer = x, lse, target, writer
+        self.x_acc = x.to(acc)  # (once: each chunk scales it by its own s)
         self.rows = torch.arange(x.shape[0], device=x.device)
         self.dx = torch.empty(x.shape[0], x.shape[1], dtype=acc, device=x.device) if grad_x is not None else None
 
@@ -858,14 +865,14 @@ class _FactoredKept:
             grad_x.addcmul_(chunk.weight[col].to(grad_x.dtype), apart[:, None])
         if self.writer is not None:
             plain_x = self.writer.x
-            self.writer.x = (self.x.to(s.dtype) * s[:, None]).to(self.x.dtype)
+            self.writer.x = (self.x_acc * s[:, None]).to(self.x.dtype)
             self.writer.write(chunk, e, None)
             self.writer.x = plain_x
             # (the weight is in x's dtype here, _probs_plan). Every other row adds exact zeros, so the order of
             # index_add_'s atomics changes no bit unless two such rows share a target in one chunk; index_put_'s
             # sorted accumulate took 2.4 ms a chunk at xc6M.
             dw = self.writer.source.grad_weight_out(chunk.c0, chunk.c1, self.x.dtype)
-            dw.index_add_(0, col, (self.x.to(s.dtype) * apart[:, None]).to(dw.dtype))
+            dw.index_add_(0, col, (self.x_acc * apart[:, None]).to(dw.dtype))
 
 
 def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,

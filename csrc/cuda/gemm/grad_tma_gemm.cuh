@@ -24,48 +24,25 @@ namespace gemm {
 // g (p - eps / V) - g (1 - eps) [column == target]; rows with g == 0 (ignored, or beyond the problem) are
 // exact zeros. The per-row inputs are loaded once per tile into registers that broadcast along the columns
 // (as CUTLASS's Sm90ColBroadcast holds a column vector).
-template <class Element>
-struct GradTmaCallbacks {
-  struct SharedStorage {};
-  struct Arguments {
-    const int64_t* target = nullptr;
-    const float* lse = nullptr;
-    const float* grad_rows = nullptr;
-    int64_t class_start = 0;
-    float smooth = 0.f;         // label_smoothing / num_classes
-    float target_weight = 1.f;  // 1 - label_smoothing
-  };
-  using Params = Arguments;
+struct GradTmaArguments {
+  const int64_t* target = nullptr;
+  const float* lse = nullptr;
+  const float* grad_rows = nullptr;
+  int64_t class_start = 0;
+  float smooth = 0.f;         // label_smoothing / num_classes
+  float target_weight = 1.f;  // 1 - label_smoothing
+};
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
+template <class Element>
+struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.target != nullptr && args.lse != nullptr && args.grad_rows != nullptr;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
   }
 
   CUTLASS_HOST_DEVICE GradTmaCallbacks() {}
   CUTLASS_HOST_DEVICE GradTmaCallbacks(Params const& p, SharedStorage const&) : params(p) {}
   Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   // RowF / RowI: (CPY, CPY_M, CPY_N, EPI_M, EPI_N) register tensors with stride 0 along N (one value per row
   // of the thread); Coords: the same shape, coordinates relative to the thread's first element (the

@@ -36,50 +36,27 @@ constexpr float kFlagSum = 1.2089258196146292e24f;
 // folded again, and its backward recomputes it. bf16 only: fp16 overflows past e^11 (the host refuses it).
 constexpr float kMaxExpLog2 = 80.f * 1.4426950408889634f;
 
-template <class Element, bool kProbs = false>
-struct StatsRefCallbacks {
-  struct SharedStorage {};
-  struct Arguments {
-    const int64_t* target = nullptr;
-    const float* reference = nullptr;  // [rows] the running row max
-    float* target_logit = nullptr;
-    float* partials = nullptr;  // [rows, tiles, 2]: (ref, sum of exp(z - ref))
-    int* flags = nullptr;       // [rows]: set to 1 for a row whose partial passed kFlagSum
-    int64_t class_start = 0;
-    int64_t tiles = 0;
-  };
-  using Params = Arguments;
+struct StatsRefArguments {
+  const int64_t* target = nullptr;
+  const float* reference = nullptr;  // [rows] each row's max over the chunks folded before
+  float* target_logit = nullptr;
+  float* partials = nullptr;  // [rows, tiles, 2]: (ref, sum of exp(z - ref))
+  int* flags = nullptr;       // [rows]: set to 1 for a row whose partial passed kFlagSum
+  int64_t class_start = 0;
+  int64_t tiles = 0;
+};
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
+template <class Element, bool kProbs = false>
+struct StatsRefCallbacks : TmaCallbacksBase<StatsRefArguments> {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.target != nullptr && args.reference != nullptr && args.target_logit != nullptr &&
            args.partials != nullptr && args.flags != nullptr;
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
 
   CUTLASS_HOST_DEVICE StatsRefCallbacks() {}
   CUTLASS_HOST_DEVICE StatsRefCallbacks(Params const& p, SharedStorage const&) : params(p) {}
   Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   // RowF / RowI: register tensors with stride 0 along N (one value per row of the thread, as in
   // grad_tma_gemm.cuh): `sum` is written through every element's index, so each row's elements add into the one
@@ -144,25 +121,34 @@ struct StatsRefCallbacks {
           cutlass::NumericArrayConverter<Element, ElementAccumulator, FragmentSize>{}(acc);
       // Uniform branches: a tile past the chunk's last column masks those columns (the TMA loads' zero fill
       // would add exp(-ref)); a warp holding a target compares columns.
-      cutlass::Array<float, FragmentSize> e;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        const int idx = epi_v * FragmentSize + i;
-        if constexpr (kProbs) {
-          e[i] = exp2_ftz(::fminf(::fmaf(static_cast<float>(z[i]), kLog2e, -refl_mn(idx)), kMaxExpLog2));
-        } else {
-          e[i] = exp_minus(static_cast<float>(z[i]), refl_mn(idx));
+      // Each exponential is added as it comes; kProbs also keeps them for the store. (Two loop forms, as ptxas
+      // spills least: the kProbs one for the sums kept in e fills more registers without it, 32 bytes against 80,
+      // and without kProbs e costs 88 bytes against 16.)
+      [[maybe_unused]] cutlass::Array<float, FragmentSize> e;
+      if constexpr (kProbs) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          e[i] = exp2_ftz(::fminf(::fmaf(static_cast<float>(z[i]), kLog2e, -refl_mn(epi_v * FragmentSize + i)),
+                                  kMaxExpLog2));
         }
       }
       if (cols_full) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < FragmentSize; ++i) sum_mn(epi_v * FragmentSize + i) += e[i];
+        for (int i = 0; i < FragmentSize; ++i) {
+          const int idx = epi_v * FragmentSize + i;
+          if constexpr (kProbs) {
+            sum_mn(idx) += e[i];
+          } else {
+            sum_mn(idx) += exp_minus(static_cast<float>(z[i]), refl_mn(idx));
+          }
+        }
       } else {
         const int cols_left = static_cast<int>(get<1>(residue));
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < FragmentSize; ++i) {
           const int idx = epi_v * FragmentSize + i;
-          sum_mn(idx) += get<1>(c_mn(idx)) < cols_left ? e[i] : 0.f;
+          const float ei = kProbs ? e[i] : exp_minus(static_cast<float>(z[i]), refl_mn(idx));
+          sum_mn(idx) += get<1>(c_mn(idx)) < cols_left ? ei : 0.f;
         }
       }
       if (warp_targets) {

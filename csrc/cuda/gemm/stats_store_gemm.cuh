@@ -25,39 +25,19 @@ namespace gemm {
 // The fusion callbacks of the store: each accumulator element as it is (already z). Their params are the
 // statistics epilogue's, which StatsStoreEpilogue below reads from the collective's params.
 template <class Element>
-struct StoreLogitsCallbacks {
-  struct SharedStorage {};
-  using Arguments = typename StatsEpilogue<Element>::Arguments;
-  using Params = Arguments;
+struct StoreLogitsCallbacks : TmaCallbacksBase<typename StatsEpilogue<Element>::Arguments> {
+  using Base = TmaCallbacksBase<typename StatsEpilogue<Element>::Arguments>;
+  using typename Base::Arguments;
+  using typename Base::Params;
+  using typename Base::SharedStorage;
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
     return StatsEpilogue<Element>::can_implement(shape, args);
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
 
   CUTLASS_HOST_DEVICE StoreLogitsCallbacks() {}
   CUTLASS_HOST_DEVICE StoreLogitsCallbacks(Params const&, SharedStorage const&) {}
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     template <typename ElementAccumulator, int FragmentSize>

@@ -19,6 +19,39 @@ namespace gemm {
 template <class Collective>
 using PlainCollective = Collective;
 
+// What every fusion callbacks of ours (the root of the TMA collective epilogue's visitor tree) gives CUTLASS alike:
+// its params are its arguments, it needs no workspace, and it loads neither C nor anything through the producer
+// warp. A callbacks type derives from this with its Arguments and adds can_implement, its constructors and its
+// consumer store callbacks.
+template <class Arguments_>
+struct TmaCallbacksBase {
+  struct SharedStorage {};
+  using Arguments = Arguments_;
+  using Params = Arguments_;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+};
+
 template <class Element, Schedule S, class Callbacks, template <class> class Wrap = PlainCollective>
 struct TmaStoreGemm {
   using Config = ScheduleConfig<S>;
