@@ -105,14 +105,16 @@ class ResidentChunks:
     def stored_dtype(self) -> torch.dtype:
         return self.weight.dtype
 
-    def chunks(self, cols: int, last: int = 0) -> Iterator[WeightChunk]:
+    def chunks(self, cols: int, last: int = 0, lead_cols: Optional[int] = None) -> Iterator[WeightChunk]:
         """Chunks ``[0, cols), [cols, 2 cols), …`` of the shard in the compute dtype; with ``last`` (a multiple
-        of ``cols``), those from ``last`` on first and then those before it (:func:`_forward_chunks`)."""
-        starts = range(0, self.num_rows, cols)
+        of ``cols``), those from ``last`` on first, ``lead_cols`` wide (default ``cols``), and then those before
+        it (:func:`_forward_chunks`)."""
+        bounds = [(c0, min(c0 + cols, self.num_rows)) for c0 in range(0, self.num_rows, cols)]
         if 0 < last < self.num_rows:
-            starts = list(range(last, self.num_rows, cols)) + list(range(0, last, cols))
-        for c0 in starts:
-            c1 = min(c0 + cols, self.num_rows)
+            lead = lead_cols or cols
+            bounds = ([(c0, min(c0 + lead, self.num_rows)) for c0 in range(last, self.num_rows, lead)]
+                      + [(c0, min(c0 + cols, last)) for c0 in range(0, last, cols)])
+        for c0, c1 in bounds:
             w = self.weight[c0:c1]
             b = None if self.bias is None else self.bias[c0:c1]
             if w.dtype != self.compute_dtype:
@@ -182,6 +184,30 @@ class KeptLogits:
         if offset < need:
             return None
         return raw[:need].view(torch.float32).view(self.plan.kept_chunks + 1, self.n)
+
+    def regions(self) -> List[Tuple[int, Tensor]]:
+        """The kept chunks as ``(first chunk, [chunks, N, cols] view)`` per storage: the weight gradient's
+        buffer's slots (strided, as :meth:`chunk` finds them), then ``kept``."""
+        out = []
+        if self.in_grad:
+            raw, offset, stride = self.slots
+            size = self.kept.element_size()
+            flat = raw.view(self.kept.dtype)[offset // size:]
+            out.append((0, flat.as_strided((self.in_grad, self.n, self.plan.cols), (stride // size, self.plan.cols, 1))))
+        if self.kept.numel():
+            out.append((self.in_grad, self.kept))
+        return out
+
+    def put_rows(self, chunk: Tensor, col: Tensor, where: Tensor, values: Tensor) -> None:
+        """Entry ``(row i, column col[i])`` of kept chunk ``chunk[i]`` set to ``values[i]`` where ``where[i]``
+        (``[N]`` each): one gather and one scatter per storage region. Each row writes one entry of its own
+        (the others write back what they read), so the scatter has no conflicts."""
+        rows = torch.arange(self.n, device=chunk.device)
+        for first, view in self.regions():
+            count = view.shape[0]
+            ours = where & (chunk >= first) & (chunk < first + count)
+            k = (chunk - first).clamp(0, count - 1)
+            view[k, rows, col] = torch.where(ours, values.to(view.dtype), view[k, rows, col])
 
     def chunk(self, i: int, width: int) -> Tensor:
         if i < self.in_grad:
@@ -381,13 +407,13 @@ def _kept_last(source, kept_classes: int) -> bool:
     return isinstance(source, ResidentChunks) and 0 < kept_classes < source.num_rows
 
 
-def _forward_chunks(source, cols: int, kept_classes: int):
-    """The forward's chunks: where :func:`_kept_last`, the chunks not kept first, so that each kept chunk's
-    statistics GEMM finds every row's max over most classes to fold against (:func:`ops.gemm_chunk_stats_`'s
-    ``reference``). Returns the chunks and whether they come in that order. The sums then fold in this order
-    on every path (same bits on each)."""
+def _forward_chunks(source, cols: int, kept_classes: int, lead_cols: Optional[int] = None):
+    """The forward's chunks: where :func:`_kept_last`, the chunks not kept first (``lead_cols`` wide, default
+    ``cols``), so that each kept chunk's statistics GEMM finds every row's max over most classes to fold against
+    (:func:`ops.gemm_chunk_stats_`'s ``reference``). Returns the chunks and whether they come in that order. The
+    sums then fold in this order on every path (same bits on each)."""
     if _kept_last(source, kept_classes):
-        return source.chunks(cols, last=kept_classes), True
+        return source.chunks(cols, last=kept_classes, lead_cols=lead_cols), True
     return source.chunks(cols), False
 
 
@@ -422,8 +448,11 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     fused = fused_applies(x, target, "stats")
     workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
     cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
+    # The chunks not kept, folded first, take the fused GEMM's wider chunks too (partials only, no workspace;
+    # 70 GEMMs and merges fewer at xc6M), where x suits its loads (else each would need a workspace that wide).
+    lead = _fused_stats_cols(plan, source) if (fused and kept is not None and _tma_ready(x)) else None
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
-    chunks, kept_last = _forward_chunks(source, cols, kept_classes)
+    chunks, kept_last = _forward_chunks(source, cols, kept_classes, _stats_widen_env(lead, plan.cols))
     probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
     for chunk in chunks:
         for r0 in range(0, n, plan.rows):
@@ -489,6 +518,14 @@ def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
 # where the weight is resident in the compute dtype (chunks are slices, never casts) it takes chunks this many
 # times the plan's width: fewer launches, merges and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
 FUSED_STATS_WIDEN = 8
+
+
+def _stats_widen_env(lead: Optional[int], cols: int) -> Optional[int]:
+    """``lead`` (the kept plan's widened forward chunks), or ``cols`` with ``HUGEHEAD_STATS_WIDEN_KEPT=0`` in the
+    environment (read per call: the benchmarks' A/B of the widening)."""
+    if lead is not None and os.environ.get("HUGEHEAD_STATS_WIDEN_KEPT", "1") == "0":
+        return cols
+    return lead
 
 
 def _fused_stats_cols(plan: Plan, source) -> int:
@@ -767,14 +804,15 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     if kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _kept_last(source, kept_classes),
                                         fused_applies(x, target, "stats"), bool(options.label_smoothing),
                                         options.kernel_softcap):
-        factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots.scale_area(),
-                                 plan.kept_chunks, dw_writer if need_weight else None, grad_x)
+        factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots, class_start, source,
+                                 dw_writer if need_weight else None, grad_x, workspace)
     for chunk in source.chunks(plan.cols):
         c0, c1 = chunk.c0, chunk.c1
         db_chunk = None
         if factored is not None and c0 < kept_classes:  # rows whole
-            factored.chunk(chunk, c0 // plan.cols, slots.chunk(c0 // plan.cols, c1 - c0), class_start + c0,
-                           grad_x, dx_partial)
+            factored.chunk(chunk, c0 // plan.cols, slots.chunk(c0 // plan.cols, c1 - c0), grad_x)
+            if c1 >= kept_classes:
+                factored.finish(grad_x)
             yield
             continue
         for r0 in range(0, n, plan.rows):
@@ -822,57 +860,89 @@ FACTORED_MAX_GAP = 60.0
 
 class _FactoredKept:
     """The backward of kept chunks that hold ``e = exp(z - ref_k)`` (:func:`_probs_plan`; ``ref_k`` chunk
-    ``k``'s references, :meth:`KeptLogits.scale_area`): their gradient is ``s e`` with one scale a row, ``s =
-    (g (1 + 2 z_loss lse) + g_lse) exp(ref_k - lse)``, less ``g`` at the target. So no pass turns them into
-    their gradient: the target's entry is overwritten with ``G_t / s`` (G_t from the forward's target logit in
-    float32, as chunk_grad_ computes it), ``dW = eᵀ (s x)`` (``s x`` rounded once to x's dtype) and ``dX += s (e
-    W)`` (e W summed in float32, then scaled). Rows with ``s = 0`` (ignored) have ``s x = 0`` and finite ``e``."""
+    ``k``'s references, :meth:`KeptLogits.scale_area`): their gradient is ``s_k e`` with one scale a row and
+    chunk, ``s_k = (g (1 + 2 z_loss lse) + g_lse) exp(ref_k - lse)``, less ``g`` at the target. So no pass turns
+    them into their gradient: ``dW_k = eᵀ (s_k x)`` (``s_k x`` rounded once to x's dtype) and ``dX += s_k (e W_k)``
+    (``e W_k`` summed in float32, then scaled), each target's entry overwritten with ``G_t / s_k`` (G_t from the
+    forward's target logit in float32, as chunk_grad_ computes it).
 
-    def __init__(self, x, target, lse, grad_rows, options, grad_lse, area, kept_chunks, writer, grad_x):
+    Everything that is not a chunk's two GEMMs is done once for all kept chunks, here: the ``[kept_chunks, N]``
+    scales, and the targets' entries written by one scatter per storage region (:meth:`KeptLogits.regions`), so
+    a kept chunk costs two GEMMs and two small elementwise kernels (its ``s_k x`` and the ``dX`` scale) where it
+    cost chunk_grad_'s pass over its logits (0.27 ms at xc6M on an H200). A row whose lse lies more than
+    :data:`FACTORED_MAX_GAP` above ``ref_k`` (its max is in a chunk folded after this one, a flagged row's) has
+    ``s_k = 0`` there: its entries are dropped but for its target, whose ``G_t`` is added apart by
+    :meth:`finish` (after the kept chunks' ``dW`` are written). Rows with ``s = 0`` (ignored) have ``s x = 0``
+    and finite ``e``."""
+
+    def __init__(self, x, target, lse, grad_rows, options, grad_lse, slots: "KeptLogits", class_start, source,
+                 writer, grad_x, scratch: Optional[Tensor] = None):
         acc = lse.dtype
+        plan = slots.plan
+        k_n, cols = plan.kept_chunks, plan.cols
+        area = slots.scale_area()
         g = grad_rows
         scale = g * (1 + 2 * options.z_loss * lse) if options.z_loss else g
-        self.row_scale = scale + grad_lse if grad_lse is not None else scale
-        p_t = torch.exp(area[kept_chunks] - lse)
+        row_scale = scale + grad_lse if grad_lse is not None else scale
+        # (all read before chunk 0's dW is written over the area)
+        gap = lse[None, :] - area[:k_n]
+        self.scales = torch.where(gap <= FACTORED_MAX_GAP, row_scale[None, :] * torch.exp(-gap),
+                                  torch.zeros((), dtype=acc, device=x.device))
+        p_t = torch.exp(area[k_n] - lse)
         d_t = p_t - 1 + 2 * options.z_loss * lse * p_t if options.z_loss else p_t - 1
-        self.g_t = g * d_t + grad_lse * p_t if grad_lse is not None else g * d_t
-        self.refs = area[:kept_chunks].clone()  # (chunk 0's dW will be written over them)
-        self.x, self.lse, self.target, self.writer = x, lse, target, writer
-        self.x_acc = x.to(acc)  # (once: each chunk scales it by its own s)
-        self.rows = torch.arange(x.shape[0], device=x.device)
-        self.dx = torch.empty(x.shape[0], x.shape[1], dtype=acc, device=x.device) if grad_x is not None else None
+        g_t = g * d_t + grad_lse * p_t if grad_lse is not None else g * d_t
+        kept_classes = k_n * cols
+        local = target - class_start
+        inside = (local >= 0) & (local < kept_classes)
+        cls = local.clamp(0, kept_classes - 1)
+        k_t = torch.div(cls, cols, rounding_mode="floor")
+        s_t = self.scales.gather(0, k_t[None, :])[0]
+        # The target's entry of each row whose target is kept: G_t / s_t, read back by both GEMMs as s_t e_t.
+        fix = (g_t / torch.where(s_t == 0, torch.ones_like(s_t), s_t)).to(x.dtype)
+        slots.put_rows(k_t, cls - k_t * cols, inside & (s_t != 0), fix)
+        # Where s_t is 0 (a far row; or g (1 + 2 z_loss lse) = 0 and no g_lse) G_t goes apart; exact zeros elsewhere.
+        self.apart = torch.where(inside & (s_t == 0), g_t, torch.zeros((), dtype=acc, device=x.device))
+        self.apart_cls = cls
+        self.x, self.source, self.writer = x, source, writer
+        # dX's float32 product and s x: in the streamed chunks' workspace (``scratch``, x's dtype, free until the
+        # first of them, which the stream orders after these) where it is large enough
+        n, d = x.shape
+        size = acc.itemsize // x.dtype.itemsize
+        if scratch is None or scratch.numel() < (size + 1) * n * d or scratch.dtype != x.dtype:
+            scratch = x.new_empty((size + 1) * n * d)
+        self.dx = scratch[: size * n * d].view(acc).view(n, d) if grad_x is not None else None
+        self.xs = scratch[size * n * d: (size + 1) * n * d].view(n, d)
 
-    def chunk(self, chunk: WeightChunk, k: int, e: Tensor, class_start: int, grad_x: Optional[Tensor],
-              dx_partial: Optional[Tensor]) -> None:
-        # A row whose lse lies far above this chunk's reference (its max is in a chunk folded after this one, a
-        # flagged row's) has probabilities below exp(-FACTORED_MAX_GAP) here: s would leave float32's normal
-        # range, so those entries are dropped (s = 0) but for the target's, added apart below.
-        gap = self.lse - self.refs[k]
-        far = ~(gap <= FACTORED_MAX_GAP)
-        s = torch.where(far, torch.zeros_like(gap), self.row_scale * torch.exp(-gap))
-        width = chunk.c1 - chunk.c0
-        local = self.target - class_start
-        inside = (local >= 0) & (local < width)
-        here = inside & (s != 0)
-        col = local.clamp(0, width - 1)
-        fix = (self.g_t / torch.where(s == 0, torch.ones_like(s), s)).to(e.dtype)
-        e[self.rows, col] = torch.where(here, fix, e[self.rows, col])
-        apart = torch.where(inside & far, self.g_t, torch.zeros_like(self.g_t))  # exact zeros elsewhere
+    def chunk(self, chunk: WeightChunk, k: int, e: Tensor, grad_x: Optional[Tensor]) -> None:
+        s = self.scales[k][:, None]
         if self.dx is not None:
-            self.dx.zero_()
-            _add_dx(self.dx, e, chunk.weight, dx_partial)
-            grad_x.addcmul_(self.dx, s[:, None])
-            grad_x.addcmul_(chunk.weight[col].to(grad_x.dtype), apart[:, None])
+            _mm_float(self.dx, e, chunk.weight)
+            grad_x.addcmul_(self.dx, s)
         if self.writer is not None:
-            plain_x = self.writer.x
-            self.writer.x = (self.x_acc * s[:, None]).to(self.x.dtype)
+            torch.mul(self.x, s, out=self.xs)  # in float32 (s's dtype), rounded once to x's dtype
+            plain_x, self.writer.x = self.writer.x, self.xs
             self.writer.write(chunk, e, None)
             self.writer.x = plain_x
-            # (the weight is in x's dtype here, _probs_plan). Every other row adds exact zeros, so the order of
-            # index_add_'s atomics changes no bit unless two such rows share a target in one chunk; index_put_'s
-            # sorted accumulate took 2.4 ms a chunk at xc6M.
-            dw = self.writer.source.grad_weight_out(chunk.c0, chunk.c1, self.x.dtype)
-            dw.index_add_(0, col, (self.x_acc * apart[:, None]).to(dw.dtype))
+
+    def finish(self, grad_x: Optional[Tensor]) -> None:
+        """The targets' gradients taken apart (:attr:`apart`: zero but where ``s_t`` was), once every kept chunk's
+        ``dW`` is written. Every other row adds exact zeros, so the order of index_add_'s atomics changes no bit
+        unless two such rows (rare: a flagged chunk's) share a target."""
+        apart = self.apart[:, None]
+        if grad_x is not None:
+            grad_x.addcmul_(self.source.weight[self.apart_cls], apart)  # (in float32, grad_x's dtype)
+        if self.writer is not None:
+            dw = self.source.grad_weight_out(0, self.source.num_rows, self.x.dtype)
+            dw.index_add_(0, self.apart_cls, torch.mul(self.x, apart, out=self.xs))
+
+
+def _mm_float(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out = a @ b`` into a float32 ``out`` from 16-bit ``a``, ``b``: summed in float32 on CUDA (cuBLAS's
+    ``out_dtype``), elsewhere through ``a``'s dtype (as :func:`_add_dx`'s partial)."""
+    if a.is_cuda:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
 
 
 def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,

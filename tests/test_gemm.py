@@ -1070,7 +1070,7 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("case", ["plain", "z_loss", "flagged", "logits"])
+@pytest.mark.parametrize("case", ["plain", "z_loss", "flagged", "far_target", "logits"])
 def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, case, device):
     """bf16 with chunks kept in the weight gradient's buffer and the fused ops emulated on the CPU: the forward
     folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
@@ -1078,7 +1078,8 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     W), the target's entry from the forward's target logit). Loss, dX and dW within 2x the error of the same step
     keeping the logits (HUGEHEAD_KEPT_PROBS=0, the default) against float64, plus bf16's eps; "flagged": a kept
     class's logit far above the rest on some rows, whose kept values then take that chunk's own max as their
-    reference;
+    reference; "far_target": those logits in a later kept chunk than the rows' targets, so the targets' chunks
+    have the rows far below their lse (s = 0 there: the targets' gradients go apart, _FactoredKept.finish);
     "logits": HUGEHEAD_KEPT_PROBS=0 itself, bitwise. On "cuda" the fused ops themselves run (an H200)."""
     from hugehead import loop
     from hugehead.functional import loss_plan
@@ -1097,10 +1098,15 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     x, w = x.detach(), w.detach()
     chunks = -(-v // plan.cols)
     assert plan.kept_in_grad >= 2 and plan.kept_chunks < chunks, plan
-    if case == "flagged":  # rows 0 and 3: a kept class's logit 100, ~95 above any other of theirs
+    if case in ("flagged", "far_target"):  # rows 0 and 3: a kept class's logit 100, ~95 above any other of theirs
         w = w.clone()
+        far = case == "far_target"
         for row, cls in ((0, 5), (3, 6)):
+            cls += (plan.kept_chunks - 1) * plan.cols if far else 0
             w[cls] = (100 * x[row].float() / x[row].float().square().sum()).to(w.dtype)
+        if far:  # their targets in the first two kept chunks, folded before the chunk with that logit
+            target = target.clone()
+            target[0], target[3] = 7, plan.cols + 9
     if device == "cpu":
         _emulate_fused_ops(monkeypatch)
     made = []
@@ -1119,6 +1125,40 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
         err, err_plain = rel_err(a, r), rel_err(p, r)
         assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
+
+
+def test_kept_logits_put_rows_writes_one_entry_a_row_in_either_storage():
+    """KeptLogits.put_rows (the factored backward's one scatter of the targets' entries): entry (i, col[i]) of
+    kept chunk chunk[i] gets values[i] where asked, in the weight gradient's buffer's slots and in the kept
+    tensor alike, and nothing else of either changes (the store's bytes outside the slots included)."""
+    from hugehead.loop import KeptLogits
+    from hugehead.plan import Plan
+
+    n, d, v, cols, kept_chunks, in_grad = 16, 8, 256, 32, 5, 3
+    plan = Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=kept_chunks, kept_in_grad=in_grad)
+    gen = torch.Generator().manual_seed(5)
+    store = torch.randn(v, d, generator=gen).to(torch.bfloat16)
+    kept = torch.randn(kept_chunks - in_grad, n, cols, generator=gen).to(torch.bfloat16)
+    slots = KeptLogits(plan, kept, store, n)
+    expect = [slots.chunk(i, cols).clone() for i in range(kept_chunks)]
+    chunk = torch.randint(0, kept_chunks, (n,), generator=gen)
+    col = torch.randint(0, cols, (n,), generator=gen)
+    where = torch.rand(n, generator=gen) < 0.7
+    values = torch.randn(n, generator=gen)
+    for r in range(n):
+        if where[r]:
+            expect[int(chunk[r])][r, int(col[r])] = values[r].to(torch.bfloat16)
+    outside = store.clone().view(-1).view(torch.uint8)
+    slots.put_rows(chunk, col, where, values)
+    assert where.any() and (~where).any()
+    for i in range(kept_chunks):
+        assert torch.equal(slots.chunk(i, cols), expect[i]), i
+    # the store's bytes that no slot covers are as they were
+    raw, offset, stride = slots.slots
+    covered = torch.zeros(raw.numel(), dtype=torch.bool)
+    for i in range(in_grad):
+        covered[offset + i * stride: offset + i * stride + n * cols * 2] = True
+    assert torch.equal(raw[~covered], outside[~covered])
 
 
 @pytest.mark.parametrize("budget", ["default", "rows", "keep_all"])
