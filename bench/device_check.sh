@@ -23,6 +23,8 @@
 #   BUILD_WHEEL_DIR  the build step also leaves its wheel there (e.g. under $OUT, to come back);
 #   HUGEHEAD_WHEEL   the build step installs this wheel (one an earlier call built from the same commit,
 #                carried back) instead of building: a second call of a long benchmark saves the build.
+#   HUGEHEAD_WHEEL_OVERLAY=1  with HUGEHEAD_WHEEL: the tree's hugehead/*.py then replace the installed ones
+#                (a later commit that changed Python files only; check csrc/, setup.py, CMakeLists.txt first).
 # What comes back under $OUT: check.log (every step's command, time, status and output tail),
 # logs.tar.gz (full logs), junit.xml, results/lce.{json,md,png}, sanitizer/{version.txt,<tool>.log}.
 # shellcheck disable=SC2317  # the step functions are called through "step NAME FUNCTION"
@@ -131,6 +133,14 @@ build() {
     if [ -n "${HUGEHEAD_WHEEL:-}" ]; then
         "$PY" -m pip install --no-deps --force-reinstall "$HUGEHEAD_WHEEL" || return 1
         echo "INSTALLED $HUGEHEAD_WHEEL: built by an earlier call (BUILD_WHEEL_DIR), not here"
+        if [ "${HUGEHEAD_WHEEL_OVERLAY:-0}" = 1 ]; then
+            # A commit that changed Python files only (csrc/, setup.py and CMakeLists.txt as the wheel's):
+            # the tree's package laid over the installed one, the wheel's compiled extension kept.
+            local site
+            site=$("$PY" -P -c "import hugehead, os; print(os.path.dirname(hugehead.__file__))") || return 1
+            (cd hugehead && find . -name '*.py' -exec cp --parents {} "$site/" \;) || return 1
+            echo "OVERLAID the tree's Python sources on $site (the wheel's compiled extension kept)"
+        fi
         return 0
     fi
     if [ -n "${BUILD_WHEEL_DIR:-}" ]; then
