@@ -424,14 +424,15 @@ def _probs_plan(x: Tensor, source, target, plan: Plan, slots: Optional[KeptLogit
     GEMM folding against that reference (bf16, no bias, softcap or logit sums, rows whole, the others first),
     and room in the weight gradient's buffer to tell the backward the references (:meth:`KeptLogits.scale_area`).
     The forward and the backward both ask it (the same inputs, options and plan: the same answer), so nothing
-    else tells the backward what its kept chunks hold. Off by default: ``HUGEHEAD_KEPT_PROBS=1`` (environment,
-    read per call; change it between steps only) turns it on, for A/B runs. One H200 at 8c1febf (ab_env, two
-    rounds): xc6M 223.49 ms on against 224.93 off (chunk_grad_'s 5.9 ms gone, but ~5 ms of small per-chunk
-    kernels and their launch gaps came instead), xc6M_16k 935.59 against 926.55."""
+    else tells the backward what its kept chunks hold. ``HUGEHEAD_KEPT_PROBS=0`` (environment, read per call;
+    change it between steps only) turns it off: the kept chunks then hold their logits and chunk_grad_ turns
+    them into their gradient (the A/B). One H200 at 8c1febf, the first factored backward (a dozen small kernels
+    a chunk): xc6M 223.49 ms on against 224.93 off, xc6M_16k 935.59 against 926.55; the second (855a7e7: per
+    chunk two GEMMs and two small kernels, the rest once a step) in bench/NOTES.md."""
     return (fused and kept_last and slots is not None and isinstance(target, Tensor) and plan.rows >= x.shape[0]
             and x.dtype == torch.bfloat16 and source.weight.dtype == x.dtype and source.bias is None
             and not logit_sum and not softcap
-            and slots.scale_area() is not None and os.environ.get("HUGEHEAD_KEPT_PROBS", "0") == "1"
+            and slots.scale_area() is not None and os.environ.get("HUGEHEAD_KEPT_PROBS", "1") != "0"
             and os.environ.get("HUGEHEAD_GEMM_STATS_REF", "1") != "0")
 
 

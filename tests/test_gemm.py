@@ -850,17 +850,20 @@ def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch,
     rest recomputed by the gradient GEMM: loss, dX and dW within 2x the error of the same step keeping none there
     (HUGEHEAD_KEEP_IN_GRAD=0) against float64, bitwise repeatable. Without label smoothing the kept chunks fold
     against the row max of the others (the reference kernel), unless HUGEHEAD_GEMM_STATS_REF=0 ("ref_off"); with
-    HUGEHEAD_KEPT_PROBS=1 ("probs") they keep exp(z - ref) for the factored backward."""
+    HUGEHEAD_KEPT_PROBS=1 ("probs", the default; 0 in the others) they keep exp(z - ref) for the factored
+    backward."""
     from hugehead.functional import loss_plan
 
     monkeypatch.setenv("HUGEHEAD_ROWS", "0")
     monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
     if stats_store == "ref_off":
         monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
-    elif stats_store == "probs":
+    if stats_store == "probs":
         monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "1")
     else:
-        monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
+        monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
+        if stats_store != "ref_off":
+            monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
     n, d, v = 1024, 128, 40000
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
     x, w = x.cuda(), w.cuda()
@@ -1076,7 +1079,7 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
     loop._probs_plan), and the backward takes them without a pass (loop._FactoredKept: dW = eᵀ (s x), dX = s (e
     W), the target's entry from the forward's target logit). Loss, dX and dW within 2x the error of the same step
-    keeping the logits (HUGEHEAD_KEPT_PROBS=0, the default) against float64, plus bf16's eps; "flagged": a kept
+    keeping the logits (HUGEHEAD_KEPT_PROBS=0) against float64, plus bf16's eps; "flagged": a kept
     class's logit far above the rest on some rows, whose kept values then take that chunk's own max as their
     reference; "far_target": those logits in a later kept chunk than the rows' targets, so the targets' chunks
     have the rows far below their lse (s = 0 there: the targets' gradients go apart, _FactoredKept.finish);
