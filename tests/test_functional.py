@@ -726,20 +726,27 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, ke
     w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16) / 4
     b = torch.randn(v, device="cuda", dtype=torch.bfloat16)
     target = torch.randint(0, v, (n,), device="cuda")
+    from hugehead.functional import loss_plan
+
     itemsize = 2
-    # Room for the dX buffers and two workspaces (and, with keep, one kept chunk).
+    # Room for the dX buffers and two workspaces (and, with keep, one kept chunk); the one-stream loop gets one
+    # workspace less, so that both keep the same chunks (a chunk more kept would fold in another order: the
+    # forward takes the chunks it does not keep first).
     budget = n * d * (itemsize + 4) + (3 if keep else 2) * n * cols * itemsize + 1024
-    results = {}
+    results, plans = {}, {}
     for overlap in ("0", "1"):
         monkeypatch.setenv("HUGEHEAD_OVERLAP", overlap)
-        plan = plan_chunks(n, d, v, torch.bfloat16, torch.device("cuda"), None, budget)
-        assert plan.overlap == (overlap == "1") and plan.cols == cols and plan.keep_logits == (keep and overlap == "1") \
-            or overlap == "0", plan
+        given = budget - (n * cols * itemsize if overlap == "0" else 0)
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        loss = hugehead.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], memory_budget=budget,
+        plans[overlap] = plan = loss_plan(leaves[0], leaves[1], target, leaves[2], memory_budget=given)
+        # (the weight gradient's buffer keeps a chunk either way; the budget one more with keep)
+        assert plan.overlap == (overlap == "1") and plan.cols == cols and \
+            plan.kept_chunks - plan.kept_in_grad == int(keep), plan
+        loss = hugehead.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], memory_budget=given,
                                              label_smoothing=0.1, z_loss=1e-3)
         loss.backward()
         results[overlap] = [loss.detach()] + [t.grad for t in leaves]
+    assert (plans["0"].kept_chunks, plans["0"].kept_in_grad) == (plans["1"].kept_chunks, plans["1"].kept_in_grad)
     for a, b_ in zip(results["0"], results["1"]):
         assert torch.equal(a, b_)
 
