@@ -451,9 +451,12 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
     # The chunks not kept, folded first, take the fused GEMM's wider chunks too (partials only, no workspace;
     # 70 GEMMs and merges fewer at xc6M), where x suits its loads (else each would need a workspace that wide).
-    lead = _fused_stats_cols(plan, source) if (fused and kept is not None and _tma_ready(x)) else None
+    # HUGEHEAD_STATS_WIDEN_KEPT=0 (environment, read per call): the plan's width, the benchmarks' A/B.
+    widen = (fused and kept is not None and _tma_ready(x)
+             and os.environ.get("HUGEHEAD_STATS_WIDEN_KEPT", "1") != "0")
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
-    chunks, kept_last = _forward_chunks(source, cols, kept_classes, _stats_widen_env(lead, plan.cols))
+    chunks, kept_last = _forward_chunks(source, cols, kept_classes,
+                                        _fused_stats_cols(plan, source) if widen else None)
     probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
     for chunk in chunks:
         for r0 in range(0, n, plan.rows):
@@ -519,14 +522,6 @@ def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
 # where the weight is resident in the compute dtype (chunks are slices, never casts) it takes chunks this many
 # times the plan's width: fewer launches, merges and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
 FUSED_STATS_WIDEN = 8
-
-
-def _stats_widen_env(lead: Optional[int], cols: int) -> Optional[int]:
-    """``lead`` (the kept plan's widened forward chunks), or ``cols`` with ``HUGEHEAD_STATS_WIDEN_KEPT=0`` in the
-    environment (read per call: the benchmarks' A/B of the widening)."""
-    if lead is not None and os.environ.get("HUGEHEAD_STATS_WIDEN_KEPT", "1") == "0":
-        return cols
-    return lead
 
 
 def _fused_stats_cols(plan: Plan, source) -> int:

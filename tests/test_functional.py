@@ -715,6 +715,7 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, ke
     """The overlapped loop (statistics and gradient kernels on a side stream) runs the same kernels on the
     same data as the one-stream loop: loss and every gradient are bitwise equal, and the plan used it. (The
     side stream is the cuBLAS path's: the fused CUTLASS GEMMs have no separate kernels to overlap.)"""
+    from hugehead.functional import loss_plan
     from hugehead.loop import _MAX_COLS
 
     monkeypatch.setenv("HUGEHEAD_GEMM", "cublas")
@@ -726,8 +727,6 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, ke
     w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16) / 4
     b = torch.randn(v, device="cuda", dtype=torch.bfloat16)
     target = torch.randint(0, v, (n,), device="cuda")
-    from hugehead.functional import loss_plan
-
     itemsize = 2
     # Room for the dX buffers and two workspaces (and, with keep, one kept chunk); the one-stream loop gets one
     # workspace less, so that both keep the same chunks (a chunk more kept would fold in another order: the
