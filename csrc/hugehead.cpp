@@ -15,8 +15,8 @@ TORCH_LIBRARY(hugehead, m) {
   // The logits are rounded to x's dtype (as a stored GEMM output would be) before the statistics.
   // with_logit_sum=False: logit_sum is left as it is (only label smoothing needs it; the GEMM skips it).
   // logits [N, C] (x's dtype, optional): the same GEMM also stores the logits there (no softcap).
-  // reference [N] float32 (optional, with logits): each row's max over the chunks folded before, which the
-  // GEMM folds against; probs=True (bf16): logits gets exp(min(z - reference, 80)) in place of z, and a row
+  // reference [N] float32 (optional): each row's max over the chunks folded before, which the GEMM folds against
+  // (it may be row_max itself); probs=True (bf16): logits gets exp(min(z - reference, 80)) in place of z, and a row
   // folded again (its logits far above the reference) exp(z - M) with reference[row] set to M, its chunk max.
   m.def(
       "gemm_chunk_stats_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, float softcap, "

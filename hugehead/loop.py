@@ -458,12 +458,14 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     chunks, kept_last = _forward_chunks(source, cols, kept_classes,
                                         _fused_stats_cols(plan, source) if widen else None)
     probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
-    for chunk in chunks:
+    fold_ref = os.environ.get("HUGEHEAD_STATS_REF_ALL", "1") != "0"
+    for j, chunk in enumerate(chunks):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             rows = RowStats(*(s[r0:r1] for s in stats))
-            if chunk.c0 >= kept_classes and fused and _fused_stats(x[r0:r1], chunk, target[r0:r1],
-                                                                   class_start + chunk.c0, softcap, rows, logit_sum):
+            if chunk.c0 >= kept_classes and fused and _fused_stats(
+                    x[r0:r1], chunk, target[r0:r1], class_start + chunk.c0, softcap, rows, logit_sum,
+                    reference=rows.max if fold_ref and j > 0 else None):
                 continue
             if chunk.c0 < kept_classes:
                 k = chunk.c0 // plan.cols
@@ -578,14 +580,19 @@ KEPT_PROBS_REBASE = 50.0
 
 
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
-                 stats: RowStats, logit_sum: bool = True) -> bool:
+                 stats: RowStats, logit_sum: bool = True, reference: Optional[Tensor] = None) -> bool:
     """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM (``logit_sum`` False:
     ``stats.logit_sum`` left as it is, for a loss that never reads it); False (nothing done) when this
-    chunk's layout does not suit it."""
+    chunk's layout does not suit it. ``reference``: ``stats.max`` once a chunk has been folded into it (the
+    forward passes it for every chunk after its first; ``HUGEHEAD_STATS_REF_ALL=0`` in the environment, read
+    per call, does not: the A/B). Where :func:`ops.gemm_chunk_stats_` takes it (no bias, softcap or logit sums,
+    depths under 2048) the epilogue folds exp(z - max so far) with no max of its own: no max pass over its
+    tile, and the row max stays the first chunk's (a row whose chunk lies ~55 above it is folded again exactly).
+    One H200: bench/NOTES.md, session 21."""
     if not _fused_layout(x, chunk):
         return False
     ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target, class_start, softcap, *stats,
-                          with_logit_sum=logit_sum)
+                          with_logit_sum=logit_sum, reference=reference)
     return True
 
 

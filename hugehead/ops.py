@@ -89,14 +89,15 @@ def gemm_chunk_stats_(
             (``acc + bias`` rounded once to x's dtype), written through shared memory by TMA: unit column
             stride, a row stride and ``C`` that are multiples of 8, a 16-byte aligned start. Not with
             ``softcap`` (kept logits are stored uncapped; :func:`chunk_grad_` applies the cap).
-        reference: ``[N]`` float32 contiguous, or None. With ``logits``, no bias and no logit sums: each row's
-            max over the chunks folded before (finite), which the GEMM folds each (row, tile) against, ``sum
-            exp(z - reference)`` and no max of its own, beside the logits' TMA store: an epilogue of about the
-            gradient GEMM's cost where the fold and the store otherwise run one after the other. A row whose
-            chunk holds a logit ~55 above its reference (or whose reference is not finite) is flagged and folded
-            again exactly by a slow kernel, so the statistics are right either way; ``row_max`` stays at the
-            reference where it was that. Elsewhere ignored. ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read
-            per call) turns it off.
+        reference: ``[N]`` float32 contiguous, or None (it may be ``row_max`` itself). Without bias, softcap
+            and logit sums: each row's max over the chunks folded before (finite), which the GEMM folds each
+            (row, tile) against, ``sum exp(z - reference)`` and no max of its own. With ``logits``, beside the
+            logits' TMA store: an epilogue of about the gradient GEMM's cost where the fold and the store
+            otherwise run one after the other; without, where the schedule is pingpong_cluster_192 (the
+            default below a depth of 2048): no max pass over the tile. A row whose chunk holds a logit ~55 above
+            its reference (or whose reference is not finite) is folded again exactly by the merge kernel (slow,
+            one warp a row), so the statistics are right either way; ``row_max`` stays at the reference where it
+            was that. Elsewhere ignored. ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read per call) turns it off.
         probs: with ``reference`` (bf16, no bias, no logit sums): ``logits`` gets ``exp(min(z - reference,
             80))`` rounded to bf16 in place of z: the chunk's probabilities up to each row's scale
             ``exp(reference - lse)``, for the loop's factored backward; a flagged row gets ``exp(z - M)``
@@ -144,6 +145,13 @@ def gemm_chunk_grad_(
         target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse: as
             for :func:`chunk_grad_` (float32 ``[N]`` vectors).
         grad_logits: ``[N, C]`` in x's dtype, unit column stride (any row stride), written.
+
+    The plain loss (no bias, softcap, z-loss or ``grad_lse``) into a 16-byte aligned ``grad_logits`` takes the
+    TMA-stored epilogue; there, without label smoothing, a row with ``grad_rows > 0`` gets ``g p`` as
+    ``exp(z - lse + log g)``: one multiply an element fewer, not the bits of ``chunk_grad_``'s ``g * p``
+    (float32's rounding of the exponent's offset, ~1e-7 relative before the rounding to x's dtype).
+    ``HUGEHEAD_GEMM_GRAD_FOLD=0`` (environment, read per call) keeps ``g * p``, the same bits as
+    ``chunk_grad_`` on cuBLAS's logits up to the GEMM's summation order.
 
     Raises:
         RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build

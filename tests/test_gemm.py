@@ -276,14 +276,15 @@ REF_SHAPES = [(5, 296, 64, 0), (257, 1000 + 8, 768, 500), (1000, 3000 + 8, 768, 
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,d,class_start", REF_SHAPES)
-@pytest.mark.parametrize("probs", [False, True])
-def test_stats_against_a_reference(dtype, n, c, d, class_start, probs):
-    """reference= each row's max so far (a kept chunk the loop folds after the chunks it does not keep; no bias,
-    no logit sums): each (row, tile) folds against it (stats_ref_gemm.cuh). The target logits are bitwise the
-    fold's, and lse = row_max + log(row_sumexp) is float64's on the fold's stored logits within float32
-    rounding -- also for rows with no max yet (row 0: -inf) and rows whose max lies far below this chunk's
-    logits (every 7th: flagged, folded again exactly by the fix kernel); the other rows keep row_max. The
-    stored values are the fold's logits bitwise, or with probs=True (bf16) exp(min(z - ref, 80)) within
+@pytest.mark.parametrize("probs,stored", [(False, True), (True, True), (False, False)])
+def test_stats_against_a_reference(dtype, n, c, d, class_start, probs, stored):
+    """reference= each row's max so far (no bias, no logit sums): each (row, tile) folds against it -- with
+    stored logits (a kept chunk the loop folds after the chunks it does not keep) stats_ref_gemm.cuh's TMA
+    kernel, without them (every chunk after the forward's first) stats_gemm.cuh's fold_ref. The target logits
+    are bitwise the fold's, and lse = row_max + log(row_sumexp) is float64's on the fold's stored logits within
+    float32 rounding -- also for rows with no max yet (row 0: -inf) and rows whose max lies far below this
+    chunk's logits (every 7th: flagged, folded again exactly by the merge kernel); the other rows keep row_max.
+    The stored values are the fold's logits bitwise, or with probs=True (bf16) exp(min(z - ref, 80)) within
     bf16's rounding of float64's."""
     if probs and dtype != torch.bfloat16:
         pytest.skip("probabilities are kept in bf16 only")
@@ -298,7 +299,7 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start, probs):
     plain = [t.cuda() for t in start]
     ours = [t.cuda() for t in start]
     z_plain = torch.empty(n, c, dtype=dtype, device="cuda")
-    z = torch.full_like(z_plain, float("nan"))
+    z = torch.full_like(z_plain, float("nan")) if stored else None
     ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *plain, with_logit_sum=False, logits=z_plain)
     reference = start[0].cuda()
     ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *ours, with_logit_sum=False, logits=z,
@@ -321,7 +322,8 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start, probs):
         tol = torch.where(again_rows[:, None], 2 * loose + 2 ** -8, torch.full_like(loose, 2 ** -7)) * e + 1e-30
         assert ((z.double().cpu() - e).abs() <= tol).all()
     else:
-        assert torch.equal(z, z_plain)
+        if stored:
+            assert torch.equal(z, z_plain)
         assert torch.equal(reference.cpu(), start[0])
     assert torch.equal(ours[2], plain[2]) and torch.equal(ours[3], plain[3])
     m_old, s_old = start[0].double(), start[1].double()
@@ -337,28 +339,35 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start, probs):
     kept = torch.isfinite(start[0]) & ~far
     assert torch.equal(ours[0].cpu()[kept], start[0][kept])
     again = [t.cuda() for t in start]
-    z_again = torch.empty_like(z)
+    z_again = torch.empty_like(z) if stored else None
     ops.gemm_chunk_stats_(xc, wc, None, target, class_start, 0.0, *again, with_logit_sum=False, logits=z_again,
                           reference=start[0].cuda(), probs=probs)
-    for a, r in zip(again + [z_again], ours + [z]):
+    for a, r in zip(again + ([z_again] if stored else []), ours + ([z] if stored else [])):
         assert torch.equal(a, r)
 
 
 @requires_fused
 def test_reference_applies_only_where_it_can(monkeypatch):
-    """A reference with a bias, with logit sums, without stored logits, or with HUGEHEAD_GEMM_STATS_REF=0 runs
-    the ordinary fold: bitwise the call without it; probs=True where that happens (or in fp16, or without a
-    reference) raises, naming the problem."""
+    """A reference with a bias, with logit sums, without stored logits on a schedule other than
+    pingpong_cluster_192 (fold_ref's only one), or with HUGEHEAD_GEMM_STATS_REF=0 runs the ordinary fold:
+    bitwise the call without it; probs=True where that happens (or in fp16, or without a reference) raises,
+    naming the problem."""
     n, c, d = 300, 1000, 128
     x, w, b = _inputs(n, c, d, torch.bfloat16, bias=True, seed=31)
     xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
     target = _targets(n, c, 0, c, 31).cuda()
     cases = [dict(bias=bc, with_logit_sum=False, store=True), dict(bias=None, with_logit_sum=True, store=True),
-             dict(bias=None, with_logit_sum=False, store=False), dict(bias=None, with_logit_sum=False, store=True,
-                                                                     env=True)]
+             dict(bias=None, with_logit_sum=False, store=False, schedule="pingpong_cluster"),
+             dict(bias=None, with_logit_sum=False, store=False, schedule="cooperative"),
+             dict(bias=None, with_logit_sum=False, store=True, env=True),
+             dict(bias=None, with_logit_sum=False, store=False, env=True)]
     for case in cases:
         if case.get("env"):
             monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
+        if case.get("schedule"):
+            monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", case["schedule"])
+        else:
+            monkeypatch.delenv("HUGEHEAD_GEMM_SCHEDULE", raising=False)
         out = {}
         for reference in (None, _start_state(n, 31)[0].cuda()):
             state = [t.cuda() for t in _start_state(n, 31)]
@@ -597,8 +606,9 @@ def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dty
 def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch, dtype, n, c, class_start, eps,
                                                        pad):
     """The TMA-stored gradient (grad_tma_gemm.cuh) and the register epilogue's (grad_gemm.cuh) compute the same
-    arithmetic per element: the same bits, ignored rows and the targets' elements included, and nothing is
-    written beside the chunk."""
+    arithmetic per element (with g * p: HUGEHEAD_GEMM_GRAD_FOLD=0): the same bits, ignored rows and the targets'
+    elements included, and nothing is written beside the chunk."""
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
     d, seed = 768, n + c
     x, w, _ = (t.cuda() if t is not None else None for t in _inputs(n, c, d, dtype, bias=False, seed=seed))
     num_classes = class_start + c + 100
@@ -625,7 +635,9 @@ def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch,
 def test_grad_tma_store_without_ignored_rows_writes_the_direct_stores_bits(tma_schedule, eps, monkeypatch):
     """No ignored row, and a target in the chunk for one row in eight: most warps' tiles then hold no target
     and no row with g == 0, and take the TMA epilogue's path without the per-element compare and select. The
-    same bits as the direct stores (which always compare), and the float64 gradient."""
+    same bits as the direct stores (which always compare; g * p: HUGEHEAD_GEMM_GRAD_FOLD=0), and the float64
+    gradient."""
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
     n, c, d, class_start = 1024, 4096, 768, 128
     x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=17)
     num_classes = class_start + c + 100
@@ -647,6 +659,55 @@ def test_grad_tma_store_without_ignored_rows_writes_the_direct_stores_bits(tma_s
     cublas = xc @ wc.t()
     ops.chunk_grad_(cublas, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None)
     err, err_cublas = rel_err(outs[0].cpu(), ref), rel_err(cublas.cpu(), ref)
+    assert err <= 2 * err_cublas + torch.finfo(torch.bfloat16).eps, f"rel err {err:.3g}, cuBLAS path {err_cublas:.3g}"
+
+
+@requires_fused
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("n,c,class_start", [(1024, 4096, 128), (1000, 3008, 0), (257, 1000, 500)])
+def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_start):
+    """The TMA-stored gradient with g folded into the exponent (the default, HUGEHEAD_GEMM_GRAD_FOLD unset):
+    within one bf16 rounding of g * p's gradient (HUGEHEAD_GEMM_GRAD_FOLD=0) element by element -- rows with
+    g > 0, ignored rows (exact zeros), rows with g < 0 and a NaN g (kept as g * p) and the targets' elements --
+    and float64's within 2x the cuBLAS path's error; bitwise repeatable. With label smoothing the fold does not
+    apply: the bits of g * p."""
+    d = 768
+    x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=n + c + 41)
+    num_classes = class_start + c + 100
+    target = _targets(n, c, class_start, num_classes, n + c + 41)
+    lse, grad_rows, _ = _grad_inputs(n, c, n + c + 41, False)
+    grad_rows[2::11] *= -3.0  # a negative upstream gradient (a loss scaled by -1, say)
+    grad_rows[7] = float("nan")
+    xc, wc, tc, lc, gc = (t.cuda() for t in (x, w, target, lse, grad_rows))
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", "tma")  # (raises where it does not apply: it ran)
+    outs = {}
+    for fold in ("1", "0", "1"):
+        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", fold)
+        out = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
+        ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, out)
+        if fold in outs:
+            assert torch.equal(out, outs[fold])  # bitwise repeatable
+        outs[fold] = out
+    folded, plain = outs["1"].float().cpu(), outs["0"].float().cpu()
+    if eps > 0:
+        assert torch.equal(outs["1"], outs["0"])
+        return
+    nan_row = torch.zeros(n, dtype=torch.bool)
+    nan_row[7] = True
+    assert torch.isnan(folded[nan_row]).all() and not torch.isnan(folded[~nan_row]).any()
+    assert torch.all(folded[grad_rows == 0] == 0), "ignored rows must be exact zeros"
+    assert torch.count_nonzero(folded[(grad_rows != 0) & ~nan_row]) > folded.numel() // 4
+    ok = ~nan_row
+    # one bf16 rounding apart at most (each is float32's result rounded once)
+    diff = (folded[ok] - plain[ok]).abs()
+    assert (diff <= 2 ** -8 * plain[ok].abs() + 1e-38).all(), float((diff / plain[ok].abs().clamp_min(1e-30)).max())
+    assert (folded[ok] != plain[ok]).float().mean() < 0.05
+    keep = grad_rows.isfinite()
+    ref = _float64_grad(x, w, None, target, class_start, num_classes, lse, grad_rows.nan_to_num(), eps, 0.0, 0.0,
+                        None)
+    cublas = xc @ wc.t()
+    ops.chunk_grad_(cublas, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None)
+    err, err_cublas = rel_err(folded[keep], ref[keep]), rel_err(cublas.cpu()[keep], ref[keep])
     assert err <= 2 * err_cublas + torch.finfo(torch.bfloat16).eps, f"rel err {err:.3g}, cuBLAS path {err_cublas:.3g}"
 
 
@@ -1024,6 +1085,48 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     assert len(calls["stats"]) == math.ceil(v / (cols * widen)), calls
     assert len(calls["grad"]) == math.ceil(v / cols), calls
     ref = _lce_float64(x, w, b, target, **opts)
+    for ours, theirs, r in zip(fused, plain, ref):
+        assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
+
+
+@pytest.mark.parametrize("env", ["1", "0"])
+@pytest.mark.parametrize("memory", ["default", "rows"])
+def test_forward_folds_later_chunks_against_the_running_max(monkeypatch, env, memory):
+    """Every fused statistics call after the forward's first chunk gets reference = the running row max (the
+    rows' slice of it, the tensor the merge updates), the first chunk none; HUGEHEAD_STATS_REF_ALL=0 passes
+    none. With the fold against a reference emulated on the CPU (no bias, no logit sums: where the kernel takes
+    it), loss and gradients match float64 as the cuBLAS path does."""
+    from hugehead import loop
+
+    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 2)
+    monkeypatch.setenv("HUGEHEAD_STATS_REF_ALL", env)
+    n, d, v, cols = 37, 16, 1000, 64
+    x, w, _ = _inputs(n, v, d, torch.float32, bias=False, seed=24)
+    target = _targets(n, v, 0, v, 24)
+    opts = dict(chunk_size=cols)
+    if memory == "rows":  # rows split into blocks of 8
+        opts["memory_budget"] = 8 * (cols * 4 + d * (4 + 4))
+    plain = _lce_grads(x, w, None, target, **opts)
+    _emulate_fused_ops(monkeypatch)
+    refs = []  # (rows, class_start, reference) of each call
+    emulated = ops.gemm_chunk_stats_
+
+    def recording(x_, w_, b_, t_, class_start, *a, reference=None, **kw):
+        refs.append((x_.shape[0], class_start, reference))
+        return emulated(x_, w_, b_, t_, class_start, *a, reference=reference, **kw)
+
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", recording)
+    fused = _lce_grads(x, w, None, target, **opts)
+    assert refs
+    firsts = [r for r in refs if r[1] == 0]
+    assert firsts and all(r[2] is None for r in firsts), refs
+    later = [r for r in refs if r[1] > 0]
+    if env == "0":
+        assert all(r[2] is None for r in later), refs
+    else:
+        assert later and all(r[2] is not None and r[2].shape == (r[0],) and r[2].dtype == torch.float32
+                             for r in later), refs
+    ref = _lce_float64(x, w, None, target, **opts)
     for ours, theirs, r in zip(fused, plain, ref):
         assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
 

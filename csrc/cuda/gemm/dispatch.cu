@@ -110,14 +110,19 @@ StatsStore stats_store_from_env() {
   return StatsStore::kTma;
 }
 
-bool stats_ref_applies(const StatsGemmParams& p) {
+bool stats_ref_applies(const StatsGemmParams& p, Schedule asked) {
   const char* v = std::getenv("HUGEHEAD_GEMM_STATS_REF");
-  return p.reference != nullptr && p.logits != nullptr && p.bias == nullptr &&
-         !(p.softcap > 0.f) && !p.logit_sum && !(v != nullptr && std::strcmp(v, "0") == 0);
+  return p.reference != nullptr && (p.logits != nullptr || asked == Schedule::kPingpongCluster192) &&
+         p.bias == nullptr && !(p.softcap > 0.f) && !p.logit_sum && !(v != nullptr && std::strcmp(v, "0") == 0);
+}
+
+bool grad_fold_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_GRAD_FOLD");
+  return !(v != nullptr && std::strcmp(v, "0") == 0);
 }
 
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
-  if (stats_ref_applies(p)) return Schedule::kPingpongCluster192;  // its one instantiation
+  if (stats_ref_applies(p, schedule)) return Schedule::kPingpongCluster192;  // the TMA kernel's one tile, fold_ref's
   const StatsStore store = stats_store_from_env();
   const bool direct_ok = p.logits_stride % 2 == 0 && reinterpret_cast<uintptr_t>(p.logits) % 4 == 0;
   const bool store_192 = p.logits == nullptr || store == StatsStore::kTma || (store == StatsStore::kDirect && direct_ok);
@@ -152,11 +157,12 @@ struct StatsLaunchers {
       return half ? HUGEHEAD_STATS(KIND##_fp16_pingpong) : HUGEHEAD_STATS(KIND##_bf16_pingpong);         \
   }
 StatsLaunchers stats_launchers(const StatsGemmParams& p, bool half, Schedule schedule) {
-  if (stats_ref_applies(p)) {
+  if (p.logits != nullptr && stats_ref_applies(p, schedule)) {
     if (p.probs) return HUGEHEAD_STATS(stats_gemm_probs_bf16_pingpong_cluster192);  // (bf16 only: the host's check)
     return half ? HUGEHEAD_STATS(stats_gemm_ref_fp16_pingpong_cluster192)
                 : HUGEHEAD_STATS(stats_gemm_ref_bf16_pingpong_cluster192);
   }
+  // (without logits, a reference that applies leaves the schedule at pingpong_cluster_192: fold_ref below)
   schedule = stats_schedule_for(schedule, p);
   if (schedule == Schedule::kPingpongCluster192) {  // stored logits only as stats_schedule_for allows
     if (p.logits != nullptr && stats_store_from_env() == StatsStore::kTma) {

@@ -44,6 +44,7 @@ void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const s
                          num_classes, static_cast<float>(label_smoothing), static_cast<float>(z_loss),
                          static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
   p.mainloop_only = gemm::mainloop_only_from_env();
+  p.fold_g = gemm::grad_fold_from_env();
   const bool half = x.scalar_type() == at::kHalf;
   TORCH_CHECK(gemm::grad_store_from_env() != gemm::GradStore::kTma || gemm::grad_gemm_tma_store_applies(p),
               "hugehead: HUGEHEAD_GEMM_GRAD_STORE=tma, but the TMA store does not apply to this gemm_chunk_grad_ call "

@@ -6,7 +6,6 @@
 // them there (stats_store_gemm.cuh), for a chunk whose logits are kept.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -27,12 +26,65 @@ namespace {
 constexpr int kMergeThreads = 256;
 constexpr int kRowsPerBlock = kMergeThreads / cuda::kWarp;
 
+// A flagged row's chunk folded again exactly (the merge kernel's rare path; gemm.h's kFlagSum): what it needs of
+// the GEMM's operands. probs: the stored values (exp(min(z - reference, 80))) are rewritten as exp(z - M), M the
+// row's max over the chunk, and reference[row] = M, the scale the backward reads for this chunk.
+template <typename scalar_t>
+struct FixArgs {
+  const scalar_t* x = nullptr;  // nullptr: no partial folds against a reference (none can pass kFlagSum)
+  int64_t x_stride = 0;
+  const scalar_t* weight = nullptr;
+  int64_t weight_stride = 0;
+  int64_t cols = 0;
+  int64_t depth = 0;
+  int64_t tile_cols = 0;
+  scalar_t* probs = nullptr;
+  int64_t probs_stride = 0;
+  float* reference = nullptr;
+};
+
+// A float32 dot over the depth in a fixed lane order (every lane gets the same bits), rounded once to scalar_t as
+// the GEMM's logits are.
+template <typename scalar_t>
+__device__ __forceinline__ float row_logit(const scalar_t* xr, const scalar_t* wr, int64_t depth, int lane) {
+  float acc = 0.f;
+  for (int64_t k = lane; k < depth; k += cuda::kWarp) acc += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
+#pragma unroll
+  for (int o = cuda::kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return static_cast<float>(static_cast<scalar_t>(acc));
+}
+
+// Row `row`'s chunk folded tile by tile as the GEMM's own-max fold would ((max, sum exp(z - max)) a tile, then the
+// tiles in order), by the whole warp (slow: a row's logits one dot at a time; rare). Every lane returns the same.
+template <typename scalar_t>
+__device__ void fold_row_exactly(const FixArgs<scalar_t>& fix, int64_t row, int lane, float& m, float& s) {
+  const scalar_t* xr = fix.x + row * fix.x_stride;
+  m = neg_inf<float>();
+  s = 0.f;
+  float row_top = neg_inf<float>();
+  for (int64_t j0 = 0; j0 < fix.cols; j0 += fix.tile_cols) {
+    float tm = neg_inf<float>(), ts = 0.f;
+    const int64_t j1 = j0 + fix.tile_cols < fix.cols ? j0 + fix.tile_cols : fix.cols;
+    for (int64_t j = j0; j < j1; ++j) lse_merge(tm, ts, row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane), 1.f);
+    lse_merge(m, s, tm, ts);
+    row_top = tm > row_top ? tm : row_top;
+  }
+  if (fix.probs == nullptr) return;
+  for (int64_t j = 0; j < fix.cols; ++j) {
+    const float z = row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane);
+    if (lane == 0) fix.probs[row * fix.probs_stride + j] = static_cast<scalar_t>(::expf(z - row_top));
+  }
+  if (lane == 0) fix.reference[row] = row_top;
+}
+
 // One warp per row: lanes fold tiles lane, lane + 32, ... then a fixed shuffle tree: deterministic. kSum:
-// partials of (max, sum, logit sum, unused) folding logit_sum too; else (max, sum) partials of 8 bytes.
-template <bool kSum>
+// partials of (max, sum, logit sum, unused) folding logit_sum too; else (max, sum) partials of 8 bytes. A row
+// with a partial past kFlagSum (folded against a reference: gemm.h) takes fold_row_exactly instead of its
+// partials; every other row pays one compare a partial for that.
+template <typename scalar_t, bool kSum>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
-                          float* row_sumexp, float* logit_sum) {
+                          float* row_sumexp, float* logit_sum, FixArgs<scalar_t> fix) {
   using Part = std::conditional_t<kSum, float4, float2>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched with PDL (gemm.h's pdl_from_env): the GEMM before it may still be running; a no-op otherwise.
@@ -42,6 +94,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int lane = threadIdx.x % cuda::kWarp;
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
   float m = neg_inf<float>(), s = 0.f, sum = 0.f;
+  bool flagged = false;
   // kLoads of a lane's partials in flight before it folds them (in the same order, j = lane, lane + 32, ...):
   // at 16384 rows a chunk's 86 column tiles are three loads a lane, which one at a time left the merge
   // latency-bound (~13 us a chunk against ~4 us for its 11 MB).
@@ -57,58 +110,21 @@ __global__ void __launch_bounds__(kMergeThreads)
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       if (j0 + u * cuda::kWarp >= tiles) break;
+      flagged |= part[u].y > gemm::kFlagSum;
       lse_merge(m, s, part[u].x, part[u].y);
       if constexpr (kSum) sum += part[u].z;
     }
+  }
+  if (fix.x != nullptr && __any_sync(0xffffffffu, flagged)) {
+    fold_row_exactly(fix, row, lane, m, s);  // (no logit sums here: the reference fold has none)
+    if (lane == 0) lse_merge(row_max[row], row_sumexp[row], m, s);
+    return;
   }
   cuda::warp_reduce_lse(m, s, sum);
   if (lane == 0) {
     lse_merge(row_max[row], row_sumexp[row], m, s);
     if constexpr (kSum) logit_sum[row] += sum;
   }
-}
-
-// The rows the reference kernel flagged (stats_ref_gemm.cuh: a partial past kFlagSum), each folded again
-// exactly: one warp a row recomputes its logits tile by tile (a float32 dot over the depth in a fixed lane order,
-// rounded once to scalar_t as the GEMM's are) and overwrites the row's partials with each tile's (max, sum
-// exp(z - max)), so the merge after it folds them as any. Unflagged rows return at once (the common case: one
-// load a warp).
-// probs (the stored values are exp(min(z - reference, 80))): the row's stored values are rewritten as
-// exp(z - M) with M its max over the chunk, and reference[row] = M, the scale the backward reads for this chunk.
-template <typename scalar_t>
-__device__ __forceinline__ float row_logit(const scalar_t* xr, const scalar_t* wr, int64_t depth, int lane) {
-  float acc = 0.f;
-  for (int64_t k = lane; k < depth; k += cuda::kWarp) acc += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
-#pragma unroll
-  for (int o = cuda::kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  return static_cast<float>(static_cast<scalar_t>(acc));
-}
-
-template <typename scalar_t>
-__global__ void __launch_bounds__(kMergeThreads)
-    fix_flagged_rows_kernel(const scalar_t* __restrict__ x, int64_t x_stride, const scalar_t* __restrict__ weight,
-                            int64_t weight_stride, int64_t rows, int64_t cols, int64_t depth, int64_t tile_cols,
-                            int64_t tiles, const int* __restrict__ flags, float* partials, scalar_t* probs,
-                            int64_t probs_stride, float* reference) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / cuda::kWarp;
-  const int lane = threadIdx.x % cuda::kWarp;
-  if (row >= rows || flags[row] == 0) return;  // whole warps leave together
-  const scalar_t* xr = x + row * x_stride;
-  float2* part = reinterpret_cast<float2*>(partials) + row * tiles;
-  float row_max = neg_inf<float>();
-  for (int64_t t = 0; t < tiles; ++t) {
-    float m = neg_inf<float>(), s = 0.f;
-    const int64_t j1 = (t + 1) * tile_cols < cols ? (t + 1) * tile_cols : cols;
-    for (int64_t j = t * tile_cols; j < j1; ++j) lse_merge(m, s, row_logit(xr, weight + j * weight_stride, depth, lane), 1.f);
-    if (lane == 0) part[t] = make_float2(m, s);
-    row_max = m > row_max ? m : row_max;
-  }
-  if (probs == nullptr) return;
-  for (int64_t j = 0; j < cols; ++j) {
-    const float z = row_logit(xr, weight + j * weight_stride, depth, lane);
-    if (lane == 0) probs[row * probs_stride + j] = static_cast<scalar_t>(::expf(z - row_max));
-  }
-  if (lane == 0) reference[row] = row_max;
 }
 
 void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -150,7 +166,9 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   } else {
     p.mainloop_only = gemm::mainloop_only_from_env();  // (benchmarks: the stored logits are always written)
   }
-  at::Tensor flags;
+  // The schedule asked for (the environment's, else the depth's default): where it is pingpong_cluster_192, a
+  // reference applies without stored logits too (fold_ref).
+  const gemm::Schedule asked = gemm::schedule_from_env(gemm::default_stats_schedule(depth));
   if (reference.has_value()) {
     const at::Tensor& ref = *reference;
     TORCH_CHECK(ref.scalar_type() == at::kFloat && ref.device() == x.device() && ref.dim() == 1 &&
@@ -163,10 +181,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                 "or logit sums");
     p.reference = ref.data_ptr<float>();
     p.probs = probs;
-    if (gemm::stats_ref_applies(p)) {
-      flags = at::zeros({rows}, x.options().dtype(at::kInt));
-      p.flags = flags.data_ptr<int>();
-    } else {
+    if (!gemm::stats_ref_applies(p, asked)) {
       TORCH_CHECK(!probs, "hugehead: gemm_chunk_stats_ with probs=True needs the reference kernel "
                   "(HUGEHEAD_GEMM_STATS_REF=0 turns it off)");
       p.reference = nullptr;
@@ -174,8 +189,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   } else {
     TORCH_CHECK(!probs, "hugehead: gemm_chunk_stats_ with probs=True needs a reference");
   }
-  const gemm::Schedule schedule =
-      gemm::stats_schedule_for(gemm::schedule_from_env(gemm::default_stats_schedule(depth)), p);
+  const gemm::Schedule schedule = gemm::stats_schedule_for(asked, p);
   const int64_t tile_cols = gemm::stats_gemm_tile_cols(schedule);
   const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
   at::Tensor partials = at::empty({rows, tiles, with_logit_sum ? 4 : 2}, x.options().dtype(at::kFloat));
@@ -187,26 +201,8 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   const char* error = gemm::run_stats_gemm(p, half, schedule, ws_bytes > 0 ? workspace.data_ptr() : nullptr, stream);
   TORCH_CHECK(error == nullptr, "hugehead: ", error == nullptr ? "" : error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const auto blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  if (p.flags != nullptr) {
-    auto fix = [&](auto element) {
-      using scalar_t = decltype(element);
-      fix_flagged_rows_kernel<scalar_t><<<blocks, kMergeThreads, 0, stream>>>(
-          x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(), weight.stride(0), rows, cols, depth,
-          tile_cols, tiles, p.flags, partials.data_ptr<float>(),
-          p.probs ? static_cast<scalar_t*>(logits->data_ptr()) : nullptr, p.probs ? logits->stride(0) : 0,
-          p.probs ? reference->data_ptr<float>() : nullptr);
-    };
-    if (half) {
-      fix(c10::Half{});
-    } else {
-      fix(c10::BFloat16{});
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  const auto merge = with_logit_sum ? merge_partials_kernel<true> : merge_partials_kernel<false>;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(blocks);
+  config.gridDim = dim3(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
   config.blockDim = dim3(kMergeThreads);
   config.stream = stream;
   cudaLaunchAttribute pdl{};
@@ -216,9 +212,33 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     config.attrs = &pdl;
     config.numAttrs = 1;
   }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, merge, static_cast<const float*>(partials.data_ptr<float>()), rows,
-                                    tiles, row_max.data_ptr<float>(), row_sumexp.data_ptr<float>(),
-                                    with_logit_sum ? logit_sum.data_ptr<float>() : nullptr));
+  auto merge = [&](auto element) {
+    using scalar_t = decltype(element);
+    FixArgs<scalar_t> fix;
+    if (p.reference != nullptr) {  // a flagged row is folded again from the operands
+      fix.x = x.data_ptr<scalar_t>();
+      fix.x_stride = x.stride(0);
+      fix.weight = weight.data_ptr<scalar_t>();
+      fix.weight_stride = weight.stride(0);
+      fix.cols = cols;
+      fix.depth = depth;
+      fix.tile_cols = tile_cols;
+      if (p.probs) {
+        fix.probs = static_cast<scalar_t*>(logits->data_ptr());
+        fix.probs_stride = logits->stride(0);
+        fix.reference = reference->data_ptr<float>();
+      }
+    }
+    const auto kernel = with_logit_sum ? merge_partials_kernel<scalar_t, true> : merge_partials_kernel<scalar_t, false>;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<const float*>(partials.data_ptr<float>()), rows,
+                                      tiles, row_max.data_ptr<float>(), row_sumexp.data_ptr<float>(),
+                                      with_logit_sum ? logit_sum.data_ptr<float>() : nullptr, fix));
+  };
+  if (half) {
+    merge(c10::Half{});
+  } else {
+    merge(c10::BFloat16{});
+  }
 }
 
 }  // namespace

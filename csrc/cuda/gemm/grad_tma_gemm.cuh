@@ -31,6 +31,11 @@ struct GradTmaArguments {
   int64_t class_start = 0;
   float smooth = 0.f;         // label_smoothing / num_classes
   float target_weight = 1.f;  // 1 - label_smoothing
+  // Without label smoothing (GradGemmParams::fold_g): a row with g > 0 takes g p as exp(z - (lse - log g)), its
+  // log2(g) folded into the exponent's offset once a tile, so an element is one FFMA and one MUFU.EX2 with no
+  // multiply by g. Not the bits of g * p (the offset's float32 rounding moves the exponent by ~1e-7 |lse - log g|);
+  // rows with g <= 0 (or NaN) keep g * p.
+  bool fold_g = false;
 };
 
 template <class Element>
@@ -53,7 +58,7 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
                                           Params const& params_, int m0_, int n0_)
         : lse_log2e(lse_log2e_), g(g_), t(t_), tCcD(tCcD_), residue(residue_), params(params_), m0(m0_), n0(n0_) {}
 
-    RowF lse_log2e;  // lse log2(e), for exp_minus
+    RowF lse_log2e;  // lse log2(e), for exp_minus (fold_g: less log2(g) where g > 0)
     RowF g;          // dLoss/dloss_row, 0 for rows beyond the problem
     RowI t;          // the target's column relative to the thread's first column, or -1 when it is not here
     Coords tCcD;
@@ -75,8 +80,9 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
         const int r = get<0>(c_flt(i));
         const bool ok = r < get<0>(residue);
         const int row = m0 + r;
-        lse_flt(i) = ok ? params.lse[row] * kLog2e : 0.f;
-        g_flt(i) = ok ? params.grad_rows[row] : 0.f;
+        const float gi = ok ? params.grad_rows[row] : 0.f;
+        g_flt(i) = gi;
+        lse_flt(i) = ok ? params.lse[row] * kLog2e - (params.fold_g && gi > 0.f ? ::log2f(gi) : 0.f) : 0.f;
         const int64_t rel = ok ? params.target[row] - params.class_start - n0 : int64_t(-1);
         t_flt(i) = (rel >= 0 && rel < int64_t(1) << 30) ? static_cast<int>(rel) : -1;
       }
@@ -87,11 +93,12 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(t_flt); ++i) {
         here |= t_flt(i) >= 0 && t_flt(i) < kTileN;
-        zero |= g_flt(i) == 0.f;
+        zero |= params.fold_g ? !(g_flt(i) > 0.f) : g_flt(i) == 0.f;
       }
       warp_targets = __any_sync(0xffffffffu, here);
       // Likewise the exact zero of a row with g == 0 (whatever its logits): selected per element only in the
-      // warps that have such a row; elsewhere g * d is what the select would have kept.
+      // warps that have such a row; elsewhere g * d is what the select would have kept. With fold_g every row
+      // with g <= 0 (whose exponent holds no log2(g)) takes that checked path.
       warp_zero_rows = __any_sync(0xffffffffu, zero);
     }
 
@@ -109,7 +116,10 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
       cutlass::Array<float, FragmentSize> out;
       // Without label smoothing p - 0 is p (the same bits), so that subtraction is left out; likewise the
       // target's compare where no lane of the warp holds a target (begin()). Uniform branches.
-      if (params.smooth == 0.f) {
+      if (params.fold_g) {  // (smooth is 0 here: the host's rule)
+        if (warp_targets || warp_zero_rows) folded<true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+        else folded<false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+      } else if (params.smooth == 0.f) {
         if (warp_targets || warp_zero_rows) elements<false, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
         else elements<false, false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
       } else {
@@ -117,6 +127,32 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
         else elements<true, false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
       }
       return out;
+    }
+
+    // fold_g's elements: e = exp(z - lse + log g) = g p where g > 0 (the exponent's offset from begin()); kChecked
+    // (a warp with a target or a row with g <= 0): the target's g (1 - eps) off, and g * p where g <= 0 (such a
+    // row's offset holds no log2(g), so e is p there), exact zeros where g == 0.
+    template <bool kChecked, class Z, class Out, class L, class G, class T, class C>
+    CUTLASS_DEVICE void folded(Z const& z, Out& out, L const& lse_mn, G const& g_mn, T const& t_mn, C const& c_mn,
+                               int epi_v) const {
+      using namespace cute;
+      constexpr int kSize = Out::kElements;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kSize; ++i) {
+        const int idx = epi_v * kSize + i;
+        const float e = exp_minus(static_cast<float>(z[i]), lse_mn(idx));
+        if constexpr (kChecked) {
+          const float gi = g_mn(idx);
+          const bool t = get<1>(c_mn(idx)) == t_mn(idx);
+          if (gi > 0.f) {
+            out[i] = t ? e - gi * params.target_weight : e;
+          } else {
+            out[i] = gi == 0.f ? 0.f : gi * (t ? e - params.target_weight : e);
+          }
+        } else {
+          out[i] = e;
+        }
+      }
     }
 
     // kChecked: the target's compare and the exact zero of rows with g == 0 (both rare in a warp's tile).
@@ -176,6 +212,7 @@ struct GradTmaGemm {
     // As grad_gemm.cuh computes them, so both paths write the same bits.
     cb.smooth = static_cast<float>(static_cast<double>(p.label_smoothing) / static_cast<double>(p.num_classes));
     cb.target_weight = 1.f - p.label_smoothing;
+    cb.fold_g = p.fold_g && cb.smooth == 0.f;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, cb, p.grad_logits,
                            p.grad_stride, p.sm_count);
   }

@@ -57,6 +57,9 @@ struct StatsEpilogue : EpilogueBase<Element> {
     // 4-byte aligned pairs), or nullptr; fold() ignores it (its stored logits go through stats_store_gemm.cuh).
     Element* logits = nullptr;
     int64_t logits_stride = 0;
+    // [rows] each row's max over the chunks folded before, or nullptr: the 128 x 192 tile without bias then
+    // takes fold_ref() (gemm.h's stats_ref_applies; no logits stored), partials (ref, sum exp(z - ref)).
+    const float* reference = nullptr;
   };
   using Params = Arguments;
 
@@ -99,7 +102,10 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
     const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
     if constexpr (kPairsOnly) {
-      if (!f.full) {
+      if (!kInPlace && params.reference != nullptr) {  // (no bias: stats_ref_applies)
+        if (f.full) fold_ref<true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        else fold_ref<false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+      } else if (!f.full) {
         fold_pairs<false, true, kInPlace>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       } else if (params.bias != nullptr) {
         fold_pairs<true, true, kInPlace>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
@@ -408,6 +414,71 @@ struct StatsEpilogue : EpilogueBase<Element> {
     write_rows(f, M, mine, t_z, m, s, no_sums, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
   }
 
+  // The fold against a reference (params.reference: each row's max over the chunks folded before, which the loop
+  // passes for the chunks after its first): the same z as fold_pairs() (the accumulators rounded to Element, one
+  // cvt a pair) and sum exp(z - ref) per row, no max -- so no max pass over the tile, no max shuffles and no
+  // packed pairs held -- into partials (ref, sum) as stats_ref_gemm.cuh's TMA kernel writes them (lse_merge then
+  // leaves the row max at ref). A partial past kFlagSum (a logit ~55 above ref, or a row with no finite ref) is
+  // folded again exactly by the merge kernel. Not the bits of fold_pairs(): the exponents subtract another max.
+  template <bool kFull, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
+            class BlockCoordMNKL>
+  CUTLASS_DEVICE void fold_ref(Acc& acc, Coords const& tCcD, Rows const& f, ProblemShapeMNKL const& problem_shape_mnkl,
+                               BlockShapeMNK const&, BlockCoordMNKL const& blk_coord_mnkl) {
+    using namespace cute;
+    using P = LogitPair<Element>;
+    using FrgLayout = typename Acc::layout_type;
+    constexpr int kSteps = size<0, 2>(FrgLayout{});
+    constexpr int kRows = 2 * size<1>(FrgLayout{});
+    constexpr int kTileN = size<1>(BlockShapeMNK{});
+    static_assert(size<2>(FrgLayout{}) == 1, "one MMA atom spans the tile's columns (the target's offsets)");
+    const int M = static_cast<int>(get<0>(problem_shape_mnkl));
+    const int N = static_cast<int>(get<1>(problem_shape_mnkl));
+    auto ok = [&](int c, int st) { return kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) < N; };
+    // The target logits first, from the accumulators as they are (a uniform branch where a lane of the warp holds
+    // one), rounded as the pairs below round them: the exponent loop then lets each accumulator die as it reads it
+    // (holding z back in them for a pick after spilled 20 bytes a thread).
+    float ref[kRows], refl[kRows], s[kRows], t_z[kRows];
+    bool mine[kRows];
+    {
+      int t_off[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const bool in = f.row[i] < M;
+        ref[i] = in ? params.reference[f.row[i]] : 0.f;
+        t_off[i] = target_offset<kTileN>(in ? params.target[f.row[i]] : int64_t(-1), params.class_start, f.col0);
+        mine[i] = in && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+        t_z[i] = 0.f;
+      }
+      if (pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z)) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) t_z[i] = static_cast<float>(static_cast<Element>(t_z[i]));
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      refl[i] = ref[i] * kLog2e;
+      s[i] = 0.f;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int st = 0; st < kSteps; ++st) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const typename P::Pair h = P::pack(acc(make_coord(make_coord(0, i % 2, st), i / 2, 0)),
+                                           acc(make_coord(make_coord(1, i % 2, st), i / 2, 0)));
+        // A column past the problem (the TMA loads' zero fill) would add exp(-ref): masked.
+        s[i] += ok(0, st) ? exp_minus(P::lo(h), refl[i]) : 0.f;
+        s[i] += ok(1, st) ? exp_minus(P::hi(h), refl[i]) : 0.f;
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off < 4; off *= 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
+    }
+    const float no_sums[kRows] = {};
+    write_rows(f, M, mine, t_z, ref, s, no_sums, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
+  }
+
   Params params;
 };
 
@@ -427,6 +498,7 @@ typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsG
   epi.logit_sum = p.logit_sum;
   epi.logits = static_cast<Element*>(p.logits);
   epi.logits_stride = p.logits_stride;
+  epi.reference = p.logits == nullptr ? p.reference : nullptr;  // (with logits the reference is the TMA kernel's)
   return epi;
 }
 

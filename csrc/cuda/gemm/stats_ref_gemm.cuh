@@ -8,10 +8,10 @@
 // store at xc6M (split at 10cf2bb / 7ca83e7).
 //
 // A reference only works where no logit of the row is far above it: a partial whose sum passes kFlagSum (an
-// exponent of ~55, or +inf, e.g. for a row with no finite max yet) flags the row, and gemm_chunk_stats.cu's fix
-// kernel recomputes that row's partials exactly before the merge (slow, and rare: the row's chunk max would have
-// to lie ~55 above its max over every chunk folded before). The loop folds the chunks it does not keep first, so
-// a kept chunk meets a row max over most classes.
+// exponent of ~55, or +inf, e.g. for a row with no finite max yet; fused_gemm.cuh) flags the row, and
+// gemm_chunk_stats.cu's merge kernel folds that row's chunk again exactly instead of its partials (slow, and rare:
+// the row's chunk max would have to lie ~55 above its max over every chunk folded before). The loop folds the
+// chunks it does not keep first, so a kept chunk meets a row max over most classes.
 //
 // z = the accumulator rounded once to Element (no bias, no softcap: the host takes stats_store_gemm.cuh for those,
 // and for logit sums), stored as it is; the target's z goes to target_logit as the fold writes it.
@@ -26,10 +26,6 @@
 namespace hugehead {
 namespace gemm {
 
-// A partial's sum above this flags its row (2^80 ~ e^55.5; sums of this size over a whole vocabulary stay far
-// from float32's overflow, and a row's gradient scale exp(ref - lse) far from its underflow).
-constexpr float kFlagSum = 1.2089258196146292e24f;
-
 // kProbs: what goes to the logits' buffer is e = exp(min(z - ref, kMaxExp)) rounded to Element, the kept chunk's
 // probabilities up to each row's scale exp(ref - lse) (the loop's factored backward, loop.py), in place of z.
 // The cap keeps e finite in bf16 (it would overflow past ~e^88.7); a row where it bites passed kFlagSum and is
@@ -40,8 +36,7 @@ struct StatsRefArguments {
   const int64_t* target = nullptr;
   const float* reference = nullptr;  // [rows] each row's max over the chunks folded before
   float* target_logit = nullptr;
-  float* partials = nullptr;  // [rows, tiles, 2]: (ref, sum of exp(z - ref))
-  int* flags = nullptr;       // [rows]: set to 1 for a row whose partial passed kFlagSum
+  float* partials = nullptr;  // [rows, tiles, 2]: (ref, sum of exp(z - ref)); a sum past kFlagSum flags the row
   int64_t class_start = 0;
   int64_t tiles = 0;
 };
@@ -51,7 +46,7 @@ struct StatsRefCallbacks : TmaCallbacksBase<StatsRefArguments> {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.target != nullptr && args.reference != nullptr && args.target_logit != nullptr &&
-           args.partials != nullptr && args.flags != nullptr;
+           args.partials != nullptr;
   }
 
   CUTLASS_HOST_DEVICE StatsRefCallbacks() {}
@@ -166,7 +161,7 @@ struct StatsRefCallbacks : TmaCallbacksBase<StatsRefArguments> {
     }
 
     // The quad of lanes holding a row sums its parts (a fixed shuffle order: deterministic); its first lane
-    // writes the row's partial and, past kFlagSum, the flag.
+    // writes the row's partial (past kFlagSum, the merge kernel's flag).
     CUTLASS_DEVICE void end() {
       using namespace cute;
       Tensor ref_flt = filter_zeros(ref);
@@ -184,7 +179,6 @@ struct StatsRefCallbacks : TmaCallbacksBase<StatsRefArguments> {
         if (writer && r < get<0>(residue)) {
           const int64_t row = m0 + r;
           reinterpret_cast<float2*>(params.partials)[row * params.tiles + tile] = make_float2(ref_flt(i), s);
-          if (s > kFlagSum) params.flags[row] = 1;
         }
       }
     }
@@ -225,7 +219,6 @@ struct StatsRefGemm {
     cb.reference = p.reference;
     cb.target_logit = p.target_logit;
     cb.partials = p.partials;
-    cb.flags = p.flags;
     cb.class_start = p.class_start;
     cb.tiles = (p.cols + Gemm::kTileCols - 1) / Gemm::kTileCols;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, cb, p.logits,

@@ -14,6 +14,14 @@ namespace gemm {
 // z = x @ weight^T (+ bias), softcapped, folded per (row, column tile) into partials; the logits are not
 // stored unless logits is set (then z, unsoftcapped, also goes there: stats_store_gemm.cuh). x [rows, depth]
 // and weight [cols, depth] are K-major (unit stride along depth).
+// A partial folded against a reference (StatsGemmParams::reference: stats_ref_gemm.cuh's TMA kernel, stats_gemm.cuh's
+// fold_ref) whose sum passes this flags its row: 2^80 ~ e^55.5, a logit ~55 above the reference (or +inf: a row
+// with no finite reference yet). Sums of this size over a whole vocabulary stay far from float32's overflow, and a
+// row's gradient scale exp(ref - lse) far from its underflow. gemm_chunk_stats.cu's merge kernel sees such a partial
+// and folds that row's chunk again exactly; a partial folded against its own tile max never passes it (its sum is
+// at most the tile's width).
+constexpr float kFlagSum = 1.2089258196146292e24f;
+
 struct StatsGemmParams {
   const void* x;          // [rows, depth], row stride x_stride elements; bf16 or fp16
   const void* weight;     // [cols, depth], row stride weight_stride elements; x's dtype
@@ -34,19 +42,14 @@ struct StatsGemmParams {
   bool logit_sum = true;       // false: the logit sums (label smoothing's) are not folded; partials of 8 bytes
   void* logits = nullptr;      // [rows, cols] x's dtype, row stride logits_stride (16-byte aligned base and
   int64_t logits_stride = 0;   //   rows, cols a multiple of 8), or nullptr: z stored there too (no softcap)
-  // With logits, no bias, softcap or logit sums (stats_ref_applies): fold each (row, tile) against this
-  // reference [rows] (the row's max over the chunks folded before) into partials (ref, sum exp(z - ref)) on
-  // 128 x 192 tiles (stats_ref_gemm.cuh), flagging in flags [rows] (zeroed by the caller) each row whose
-  // partial passed kFlagSum, for the caller to fix; nullptr: the fold takes each tile's own max.
+  // Without bias, softcap or logit sums (stats_ref_applies): fold each (row, tile) against this reference
+  // [rows] (the row's max over the chunks folded before) into partials (ref, sum exp(z - ref)) on 128 x 192
+  // tiles, no tile max: with logits, stats_ref_gemm.cuh's TMA-stored kernel; without, stats_gemm.cuh's
+  // fold_ref. A partial whose sum passes kFlagSum (above) flags its row, which the merge kernel then
+  // folds again exactly. nullptr: the fold takes each tile's own max.
   const float* reference = nullptr;
-  int* flags = nullptr;
   bool probs = false;  // with reference, bf16: logits gets exp(min(z - ref, 80)) in place of z
 };
-
-// Whether run_stats_gemm takes the reference kernel for these params (p.reference set, and p.flags then a
-// zeroed buffer, where it applies;
-// HUGEHEAD_GEMM_STATS_REF=0 in the environment, read per call, turns it off for A/B runs).
-bool stats_ref_applies(const StatsGemmParams& p);
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
 // stored logits) and written to grad_logits; the logits themselves are never stored.
@@ -72,7 +75,16 @@ struct GradGemmParams {
   float softcap;  // <= 0: none
   int sm_count;
   bool mainloop_only = false;
+  // The TMA-stored epilogue (grad_gemm_tma_store_applies) without label smoothing: g p as exp(z - lse + log g)
+  // for the rows with g > 0 (one multiply an element fewer; not the same bits as g * p, within float32's
+  // rounding of the exponent): grad_fold_from_env().
+  bool fold_g = false;
 };
+
+// HUGEHEAD_GEMM_GRAD_FOLD (read per call): unset or 1 folds g into the gradient's exponent where it applies
+// (GradGemmParams::fold_g), 0 keeps g * p, the bits of grad_gemm.cuh's epilogue and chunk_grad_ (A/B runs, and
+// the tests that compare the paths bitwise).
+bool grad_fold_from_env();
 
 // HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative picks one (read per call,
 // for A/B runs); else default_stats_schedule / default_grad_schedule by depth. pingpong_cluster_192: 128 x 192
@@ -142,6 +154,12 @@ StatsStore stats_store_from_env();
 // fold is fold_pairs() without logit sums only (stats_gemm.cuh), so softcap and logit sums (label smoothing)
 // take pingpong_cluster, as stored logits do where stats_store_from_env() says so.
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p);
+
+// Whether run_stats_gemm folds against p.reference (set) for these params, `asked` the schedule asked for: no
+// bias, softcap or logit sums, and stored logits (the TMA kernel) or, without them, asked pingpong_cluster_192
+// (its fold_ref: the schedule depths below kStatsCooperativeDepth take by default). HUGEHEAD_GEMM_STATS_REF=0 in
+// the environment, read per call, turns it off for A/B runs. stats_schedule_for then gives pingpong_cluster_192.
+bool stats_ref_applies(const StatsGemmParams& p, Schedule asked);
 
 // Columns per tile of a schedule (the partials' num_col_tiles is ceil(cols / this)), after stats_schedule_for.
 int stats_gemm_tile_cols(Schedule schedule);
