@@ -685,12 +685,13 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
         monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", fold)
         out = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
         ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, out)
-        if fold in outs:
-            assert torch.equal(out, outs[fold])  # bitwise repeatable
+        if fold in outs:  # bitwise repeatable (the NaN row's NaNs where they were)
+            assert torch.equal(out.isnan(), outs[fold].isnan())
+            assert torch.equal(out.nan_to_num(), outs[fold].nan_to_num())
         outs[fold] = out
     folded, plain = outs["1"].float().cpu(), outs["0"].float().cpu()
     if eps > 0:
-        assert torch.equal(outs["1"], outs["0"])
+        assert torch.equal(outs["1"].nan_to_num(), outs["0"].nan_to_num())
         return
     nan_row = torch.zeros(n, dtype=torch.bool)
     nan_row[7] = True
@@ -698,9 +699,9 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
     assert torch.all(folded[grad_rows == 0] == 0), "ignored rows must be exact zeros"
     assert torch.count_nonzero(folded[(grad_rows != 0) & ~nan_row]) > folded.numel() // 4
     ok = ~nan_row
-    # one bf16 rounding apart at most (each is float32's result rounded once)
+    # one bf16 ulp apart at most (each is a float32 result rounded once; an ulp is up to 2^-7 of the value)
     diff = (folded[ok] - plain[ok]).abs()
-    assert (diff <= 2 ** -8 * plain[ok].abs() + 1e-38).all(), float((diff / plain[ok].abs().clamp_min(1e-30)).max())
+    assert (diff <= 2 ** -7 * plain[ok].abs() + 1e-38).all(), float((diff / plain[ok].abs().clamp_min(1e-30)).max())
     assert (folded[ok] != plain[ok]).float().mean() < 0.05
     keep = grad_rows.isfinite()
     ref = _float64_grad(x, w, None, target, class_start, num_classes, lse, grad_rows.nan_to_num(), eps, 0.0, 0.0,
