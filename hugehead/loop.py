@@ -458,7 +458,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     chunks, kept_last = _forward_chunks(source, cols, kept_classes,
                                         _fused_stats_cols(plan, source) if widen else None)
     probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
-    fold_ref = os.environ.get("HUGEHEAD_STATS_REF_ALL", "1") != "0"
+    fold_ref = os.environ.get("HUGEHEAD_STATS_REF_ALL", "0") == "1"  # (off by default: _fused_stats)
     for j, chunk in enumerate(chunks):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
@@ -583,12 +583,14 @@ def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int
                  stats: RowStats, logit_sum: bool = True, reference: Optional[Tensor] = None) -> bool:
     """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM (``logit_sum`` False:
     ``stats.logit_sum`` left as it is, for a loss that never reads it); False (nothing done) when this
-    chunk's layout does not suit it. ``reference``: ``stats.max`` once a chunk has been folded into it (the
-    forward passes it for every chunk after its first; ``HUGEHEAD_STATS_REF_ALL=0`` in the environment, read
-    per call, does not: the A/B). Where :func:`ops.gemm_chunk_stats_` takes it (no bias, softcap or logit sums,
-    depths under 2048) the epilogue folds exp(z - max so far) with no max of its own: no max pass over its
-    tile, and the row max stays the first chunk's (a row whose chunk lies ~55 above it is folded again exactly).
-    One H200: bench/NOTES.md, session 21."""
+    chunk's layout does not suit it. ``reference``: ``stats.max`` once a chunk has been folded into it, which
+    the forward passes for every chunk after its first with ``HUGEHEAD_STATS_REF_ALL=1`` in the environment
+    (read per call; off by default). Where :func:`ops.gemm_chunk_stats_` takes it (no bias, softcap or logit
+    sums, depths under 2048) the epilogue folds exp(z - max so far) with no max of its own: no max pass over
+    its tile, and the row max stays the first chunk's (a row whose chunk lies ~55 above it is folded again
+    exactly). One H200 at e9e8c21 (bench/NOTES.md, session 21; three rounds taking turns): xc6M_16k 919.13 ms
+    on against 919.83 off, xc6M 217.93 against 217.82 -- a tie, so the default stays the tile-max fold, whose
+    bits the 128-column folds check."""
     if not _fused_layout(x, chunk):
         return False
     ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target, class_start, softcap, *stats,
