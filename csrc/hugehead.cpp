@@ -15,19 +15,22 @@ TORCH_LIBRARY(hugehead, m) {
   // The logits are rounded to x's dtype (as a stored GEMM output would be) before the statistics.
   // with_logit_sum=False: logit_sum is left as it is (only label smoothing needs it; the GEMM skips it).
   // logits [N, C] (x's dtype, optional): the same GEMM also stores the logits there (no softcap).
+  // exact=True (no bias, softcap or logits): the float32 accumulator is the logit, not rounded to x's dtype (the
+  // loop asks it of gemm_chunk_grad_ too, so the forward's lse and the backward's logits agree).
   // reference [N] float32 (optional): each row's max over the chunks folded before, which the GEMM folds against
   // (it may be row_max itself); probs=True (bf16): logits gets exp(min(z - reference, 80)) in place of z, and a row
   // folded again (its logits far above the reference) exp(z - M) with reference[row] set to M, its chunk max.
   m.def(
       "gemm_chunk_stats_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, float softcap, "
       "Tensor(a!) row_max, Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum, "
-      "bool with_logit_sum=True, Tensor(e!)? logits=None, Tensor(f!)? reference=None, bool probs=False) -> ()");
+      "bool with_logit_sum=True, Tensor(e!)? logits=None, Tensor(f!)? reference=None, bool probs=False, "
+      "bool exact=False) -> ()");
   // chunk_grad_ of the logits chunk x @ weight^T (+ bias) without materializing it: the recompute GEMM's
   // epilogue writes dLoss/dlogits into grad_logits [N, C] (x's dtype). CUTLASS builds only, as above.
   m.def(
       "gemm_chunk_grad_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, int num_classes, "
       "Tensor lse, Tensor grad_rows, float label_smoothing, float z_loss, float softcap, Tensor? grad_lse, "
-      "Tensor(a!) grad_logits) -> ()");
+      "Tensor(a!) grad_logits, bool exact=False) -> ()");
   // The backward's dX and dW GEMMs on a chunk's dLoss/dlogits g [N, C] (CUTLASS builds only, as above):
   // gemm_dx_: out [N, D] float32 (+)= g @ weight [C, D]; gemm_dw_: out [C, D] (+)= g^T @ x [N, D], out in
   // float32 or g's dtype (accumulate: float32 only). One float32 sum over K per element, rounded once.

@@ -459,13 +459,14 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
                                         _fused_stats_cols(plan, source) if widen else None)
     probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
     fold_ref = os.environ.get("HUGEHEAD_STATS_REF_ALL", "0") == "1"  # (off by default: _fused_stats)
+    exact = _exact_logits(x, source, target, softcap, logit_sum)
     for j, chunk in enumerate(chunks):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             rows = RowStats(*(s[r0:r1] for s in stats))
             if chunk.c0 >= kept_classes and fused and _fused_stats(
                     x[r0:r1], chunk, target[r0:r1], class_start + chunk.c0, softcap, rows, logit_sum,
-                    reference=rows.max if fold_ref and j > 0 else None):
+                    reference=rows.max if fold_ref and j > 0 else None, exact=exact):
                 continue
             if chunk.c0 < kept_classes:
                 k = chunk.c0 // plan.cols
@@ -579,8 +580,24 @@ def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1:
 KEPT_PROBS_REBASE = 50.0
 
 
+def _exact_logits(x: Tensor, source, target, softcap: float, smoothing: bool) -> bool:
+    """Whether the chunks the forward does not keep take the float32 accumulator as each logit on both sides
+    (:func:`ops.gemm_chunk_stats_` / :func:`ops.gemm_chunk_grad_` ``exact``): both fused (a chunk whose layout
+    the fused GEMMs refuse takes cuBLAS on both sides alike), no bias, softcap or label smoothing (the forward's
+    logit sums: the 128 x 192 fold has none), a depth under :data:`FUSED_STORE_MAX_DEPTH`, and
+    ``HUGEHEAD_GEMM_EXACT_LOGITS=1`` in the environment (read per call; off by default, an A/B: each element's
+    logit is otherwise rounded to x's dtype and unpacked, a cvt a pair and two integer ops, in both epilogues).
+    The forward and the backward ask it of the same inputs and options: the same answer, so a confident row's
+    ``p - 1`` sees the forward's lse and the backward's logits as the same numbers. Kept chunks keep their
+    rounded logits (stored, and read back by the backward)."""
+    return (os.environ.get("HUGEHEAD_GEMM_EXACT_LOGITS", "0") == "1" and not softcap and not smoothing
+            and source.bias is None and x.shape[1] < FUSED_STORE_MAX_DEPTH
+            and fused_applies(x, target, "stats") and fused_applies(x, target, "grad"))
+
+
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
-                 stats: RowStats, logit_sum: bool = True, reference: Optional[Tensor] = None) -> bool:
+                 stats: RowStats, logit_sum: bool = True, reference: Optional[Tensor] = None,
+                 exact: bool = False) -> bool:
     """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM (``logit_sum`` False:
     ``stats.logit_sum`` left as it is, for a loss that never reads it); False (nothing done) when this
     chunk's layout does not suit it. ``reference``: ``stats.max`` once a chunk has been folded into it, which
@@ -594,18 +611,19 @@ def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int
     if not _fused_layout(x, chunk):
         return False
     ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target, class_start, softcap, *stats,
-                          with_logit_sum=logit_sum, reference=reference)
+                          with_logit_sum=logit_sum, reference=reference, exact=exact)
     return True
 
 
 def _fused_grad(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, num_classes: int, lse: Tensor,
-                grad_rows: Tensor, options: LossOptions, grad_lse: Optional[Tensor], g: Tensor) -> bool:
+                grad_rows: Tensor, options: LossOptions, grad_lse: Optional[Tensor], g: Tensor,
+                exact: bool = False) -> bool:
     """Write dLoss/dlogits of chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``g`` in one fused GEMM; False
-    (nothing done) when this chunk's layout does not suit it."""
+    (nothing done) when this chunk's layout does not suit it. ``exact``: :func:`_exact_logits`."""
     if not _fused_layout(x, chunk):
         return False
     ops.gemm_chunk_grad_(x, chunk.weight, chunk.bias, target, class_start, num_classes, lse, grad_rows,
-                         options.label_smoothing, options.z_loss, options.kernel_softcap, grad_lse, g)
+                         options.label_smoothing, options.z_loss, options.kernel_softcap, grad_lse, g, exact=exact)
     return True
 
 
@@ -797,6 +815,7 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
         return None, None
     rows_split = plan.rows < n
     fused = fused_applies(x, target, "grad")
+    exact = _exact_logits(x, source, target, options.kernel_softcap, bool(options.label_smoothing))  # as the forward
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
@@ -831,7 +850,8 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
                 g = _workspace_view(workspace, r1 - r0, c1 - c0)
                 # dLoss/dlogits straight from the recompute GEMM's epilogue, where it applies
                 in_epilogue = fused and _fused_grad(xr, chunk, target[r0:r1], class_start + c0, num_classes,
-                                                    lse[r0:r1], grad_rows[r0:r1], options, rows_grad_lse, g)
+                                                    lse[r0:r1], grad_rows[r0:r1], options, rows_grad_lse, g,
+                                                    exact=exact)
                 if not in_epilogue:
                     _logits_into(xr, chunk, g)
             if not in_epilogue:

@@ -67,6 +67,7 @@ def gemm_chunk_stats_(
     logits: Optional[Tensor] = None,
     reference: Optional[Tensor] = None,
     probs: bool = False,
+    exact: bool = False,
 ) -> None:
     """:func:`chunk_stats_` of the logits chunk ``x @ weight.T + bias`` without materializing it: one
     CUTLASS sm_90a GEMM whose epilogue folds each (row, column tile) into partial statistics, then a merge
@@ -103,6 +104,11 @@ def gemm_chunk_stats_(
             ``exp(reference - lse)``, for the loop's factored backward; a flagged row gets ``exp(z - M)``
             instead, with ``reference`` of that row set to ``M`` (its max over the chunk): ``reference`` is
             then written. Raises where the reference kernel does not run.
+        exact: the float32 accumulator is each logit, not rounded to x's dtype first (the statistics and target
+            logits of the exact logits), on the 128 x 192 tiles whatever the schedule asked; no bias, softcap,
+            logit sums or ``logits``, else RuntimeError. Only together with
+            :func:`gemm_chunk_grad_`'s ``exact`` for the same chunk's backward: a confident row's ``p - 1``
+            needs the forward's lse and the backward's logits to be the same numbers.
         ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative`` (environment,
         read per call) picks the CUTLASS schedule. The default below a depth of 2048: pingpong_cluster_192
         (128 x 192 tiles, pingpong in clusters of two CTAs that share each weight tile through TMA multicast)
@@ -116,7 +122,7 @@ def gemm_chunk_stats_(
     """
     torch.ops.hugehead.gemm_chunk_stats_.default(
         x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum, with_logit_sum,
-        logits, reference, probs,
+        logits, reference, probs, exact,
     )
 
 
@@ -134,6 +140,7 @@ def gemm_chunk_grad_(
     softcap: float,
     grad_lse: Optional[Tensor],
     grad_logits: Tensor,
+    exact: bool = False,
 ) -> None:
     """:func:`chunk_grad_` of the logits chunk ``x @ weight.T + bias`` without materializing it: the
     recompute GEMM's epilogue writes ``dLoss/dlogits`` into ``grad_logits`` (only where
@@ -145,6 +152,8 @@ def gemm_chunk_grad_(
         target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse: as
             for :func:`chunk_grad_` (float32 ``[N]`` vectors).
         grad_logits: ``[N, C]`` in x's dtype, unit column stride (any row stride), written.
+        exact: the float32 accumulator is each logit (no bias or softcap, else RuntimeError), for a chunk whose
+            forward statistics were folded with :func:`gemm_chunk_stats_`'s ``exact``.
 
     The plain loss (no bias, softcap, z-loss or ``grad_lse``) into a 16-byte aligned ``grad_logits`` takes the
     TMA-stored epilogue; there, without label smoothing, a row with ``grad_rows > 0`` gets ``g p`` as
@@ -159,7 +168,7 @@ def gemm_chunk_grad_(
     """
     torch.ops.hugehead.gemm_chunk_grad_.default(
         x, weight, bias, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse,
-        grad_logits,
+        grad_logits, exact,
     )
 
 
@@ -431,7 +440,7 @@ def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp,
 
 @torch.library.register_fake("hugehead::gemm_chunk_stats_")
 def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_max, row_sumexp, target_logit,
-                           logit_sum, with_logit_sum=True, logits=None, reference=None, probs=False):
+                           logit_sum, with_logit_sum=True, logits=None, reference=None, probs=False, exact=False):
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(target.shape == (x.shape[0],), lambda: "target must be [N]")
@@ -441,7 +450,7 @@ def _gemm_chunk_stats_fake(x, weight, bias, target, class_start, softcap, row_ma
 
 @torch.library.register_fake("hugehead::gemm_chunk_grad_")
 def _gemm_chunk_grad_fake(x, weight, bias, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss,
-                          softcap, grad_lse, grad_logits):
+                          softcap, grad_lse, grad_logits, exact=False):
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(grad_logits.shape == (x.shape[0], weight.shape[0]), lambda: "grad_logits must be [N, C]")

@@ -713,6 +713,92 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
 
 
 @requires_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("schedule_name", ["pingpong_cluster_192", "cooperative"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_exact_logits_fold_and_gradient_against_float64(monkeypatch, dtype, schedule_name, eps):
+    """exact=True (gemm_chunk_stats_ / gemm_chunk_grad_): the float32 accumulator is the logit. The statistics
+    (on the 128 x 192 fold whatever HUGEHEAD_GEMM_SCHEDULE asks: the same bits; and folded against a reference;
+    a row whose tile lies far above the fold's sampled max folded again exactly by the merge kernel)
+    and the target logits are float64's on the unrounded logits within float32's sums' rounding -- far closer
+    than the rounded fold, which is as far as a bf16 logit's rounding -- and the gradient from that lse is
+    float64's within one rounding to the dtype (the TMA store, its g fold included without label smoothing,
+    and the register epilogue a z-loss takes), no farther than the rounded logits' gradient; bitwise
+    repeatable. exact with a bias, softcap, logit sums or stored logits raises."""
+    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", schedule_name)
+    n, c, d, class_start = 1000, 3008, 768, 64
+    x, w, _ = _inputs(n, c, d, dtype, bias=False, seed=61)
+    # row 3's logit at column 100 ~70: against its tile's first eight columns' max (the exact fold's m) its sum
+    # passes kFlagSum, so the merge kernel folds that row again exactly
+    w[100] = (x[3].float() * (70.0 / x[3].float().pow(2).sum())).to(dtype)
+    xc, wc = x.cuda(), w.cuda()
+    target = _targets(n, c, class_start, class_start + c + 100, 61)
+    tc = target.cuda()
+    state = _start_state(n, 61)
+    ref_lse, ref_t, _ = _float64_stats(x, w, None, target, class_start, 0.0, state)
+    outs = []
+    for _ in range(2):
+        got = [t.cuda() for t in state]
+        ops.gemm_chunk_stats_(xc, wc, None, tc, class_start, 0.0, *got, with_logit_sum=False, exact=True)
+        outs.append(got)
+    assert all(torch.equal(a, r) for a, r in zip(outs[0], outs[1]))  # bitwise repeatable
+    lse = outs[0][0].double().cpu() + outs[0][1].double().cpu().log()
+    torch.testing.assert_close(lse, ref_lse, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(outs[0][2].double().cpu(), ref_t, rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[0][3].cpu(), state[3])  # no logit sums: left as they were
+    monkeypatch.delenv("HUGEHEAD_GEMM_SCHEDULE")  # the default schedule's call: the same 128 x 192 fold, same bits
+    default = [t.cuda() for t in state]
+    ops.gemm_chunk_stats_(xc, wc, None, tc, class_start, 0.0, *default, with_logit_sum=False, exact=True)
+    assert all(torch.equal(a, r) for a, r in zip(default, outs[0]))
+    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", schedule_name)
+    folded = outs[0]
+    if schedule_name == "pingpong_cluster_192" and eps == 0:  # against a reference (fold_ref), no row far above it
+        ref_state = [t.cuda() for t in state]
+        ref_state[0].copy_(torch.where(torch.isfinite(ref_state[0]), ref_state[0] + 3.0, 0.0))
+        m0 = ref_state[0].clone()
+        ops.gemm_chunk_stats_(xc, wc, None, tc, class_start, 0.0, *ref_state, with_logit_sum=False,
+                              reference=ref_state[0], exact=True)
+        start = [m0.cpu()] + [t.clone() for t in state[1:]]
+        want = _float64_stats(x, w, None, target, class_start, 0.0, start)[0]
+        lse = ref_state[0].double().cpu() + ref_state[1].double().cpu().log()
+        torch.testing.assert_close(lse, want, rtol=2e-6, atol=2e-6)
+    with pytest.raises(RuntimeError, match="exact"):
+        ops.gemm_chunk_stats_(xc, wc, wc[:, 0].contiguous(), tc, class_start, 0.0, *outs[1], exact=True)
+    with pytest.raises(RuntimeError, match="exact"):  # logit sums (label smoothing's)
+        ops.gemm_chunk_stats_(xc, wc, None, tc, class_start, 0.0, *outs[1], with_logit_sum=True, exact=True)
+    with pytest.raises(RuntimeError, match="exact"):
+        ops.gemm_chunk_stats_(xc, wc, None, tc, class_start, 0.0, *outs[1], with_logit_sum=False,
+                              logits=torch.empty(n, c, dtype=dtype, device="cuda"), exact=True)
+    # the gradient from the exact lse: float64's within one rounding to the dtype (z-loss: the register epilogue)
+    _, grad_rows, _ = _grad_inputs(n, c, 61, False)
+    lse = folded[0].cpu() + folded[1].cpu().log()
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    for z_loss in (0.0, 1e-3):
+        grads = []
+        for _ in range(2):
+            g = torch.empty(n, c, dtype=dtype, device="cuda")
+            ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, class_start + c + 100, lse.cuda(), grad_rows.cuda(),
+                                 eps, z_loss, 0.0, None, g, exact=True)
+            grads.append(g)
+        assert torch.equal(grads[0], grads[1])
+        ref = _float64_grad(x, w, None, target, class_start, class_start + c + 100, lse, grad_rows, eps, z_loss, 0.0,
+                            None)
+        got = grads[0].double().cpu()
+        # one rounding to the dtype (fp16: its subnormal step too, 2^-24, where g p lies below 6e-5)
+        step = 2.0 ** -24 if dtype == torch.float16 else 0.0
+        tol = torch.finfo(dtype).eps * ref.abs() + step + 2e-6 * ref.abs().max()
+        assert ((got - ref).abs() <= tol).all(), float(((got - ref).abs() - tol).max())
+        rounded = xc @ wc.t()  # the rounded logits' gradient (cuBLAS + chunk_grad_) is no closer to float64
+        ops.chunk_grad_(rounded, tc, class_start, class_start + c + 100, lse.cuda(), grad_rows.cuda(), eps, z_loss,
+                        0.0, None)
+        assert rel_err(got, ref) <= rel_err(rounded.cpu(), ref) + 1e-7
+    with pytest.raises(RuntimeError, match="exact"):
+        ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, c, lse.cuda(), grad_rows.cuda(), 0.0, 0.0, 30.0, None,
+                             torch.empty(n, c, dtype=dtype, device="cuda"), exact=True)
+    torch.cuda.synchronize()
+
+
+@requires_fused
 def test_grad_tma_store_asked_where_it_does_not_apply_raises(monkeypatch):
     n, c, d = 64, 300, 64  # 300 columns: rows of 600 bytes, not whole 16 bytes
     x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=8))
@@ -1025,10 +1111,11 @@ def _emulate_fused_ops(monkeypatch):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
 
     def stats(x, w, b, target, class_start, softcap, *state, with_logit_sum=True, logits=None, reference=None,
-              probs=False):
+              probs=False, exact=False):
         before = state[3].clone()
         m0, s0 = state[0].clone(), state[1].clone()
-        z = matmul(x, w, b)
+        assert not exact or (b is None and not softcap and logits is None), "the op's rule for exact"
+        z = x.float() @ w.float().t() if exact else matmul(x, w, b)  # (exact: the float32 logits, unrounded)
         if logits is not None:  # the logits stored as they are folded (kept chunks, the rows plan)
             assert softcap == 0.0, "stored logits are uncapped"
             z = logits.copy_(z)
@@ -1051,9 +1138,13 @@ def _emulate_fused_ops(monkeypatch):
         if not with_logit_sum:  # the fused op leaves it as it was
             state[3].copy_(before)
 
-    def grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse, out):
-        out.copy_(matmul(x, w, b))
-        ops.chunk_grad_(out, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse)
+    def grad(x, w, b, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse, out,
+             exact=False):
+        assert not exact or (b is None and not softcap), "the op's rule for exact"
+        z = x.float() @ w.float().t() if exact else out.copy_(matmul(x, w, b))
+        ops.chunk_grad_(z, target, class_start, num_classes, lse, grad_rows, eps, z_loss, softcap, grad_lse)
+        if exact:
+            out.copy_(z)
 
     monkeypatch.setattr(ops, "gemm_chunk_stats_", stats)
     monkeypatch.setattr(ops, "gemm_chunk_grad_", grad)
@@ -1131,6 +1222,51 @@ def test_forward_folds_later_chunks_against_the_running_max(monkeypatch, env, me
         assert later and all(r[2] is not None and r[2].shape == (r[0],) and r[2].dtype == torch.float32
                              for r in later), refs
     ref = _lce_float64(x, w, None, target, **opts)
+    for ours, theirs, r in zip(fused, plain, ref):
+        assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
+
+
+@pytest.mark.parametrize("case", ["exact", "env_off", "bias", "softcap", "smoothing", "kept"])
+def test_exact_logits_asked_of_both_sides_alike(monkeypatch, case):
+    """HUGEHEAD_GEMM_EXACT_LOGITS=1: every fused statistics call of a chunk not kept and every fused gradient call
+    get exact=True together, and only without bias, softcap or label smoothing (kept chunks' stored logits
+    never); otherwise all False. With the ops emulated on the CPU, loss and gradients match float64 as the cuBLAS
+    path does."""
+    from hugehead import loop
+
+    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 2)
+    monkeypatch.setenv("HUGEHEAD_GEMM_EXACT_LOGITS", "0" if case == "env_off" else "1")
+    n, d, v, cols = (256, 128, 40000, None) if case == "kept" else (37, 16, 1000, 64)
+    x, w, b = _inputs(n, v, d, torch.float32, bias=case == "bias", seed=25)
+    target = _targets(n, v, 0, v, 25)
+    opts = dict(chunk_size=cols, label_smoothing=0.1 if case == "smoothing" else 0.0, z_loss=1e-3)
+    if case == "softcap":
+        opts["softcap"] = 20.0
+    if case == "kept":  # chunks kept in the weight gradient's buffer, the rest recomputed (as the factored test)
+        opts["memory_budget"] = n * d * 6 + (1 << 20)
+    plain = _lce_grads(x, w, b, target, **opts)
+    _emulate_fused_ops(monkeypatch)
+    asked = {"stats": [], "stored": [], "grad": []}
+    stats_op, grad_op = ops.gemm_chunk_stats_, ops.gemm_chunk_grad_
+
+    def stats(*a, logits=None, exact=False, **kw):
+        asked["stored" if logits is not None else "stats"].append(exact)
+        return stats_op(*a, logits=logits, exact=exact, **kw)
+
+    def grad(*a, exact=False):
+        asked["grad"].append(exact)
+        return grad_op(*a, exact=exact)
+
+    monkeypatch.setattr(ops, "gemm_chunk_stats_", stats)
+    monkeypatch.setattr(ops, "gemm_chunk_grad_", grad)
+    fused = _lce_grads(x, w, b, target, **opts)
+    want = case in ("exact", "kept")
+    assert asked["stats"] and asked["grad"], asked
+    assert all(e == want for e in asked["stats"] + asked["grad"]), asked
+    assert not any(asked["stored"]), asked
+    if case == "kept":
+        assert asked["stored"], asked
+    ref = _lce_float64(x, w, b, target, **opts)
     for ours, theirs, r in zip(fused, plain, ref):
         assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
 

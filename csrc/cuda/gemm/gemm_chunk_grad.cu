@@ -19,8 +19,11 @@ namespace {
 void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const at::Tensor& target, int64_t class_start, int64_t num_classes, const at::Tensor& lse,
                           const at::Tensor& grad_rows, double label_smoothing, double z_loss, double softcap,
-                          const std::optional<at::Tensor>& grad_lse, const at::Tensor& grad_logits) {
+                          const std::optional<at::Tensor>& grad_lse, const at::Tensor& grad_logits, bool exact) {
   check_gemm_operands(x, weight, bias, "gemm_chunk_grad_");
+  TORCH_CHECK(!exact || (!bias.has_value() && !(softcap > 0.0)),
+              "hugehead: gemm_chunk_grad_ with exact=True takes no bias or softcap (the float32 accumulator is the "
+              "logit only there)");
   TORCH_CHECK(num_classes > 0, "hugehead: num_classes must be positive, got ", num_classes);
   TORCH_CHECK(grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) && grad_logits.size(1) == weight.size(0),
               "hugehead: grad_logits must have shape [", x.size(0), ", ", weight.size(0), "], got ",
@@ -45,6 +48,7 @@ void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const s
                          static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
   p.mainloop_only = gemm::mainloop_only_from_env();
   p.fold_g = gemm::grad_fold_from_env();
+  p.exact = exact;
   const bool half = x.scalar_type() == at::kHalf;
   TORCH_CHECK(gemm::grad_store_from_env() != gemm::GradStore::kTma || gemm::grad_gemm_tma_store_applies(p),
               "hugehead: HUGEHEAD_GEMM_GRAD_STORE=tma, but the TMA store does not apply to this gemm_chunk_grad_ call "

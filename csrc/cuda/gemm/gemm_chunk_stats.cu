@@ -41,17 +41,19 @@ struct FixArgs {
   scalar_t* probs = nullptr;
   int64_t probs_stride = 0;
   float* reference = nullptr;
+  bool exact = false;  // the logits as the float32 dot gives them (StatsGemmParams::exact), else rounded
 };
 
 // A float32 dot over the depth in a fixed lane order (every lane gets the same bits), rounded once to scalar_t as
-// the GEMM's logits are.
+// the GEMM's logits are (unless exact).
 template <typename scalar_t>
-__device__ __forceinline__ float row_logit(const scalar_t* xr, const scalar_t* wr, int64_t depth, int lane) {
+__device__ __forceinline__ float row_logit(const scalar_t* xr, const scalar_t* wr, int64_t depth, int lane,
+                                           bool exact) {
   float acc = 0.f;
   for (int64_t k = lane; k < depth; k += cuda::kWarp) acc += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
 #pragma unroll
   for (int o = cuda::kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  return static_cast<float>(static_cast<scalar_t>(acc));
+  return exact ? acc : static_cast<float>(static_cast<scalar_t>(acc));
 }
 
 // Row `row`'s chunk folded tile by tile as the GEMM's own-max fold would ((max, sum exp(z - max)) a tile, then the
@@ -65,13 +67,13 @@ __device__ void fold_row_exactly(const FixArgs<scalar_t>& fix, int64_t row, int 
   for (int64_t j0 = 0; j0 < fix.cols; j0 += fix.tile_cols) {
     float tm = neg_inf<float>(), ts = 0.f;
     const int64_t j1 = j0 + fix.tile_cols < fix.cols ? j0 + fix.tile_cols : fix.cols;
-    for (int64_t j = j0; j < j1; ++j) lse_merge(tm, ts, row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane), 1.f);
+    for (int64_t j = j0; j < j1; ++j) lse_merge(tm, ts, row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane, fix.exact), 1.f);
     lse_merge(m, s, tm, ts);
     row_top = tm > row_top ? tm : row_top;
   }
   if (fix.probs == nullptr) return;
   for (int64_t j = 0; j < fix.cols; ++j) {
-    const float z = row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane);
+    const float z = row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane, fix.exact);
     if (lane == 0) fix.probs[row * fix.probs_stride + j] = static_cast<scalar_t>(::expf(z - row_top));
   }
   if (lane == 0) fix.reference[row] = row_top;
@@ -79,8 +81,8 @@ __device__ void fold_row_exactly(const FixArgs<scalar_t>& fix, int64_t row, int 
 
 // One warp per row: lanes fold tiles lane, lane + 32, ... then a fixed shuffle tree: deterministic. kSum:
 // partials of (max, sum, logit sum, unused) folding logit_sum too; else (max, sum) partials of 8 bytes. A row
-// with a partial past kFlagSum (folded against a reference: gemm.h) takes fold_row_exactly instead of its
-// partials; every other row pays one compare a partial for that.
+// with a partial past kFlagSum (folded against a reference, or by the exact fold against its tile's sampled max:
+// gemm.h) takes fold_row_exactly instead of its partials; every other row pays one compare a partial for that.
 template <typename scalar_t, bool kSum>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
@@ -132,8 +134,11 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                            const at::Tensor& row_sumexp, const at::Tensor& target_logit,
                            const at::Tensor& logit_sum, bool with_logit_sum,
                            const std::optional<at::Tensor>& logits, const std::optional<at::Tensor>& reference,
-                           bool probs) {
+                           bool probs, bool exact) {
   check_gemm_operands(x, weight, bias, "gemm_chunk_stats_");
+  TORCH_CHECK(!exact || (!bias.has_value() && !(softcap > 0.0) && !logits.has_value() && !with_logit_sum),
+              "hugehead: gemm_chunk_stats_ with exact=True takes no bias, softcap, logit sums or stored logits (the "
+              "float32 accumulator is the logit only in the 128 x 192 fold without them)");
   if (logits.has_value()) {
     const at::Tensor& z = *logits;
     TORCH_CHECK(z.scalar_type() == x.scalar_type(), "hugehead: logits must be ", x.scalar_type(), ", got ",
@@ -160,6 +165,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                           rows, cols, depth, x.stride(0), weight.stride(0), class_start,
                           static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
   p.logit_sum = with_logit_sum;
+  p.exact = exact;
   if (logits.has_value()) {
     p.logits = logits->data_ptr();
     p.logits_stride = logits->stride(0);
@@ -168,7 +174,9 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   }
   // The schedule asked for (the environment's, else the depth's default): where it is pingpong_cluster_192, a
   // reference applies without stored logits too (fold_ref).
-  const gemm::Schedule asked = gemm::schedule_from_env(gemm::default_stats_schedule(depth));
+  // exact: the 128 x 192 fold's, whatever HUGEHEAD_GEMM_SCHEDULE says (the only one with it).
+  const gemm::Schedule asked = exact ? gemm::Schedule::kPingpongCluster192
+                                     : gemm::schedule_from_env(gemm::default_stats_schedule(depth));
   if (reference.has_value()) {
     const at::Tensor& ref = *reference;
     TORCH_CHECK(ref.scalar_type() == at::kFloat && ref.device() == x.device() && ref.dim() == 1 &&
@@ -215,7 +223,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   auto merge = [&](auto element) {
     using scalar_t = decltype(element);
     FixArgs<scalar_t> fix;
-    if (p.reference != nullptr) {  // a flagged row is folded again from the operands
+    if (p.reference != nullptr || exact) {  // a flagged row is folded again from the operands
       fix.x = x.data_ptr<scalar_t>();
       fix.x_stride = x.stride(0);
       fix.weight = weight.data_ptr<scalar_t>();
@@ -223,6 +231,7 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
       fix.cols = cols;
       fix.depth = depth;
       fix.tile_cols = tile_cols;
+      fix.exact = exact;
       if (p.probs) {
         fix.probs = static_cast<scalar_t*>(logits->data_ptr());
         fix.probs_stride = logits->stride(0);

@@ -33,6 +33,7 @@ struct GradEpilogue : EpilogueBase<Element> {
     float inv_softcap = 0.f;
     bool mainloop_only = false;    // 1 / softcap, computed on the host
     bool pairs = false;  // grad_logits rows 4-byte aligned: adjacent columns stored as one 32-bit word
+    bool exact = false;  // the accumulator is the logit (GradGemmParams::exact: no bias or softcap)
   };
   using Params = Arguments;
 
@@ -104,7 +105,7 @@ struct GradEpilogue : EpilogueBase<Element> {
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
     // The softcap stays out of logits_in_place here: its tanh also gives dsoftcap/dz below.
-    logits_in_place<Element, kFull, false, kBias>(acc, tCcD, N, params.bias, 0.f, 0.f);
+    if (!params.exact) logits_in_place<Element, kFull, false, kBias>(acc, tCcD, N, params.bias, 0.f, 0.f);
     const float cap = params.softcap, inv_cap = params.inv_softcap;
 
     int t_off[kRows];
@@ -216,6 +217,7 @@ struct GradGemm {
     epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
     epi.mainloop_only = p.mainloop_only;
     epi.pairs = p.grad_stride % 2 == 0 && reinterpret_cast<uintptr_t>(p.grad_logits) % 4 == 0;
+    epi.exact = p.exact;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);
   }
   static size_t workspace_bytes(const GradGemmParams& p) { return Gemm::Device::get_workspace_size(arguments(p)); }

@@ -36,6 +36,7 @@ struct GradTmaArguments {
   // multiply by g. Not the bits of g * p (the offset's float32 rounding moves the exponent by ~1e-7 |lse - log g|);
   // rows with g <= 0 (or NaN) keep g * p.
   bool fold_g = false;
+  bool exact = false;  // the accumulator is the logit, not rounded to Element (GradGemmParams::exact)
 };
 
 template <class Element>
@@ -110,12 +111,21 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
       Tensor g_mn = g(_, _, _, epi_m, epi_n);
       Tensor t_mn = t(_, _, _, epi_m, epi_n);
       Tensor c_mn = tCcD(_, _, _, epi_m, epi_n);
-      // Rounded as cuBLAS rounds the logits it stores (pairs by one cvt.rn.bf16x2).
-      const cutlass::Array<Element, FragmentSize> z =
-          cutlass::NumericArrayConverter<Element, ElementAccumulator, FragmentSize>{}(acc);
       cutlass::Array<float, FragmentSize> out;
-      // Without label smoothing p - 0 is p (the same bits), so that subtraction is left out; likewise the
-      // target's compare where no lane of the warp holds a target (begin()). Uniform branches.
+      if (params.exact) {  // the accumulator as it is (a uniform branch)
+        elements_of(acc, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
+      } else {  // rounded as cuBLAS rounds the logits it stores (pairs by one cvt.rn.bf16x2)
+        elements_of(cutlass::NumericArrayConverter<Element, ElementAccumulator, FragmentSize>{}(acc), out, lse_mn,
+                    g_mn, t_mn, c_mn, epi_v);
+      }
+      return out;
+    }
+
+    // Without label smoothing p - 0 is p (the same bits), so that subtraction is left out; likewise the
+    // target's compare where no lane of the warp holds a target (begin()). Uniform branches.
+    template <class Z, class Out, class L, class G, class T, class C>
+    CUTLASS_DEVICE void elements_of(Z const& z, Out& out, L const& lse_mn, G const& g_mn, T const& t_mn,
+                                    C const& c_mn, int epi_v) const {
       if (params.fold_g) {  // (smooth is 0 here: the host's rule)
         if (warp_targets || warp_zero_rows) folded<true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
         else folded<false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
@@ -126,7 +136,6 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
         if (warp_targets || warp_zero_rows) elements<true, true>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
         else elements<true, false>(z, out, lse_mn, g_mn, t_mn, c_mn, epi_v);
       }
-      return out;
     }
 
     // fold_g's elements: e = exp(z - lse + log g) = g p where g > 0 (the exponent's offset from begin()); kChecked
@@ -213,6 +222,7 @@ struct GradTmaGemm {
     cb.smooth = static_cast<float>(static_cast<double>(p.label_smoothing) / static_cast<double>(p.num_classes));
     cb.target_weight = 1.f - p.label_smoothing;
     cb.fold_g = p.fold_g && cb.smooth == 0.f;
+    cb.exact = p.exact;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, cb, p.grad_logits,
                            p.grad_stride, p.sm_count);
   }

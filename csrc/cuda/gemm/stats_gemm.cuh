@@ -60,6 +60,9 @@ struct StatsEpilogue : EpilogueBase<Element> {
     // [rows] each row's max over the chunks folded before, or nullptr: the 128 x 192 tile without bias then
     // takes fold_ref() (gemm.h's stats_ref_applies; no logits stored), partials (ref, sum exp(z - ref)).
     const float* reference = nullptr;
+    // The float32 accumulator is the logit (StatsGemmParams::exact: no bias, softcap, logit sums or stored
+    // logits, and the host runs the 128 x 192 tile for it): fold_exact() / fold_ref<.., true>.
+    bool exact = false;
   };
   using Params = Arguments;
 
@@ -103,8 +106,16 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const auto f = fragment_rows<FrgLayout>(tCcD, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
     if constexpr (kPairsOnly) {
       if (!kInPlace && params.reference != nullptr) {  // (no bias: stats_ref_applies)
-        if (f.full) fold_ref<true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
-        else fold_ref<false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        if (params.exact) {
+          if (f.full) fold_ref<true, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+          else fold_ref<false, true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        } else {
+          if (f.full) fold_ref<true, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+          else fold_ref<false, false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        }
+      } else if (!kInPlace && params.exact) {  // (no bias: the host's rule)
+        if (f.full) fold_exact<true>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
+        else fold_exact<false>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       } else if (!f.full) {
         fold_pairs<false, true, kInPlace>(acc, tCcD, f, problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl);
       } else if (params.bias != nullptr) {
@@ -420,7 +431,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
   // packed pairs held -- into partials (ref, sum) as stats_ref_gemm.cuh's TMA kernel writes them (lse_merge then
   // leaves the row max at ref). A partial past kFlagSum (a logit ~55 above ref, or a row with no finite ref) is
   // folded again exactly by the merge kernel. Not the bits of fold_pairs(): the exponents subtract another max.
-  template <bool kFull, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
+  // kExact: z is the float32 accumulator as it is (params.exact), no pair rounded.
+  template <bool kFull, bool kExact, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
             class BlockCoordMNKL>
   CUTLASS_DEVICE void fold_ref(Acc& acc, Coords const& tCcD, Rows const& f, ProblemShapeMNKL const& problem_shape_mnkl,
                                BlockShapeMNK const&, BlockCoordMNKL const& blk_coord_mnkl) {
@@ -435,39 +447,131 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
     auto ok = [&](int c, int st) { return kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) < N; };
     // The target logits first, from the accumulators as they are (a uniform branch where a lane of the warp holds
-    // one), rounded as the pairs below round them: the exponent loop then lets each accumulator die as it reads it
-    // (holding z back in them for a pick after spilled 20 bytes a thread).
-    float ref[kRows], refl[kRows], s[kRows], t_z[kRows];
-    bool mine[kRows];
+    // one), rounded as the pairs below round them (!kExact), and written at once: the exponent loop then lets
+    // each accumulator die as it reads it, with nothing of the pick live (holding z back in the accumulators for
+    // a pick after spilled 20 bytes a thread).
     {
       int t_off[kRows];
+      bool mine[kRows];
+      float t_z[kRows];
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
         const bool in = f.row[i] < M;
-        ref[i] = in ? params.reference[f.row[i]] : 0.f;
         t_off[i] = target_offset<kTileN>(in ? params.target[f.row[i]] : int64_t(-1), params.class_start, f.col0);
         mine[i] = in && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
         t_z[i] = 0.f;
       }
       if (pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z)) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) t_z[i] = static_cast<float>(static_cast<Element>(t_z[i]));
+        for (int i = 0; i < kRows; ++i) {
+          if (mine[i]) {
+            params.target_logit[f.row[i]] = kExact ? t_z[i] : static_cast<float>(static_cast<Element>(t_z[i]));
+          }
+        }
       }
     }
+    float refl[kRows], s[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      refl[i] = ref[i] * kLog2e;
+      refl[i] = (f.row[i] < M ? params.reference[f.row[i]] : 0.f) * kLog2e;
       s[i] = 0.f;
     }
     CUTLASS_PRAGMA_UNROLL
     for (int st = 0; st < kSteps; ++st) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
-        const typename P::Pair h = P::pack(acc(make_coord(make_coord(0, i % 2, st), i / 2, 0)),
-                                           acc(make_coord(make_coord(1, i % 2, st), i / 2, 0)));
+        const float a0 = acc(make_coord(make_coord(0, i % 2, st), i / 2, 0));
+        const float a1 = acc(make_coord(make_coord(1, i % 2, st), i / 2, 0));
+        float z0 = a0, z1 = a1;
+        if constexpr (!kExact) {
+          const typename P::Pair h = P::pack(a0, a1);
+          z0 = P::lo(h);
+          z1 = P::hi(h);
+        }
         // A column past the problem (the TMA loads' zero fill) would add exp(-ref): masked.
-        s[i] += ok(0, st) ? exp_minus(P::lo(h), refl[i]) : 0.f;
-        s[i] += ok(1, st) ? exp_minus(P::hi(h), refl[i]) : 0.f;
+        s[i] += ok(0, st) ? exp_minus(z0, refl[i]) : 0.f;
+        s[i] += ok(1, st) ? exp_minus(z1, refl[i]) : 0.f;
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off < 4; off *= 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
+    }
+    // The partials carry the reference itself (read again: a cached load, four registers fewer in the loop).
+    float ref[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) ref[i] = f.row[i] < M ? params.reference[f.row[i]] : 0.f;
+    const float no_sums[kRows] = {};
+    const bool none[kRows] = {};  // (the target logits are written above)
+    write_rows(f, M, none, no_sums, ref, s, no_sums, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
+  }
+
+  // The fold with z the float32 accumulator (params.exact), in one pass: each partial is taken against m, the
+  // row's max over the tile's first eight columns (the quad's first step, two xor shuffles), not the tile's max,
+  // so nothing holds the accumulators for a second pass (a max pass over all 192 spilled 42 bytes a thread) and
+  // an element is one FFMA, one MUFU.EX2 and one FADD. The partial (m, sum exp(z - m)) is as good as any for
+  // lse_merge while no logit of the tile lies ~55 above m: a sum past kFlagSum (gemm.h) is folded again exactly
+  // by the merge kernel (the host gives it the operands for exact calls).
+  template <bool kFull, class Acc, class Coords, class Rows, class ProblemShapeMNKL, class BlockShapeMNK,
+            class BlockCoordMNKL>
+  CUTLASS_DEVICE void fold_exact(Acc& acc, Coords const& tCcD, Rows const& f,
+                                 ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&,
+                                 BlockCoordMNKL const& blk_coord_mnkl) {
+    using namespace cute;
+    using FrgLayout = typename Acc::layout_type;
+    constexpr int kSteps = size<0, 2>(FrgLayout{});
+    constexpr int kRows = 2 * size<1>(FrgLayout{});
+    constexpr int kTileN = size<1>(BlockShapeMNK{});
+    static_assert(size<2>(FrgLayout{}) == 1, "one MMA atom spans the tile's columns (the target's offsets)");
+    const int M = static_cast<int>(get<0>(problem_shape_mnkl));
+    const int N = static_cast<int>(get<1>(problem_shape_mnkl));
+    auto ok = [&](int c, int st) { return kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) < N; };
+    {  // the target logits, written now: nothing of the pick stays live through the pass
+      int t_off[kRows];
+      bool mine[kRows];
+      float t_z[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const bool in = f.row[i] < M;
+        t_off[i] = target_offset<kTileN>(in ? params.target[f.row[i]] : int64_t(-1), params.class_start, f.col0);
+        mine[i] = in && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+        t_z[i] = 0.f;
+      }
+      if (pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z)) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          if (mine[i]) params.target_logit[f.row[i]] = t_z[i];
+        }
+      }
+    }
+    float m[kRows], m0[kRows], s[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float a0 = acc(make_coord(make_coord(0, i % 2, 0), i / 2, 0));
+      const float a1 = acc(make_coord(make_coord(1, i % 2, 0), i / 2, 0));
+      m[i] = ::fmaxf(ok(0, 0) ? a0 : -INFINITY, ok(1, 0) ? a1 : -INFINITY);  // NaN-ignoring, as fmaxf is
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off < 4; off *= 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) m[i] = ::fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], off));
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      m[i] = m[i] == -INFINITY ? 0.f : m[i];  // (no finite sample: exps against 0, flagged if they overflow)
+      m0[i] = m[i] * kLog2e;
+      s[i] = 0.f;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int st = 0; st < kSteps; ++st) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 2; ++c) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          const float e = exp_minus(acc(make_coord(make_coord(c, i % 2, st), i / 2, 0)), m0[i]);
+          s[i] += ok(c, st) ? e : 0.f;
+        }
       }
     }
     CUTLASS_PRAGMA_UNROLL
@@ -476,7 +580,8 @@ struct StatsEpilogue : EpilogueBase<Element> {
       for (int i = 0; i < kRows; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
     }
     const float no_sums[kRows] = {};
-    write_rows(f, M, mine, t_z, ref, s, no_sums, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
+    const bool none[kRows] = {};  // (the target logits are written above)
+    write_rows(f, M, none, no_sums, m, s, no_sums, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
   }
 
   Params params;
@@ -499,6 +604,7 @@ typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsG
   epi.logits = static_cast<Element*>(p.logits);
   epi.logits_stride = p.logits_stride;
   epi.reference = p.logits == nullptr ? p.reference : nullptr;  // (with logits the reference is the TMA kernel's)
+  epi.exact = p.exact;
   return epi;
 }
 

@@ -15,7 +15,8 @@ namespace gemm {
 // stored unless logits is set (then z, unsoftcapped, also goes there: stats_store_gemm.cuh). x [rows, depth]
 // and weight [cols, depth] are K-major (unit stride along depth).
 // A partial folded against a reference (StatsGemmParams::reference: stats_ref_gemm.cuh's TMA kernel, stats_gemm.cuh's
-// fold_ref) whose sum passes this flags its row: 2^80 ~ e^55.5, a logit ~55 above the reference (or +inf: a row
+// fold_ref; or StatsGemmParams::exact's fold, against the max of its tile's first eight columns) whose sum passes
+// this flags its row: 2^80 ~ e^55.5, a logit ~55 above the reference (or +inf: a row
 // with no finite reference yet). Sums of this size over a whole vocabulary stay far from float32's overflow, and a
 // row's gradient scale exp(ref - lse) far from its underflow. gemm_chunk_stats.cu's merge kernel sees such a partial
 // and folds that row's chunk again exactly; a partial folded against its own tile max never passes it (its sum is
@@ -49,6 +50,11 @@ struct StatsGemmParams {
   // folds again exactly. nullptr: the fold takes each tile's own max.
   const float* reference = nullptr;
   bool probs = false;  // with reference, bf16: logits gets exp(min(z - ref, 80)) in place of z
+  // The float32 accumulator is the logit, not rounded to Element first (no bias, softcap, logit sums or stored
+  // logits, on pingpong_cluster_192 whatever the schedule asked: the host's rule; the 128 x 192 fold only, so
+  // the other tiles' folds keep their registers); the loop asks it of the forward and the backward
+  // (GradGemmParams::exact) together.
+  bool exact = false;
 };
 
 // z = x @ weight^T (+ bias) turned into dLoss/dlogits in the epilogue (what chunk_grad_ does in place to
@@ -79,6 +85,7 @@ struct GradGemmParams {
   // for the rows with g > 0 (one multiply an element fewer; not the same bits as g * p, within float32's
   // rounding of the exponent): grad_fold_from_env().
   bool fold_g = false;
+  bool exact = false;  // as StatsGemmParams::exact (no bias or softcap: the host's rule)
 };
 
 // HUGEHEAD_GEMM_GRAD_FOLD (read per call): unset or 1 folds g into the gradient's exponent where it applies
