@@ -425,6 +425,32 @@ struct StatsEpilogue : EpilogueBase<Element> {
     write_rows(f, M, mine, t_z, m, s, no_sums, static_cast<int64_t>(get<1>(blk_coord_mnkl)));
   }
 
+  // The target logits of the rows whose target is one of this thread's elements (a uniform branch where a lane
+  // of the warp holds one), from the accumulators as they are, rounded to Element first where kRound, written
+  // at once (fold_ref / fold_exact: nothing of the pick stays live beside their exponent loop).
+  template <bool kRound, class Acc, class Coords, class Rows>
+  CUTLASS_DEVICE void write_target_logits(Acc& acc, Coords const& tCcD, Rows const& f, int M, int N) const {
+    using FrgLayout = typename Acc::layout_type;
+    constexpr int kSteps = cute::size<0, 2>(FrgLayout{});
+    constexpr int kRows = 2 * cute::size<1>(FrgLayout{});
+    constexpr int kTileN = kSteps * 8;  // one MMA atom spans the tile's columns (fold_ref / fold_exact assert it)
+    int t_off[kRows];
+    bool mine[kRows];
+    float t_z[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const bool in = f.row[i] < M;
+      t_off[i] = target_offset<kTileN>(in ? params.target[f.row[i]] : int64_t(-1), params.class_start, f.col0);
+      mine[i] = in && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
+      t_z[i] = 0.f;
+    }
+    if (!pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z)) return;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      if (mine[i]) params.target_logit[f.row[i]] = kRound ? static_cast<float>(static_cast<Element>(t_z[i])) : t_z[i];
+    }
+  }
+
   // The fold against a reference (params.reference: each row's max over the chunks folded before, which the loop
   // passes for the chunks after its first): the same z as fold_pairs() (the accumulators rounded to Element, one
   // cvt a pair) and sum exp(z - ref) per row, no max -- so no max pass over the tile, no max shuffles and no
@@ -446,30 +472,9 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
     auto ok = [&](int c, int st) { return kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) < N; };
-    // The target logits first, from the accumulators as they are (a uniform branch where a lane of the warp holds
-    // one), rounded as the pairs below round them (!kExact), and written at once: the exponent loop then lets
-    // each accumulator die as it reads it, with nothing of the pick live (holding z back in the accumulators for
-    // a pick after spilled 20 bytes a thread).
-    {
-      int t_off[kRows];
-      bool mine[kRows];
-      float t_z[kRows];
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        const bool in = f.row[i] < M;
-        t_off[i] = target_offset<kTileN>(in ? params.target[f.row[i]] : int64_t(-1), params.class_start, f.col0);
-        mine[i] = in && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
-        t_z[i] = 0.f;
-      }
-      if (pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z)) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          if (mine[i]) {
-            params.target_logit[f.row[i]] = kExact ? t_z[i] : static_cast<float>(static_cast<Element>(t_z[i]));
-          }
-        }
-      }
-    }
+    // The target logits first (rounded as the pairs below round them, unless kExact): the exponent loop then lets
+    // each accumulator die as it reads it (holding z back in the accumulators for a pick after spilled 20 bytes).
+    write_target_logits<!kExact>(acc, tCcD, f, M, N);
     float refl[kRows], s[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -527,24 +532,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
     auto ok = [&](int c, int st) { return kFull || get<1>(tCcD(make_coord(make_coord(c, 0, st), 0, 0))) < N; };
-    {  // the target logits, written now: nothing of the pick stays live through the pass
-      int t_off[kRows];
-      bool mine[kRows];
-      float t_z[kRows];
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        const bool in = f.row[i] < M;
-        t_off[i] = target_offset<kTileN>(in ? params.target[f.row[i]] : int64_t(-1), params.class_start, f.col0);
-        mine[i] = in && holds_offset<kSteps>(tCcD, t_off[i], f.col0, N);
-        t_z[i] = 0.f;
-      }
-      if (pick_at_offsets(acc, tCcD, f.col0, t_off, mine, t_z)) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          if (mine[i]) params.target_logit[f.row[i]] = t_z[i];
-        }
-      }
-    }
+    write_target_logits<false>(acc, tCcD, f, M, N);  // (first: nothing of the pick stays live through the pass)
     float m[kRows], m0[kRows], s[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
