@@ -467,7 +467,6 @@ struct StatsEpilogue : EpilogueBase<Element> {
     using FrgLayout = typename Acc::layout_type;
     constexpr int kSteps = size<0, 2>(FrgLayout{});
     constexpr int kRows = 2 * size<1>(FrgLayout{});
-    constexpr int kTileN = size<1>(BlockShapeMNK{});
     static_assert(size<2>(FrgLayout{}) == 1, "one MMA atom spans the tile's columns (the target's offsets)");
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
@@ -527,7 +526,6 @@ struct StatsEpilogue : EpilogueBase<Element> {
     using FrgLayout = typename Acc::layout_type;
     constexpr int kSteps = size<0, 2>(FrgLayout{});
     constexpr int kRows = 2 * size<1>(FrgLayout{});
-    constexpr int kTileN = size<1>(BlockShapeMNK{});
     static_assert(size<2>(FrgLayout{}) == 1, "one MMA atom spans the tile's columns (the target's offsets)");
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const int N = static_cast<int>(get<1>(problem_shape_mnkl));
