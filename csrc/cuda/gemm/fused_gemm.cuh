@@ -137,10 +137,11 @@ CUTLASS_DEVICE auto tile_coordinates(ProblemShapeMNKL const& problem_shape_mnkl,
   return thr_mma.partition_C(cD);
 }
 
-// The SFU exponentials (kLog2e, exp2_ftz, exp_ftz, exp_minus): sfu_exp.cuh, shared with chunk_stats_ / chunk_grad_.
+// The SFU exponentials (kLog2e, exp2_ftz, exp_ftz, exp_minus) and log2_sfu: sfu_exp.cuh, shared with chunk_stats_ / chunk_grad_.
 using cuda::exp2_ftz;
 using cuda::exp_ftz;
 using cuda::exp_minus;
+using cuda::log2_sfu;
 using cuda::kLog2e;
 
 // The tile a thread's fragment belongs to: its rows (kRows = 2 MMA_M, as the fragment's row modes), the
