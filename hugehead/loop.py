@@ -878,9 +878,15 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     return None, None
 
 
-# How far above a kept chunk's reference a row's lse may lie for the factored backward to take that row there
-# (exp(-60) keeps its scale s = g exp(ref - lse) and s x well inside float32's and bf16's normal ranges).
+# How far above a kept chunk's reference a row's lse may lie for the factored backward to write that row's target
+# entry G_t / s there (exp(60) keeps the ratio inside bf16's range); a row further above takes its target apart.
 FACTORED_MAX_GAP = 60.0
+# How far above a kept chunk's reference a row's lse may lie before its scale s = g exp(ref - lse) is taken as 0
+# there. A kept chunk's values are exp(z - ref) <= 2^80 (the fused op's kFlagSum; the cuBLAS path rebases at
+# KEPT_PROBS_REBASE), so such a row's entries p = e exp(ref - lse) are all below 2^80 exp(-144) < 2^-126, the
+# exponentials' flush (sfu_exp.cuh). A gap of 60 alone does not bound them: a chunk whose values reach 2^79
+# under a lse 61 above its reference holds p ~ e^-6 (a row whose max is in a later kept chunk).
+FACTORED_DROP_GAP = 144.0
 
 
 class _FactoredKept:
@@ -895,10 +901,11 @@ class _FactoredKept:
     scales, and the targets' entries written by one scatter per storage region (:meth:`KeptLogits.regions`), so
     a kept chunk costs two GEMMs and two small elementwise kernels (its ``s_k x`` and the ``dX`` scale) where it
     cost chunk_grad_'s pass over its logits (0.27 ms at xc6M on an H200). A row whose lse lies more than
-    :data:`FACTORED_MAX_GAP` above ``ref_k`` (its max is in a chunk folded after this one, a flagged row's) has
-    ``s_k = 0`` there: its entries are dropped but for its target, whose ``G_t`` is added apart by
-    :meth:`finish` (after the kept chunks' ``dW`` are written). Rows with ``s = 0`` (ignored) have ``s x = 0``
-    and finite ``e``."""
+    :data:`FACTORED_MAX_GAP` above ``ref_k`` (its max is in a chunk folded after this one, a flagged row's) takes
+    its target there apart: the target's entry becomes 0 and its ``G_t`` is added by :meth:`finish` (after the
+    kept chunks' ``dW`` are written); its other entries keep ``s_k e`` up to :data:`FACTORED_DROP_GAP`, past
+    which ``s_k = 0`` (every such entry is below 2^-126). Rows with ``s = 0`` (ignored) have ``s x = 0`` and
+    finite ``e``."""
 
     def __init__(self, x, target, lse, grad_rows, options, grad_lse, slots: "KeptLogits", class_start, source,
                  writer, grad_x, scratch: Optional[Tensor] = None):
@@ -911,7 +918,7 @@ class _FactoredKept:
         row_scale = scale + grad_lse if grad_lse is not None else scale
         # (all read before chunk 0's dW is written over the area)
         gap = lse[None, :] - area[:k_n]
-        self.scales = torch.where(gap <= FACTORED_MAX_GAP, row_scale[None, :] * torch.exp(-gap),
+        self.scales = torch.where(gap <= FACTORED_DROP_GAP, row_scale[None, :] * torch.exp(-gap),
                                   torch.zeros((), dtype=acc, device=x.device))
         p_t = torch.exp(area[k_n] - lse)
         d_t = p_t - 1 + 2 * options.z_loss * lse * p_t if options.z_loss else p_t - 1
@@ -922,11 +929,14 @@ class _FactoredKept:
         cls = local.clamp(0, kept_classes - 1)
         k_t = torch.div(cls, cols, rounding_mode="floor")
         s_t = self.scales.gather(0, k_t[None, :])[0]
-        # The target's entry of each row whose target is kept: G_t / s_t, read back by both GEMMs as s_t e_t.
-        fix = (g_t / torch.where(s_t == 0, torch.ones_like(s_t), s_t)).to(x.dtype)
-        slots.put_rows(k_t, cls - k_t * cols, inside & (s_t != 0), fix)
-        # Where s_t is 0 (a far row; or g (1 + 2 z_loss lse) = 0 and no g_lse) G_t goes apart; exact zeros elsewhere.
-        self.apart = torch.where(inside & (s_t == 0), g_t, torch.zeros((), dtype=acc, device=x.device))
+        near = (s_t != 0) & (gap.gather(0, k_t[None, :])[0] <= FACTORED_MAX_GAP)
+        # The target's entry of each row whose target is kept: G_t / s_t, read back by both GEMMs as s_t e_t; 0
+        # where the row is far above the chunk's reference but s_t is not 0 (its G_t goes apart).
+        fix = torch.where(near, g_t / torch.where(near, s_t, torch.ones_like(s_t)), torch.zeros_like(s_t))
+        slots.put_rows(k_t, cls - k_t * cols, inside & (s_t != 0), fix.to(x.dtype))
+        # Where the row is far, or s_t is 0 (g (1 + 2 z_loss lse) = 0 and no g_lse), G_t goes apart; exact zeros
+        # elsewhere.
+        self.apart = torch.where(inside & ~near, g_t, torch.zeros((), dtype=acc, device=x.device))
         self.apart_cls = cls
         self.x, self.source, self.writer = x, source, writer
         # dX's float32 product and s x: in the streamed chunks' workspace (``scratch``, x's dtype, free until the

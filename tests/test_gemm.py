@@ -1318,7 +1318,7 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("case", ["plain", "z_loss", "flagged", "far_target", "logits"])
+@pytest.mark.parametrize("case", ["plain", "z_loss", "flagged", "far_target", "near_far", "logits"])
 def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, case, device):
     """bf16 with chunks kept in the weight gradient's buffer and the fused ops emulated on the CPU: the forward
     folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
@@ -1328,7 +1328,10 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     class's logit far above the rest on some rows, whose kept values then take that chunk's own max as their
     reference; "far_target": those logits in a later kept chunk than the rows' targets, so the targets' chunks
     have the rows far below their lse (s = 0 there: the targets' gradients go apart, _FactoredKept.finish);
-    "logits": HUGEHEAD_KEPT_PROBS=0 itself, bitwise. On "cuda" the fused ops themselves run (an H200)."""
+    "near_far": two rows' lse ~61 above the first kept chunk's reference (their max in the last kept chunk) while
+    that chunk holds a logit ~55 above it, not flagged (a probability ~e^-6 there, which the backward must keep:
+    FACTORED_DROP_GAP), those rows' dX checked on their own; "logits": HUGEHEAD_KEPT_PROBS=0 itself, bitwise. On
+    "cuda" the fused ops themselves run (an H200)."""
     from hugehead import loop
     from hugehead.functional import loss_plan
 
@@ -1355,6 +1358,34 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
         if far:  # their targets in the first two kept chunks, folded before the chunk with that logit
             target = target.clone()
             target[0], target[3] = 7, plan.cols + 9
+    near_rows, dropped = (0, 3), None
+    if case == "near_far":
+        # Rows 0 and 3: a class of the first kept chunk at R + 55.0 and one of the last kept chunk at R + 60.7, R the
+        # row's max over the chunks not kept (the first kept chunk's reference): its values reach e^55 < 2^80 (not
+        # flagged), the rows' lse lies ~60.7 above that reference, and the first class holds p ~ e^-5.7. That
+        # class's weight also has a long part orthogonal to x's rows 0 and 3 (along x's least singular direction,
+        # so the other rows' logits stay moderate): dropping its p moves those rows' dX visibly.
+        kept_classes = plan.kept_chunks * plan.cols
+        xf = x.float()
+        top = (xf @ w[kept_classes:].float().t()).max(dim=1).values
+        side = torch.linalg.svd(xf, full_matrices=False).Vh[-1]
+        basis = torch.linalg.qr(xf[list(near_rows)].t()).Q
+        side = side - basis @ (basis.t() @ side)
+        w = w.clone()
+        for row, cls in zip(near_rows, (5, 6)):
+            along = xf[row] / xf[row].square().sum()
+            far_cls = cls + (plan.kept_chunks - 1) * plan.cols
+            w[far_cls] = ((top[row] + 60.7) * along).to(w.dtype)
+            w[cls] = ((top[row] + 55.0) * along + 5 * w[far_cls].float().norm() * side / side.norm()).to(w.dtype)
+        z = xf @ w.float().t()
+        rows = list(near_rows)
+        lse = torch.logsumexp(z[rows].double(), dim=1)
+        ref = (xf @ w[kept_classes:].float().t()).max(dim=1).values[rows].double()
+        assert ((z[rows, :plan.cols].max(dim=1).values - ref) < 55.2).all()  # below the flag (ln 2^80 = 55.45)
+        assert ((lse - ref > 60.4) & (lse - ref < 61.0)).all()  # past FACTORED_MAX_GAP, far inside the drop gap
+        p = torch.exp(z[rows, :plan.cols].double() - lse[:, None])  # what dropping the first kept chunk would lose
+        dropped = (p @ w[:plan.cols].double()).norm(dim=1) / ((torch.softmax(z[rows].double(), 1)
+                                                              @ w.double()) - w[target[rows]].double()).norm(dim=1)
     if device == "cpu":
         _emulate_fused_ops(monkeypatch)
     made = []
@@ -1373,6 +1404,11 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
         err, err_plain = rel_err(a, r), rel_err(p, r)
         assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
+    if case == "near_far":  # those rows' dX on their own, where dropping the first kept chunk would show
+        for i, row in enumerate(near_rows):
+            err, err_plain = rel_err(ours[1][row], ref[1][row]), rel_err(plain[1][row], ref[1][row])
+            assert err <= 2 * err_plain + 1e-3, f"dx[{row}]: {err:.3g} vs {err_plain:.3g}"
+            assert dropped[i] > 1.25 * (2 * err_plain + 1e-3), f"the case must be able to fail: {float(dropped[i]):.3g}"
 
 
 def test_kept_logits_put_rows_writes_one_entry_a_row_in_either_storage():
