@@ -26,7 +26,7 @@ namespace {
 constexpr int kMergeThreads = 256;
 constexpr int kRowsPerBlock = kMergeThreads / cuda::kWarp;
 
-// A flagged row's chunk folded again exactly (the merge kernel's rare path; gemm.h's kFlagSum): what it needs of
+// A flagged tile or row folded again exactly (the merge kernel's rare path; gemm.h's kFlagSum): what it needs of
 // the GEMM's operands. probs: the stored values (exp(min(z - reference, 80))) are rewritten as exp(z - M), M the
 // row's max over the chunk, and reference[row] = M, the scale the backward reads for this chunk.
 template <typename scalar_t>
@@ -56,8 +56,21 @@ __device__ __forceinline__ float row_logit(const scalar_t* xr, const scalar_t* w
   return exact ? acc : static_cast<float>(static_cast<scalar_t>(acc));
 }
 
-// Row `row`'s chunk folded tile by tile as the GEMM's own-max fold would ((max, sum exp(z - max)) a tile, then the
-// tiles in order), by the whole warp (slow: a row's logits one dot at a time; rare). Every lane returns the same.
+// One column tile of row `row` (columns [j0, j0 + tile_cols) of the chunk) folded as the GEMM's own-max fold would,
+// (max, sum exp(z - max)), by the whole warp (slow: one dot at a time; rare). Every lane returns the same.
+template <typename scalar_t>
+__device__ void fold_tile_exactly(const FixArgs<scalar_t>& fix, int64_t row, int64_t j0, int lane, float& tm,
+                                  float& ts) {
+  const scalar_t* xr = fix.x + row * fix.x_stride;
+  tm = neg_inf<float>();
+  ts = 0.f;
+  const int64_t j1 = j0 + fix.tile_cols < fix.cols ? j0 + fix.tile_cols : fix.cols;
+  for (int64_t j = j0; j < j1; ++j) lse_merge(tm, ts, row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane, fix.exact), 1.f);
+}
+
+// Row `row`'s whole chunk folded tile by tile (fold_tile_exactly, then the tiles in order), its stored values
+// rewritten against the row's max over the chunk (probs: the row's reference moves there). Every lane returns the
+// same.
 template <typename scalar_t>
 __device__ void fold_row_exactly(const FixArgs<scalar_t>& fix, int64_t row, int lane, float& m, float& s) {
   const scalar_t* xr = fix.x + row * fix.x_stride;
@@ -65,9 +78,8 @@ __device__ void fold_row_exactly(const FixArgs<scalar_t>& fix, int64_t row, int 
   s = 0.f;
   float row_top = neg_inf<float>();
   for (int64_t j0 = 0; j0 < fix.cols; j0 += fix.tile_cols) {
-    float tm = neg_inf<float>(), ts = 0.f;
-    const int64_t j1 = j0 + fix.tile_cols < fix.cols ? j0 + fix.tile_cols : fix.cols;
-    for (int64_t j = j0; j < j1; ++j) lse_merge(tm, ts, row_logit(xr, fix.weight + j * fix.weight_stride, fix.depth, lane, fix.exact), 1.f);
+    float tm, ts;
+    fold_tile_exactly(fix, row, j0, lane, tm, ts);
     lse_merge(m, s, tm, ts);
     row_top = tm > row_top ? tm : row_top;
   }
@@ -80,9 +92,11 @@ __device__ void fold_row_exactly(const FixArgs<scalar_t>& fix, int64_t row, int 
 }
 
 // One warp per row: lanes fold tiles lane, lane + 32, ... then a fixed shuffle tree: deterministic. kSum:
-// partials of (max, sum, logit sum, unused) folding logit_sum too; else (max, sum) partials of 8 bytes. A row
-// with a partial past kFlagSum (folded against a reference, or by the exact fold against its tile's sampled max:
-// gemm.h) takes fold_row_exactly instead of its partials; every other row pays one compare a partial for that.
+// partials of (max, sum, logit sum, unused) folding logit_sum too; else (max, sum) partials of 8 bytes. A partial
+// past kFlagSum (folded against a reference, or by the exact fold against its tile's sampled max: gemm.h) is not
+// merged: that tile is folded again exactly (fold_tile_exactly: 192 dots, ~us) and merged by the lane that held it,
+// after its other tiles; with stored probabilities the row's whole chunk is (fold_row_exactly: its values and
+// reference move to the chunk's max). Every other row pays one compare a partial for that.
 template <typename scalar_t, bool kSum>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
@@ -112,15 +126,29 @@ __global__ void __launch_bounds__(kMergeThreads)
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       if (j0 + u * cuda::kWarp >= tiles) break;
-      flagged |= part[u].y > gemm::kFlagSum;
-      lse_merge(m, s, part[u].x, part[u].y);
+      const bool flag = fix.x != nullptr && part[u].y > gemm::kFlagSum;  // (NaN sums merge: a NaN lse, as it should)
+      flagged |= flag;
+      if (!flag) lse_merge(m, s, part[u].x, part[u].y);
       if constexpr (kSum) sum += part[u].z;
     }
   }
-  if (fix.x != nullptr && __any_sync(0xffffffffu, flagged)) {
-    fold_row_exactly(fix, row, lane, m, s);  // (no logit sums here: the reference fold has none)
-    if (lane == 0) lse_merge(row_max[row], row_sumexp[row], m, s);
-    return;
+  if (fix.x != nullptr && __any_sync(0xffffffffu, flagged)) {  // (no logit sums here: those folds have none)
+    if (fix.probs != nullptr) {
+      fold_row_exactly(fix, row, lane, m, s);
+      if (lane == 0) lse_merge(row_max[row], row_sumexp[row], m, s);
+      return;
+    }
+    for (int64_t j0 = 0; j0 < tiles; j0 += cuda::kWarp) {  // the flagged tiles, 32 at a time, in order
+      const int64_t j = j0 + lane;
+      unsigned mask = __ballot_sync(0xffffffffu, j < tiles && base[j].y > gemm::kFlagSum);
+      while (mask != 0u) {
+        const int b = __ffs(mask) - 1;
+        mask &= mask - 1u;
+        float tm, ts;
+        fold_tile_exactly(fix, row, (j0 + b) * fix.tile_cols, lane, tm, ts);
+        if (lane == b) lse_merge(m, s, tm, ts);
+      }
+    }
   }
   cuda::warp_reduce_lse(m, s, sum);
   if (lane == 0) {

@@ -9,8 +9,9 @@
 //
 // A reference only works where no logit of the row is far above it: a partial whose sum passes kFlagSum (an
 // exponent of ~55, or +inf, e.g. for a row with no finite max yet; fused_gemm.cuh) flags the row, and
-// gemm_chunk_stats.cu's merge kernel folds that row's chunk again exactly instead of its partials (slow, and rare:
-// the row's chunk max would have to lie ~55 above its max over every chunk folded before). The loop folds the
+// gemm_chunk_stats.cu's merge kernel folds that tile (with probs, the row's whole chunk) again exactly instead of
+// its partial (slow, and rare: the row's chunk max would have to lie ~55 above its max over every chunk folded
+// before). The loop folds the
 // chunks it does not keep first, so a kept chunk meets a row max over most classes.
 //
 // z = the accumulator rounded once to Element (no bias, no softcap: the host takes stats_store_gemm.cuh for those,

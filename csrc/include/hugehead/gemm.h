@@ -19,8 +19,8 @@ namespace gemm {
 // this flags its row: 2^80 ~ e^55.5, a logit ~55 above the reference (or +inf: a row
 // with no finite reference yet). Sums of this size over a whole vocabulary stay far from float32's overflow, and a
 // row's gradient scale exp(ref - lse) far from its underflow. gemm_chunk_stats.cu's merge kernel sees such a partial
-// and folds that row's chunk again exactly; a partial folded against its own tile max never passes it (its sum is
-// at most the tile's width).
+// and folds that tile again exactly (with stored probabilities, the row's whole chunk); a partial folded against its
+// own tile max never passes it (its sum is at most the tile's width).
 constexpr float kFlagSum = 1.2089258196146292e24f;
 
 struct StatsGemmParams {
