@@ -598,17 +598,29 @@ def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dty
     torch.testing.assert_close(got.float(), cublas.cpu().float(), rtol=0.1, atol=1e-3 * float(ref.abs().max()))
 
 
+def _grad_epi(monkeypatch, tma_schedule: str) -> str:
+    """A test's schedule name, with "_e64" asking the 64 x 64 epilogue subtiles (HUGEHEAD_GEMM_GRAD_EPI=64)."""
+    if tma_schedule.endswith("_e64"):
+        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "64")
+        return tma_schedule[: -len("_e64")]
+    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI", raising=False)
+    return tma_schedule
+
+
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,class_start,eps,pad", [(1024, 4096, 128, 0.1, 0), (1000, 3008, 0, 0.0, 8),
                                                      (257, 1000, 500, 0.1, 0), (129, 136, 0, 0.0, 0)])
-@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192", "cooperative"])
+@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192",
+                                          "pingpong_cluster_192_e64", "cooperative"])
 def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch, dtype, n, c, class_start, eps,
                                                        pad):
     """The TMA-stored gradient (grad_tma_gemm.cuh) and the register epilogue's (grad_gemm.cuh) compute the same
     arithmetic per element (with g * p: HUGEHEAD_GEMM_GRAD_FOLD=0): the same bits, ignored rows and the targets'
-    elements included, and nothing is written beside the chunk."""
+    elements included, and nothing is written beside the chunk. "_e64": the 64 x 64 epilogue subtiles
+    (HUGEHEAD_GEMM_GRAD_EPI=64)."""
     monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
+    tma_schedule = _grad_epi(monkeypatch, tma_schedule)
     d, seed = 768, n + c
     x, w, _ = (t.cuda() if t is not None else None for t in _inputs(n, c, d, dtype, bias=False, seed=seed))
     num_classes = class_start + c + 100
@@ -631,13 +643,15 @@ def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch,
 
 @requires_fused
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192", "cooperative"])
+@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192",
+                                          "pingpong_cluster_192_e64", "cooperative"])
 def test_grad_tma_store_without_ignored_rows_writes_the_direct_stores_bits(tma_schedule, eps, monkeypatch):
     """No ignored row, and a target in the chunk for one row in eight: most warps' tiles then hold no target
     and no row with g == 0, and take the TMA epilogue's path without the per-element compare and select. The
     same bits as the direct stores (which always compare; g * p: HUGEHEAD_GEMM_GRAD_FOLD=0), and the float64
-    gradient."""
+    gradient. "_e64": the 64 x 64 epilogue subtiles (HUGEHEAD_GEMM_GRAD_EPI=64)."""
     monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
+    tma_schedule = _grad_epi(monkeypatch, tma_schedule)
     n, c, d, class_start = 1024, 4096, 768, 128
     x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=17)
     num_classes = class_start + c + 100
@@ -669,8 +683,8 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
     """The TMA-stored gradient with g folded into the exponent (the default, HUGEHEAD_GEMM_GRAD_FOLD unset):
     within one bf16 rounding of g * p's gradient (HUGEHEAD_GEMM_GRAD_FOLD=0) element by element -- rows with
     g > 0, ignored rows (exact zeros), rows with g < 0 and a NaN g (kept as g * p) and the targets' elements --
-    and float64's within 2x the cuBLAS path's error; bitwise repeatable. With label smoothing the fold does not
-    apply: the bits of g * p."""
+    and float64's within 2x the cuBLAS path's error; bitwise repeatable, and the same bits in 64 x 64 epilogue
+    subtiles (HUGEHEAD_GEMM_GRAD_EPI=64). With label smoothing the fold does not apply: the bits of g * p."""
     d = 768
     x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=n + c + 41)
     num_classes = class_start + c + 100
@@ -689,6 +703,11 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
             assert torch.equal(out.isnan(), outs[fold].isnan())
             assert torch.equal(out.nan_to_num(), outs[fold].nan_to_num())
         outs[fold] = out
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "64")
+    wide = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
+    ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, wide)
+    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI")
+    assert torch.equal(wide.isnan(), outs["1"].isnan()) and torch.equal(wide.nan_to_num(), outs["1"].nan_to_num())
     folded, plain = outs["1"].float().cpu(), outs["0"].float().cpu()
     if eps > 0:
         assert torch.equal(outs["1"].nan_to_num(), outs["0"].nan_to_num())

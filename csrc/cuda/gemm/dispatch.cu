@@ -42,6 +42,8 @@ HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster192_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster192_tma, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster192_tma_e64, GradGemmParams)
+HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster192_tma_e64, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_cooperative_tma, GradGemmParams)
 HUGEHEAD_DECLARE_GEMM(dense_gemm_bf16_dx_float, DenseGemmParams)
@@ -119,6 +121,11 @@ bool stats_ref_applies(const StatsGemmParams& p, Schedule asked) {
 bool grad_fold_from_env() {
   const char* v = std::getenv("HUGEHEAD_GEMM_GRAD_FOLD");
   return !(v != nullptr && std::strcmp(v, "0") == 0);
+}
+
+bool grad_epi_wide_from_env() {
+  const char* v = std::getenv("HUGEHEAD_GEMM_GRAD_EPI");
+  return v != nullptr && std::strcmp(v, "64") == 0;
 }
 
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {
@@ -227,6 +234,7 @@ GradLaunchers grad_launchers(const GradGemmParams& p, bool half, Schedule schedu
       if (tma) HUGEHEAD_GRAD_PICK(cooperative_tma);
       HUGEHEAD_GRAD_PICK(pingpong);
     case Schedule::kPingpongCluster192:
+      if (tma && grad_epi_wide_from_env()) HUGEHEAD_GRAD_PICK(pingpong_cluster192_tma_e64);
       if (tma) HUGEHEAD_GRAD_PICK(pingpong_cluster192_tma);
       HUGEHEAD_GRAD_PICK(pingpong_cluster);
     case Schedule::kPingpongCluster:

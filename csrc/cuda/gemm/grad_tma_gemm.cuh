@@ -209,9 +209,9 @@ struct GradTmaCallbacks : TmaCallbacksBase<GradTmaArguments> {
   }
 };
 
-template <class Element, Schedule S>
+template <class Element, Schedule S, class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
 struct GradTmaGemm {
-  using Gemm = TmaStoreGemm<Element, S, GradTmaCallbacks<Element>>;
+  using Gemm = TmaStoreGemm<Element, S, GradTmaCallbacks<Element>, PlainCollective, EpiTile>;
   using Device = typename Gemm::Device;
 
   static typename Device::Arguments arguments(const GradGemmParams& p) {
@@ -240,3 +240,6 @@ struct GradTmaGemm {
 
 #define HUGEHEAD_GRAD_TMA_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
   HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, GradGemmParams, GradTmaGemm<ELEMENT, SCHEDULE>)
+// The same with the wide epilogue subtile (tma_store_gemm.cuh's WideEpiTile).
+#define HUGEHEAD_GRAD_TMA_GEMM_WIDE_INSTANCE(NAME, ELEMENT, SCHEDULE) \
+  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, GradGemmParams, GradTmaGemm<ELEMENT, SCHEDULE, hugehead::gemm::WideEpiTile>)

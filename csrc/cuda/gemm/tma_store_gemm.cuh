@@ -2,7 +2,8 @@
 // epilogue from the builder, with fusion callbacks of ours: subtiles staged in shared memory by stmatrix and
 // written by TMA stores that run while the warpgroup goes on. Shared by grad_tma_gemm.cuh (dLoss/dlogits) and
 // stats_store_gemm.cuh (the logits, after the statistics fold). Wrap<Collective> may derive from the collective
-// to work on each tile's accumulators before it stores them (default: the collective as it is).
+// to work on each tile's accumulators before it stores them (default: the collective as it is). EpiTile: the
+// subtiles staged and stored in turn (default CUTLASS's choice: 64 x 32 for 16-bit outputs of a pingpong kernel).
 #pragma once
 
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -18,6 +19,12 @@ namespace gemm {
 
 template <class Collective>
 using PlainCollective = Collective;
+
+// The wide epilogue subtile (HUGEHEAD_GEMM_GRAD_EPI=64, grad_epi_wide_from_env): 64 x 64, so a 128 x 192 tile
+// stages and stores 6 subtiles instead of 12 -- half the fences, named barriers and TMA store issues a tile (SASS
+// of the gradient's fast path at sm_90a: 1640 instructions against 1744), in 2 x 8 KB of shared memory, which
+// leaves the mainloop its 5 stages of 40 KB.
+using WideEpiTile = cute::Shape<cute::_64, cute::_64>;
 
 // What every fusion callbacks of ours (the root of the TMA collective epilogue's visitor tree) gives CUTLASS alike:
 // its params are its arguments, it needs no workspace, and it loads neither C nor anything through the producer
@@ -52,7 +59,8 @@ struct TmaCallbacksBase {
   }
 };
 
-template <class Element, Schedule S, class Callbacks, template <class> class Wrap = PlainCollective>
+template <class Element, Schedule S, class Callbacks, template <class> class Wrap = PlainCollective,
+          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
 struct TmaStoreGemm {
   using Config = ScheduleConfig<S>;
   static constexpr int kAlign = 16 / sizeof(Element);
@@ -62,7 +70,7 @@ struct TmaStoreGemm {
                                               cutlass::epilogue::TmaWarpSpecialized>;
   using Collective = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
+      EpiTile, float, float, void, cutlass::layout::RowMajor, kAlign, Element,
       cutlass::layout::RowMajor, kAlign, EpilogueSchedule, Callbacks>::CollectiveOp;
   using Epilogue = Wrap<Collective>;
   using Mainloop = FusedMainloop<Element, S, static_cast<int>(sizeof(typename Epilogue::SharedStorage))>;

@@ -93,6 +93,11 @@ struct GradGemmParams {
 // the tests that compare the paths bitwise).
 bool grad_fold_from_env();
 
+// HUGEHEAD_GEMM_GRAD_EPI (read per call): "64" stores the 128 x 192 TMA gradient in 64 x 64 subtiles (6 a tile,
+// tma_store_gemm.cuh's WideEpiTile) instead of CUTLASS's 64 x 32 (12): the same values, half the epilogue's
+// fences, barriers and TMA store issues. Unset: CUTLASS's subtiles (an A/B, not yet measured).
+bool grad_epi_wide_from_env();
+
 // HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative picks one (read per call,
 // for A/B runs); else default_stats_schedule / default_grad_schedule by depth. pingpong_cluster_192: 128 x 192
 // tiles in 2-CTA clusters, for the gradient GEMM's TMA-stored kernel and the statistics GEMM where
