@@ -41,7 +41,7 @@ def _variants(name: str, cols=None):
     def env(**kv):
         def set_():
             for k in ("HUGEHEAD_GEMM_MAINLOOP_ONLY", "HUGEHEAD_GEMM_GRAD_STORE", "HUGEHEAD_GEMM_SCHEDULE",
-                      "HUGEHEAD_GEMM_DENSE", "HUGEHEAD_GEMM_RASTER", "HUGEHEAD_GEMM_SWIZZLE"):
+                      "HUGEHEAD_GEMM_DENSE", "HUGEHEAD_GEMM_RASTER", "HUGEHEAD_GEMM_SWIZZLE", "HUGEHEAD_GEMM_GRAD_EPI"):
                 os.environ.pop(k, None)
             os.environ.update(kv)
         return set_
@@ -50,6 +50,12 @@ def _variants(name: str, cols=None):
     # What the loop runs without label smoothing: no logit sums.
     stats_plain = lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False)  # noqa: E731
     grad = lambda: ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z)  # noqa: E731
+    # The float32 accumulator as each logit (HUGEHEAD_GEMM_EXACT_LOGITS' calls: the 128 x 192 fold, no round trip).
+    stats_exact = lambda: ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False,  # noqa: E731
+                                                exact=True)
+    grad_exact = lambda: ops.gemm_chunk_grad_(  # noqa: E731
+        x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z, exact=True)
+    tma192 = dict(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192")
     # The backward's dense GEMMs on the chunk z (as if it held dLoss/dlogits): dX into float32, dW in bf16.
     gx = torch.zeros(n, shape.d, device=dev)
     dw = wc.new_empty(wc.shape)
@@ -81,6 +87,7 @@ def _variants(name: str, cols=None):
          env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192"), stats_plain),
         ("fused statistics, no logit sums (pingpong_cluster_192)",
          env(HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192"), stats_plain),
+        ("fused statistics, exact logits (pingpong_cluster_192)", env(), stats_exact),
         ("mainloop only (cooperative)", env(HUGEHEAD_GEMM_MAINLOOP_ONLY="1", HUGEHEAD_GEMM_SCHEDULE="cooperative"),
          stats),
         ("fused statistics (cooperative)", env(HUGEHEAD_GEMM_SCHEDULE="cooperative"), stats),
@@ -90,6 +97,11 @@ def _variants(name: str, cols=None):
          env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"), grad),
         ("fused gradient, TMA store (pingpong_cluster_192)",
          env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192"), grad),
+        ("fused gradient, TMA store, 64 x 64 subtiles (pingpong_cluster_192)",
+         env(**tma192, HUGEHEAD_GEMM_GRAD_EPI="64"), grad),
+        ("fused gradient, TMA store, exact logits (pingpong_cluster_192)", env(**tma192), grad_exact),
+        ("fused gradient, TMA store, exact logits, 64 x 64 subtiles (pingpong_cluster_192)",
+         env(**tma192, HUGEHEAD_GEMM_GRAD_EPI="64"), grad_exact),
         ("fused gradient, TMA store (cooperative)",
          env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="cooperative"), grad),
         ("fused gradient, direct stores (pingpong_cluster)",
