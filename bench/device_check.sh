@@ -19,7 +19,8 @@
 #                SANITIZE_ARGS the harness's arguments (default "-q").
 #   EXTRA        extra steps after the others, "name=command|name=command" (each logged as a step and
 #                given what is left of the deadline), e.g. "amp=python3 -m bench.bench_amp --out $OUT/amp".
-#   HUGEHEAD_GIT_SHA recorded in the benchmark JSON when the copy has no .git.
+#   HUGEHEAD_GIT_SHA the commit the benchmark JSON and this log record, over git's answer (set it: the device's
+#                copy of the tree may carry a stale .git).
 #   BUILD_WHEEL_DIR  the build step also leaves its wheel there (e.g. under $OUT, to come back);
 #   HUGEHEAD_WHEEL   the build step installs this wheel (one an earlier call built from the same commit,
 #                carried back) instead of building: a second call of a long benchmark saves the build.
