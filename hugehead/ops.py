@@ -96,9 +96,10 @@ def gemm_chunk_stats_(
             logits' TMA store: an epilogue of about the gradient GEMM's cost where the fold and the store
             otherwise run one after the other; without, where the schedule is pingpong_cluster_192 (the
             default below a depth of 2048): no max pass over the tile. A row whose chunk holds a logit ~55 above
-            its reference (or whose reference is not finite) is folded again exactly by the merge kernel (slow,
-            one warp a row), so the statistics are right either way; ``row_max`` stays at the reference where it
-            was that. Elsewhere ignored. ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read per call) turns it off.
+            its reference (or whose reference is not finite) has that tile folded again exactly by the merge kernel
+            (slow: one warp, one dot at a time; with ``probs`` the row's whole chunk), so the statistics are right
+            either way; ``row_max`` stays at the reference where it was that. Elsewhere ignored.
+            ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read per call) turns it off.
         probs: with ``reference`` (bf16, no bias, no logit sums): ``logits`` gets ``exp(min(z - reference,
             80))`` rounded to bf16 in place of z: the chunk's probabilities up to each row's scale
             ``exp(reference - lse)``, for the loop's factored backward; a flagged row gets ``exp(z - M)``
