@@ -114,7 +114,8 @@ def _cublas(x, w, b, target, class_start, softcap, state):
 
 
 # (N, C, D, class_start, bias, softcap): N and C off the tiles (128 rows; 128 / 256 columns), one row,
-# one column, the seed's D = 768, a chunk in the middle of the classes.
+# one column, the seed's D = 768, a chunk in the middle of the classes, more column tiles a row than the merge
+# kernel's lanes load at once (256 partials of 8 bytes, 128 of 16), the last round partly.
 SHAPES = [
     (1, 1, 8, 0, False, 0.0),
     (5, 300, 64, 0, True, 0.0),
@@ -122,6 +123,7 @@ SHAPES = [
     (257, 1000, 768, 500, True, 0.0),
     (1000, 3000, 768, 4096, True, 15.0),
     (4096, 8192 + 17, 768, 64, False, 0.0),
+    (64, 60000 + 17, 64, 0, False, 0.0),  # 313 / 469 column tiles a row: the merge's loads in several rounds
 ]
 
 
@@ -185,12 +187,13 @@ def test_repeated_runs_are_bitwise_identical(schedule, n, c, d):
 
 @requires_fused
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("n,c,d", [(1000, 3000, 768), (300, 20000 + 17, 768)])
+@pytest.mark.parametrize("n,c,d", [(1000, 3000, 768), (300, 20000 + 17, 768), (64, 60000 + 17, 64)])
 def test_stats_without_logit_sums(schedule, bias, n, c, d):
     """with_logit_sum=False: logit_sum is left as it was, and max / sum-exp / target logit are the bits the
     default call gives (the same arithmetic, whole tiles and the checked edge tiles alike), though its partials
-    are (max, sum) pairs of 8 bytes where the default's are 16 (and merged by another kernel instance).
-    Partial tiles along both modes; the second shape has 157 column tiles a row."""
+    are (max, sum) pairs of 8 bytes where the default's are 16 (and merged by another kernel instance, which
+    loads 8 a lane at once where the other loads 4: the same fold order). Partial tiles along both modes; the
+    second shape has 157 column tiles a row, the third 469 (313 on 128 x 192 tiles)."""
     x, w, b = _inputs(n, c, d, torch.bfloat16, bias=bias, seed=41)
     xc, wc, bc = x.cuda(), w.cuda(), None if b is None else b.cuda()
     target = _targets(n, c, 0, c, 41).cuda()
