@@ -56,6 +56,7 @@ def _variants(name: str, cols=None):
     grad_exact = lambda: ops.gemm_chunk_grad_(  # noqa: E731
         x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, z, exact=True)
     tma192 = dict(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192")
+    cutlass_epi = dict(HUGEHEAD_GEMM_GRAD_EPI="32")  # CUTLASS's 64 x 32 subtiles (the default is 64 x 64)
     # The backward's dense GEMMs on the chunk z (as if it held dLoss/dlogits): dX into float32, dW in bf16.
     gx = torch.zeros(n, shape.d, device=dev)
     dw = wc.new_empty(wc.shape)
@@ -95,13 +96,11 @@ def _variants(name: str, cols=None):
          grad),
         ("fused gradient, TMA store (pingpong_cluster)",
          env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster"), grad),
-        ("fused gradient, TMA store (pingpong_cluster_192)",
-         env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="pingpong_cluster_192"), grad),
-        ("fused gradient, TMA store, 64 x 64 subtiles (pingpong_cluster_192)",
-         env(**tma192, HUGEHEAD_GEMM_GRAD_EPI="64"), grad),
-        ("fused gradient, TMA store, exact logits (pingpong_cluster_192)", env(**tma192), grad_exact),
-        ("fused gradient, TMA store, exact logits, 64 x 64 subtiles (pingpong_cluster_192)",
-         env(**tma192, HUGEHEAD_GEMM_GRAD_EPI="64"), grad_exact),
+        ("fused gradient, TMA store (pingpong_cluster_192)", env(**tma192, **cutlass_epi), grad),
+        ("fused gradient, TMA store, 64 x 64 subtiles (pingpong_cluster_192)", env(**tma192), grad),
+        ("fused gradient, TMA store, exact logits (pingpong_cluster_192)", env(**tma192, **cutlass_epi), grad_exact),
+        ("fused gradient, TMA store, exact logits, 64 x 64 subtiles (pingpong_cluster_192)", env(**tma192),
+         grad_exact),
         ("fused gradient, TMA store (cooperative)",
          env(HUGEHEAD_GEMM_GRAD_STORE="tma", HUGEHEAD_GEMM_SCHEDULE="cooperative"), grad),
         ("fused gradient, direct stores (pingpong_cluster)",

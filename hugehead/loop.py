@@ -585,12 +585,12 @@ def _exact_logits(x: Tensor, source, target, softcap: float, smoothing: bool) ->
     (:func:`ops.gemm_chunk_stats_` / :func:`ops.gemm_chunk_grad_` ``exact``): both fused (a chunk whose layout
     the fused GEMMs refuse takes cuBLAS on both sides alike), no bias, softcap or label smoothing (the forward's
     logit sums: the 128 x 192 fold has none), a depth under :data:`FUSED_STORE_MAX_DEPTH`, and
-    ``HUGEHEAD_GEMM_EXACT_LOGITS=1`` in the environment (read per call; off by default, an A/B: each element's
-    logit is otherwise rounded to x's dtype and unpacked, a cvt a pair and two integer ops, in both epilogues).
+    ``HUGEHEAD_GEMM_EXACT_LOGITS`` unset (read per call; ``0`` turns it off, the A/B's other side: each element's
+    logit is then rounded to x's dtype and unpacked, a cvt a pair and two integer ops, in both epilogues).
     The forward and the backward ask it of the same inputs and options: the same answer, so a confident row's
     ``p - 1`` sees the forward's lse and the backward's logits as the same numbers. Kept chunks keep their
     rounded logits (stored, and read back by the backward)."""
-    return (os.environ.get("HUGEHEAD_GEMM_EXACT_LOGITS", "0") == "1" and not softcap and not smoothing
+    return (os.environ.get("HUGEHEAD_GEMM_EXACT_LOGITS", "1") != "0" and not softcap and not smoothing
             and source.bias is None and x.shape[1] < FUSED_STORE_MAX_DEPTH
             and fused_applies(x, target, "stats") and fused_applies(x, target, "grad"))
 

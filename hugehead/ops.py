@@ -161,9 +161,9 @@ def gemm_chunk_grad_(
     ``exp(z - lse + log g)``: one multiply an element fewer, not the bits of ``chunk_grad_``'s ``g * p``
     (float32's rounding of the exponent's offset, ~1e-7 relative before the rounding to x's dtype).
     ``HUGEHEAD_GEMM_GRAD_FOLD=0`` (environment, read per call) keeps ``g * p``, the same bits as
-    ``chunk_grad_`` on cuBLAS's logits up to the GEMM's summation order. ``HUGEHEAD_GEMM_GRAD_EPI=64`` (read per
-    call; an A/B) stages the 128 x 192 tiles' gradient in 64 x 64 subtiles rather than CUTLASS's 64 x 32: the
-    same bits, half the epilogue's fences and TMA store issues.
+    ``chunk_grad_`` on cuBLAS's logits up to the GEMM's summation order. The 128 x 192 tiles' gradient is staged
+    in 64 x 64 subtiles rather than CUTLASS's 64 x 32 (half the epilogue's fences and TMA store issues);
+    ``HUGEHEAD_GEMM_GRAD_EPI=32`` (read per call; the A/B's other side) asks CUTLASS's: the same bits.
 
     Raises:
         RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build

@@ -602,11 +602,12 @@ def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dty
 
 
 def _grad_epi(monkeypatch, tma_schedule: str) -> str:
-    """A test's schedule name, with "_e64" asking the 64 x 64 epilogue subtiles (HUGEHEAD_GEMM_GRAD_EPI=64)."""
+    """A test's schedule name, with "_e64" asking the 64 x 64 epilogue subtiles (HUGEHEAD_GEMM_GRAD_EPI unset, the
+    default) and without it CUTLASS's 64 x 32 (HUGEHEAD_GEMM_GRAD_EPI=32)."""
     if tma_schedule.endswith("_e64"):
-        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "64")
+        monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI", raising=False)
         return tma_schedule[: -len("_e64")]
-    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI", raising=False)
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "32")
     return tma_schedule
 
 
@@ -686,8 +687,8 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
     """The TMA-stored gradient with g folded into the exponent (the default, HUGEHEAD_GEMM_GRAD_FOLD unset):
     within one bf16 rounding of g * p's gradient (HUGEHEAD_GEMM_GRAD_FOLD=0) element by element -- rows with
     g > 0, ignored rows (exact zeros), rows with g < 0 and a NaN g (kept as g * p) and the targets' elements --
-    and float64's within 2x the cuBLAS path's error; bitwise repeatable, and the same bits in 64 x 64 epilogue
-    subtiles (HUGEHEAD_GEMM_GRAD_EPI=64). With label smoothing the fold does not apply: the bits of g * p."""
+    and float64's within 2x the cuBLAS path's error; bitwise repeatable (CUTLASS's 64 x 32 epilogue subtiles,
+    HUGEHEAD_GEMM_GRAD_EPI=32), and the same bits in the default's 64 x 64. With label smoothing the fold does not apply: the bits of g * p."""
     d = 768
     x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=n + c + 41)
     num_classes = class_start + c + 100
@@ -697,6 +698,7 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
     grad_rows[7] = float("nan")
     xc, wc, tc, lc, gc = (t.cuda() for t in (x, w, target, lse, grad_rows))
     monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", "tma")  # (raises where it does not apply: it ran)
+    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "32")  # CUTLASS's subtiles; the default's 64 x 64 below
     outs = {}
     for fold in ("1", "0", "1"):
         monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", fold)
@@ -706,10 +708,9 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
             assert torch.equal(out.isnan(), outs[fold].isnan())
             assert torch.equal(out.nan_to_num(), outs[fold].nan_to_num())
         outs[fold] = out
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "64")
+    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI")
     wide = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
     ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, wide)
-    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI")
     assert torch.equal(wide.isnan(), outs["1"].isnan()) and torch.equal(wide.nan_to_num(), outs["1"].nan_to_num())
     folded, plain = outs["1"].float().cpu(), outs["0"].float().cpu()
     if eps > 0:

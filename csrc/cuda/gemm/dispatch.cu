@@ -125,7 +125,7 @@ bool grad_fold_from_env() {
 
 bool grad_epi_wide_from_env() {
   const char* v = std::getenv("HUGEHEAD_GEMM_GRAD_EPI");
-  return v != nullptr && std::strcmp(v, "64") == 0;
+  return !(v != nullptr && std::strcmp(v, "32") == 0);
 }
 
 Schedule stats_schedule_for(Schedule schedule, const StatsGemmParams& p) {

@@ -93,9 +93,9 @@ struct GradGemmParams {
 // the tests that compare the paths bitwise).
 bool grad_fold_from_env();
 
-// HUGEHEAD_GEMM_GRAD_EPI (read per call): "64" stores the 128 x 192 TMA gradient in 64 x 64 subtiles (6 a tile,
-// tma_store_gemm.cuh's WideEpiTile) instead of CUTLASS's 64 x 32 (12): the same values, half the epilogue's
-// fences, barriers and TMA store issues. Unset: CUTLASS's subtiles (an A/B, not yet measured).
+// HUGEHEAD_GEMM_GRAD_EPI (read per call): unset (or "64"), the 128 x 192 TMA gradient is stored in 64 x 64 subtiles
+// (6 a tile, tma_store_gemm.cuh's WideEpiTile) instead of CUTLASS's 64 x 32 (12): the same values, half the
+// epilogue's fences, barriers and TMA store issues. "32": CUTLASS's subtiles (the A/B's other side).
 bool grad_epi_wide_from_env();
 
 // HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative picks one (read per call,
