@@ -191,9 +191,9 @@ def test_repeated_runs_are_bitwise_identical(schedule, n, c, d):
 def test_stats_without_logit_sums(schedule, bias, n, c, d):
     """with_logit_sum=False: logit_sum is left as it was, and max / sum-exp / target logit are the bits the
     default call gives (the same arithmetic, whole tiles and the checked edge tiles alike), though its partials
-    are (max, sum) pairs of 8 bytes where the default's are 16 (and merged by another kernel instance, which
-    loads 8 a lane at once where the other loads 4: the same fold order). Partial tiles along both modes; the
-    second shape has 157 column tiles a row, the third 469 (313 on 128 x 192 tiles)."""
+    are (max, sum) pairs of 8 bytes where the default's are 16 (and merged by another kernel instance). Partial
+    tiles along both modes; the second shape has 157 column tiles a row, the third 469 (313 on 128 x 192 tiles:
+    the merge's loads in several rounds)."""
     x, w, b = _inputs(n, c, d, torch.bfloat16, bias=bias, seed=41)
     xc, wc, bc = x.cuda(), w.cuda(), None if b is None else b.cuda()
     target = _targets(n, c, 0, c, 41).cuda()
