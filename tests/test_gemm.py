@@ -115,7 +115,7 @@ def _cublas(x, w, b, target, class_start, softcap, state):
 
 # (N, C, D, class_start, bias, softcap): N and C off the tiles (128 rows; 128 / 256 columns), one row,
 # one column, the seed's D = 768, a chunk in the middle of the classes, more column tiles a row than the merge
-# kernel's lanes load at once (256 partials of 8 bytes, 128 of 16), the last round partly.
+# kernel's lanes load at once (128 partials a round), the last round partly.
 SHAPES = [
     (1, 1, 8, 0, False, 0.0),
     (5, 300, 64, 0, True, 0.0),
@@ -621,8 +621,8 @@ def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch,
                                                        pad):
     """The TMA-stored gradient (grad_tma_gemm.cuh) and the register epilogue's (grad_gemm.cuh) compute the same
     arithmetic per element (with g * p: HUGEHEAD_GEMM_GRAD_FOLD=0): the same bits, ignored rows and the targets'
-    elements included, and nothing is written beside the chunk. "_e64": the 64 x 64 epilogue subtiles
-    (HUGEHEAD_GEMM_GRAD_EPI=64)."""
+    elements included, and nothing is written beside the chunk. "_e64": the 64 x 64 epilogue subtiles (the
+    default); the other 128 x 192 case CUTLASS's (HUGEHEAD_GEMM_GRAD_EPI=32)."""
     monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
     tma_schedule = _grad_epi(monkeypatch, tma_schedule)
     d, seed = 768, n + c
@@ -653,7 +653,8 @@ def test_grad_tma_store_without_ignored_rows_writes_the_direct_stores_bits(tma_s
     """No ignored row, and a target in the chunk for one row in eight: most warps' tiles then hold no target
     and no row with g == 0, and take the TMA epilogue's path without the per-element compare and select. The
     same bits as the direct stores (which always compare; g * p: HUGEHEAD_GEMM_GRAD_FOLD=0), and the float64
-    gradient. "_e64": the 64 x 64 epilogue subtiles (HUGEHEAD_GEMM_GRAD_EPI=64)."""
+    gradient. "_e64": the 64 x 64 epilogue subtiles (the default); the other 128 x 192 case CUTLASS's
+    (HUGEHEAD_GEMM_GRAD_EPI=32)."""
     monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
     tma_schedule = _grad_epi(monkeypatch, tma_schedule)
     n, c, d, class_start = 1024, 4096, 768, 128
@@ -688,7 +689,8 @@ def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_s
     within one bf16 rounding of g * p's gradient (HUGEHEAD_GEMM_GRAD_FOLD=0) element by element -- rows with
     g > 0, ignored rows (exact zeros), rows with g < 0 and a NaN g (kept as g * p) and the targets' elements --
     and float64's within 2x the cuBLAS path's error; bitwise repeatable (CUTLASS's 64 x 32 epilogue subtiles,
-    HUGEHEAD_GEMM_GRAD_EPI=32), and the same bits in the default's 64 x 64. With label smoothing the fold does not apply: the bits of g * p."""
+    HUGEHEAD_GEMM_GRAD_EPI=32), and the same bits in the default's 64 x 64. With label smoothing the fold does
+    not apply: the bits of g * p."""
     d = 768
     x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=n + c + 41)
     num_classes = class_start + c + 100

@@ -11,8 +11,7 @@
 // exponent of ~55, or +inf, e.g. for a row with no finite max yet; fused_gemm.cuh) flags the row, and
 // gemm_chunk_stats.cu's merge kernel folds that tile (with probs, the row's whole chunk) again exactly instead of
 // its partial (slow, and rare: the row's chunk max would have to lie ~55 above its max over every chunk folded
-// before). The loop folds the
-// chunks it does not keep first, so a kept chunk meets a row max over most classes.
+// before). The loop folds the chunks it does not keep first, so a kept chunk meets a row max over most classes.
 //
 // z = the accumulator rounded once to Element (no bias, no softcap: the host takes stats_store_gemm.cuh for those,
 // and for logit sums), stored as it is; the target's z goes to target_logit as the fold writes it.

@@ -20,10 +20,10 @@ namespace gemm {
 template <class Collective>
 using PlainCollective = Collective;
 
-// The wide epilogue subtile (HUGEHEAD_GEMM_GRAD_EPI=64, grad_epi_wide_from_env): 64 x 64, so a 128 x 192 tile
-// stages and stores 6 subtiles instead of 12 -- half the fences, named barriers and TMA store issues a tile (SASS
-// of the gradient's fast path at sm_90a: 1640 instructions against 1744), in 2 x 8 KB of shared memory, which
-// leaves the mainloop its 5 stages of 40 KB.
+// The wide epilogue subtile (the gradient's default; HUGEHEAD_GEMM_GRAD_EPI=32 takes CUTLASS's: grad_epi_wide_from_env):
+// 64 x 64, so a 128 x 192 tile stages and stores 6 subtiles instead of 12 -- half the fences, named barriers and TMA
+// store issues a tile (SASS of the gradient's fast path at sm_90a: 1640 instructions against 1744), in 2 x 8 KB of
+// shared memory, which leaves the mainloop its 5 stages of 40 KB.
 using WideEpiTile = cute::Shape<cute::_64, cute::_64>;
 
 // What every fusion callbacks of ours (the root of the TMA collective epilogue's visitor tree) gives CUTLASS alike:
