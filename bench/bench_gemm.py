@@ -229,12 +229,17 @@ def ncu_one(name: str) -> None:
             os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
             ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, g)
         os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+        # what the step runs by default for a chunk it does not keep: the exact-logits fold (128 x 192) and
+        # the exact gradient through the TMA store (64 x 64 subtiles)
+        ops.gemm_chunk_stats_(x, wc, None, tc, 0, 0.0, *state, with_logit_sum=False, exact=True)
+        ops.gemm_chunk_grad_(x, wc, None, tc, 0, v, lse, grad_rows, 0.0, 0.0, 0.0, None, g, exact=True)
 
     chunk()
     torch.cuda.synchronize()
     print(f"ncu: {name} width {cols}: stats GEMM (+ merge) for each of {STATS_SCHEDULES} and pingpong_cluster_192 "
           "(without logit sums), grad GEMM for each of "
-          f"{GRAD_SCHEDULES + GRAD_TMA_ONLY[:1]}", flush=True)
+          f"{GRAD_SCHEDULES + GRAD_TMA_ONLY[:1]}, then the step's default pair (exact logits: stats without "
+          "logit sums, grad through the TMA store)", flush=True)
     torch.cuda.profiler.start()
     chunk()
     torch.cuda.synchronize()
