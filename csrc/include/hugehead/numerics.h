@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace hugehead {
 
@@ -26,11 +27,27 @@ C10_HOST_DEVICE inline acc_t exp_shifted(acc_t v, acc_t m) {
   return v == neg_inf<acc_t>() ? acc_t(0) : std::exp(v - m);
 }
 
-// Merge two (max, sumexp) pairs of the online log-sum-exp.
+// a * b rounded on its own: on the device, a product nvcc may not contract into an FMA with the sum it feeds.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t mul_rounded(acc_t a, acc_t b) {
+#ifdef __CUDA_ARCH__
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return __fmul_rn(a, b);
+  } else if constexpr (std::is_same_v<acc_t, double>) {
+    return __dmul_rn(a, b);
+  }
+#endif
+  return a * b;
+}
+
+// Merge two (max, sumexp) pairs of the online log-sum-exp. Both products are rounded, then added, as the CPU
+// computes them: left to itself nvcc contracts one of the two into an FFMA, and which one it picked differed
+// between two instances of one kernel (sm_90a SASS of merge_partials_kernel with and without logit sums: `s2 e2`
+// contracted in one, `s e1` in the other), so the same partials merged to other sums of exps.
 template <typename acc_t>
 C10_HOST_DEVICE inline void lse_merge(acc_t& m, acc_t& s, acc_t m2, acc_t s2) {
   const acc_t mm = m > m2 ? m : m2;
-  s = s * exp_shifted(m, mm) + s2 * exp_shifted(m2, mm);
+  s = mul_rounded(s, exp_shifted(m, mm)) + mul_rounded(s2, exp_shifted(m2, mm));
   m = mm;
 }
 
