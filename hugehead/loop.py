@@ -878,9 +878,6 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     return None, None
 
 
-# How far above a kept chunk's reference a row's lse may lie for the factored backward to write that row's target
-# entry G_t / s there (exp(60) keeps the ratio inside bf16's range); a row further above takes its target apart.
-FACTORED_MAX_GAP = 60.0
 # How far above a kept chunk's reference a row's lse may lie before its scale s = g exp(ref - lse) is taken as 0
 # there. A kept chunk's values are exp(z - ref) <= 2^80 (the fused op's kFlagSum; the cuBLAS path rebases at
 # KEPT_PROBS_REBASE), so such a row's entries p = e exp(ref - lse) are all below 2^80 exp(-144) < 2^-126, the
@@ -894,18 +891,20 @@ class _FactoredKept:
     ``k``'s references, :meth:`KeptLogits.scale_area`): their gradient is ``s_k e`` with one scale a row and
     chunk, ``s_k = (g (1 + 2 z_loss lse) + g_lse) exp(ref_k - lse)``, less ``g`` at the target. So no pass turns
     them into their gradient: ``dW_k = eᵀ (s_k x)`` (``s_k x`` rounded once to x's dtype) and ``dX += s_k (e W_k)``
-    (``e W_k`` summed in float32, then scaled), each target's entry overwritten with ``G_t / s_k`` (G_t from the
-    forward's target logit in float32, as chunk_grad_ computes it).
+    (``e W_k`` summed in float32, then scaled), with each kept target's entry of ``e`` set to 0 and its whole
+    gradient ``G_t`` (from the forward's target logit in float32, as chunk_grad_ computes it) added apart by
+    :meth:`finish`: ``dX += G_t W_t`` and ``dW_t += G_t x`` in float32, after the kept chunks' ``dW`` are written.
+    The target's entry is most of a row's gradient (``G_t ~ -g`` where the softmax is wide), and through the
+    GEMMs it would be ``round(G_t / s) round(s x)``: two roundings to x's dtype where the logits path has at most
+    one (``round(G_t)``, exact when g is a power of two: a mean over 2^k rows), ~1e-3 relative in ``dW`` (xc6M on
+    an H200 at c402b58: 1.3e-3 against the logits path's 7.3e-5).
 
     Everything that is not a chunk's two GEMMs is done once for all kept chunks, here: the ``[kept_chunks, N]``
-    scales, and the targets' entries written by one scatter per storage region (:meth:`KeptLogits.regions`), so
+    scales, and the targets' entries zeroed by one scatter per storage region (:meth:`KeptLogits.regions`), so
     a kept chunk costs two GEMMs and two small elementwise kernels (its ``s_k x`` and the ``dX`` scale) where it
-    cost chunk_grad_'s pass over its logits (0.27 ms at xc6M on an H200). A row whose lse lies more than
-    :data:`FACTORED_MAX_GAP` above ``ref_k`` (its max is in a chunk folded after this one, a flagged row's) takes
-    its target there apart: the target's entry becomes 0 and its ``G_t`` is added by :meth:`finish` (after the
-    kept chunks' ``dW`` are written); its other entries keep ``s_k e`` up to :data:`FACTORED_DROP_GAP`, past
-    which ``s_k = 0`` (every such entry is below 2^-126). Rows with ``s = 0`` (ignored) have ``s x = 0`` and
-    finite ``e``."""
+    cost chunk_grad_'s pass over its logits (0.27 ms at xc6M on an H200). A row's other entries keep ``s_k e``
+    up to :data:`FACTORED_DROP_GAP` (its lse that far above ``ref_k``), past which ``s_k = 0`` (every such entry
+    is below 2^-126). Rows with ``s = 0`` (ignored) have ``s x = 0`` and finite ``e``."""
 
     def __init__(self, x, target, lse, grad_rows, options, grad_lse, slots: "KeptLogits", class_start, source,
                  writer, grad_x, scratch: Optional[Tensor] = None):
@@ -928,15 +927,10 @@ class _FactoredKept:
         inside = (local >= 0) & (local < kept_classes)
         cls = local.clamp(0, kept_classes - 1)
         k_t = torch.div(cls, cols, rounding_mode="floor")
-        s_t = self.scales.gather(0, k_t[None, :])[0]
-        near = (s_t != 0) & (gap.gather(0, k_t[None, :])[0] <= FACTORED_MAX_GAP)
-        # The target's entry of each row whose target is kept: G_t / s_t, read back by both GEMMs as s_t e_t; 0
-        # where the row is far above the chunk's reference but s_t is not 0 (its G_t goes apart).
-        fix = torch.where(near, g_t / torch.where(near, s_t, torch.ones_like(s_t)), torch.zeros_like(s_t))
-        slots.put_rows(k_t, cls - k_t * cols, inside & (s_t != 0), fix.to(x.dtype))
-        # Where the row is far, or s_t is 0 (g (1 + 2 z_loss lse) = 0 and no g_lse), G_t goes apart; exact zeros
-        # elsewhere.
-        self.apart = torch.where(inside & ~near, g_t, torch.zeros((), dtype=acc, device=x.device))
+        # Each kept target's entry of e becomes 0; its G_t is added apart (finish). Rows whose target is not kept
+        # add exact zeros there.
+        slots.put_rows(k_t, cls - k_t * cols, inside, torch.zeros_like(g_t))
+        self.apart = torch.where(inside, g_t, torch.zeros((), dtype=acc, device=x.device))
         self.apart_cls = cls
         self.x, self.source, self.writer = x, source, writer
         # dX's float32 product and s x: in the streamed chunks' workspace (``scratch``, x's dtype, free until the
@@ -960,15 +954,17 @@ class _FactoredKept:
             self.writer.x = plain_x
 
     def finish(self, grad_x: Optional[Tensor]) -> None:
-        """The targets' gradients taken apart (:attr:`apart`: zero but where ``s_t`` was), once every kept chunk's
-        ``dW`` is written. Every other row adds exact zeros, so the order of index_add_'s atomics changes no bit
-        unless two such rows (rare: a flagged chunk's) share a target."""
+        """The targets' gradients taken apart (:attr:`apart`: ``G_t`` where the row's target is kept, else 0), once
+        every kept chunk's ``dW`` is written: ``dX += G_t W_t`` in float32, and ``dW_t += G_t x`` (each product
+        rounded once to x's dtype: exact when G_t is, as the logits path's ``round(G_t) x``) by
+        ``index_put_(accumulate=True)``, whose CUDA kernel sorts the classes and sums each class's rows in order
+        onto ``dW_t`` in float32 (deterministic, unlike index_add_'s atomics: many rows may share a target)."""
         apart = self.apart[:, None]
         if grad_x is not None:
             grad_x.addcmul_(self.source.weight[self.apart_cls], apart)  # (in float32, grad_x's dtype)
         if self.writer is not None:
             dw = self.source.grad_weight_out(0, self.source.num_rows, self.x.dtype)
-            dw.index_add_(0, self.apart_cls, torch.mul(self.x, apart, out=self.xs))
+            dw.index_put_((self.apart_cls,), torch.mul(self.x, apart, out=self.xs), accumulate=True)
 
 
 def _mm_float(out: Tensor, a: Tensor, b: Tensor) -> None:
