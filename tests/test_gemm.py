@@ -1060,13 +1060,6 @@ def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch,
     for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
         err, err_plain = rel_err(a, r), rel_err(p, r)
         assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
-    # dW's rows at kept targets (the entries G_t ~ -g dominate them), relative to dW's norm
-    kept_classes = plan.kept_chunks * plan.cols
-    rows = torch.unique(target[(target >= 0) & (target < kept_classes)]).cpu()
-    assert rows.numel() >= 8, rows
-    dw_ref = ref[2].double()
-    err, err_plain = [float((g[2].double().cpu()[rows] - dw_ref[rows]).norm() / dw_ref.norm()) for g in (ours, plain)]
-    assert err <= 1.5 * err_plain + 1e-5, f"dW at kept targets: {err:.3g} vs {err_plain:.3g}"
 
 
 @requires_fused
