@@ -88,16 +88,17 @@ def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: 
 
 
 def _given_plan(plan: Optional[List[int]]) -> Optional[Plan]:
-    """The plan that travelled with the call (``[rows, cols, kept_chunks, overlap, kept_in_grad, budget]``), or
-    None."""
+    """The plan that travelled with the call (``[rows, cols, kept_chunks, overlap, kept_in_grad, budget,
+    scales_in_grad]``), or None."""
     if not plan:
         return None
     out = Plan.from_list(plan[:5])
-    return replace(out, budget=int(plan[5]), budget_reason=f"a budget of {int(plan[5])} bytes")
+    return replace(out, budget=int(plan[5]), budget_reason=f"a budget of {int(plan[5])} bytes",
+                   scales_in_grad=out.keep_logits and len(plan) > 6 and bool(plan[6]))
 
 
 def _plan_list(plan: Plan) -> List[int]:
-    return [*plan.as_list(), plan.budget]
+    return [*plan.as_list(), plan.budget, int(plan.keep_logits and plan.scales_in_grad)]
 
 
 def _options(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> LossOptions:
@@ -146,8 +147,9 @@ def _lce_forward(
 
 
 def _grad_store(weight: Tensor, plan: Plan, keep_logits: bool) -> Optional[Tensor]:
-    """The weight gradient's buffer, allocated now to hold the plan's ``kept_in_grad`` chunks, or None."""
-    if not (keep_logits and plan.keep_logits and plan.kept_in_grad > 0):
+    """The weight gradient's buffer, allocated now to hold the plan's ``kept_in_grad`` chunks (or the kept
+    probabilities' references: :attr:`Plan.scales_in_grad`), or None."""
+    if not (keep_logits and plan.keep_logits and (plan.kept_in_grad > 0 or plan.scales_in_grad)):
         return None
     return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
@@ -196,7 +198,7 @@ def _lce_backward(
         step_plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
     if store.numel() == 0:
         store = None
-    if store is None and keep and step_plan.kept_in_grad:
+    if store is None and keep and (step_plan.kept_in_grad or step_plan.scales_in_grad):
         raise RuntimeError("hugehead: the forward kept logits in the weight gradient's buffer: pass it as `store`")
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, step_plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
@@ -493,23 +495,28 @@ def linear_cross_entropy(
 
 def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
               chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, *, reduction: str = "mean",
-              return_lse: bool = False) -> Plan:
+              return_lse: bool = False, label_smoothing: float = 0.0, softcap: float = 0.0) -> Plan:
     """The plan :func:`linear_cross_entropy` takes for ``x [N, D]`` (in the compute dtype), ``weight``,
     class-id ``target [N]`` and ``bias`` on one device, under the current grad mode: kept logits and the rows
     plan need gradients wanted (and eager mode), the rows plan a scalar loss without a returned lse, and where
     the fused GEMMs take the chunks there is nothing to overlap on a side stream (see
     :func:`hugehead.plan.plan_chunks`). Where the weight itself wants its gradient, kept logits may also live
-    in that gradient's buffer, allocated at the forward (``Plan.kept_in_grad``). Benchmarks report it as the
-    step's plan."""
+    in that gradient's buffer, allocated at the forward (``Plan.kept_in_grad``), and where the fused GEMMs can
+    keep probabilities for the factored backward (bf16, no bias, softcap (``softcap``, the kernels' cap: 0 for
+    none) or label smoothing) a head whose logits all fit keeps all but a tail (``Plan.scales_in_grad``).
+    Benchmarks report it as the step's plan."""
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
     keep = wants_grad and not torch.compiler.is_compiling()
+    grad_store = keep and weight.requires_grad and weight.device == x.device
+    # (the loop's _probs_plan decides again from the same inputs and options: the forward and backward agree)
+    kept_tail = (grad_store and bias is None and not label_smoothing and not softcap and x.dtype == torch.bfloat16
+                 and weight.dtype == x.dtype and fused_applies(x, target, "stats") and fused_applies(x, target, "grad"))
     return plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
                      allow_rows=wants_grad and not return_lse and reduction != "none",
-                     side_stream=not fused_applies(x, target, "grad"),
-                     grad_store=keep and weight.requires_grad and weight.device == x.device)
+                     side_stream=not fused_applies(x, target, "grad"), grad_store=grad_store, kept_tail=kept_tail)
 
 
 def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
@@ -522,7 +529,7 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
     target = target.long().contiguous()
     # The one plan of this step: the forward follows it, and it travels to the backward with the op's inputs.
     plan = loss_plan(x, weight, target, bias, chunk_size, memory_budget, reduction=options.reduction,
-                     return_lse=return_lse)
+                     return_lse=return_lse, label_smoothing=options.label_smoothing, softcap=options.kernel_softcap)
     if plan.grad_in_forward:
         return _rows_op(x, weight, bias, target, options, plan), None
     loss_rows, lse, _, _ = torch.ops.hugehead.linear_cross_entropy_forward(

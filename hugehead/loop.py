@@ -161,6 +161,10 @@ class KeptLogits:
         self.plan, self.kept, self.n = plan, kept, n
         self.in_grad = plan.kept_in_grad
         self.slots = None
+        # A kept-tail plan's store holds no chunk, only the scale area (from its first byte: chunk 0's dW rows,
+        # which the backward writes after it read them)
+        self.area = store.view(-1).view(torch.uint8) if (
+            plan.scales_in_grad and not self.in_grad and store is not None and store.is_contiguous()) else None
         if self.in_grad and store is None:
             raise RuntimeError(f"hugehead: the plan keeps {self.in_grad} chunks in the weight gradient's buffer, "
                                "and none was given")
@@ -176,11 +180,14 @@ class KeptLogits:
         """float32 ``[kept_chunks + 1, N]`` in the weight gradient's buffer ahead of its first slot (bytes the
         backward first writes with chunk 0's ``dW``, after it read them) where the kept chunks hold
         probabilities (:func:`_probs_plan`): row ``k`` the reference kept chunk ``k``'s values are relative to,
-        the last row the forward's target logits. None where nothing is kept there or the gap is too small."""
-        if self.slots is None:
-            return None
-        raw, offset, _ = self.slots
+        the last row the forward's target logits. None where nothing is kept there or the gap is too small. A
+        kept-tail plan (:attr:`Plan.scales_in_grad`) has it at the buffer's start, which holds no chunk."""
         need = (self.plan.kept_chunks + 1) * self.n * 4
+        if self.slots is None:
+            if self.area is None or self.area.numel() < need:
+                return None
+            return self.area[:need].view(torch.float32).view(self.plan.kept_chunks + 1, self.n)
+        raw, offset, _ = self.slots
         if offset < need:
             return None
         return raw[:need].view(torch.float32).view(self.plan.kept_chunks + 1, self.n)
@@ -239,6 +246,19 @@ def _logits_into(x: Tensor, chunk: WeightChunk, z: Tensor) -> Tensor:
 
 def _workspace_view(workspace: Tensor, rows: int, cols: int) -> Tensor:
     return workspace[: rows * cols].view(rows, cols)
+
+
+def _ptr(t: Optional[Tensor]) -> int:
+    return -1 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _spare(kept: Optional[Tensor], numel: int) -> Optional[Tensor]:
+    """The kept tensor's memory as a flat buffer of ``numel`` elements of its dtype (None: too small, or no kept
+    tensor): free for other use once every kept chunk's GEMMs are queued (the factored backward takes them
+    first; the stream orders what comes after)."""
+    if kept is None or numel <= 0 or kept.numel() < numel or not kept.is_contiguous():
+        return None
+    return kept.view(-1)[:numel]
 
 
 _SIDE_STREAMS = {}
@@ -332,7 +352,7 @@ def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], targe
     grad_w, grad_b = shard_backward(
         x, ResidentChunks(weight, bias, x.dtype, grad_weight_into=store if need_weight else None), target, 0,
         weight.shape[0], lse, grad_rows, options, plan, grad_x, need_weight, kept=kept if keep else None,
-        grad_lse=grad_lse, store=store,
+        grad_lse=grad_lse, store=store, grad_x_zero=True,
     )
     if need_x and direct:
         grad_x = torch.mm(kept[0], weight)  # kept[0] now holds the logits' gradient
@@ -555,13 +575,14 @@ def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1:
     """Logits chunk ``x @ chunk.weightᵀ + chunk.bias`` (rows ``[r0, r1)`` of the shard, ``x`` already those
     rows) stored into ``z`` (a kept chunk, a block of the rows plan) and folded into ``stats``. Where the fused
     statistics GEMM applies (``fused``: :func:`fused_applies`; no softcap, since kept logits are stored
-    uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`), one GEMM stores them as it folds
+    uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`, or any depth with ``probs``, whose
+    cuBLAS path takes four passes over the chunk), one GEMM stores them as it folds
     them (:func:`ops.gemm_chunk_stats_` with ``logits``): no pass reads them back. Else cuBLAS's GEMM, then
     :func:`_chunk_stats` on what it stored (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per
     call: the benchmarks' A/B). ``reference``: each row's max over the chunks the forward does not keep
     (:func:`_forward_chunks`), which the GEMM folds against (no tile maxima); ``probs``: ``z`` then gets
     ``exp(min(z - reference, 80))`` in place of the logits (:func:`_probs_plan`), on either path."""
-    if (fused and not softcap and x.shape[1] < FUSED_STORE_MAX_DEPTH and _fused_layout(x, chunk)
+    if (fused and not softcap and (x.shape[1] < FUSED_STORE_MAX_DEPTH or probs) and _fused_layout(x, chunk)
             and _tma_store_ready(z) and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
         ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,
                               with_logit_sum=logit_sum, logits=z, reference=reference, probs=probs)
@@ -768,6 +789,7 @@ def backward_steps(
     kept: Optional[Tensor] = None,
     grad_lse: Optional[Tensor] = None,
     store: Optional[Tensor] = None,
+    grad_x_zero: bool = False,
 ) -> Generator[None, None, Tuple[Optional[Tensor], Optional[Tensor]]]:
     """Gradients of one shard, recomputing its logits chunk by chunk (or from ``kept``); a generator
     that yields after each weight chunk (see :func:`forward_stats_steps`).
@@ -785,6 +807,8 @@ def backward_steps(
             backward, or nothing was kept: every chunk is recomputed); overwritten by their gradient.
         store: the weight gradient's buffer holding the plan's ``kept_in_grad`` chunks (:class:`KeptLogits`;
             the source writes ``dW`` into it), or None.
+        grad_x_zero: ``grad_x`` holds zeros (this shard's ``dX`` is all it will hold): the factored backward
+            then writes its first kept chunk's ``dX`` into it rather than through a buffer of its own.
     Returns:
         ``(grad_weight [V_k, D], grad_bias [V_k] or None)`` in the stored dtype, from the source's
         gradient sink, each chunk written once (no atomics: deterministic), or ``(None, None)``.
@@ -794,11 +818,11 @@ def backward_steps(
     # The fused gradient GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
     if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not fused_applies(x, target, "grad"):
         return _backward_overlapped(*args)
-    return _backward_streamed(*args)
+    return _backward_streamed(*args, grad_x_zero=grad_x_zero)
 
 
 def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
-                       need_weight, kept, grad_lse, store=None):
+                       need_weight, kept, grad_lse, store=None, grad_x_zero=False):
     """:func:`backward_steps` on one stream (any rows split)."""
     n, d = x.shape
     v = source.num_rows
@@ -818,18 +842,29 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     exact = _exact_logits(x, source, target, options.kernel_softcap, bool(options.label_smoothing))  # as the forward
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
-    workspace = x.new_empty(min(plan.rows, n) * min(plan.cols, v)) if kept_classes < v else None
-    dx_partial = None
-    if grad_x is not None and grad_x.dtype != x.dtype:
-        dx_partial = x.new_empty(min(plan.rows, n), d)
-    dw_acc = x.new_empty(min(plan.cols, v), d, dtype=acc) if (rows_split and need_weight) else None
-    dw_writer = _WeightGradWriter(source, x, min(plan.cols, v))
     factored = None
     if kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _kept_last(source, kept_classes),
                                         fused_applies(x, target, "stats"), bool(options.label_smoothing),
                                         options.kernel_softcap):
+        factored = True
+    # The streamed chunks' workspace (one chunk at a time: the widest not kept). After a factored backward, which
+    # takes the kept chunks first, the kept tensor's memory is free for it where large enough.
+    width = min(plan.cols, v - kept_classes)
+    workspace = None
+    if kept_classes < v:
+        spare = _spare(kept, min(plan.rows, n) * width) if factored else None
+        workspace = spare if spare is not None else x.new_empty(min(plan.rows, n) * width)
+    dx_partial = None
+    if grad_x is not None and grad_x.dtype != x.dtype:
+        # (CUDA sums a chunk's dX in float32 into grad_x itself: _add_dx reads no partial there)
+        dx_partial = x.new_empty(0) if x.is_cuda else x.new_empty(min(plan.rows, n), d)
+    dw_acc = x.new_empty(min(plan.cols, v), d, dtype=acc) if (rows_split and need_weight) else None
+    dw_writer = _WeightGradWriter(source, x, min(plan.cols, v))
+    if factored:
         factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots, class_start, source,
-                                 dw_writer if need_weight else None, grad_x, workspace)
+                                 dw_writer if need_weight else None, grad_x,
+                                 None if workspace is None or workspace.data_ptr() == _ptr(kept) else workspace,
+                                 grad_x_zero=grad_x_zero)
     for chunk in source.chunks(plan.cols):
         c0, c1 = chunk.c0, chunk.c1
         db_chunk = None
@@ -907,7 +942,7 @@ class _FactoredKept:
     is below 2^-126). Rows with ``s = 0`` (ignored) have ``s x = 0`` and finite ``e``."""
 
     def __init__(self, x, target, lse, grad_rows, options, grad_lse, slots: "KeptLogits", class_start, source,
-                 writer, grad_x, scratch: Optional[Tensor] = None):
+                 writer, grad_x, scratch: Optional[Tensor] = None, grad_x_zero: bool = False):
         acc = lse.dtype
         plan = slots.plan
         k_n, cols = plan.kept_chunks, plan.cols
@@ -932,26 +967,50 @@ class _FactoredKept:
         slots.put_rows(k_t, cls - k_t * cols, inside, torch.zeros_like(g_t))
         self.apart = torch.where(inside, g_t, torch.zeros((), dtype=acc, device=x.device))
         self.apart_cls = cls
-        self.x, self.source, self.writer = x, source, writer
-        # dX's float32 product and s x: in the streamed chunks' workspace (``scratch``, x's dtype, free until the
-        # first of them, which the stream orders after these) where it is large enough
-        n, d = x.shape
-        size = acc.itemsize // x.dtype.itemsize
-        if scratch is None or scratch.numel() < (size + 1) * n * d or scratch.dtype != x.dtype:
-            scratch = x.new_empty((size + 1) * n * d)
+        self.x, self.source, self.writer, self.slots = x, source, writer, slots
+        # The first kept chunk with a grad_x of zeros writes its dX into grad_x itself (a float32 GEMM, then the
+        # row scale in place), and its s x into grad_x's bytes before that (the dW GEMM reads it first). Other
+        # chunks take dX's float32 product and s x from ``scratch`` (x's dtype: the streamed chunks' workspace,
+        # free until the first of them, which the stream orders after these) where it is large enough, else
+        # from a buffer of their own, made when first needed.
+        self.in_place = (grad_x_zero and grad_x is not None and grad_x.dtype == acc and grad_x.is_contiguous()
+                         and acc.itemsize >= x.dtype.itemsize)
+        self.scratch = scratch
+        self.dx: Optional[Tensor] = None
+        self.xs: Optional[Tensor] = None
+
+    def _buffers(self, grad_x: Optional[Tensor]) -> None:
+        if self.xs is not None:
+            return
+        n, d = self.x.shape
+        acc = self.scales.dtype
+        size = acc.itemsize // self.x.dtype.itemsize
+        scratch = self.scratch
+        if scratch is None or scratch.numel() < (size + 1) * n * d or scratch.dtype != self.x.dtype:
+            scratch = self.x.new_empty((size + 1) * n * d)
         self.dx = scratch[: size * n * d].view(acc).view(n, d) if grad_x is not None else None
         self.xs = scratch[size * n * d: (size + 1) * n * d].view(n, d)
 
     def chunk(self, chunk: WeightChunk, k: int, e: Tensor, grad_x: Optional[Tensor]) -> None:
         s = self.scales[k][:, None]
+        if k == 0 and self.in_place:
+            if self.writer is not None:
+                self._write_dw(chunk, e, s, grad_x.view(-1).view(self.x.dtype)[: self.x.numel()].view(self.x.shape))
+            _mm_float(grad_x, e, chunk.weight)
+            grad_x.mul_(s)
+            return
+        self._buffers(grad_x)
         if self.dx is not None:
             _mm_float(self.dx, e, chunk.weight)
             grad_x.addcmul_(self.dx, s)
         if self.writer is not None:
-            torch.mul(self.x, s, out=self.xs)  # in float32 (s's dtype), rounded once to x's dtype
-            plain_x, self.writer.x = self.writer.x, self.xs
-            self.writer.write(chunk, e, None)
-            self.writer.x = plain_x
+            self._write_dw(chunk, e, s, self.xs)
+
+    def _write_dw(self, chunk: WeightChunk, e: Tensor, s: Tensor, xs: Tensor) -> None:
+        torch.mul(self.x, s, out=xs)  # in float32 (s's dtype), rounded once to x's dtype
+        plain_x, self.writer.x = self.writer.x, xs
+        self.writer.write(chunk, e, None)
+        self.writer.x = plain_x
 
     def finish(self, grad_x: Optional[Tensor]) -> None:
         """The targets' gradients taken apart (:attr:`apart`: ``G_t`` where the row's target is kept, else 0), once
@@ -960,11 +1019,20 @@ class _FactoredKept:
         ``index_put_(accumulate=True)``, whose CUDA kernel sorts the classes and sums each class's rows in order
         onto ``dW_t`` in float32 (deterministic, unlike index_add_'s atomics: many rows may share a target)."""
         apart = self.apart[:, None]
+        n, d = self.x.shape
+        # Its two [N, D] temporaries in the kept tensor's memory where it has room (every kept chunk's GEMMs are
+        # queued by now), else in the chunks' buffers
+        spare = _spare(self.slots.kept, 2 * n * d) if self.x.dtype == self.source.weight.dtype else None
+        if spare is None:
+            self._buffers(grad_x)
         if grad_x is not None:
-            grad_x.addcmul_(self.source.weight[self.apart_cls], apart)  # (in float32, grad_x's dtype)
+            rows = self.source.weight[self.apart_cls] if spare is None else torch.index_select(
+                self.source.weight, 0, self.apart_cls, out=spare[n * d:].view(n, d))
+            grad_x.addcmul_(rows, apart)  # (in float32, grad_x's dtype)
         if self.writer is not None:
+            xs = self.xs if spare is None else spare[: n * d].view(n, d)
             dw = self.source.grad_weight_out(0, self.source.num_rows, self.x.dtype)
-            dw.index_put_((self.apart_cls,), torch.mul(self.x, apart, out=self.xs), accumulate=True)
+            dw.index_put_((self.apart_cls,), torch.mul(self.x, apart, out=xs), accumulate=True)
 
 
 def _mm_float(out: Tensor, a: Tensor, b: Tensor) -> None:

@@ -43,6 +43,8 @@ __all__ = [
     "plan_streamed",
     "kept_plan",
     "kept_shape",
+    "kept_tail_cols",
+    "kept_tail_enabled",
     "grad_store_enabled",
     "grad_store_layout",
     "overlap_enabled",
@@ -197,6 +199,10 @@ class Plan:
     every gradient, ``rows`` rows at a time over all classes (``cols`` classes a chunk), and whose backward
     only scales them; ``reason`` says why the planner chose it (and how ``dW`` accumulates).
 
+    ``scales_in_grad`` (:func:`plan_chunks`' ``kept_tail``): all classes but a short tail kept in one chunk, as
+    ``exp(z - ref)`` for the factored backward (``hugehead.loop._FactoredKept``), whose references live in the
+    weight gradient's buffer, allocated at the forward for them though no kept chunk lives there.
+
     ``budget``/``budget_reason``: the bytes the planner worked within and why (not part of equality).
     """
 
@@ -207,6 +213,7 @@ class Plan:
     overlap: bool = False
     grad_in_forward: bool = False
     kept_in_grad: int = 0
+    scales_in_grad: bool = False
     budget: int = field(default=0, compare=False)
     budget_reason: str = field(default="", compare=False)
     reason: str = field(default="", compare=False)
@@ -301,6 +308,36 @@ def grad_store_layout(n: int, d: int, v: int, cols: int, itemsize: int, grad_ite
     return offset, stride, max(0, (total - offset) // stride)
 
 
+# The classes a kept-tail plan does not keep (at least; up to 255 more, so that the kept chunk's width is a multiple
+# of 256: its rows 16-byte aligned for the fused GEMM's TMA store): folded first, they give each row the reference
+# the kept chunk's exp(z - ref) is taken against, and the backward recomputes them (2·N·D·tail FLOPs, 0.8% of
+# llama3's 128256 classes).
+KEPT_TAIL_COLS = 1024
+
+
+def kept_tail_enabled() -> bool:
+    """Whether plans may keep all logits but a tail as probabilities (:func:`plan_chunks`' ``kept_tail``):
+    ``HUGEHEAD_KEPT_TAIL=0`` (environment, read per plan) keeps all of them as logits instead, the A/B's other
+    side (their backward then runs chunk_grad_'s pass over all the logits)."""
+    return os.environ.get("HUGEHEAD_KEPT_TAIL", "1") != "0"
+
+
+def kept_tail_cols(v: int) -> int:
+    """The tail a kept-tail plan of ``v`` classes leaves unkept (0: too few classes for one)."""
+    if v < 8 * KEPT_TAIL_COLS:
+        return 0
+    return v - (v - KEPT_TAIL_COLS) // _MIN_COLS * _MIN_COLS
+
+
+def kept_tail_bytes(n: int, d: int, v: int, tail: int, itemsize: int) -> int:
+    """Peak bytes of a kept-tail plan: the kept chunk, and beside it the larger of the forward's partials
+    (the fused statistics GEMM's, at most 8 bytes per row and 128 columns without logit sums) and the
+    backward's float32 ``dX`` (which the factored backward also uses for ``s x``; the tail's gradient and the
+    targets' temporaries take the consumed kept chunk's memory)."""
+    kept = n * (v - tail) * itemsize
+    return kept + max(n * (-(-(v - tail) // 128)) * 8, n * d * 4)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -325,6 +362,7 @@ def plan_chunks(
     direct_dx: bool = False,
     side_stream: bool = True,
     grad_store: bool = False,
+    kept_tail: bool = False,
 ) -> Plan:
     """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
 
@@ -342,6 +380,11 @@ def plan_chunks(
     ``grad_store``: the forward may hold kept logits in the weight gradient's buffer (``[V, D]`` in
     ``weight_dtype``, allocated at the forward; :func:`grad_store_layout`): the plan keeps the chunks that fit
     there as well (:attr:`Plan.kept_in_grad`, the leading ones), beyond those the budget holds.
+    ``kept_tail``: the caller's chunks take the factored backward of kept probabilities (the fused statistics
+    GEMM storing ``exp(z - ref)``; :func:`hugehead.loop._probs_plan`) and ``grad_store`` holds: where all logits
+    would be kept as one chunk, all but a tail of :func:`kept_tail_cols` classes are (:attr:`Plan.scales_in_grad`),
+    the tail folded first gives each row its reference, and the backward runs no pass over the kept chunk
+    (see :func:`kept_tail_enabled`).
     """
     budget = _as_budget(memory_budget, device)
     chosen = dict(budget=budget.bytes, budget_reason=budget.reason)
@@ -357,6 +400,9 @@ def plan_chunks(
         memory_budget = max(1, memory_budget - 3 * min(v, max_cols) * d * itemsize)
     keep = chunk_size is None and allow_keep
     if keep and direct_dx and weight_dtype == dtype and n * v * itemsize <= memory_budget:
+        tail = kept_tail_cols(v) if (kept_tail and grad_store and kept_tail_enabled()) else 0
+        if tail and kept_tail_bytes(n, d, v, tail, itemsize) <= memory_budget:
+            return Plan(rows=n, cols=v - tail, keep_logits=True, kept_chunks=1, scales_in_grad=True, **chosen)
         return Plan(rows=n, cols=v, keep_logits=True, kept_chunks=1, **chosen)
     if keep and n * v * itemsize + dx_bytes <= memory_budget:
         # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the
@@ -477,7 +523,7 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
 def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
               memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
               allow_rows: bool = False, direct_dx: bool = False, side_stream: bool = True,
-              grad_store: bool = False) -> Plan:
+              grad_store: bool = False, kept_tail: bool = False) -> Plan:
     """The plan of one loss call: the cheapest that fits the budget.
 
     Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
@@ -493,7 +539,8 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     weight_dtype = dtype if weight_dtype is None else weight_dtype
     budget = _as_budget(memory_budget, device)
     plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
-                       allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream, grad_store=grad_store)
+                       allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream, grad_store=grad_store,
+                       kept_tail=kept_tail)
     if not (allow_rows and chunk_size is None and rows_enabled()):
         return plan
     rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)
@@ -504,7 +551,7 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     # dW once a block: llama3_4k 21.3 ms against 17.9 kept, issue 23's Llama step 177.3 against 171.6. So
     # the rows plan replaces partial keeping and recomputing (xc1M: 74.8 ms against 85.9), not keeping all;
     # a smaller memory_budget (e.g. 1 GiB for issue 23's Llama head: 6 blocks of 2752 rows) asks for it.
-    kept_all = plan.keep_logits and plan.kept_chunks * plan.cols >= v
+    kept_all = plan.keep_logits and (plan.kept_chunks * plan.cols >= v or plan.scales_in_grad)
     if kept_all:
         return plan
     return rows

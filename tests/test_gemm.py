@@ -1448,6 +1448,114 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
             assert dropped[i] > 1.25 * (2 * err_plain + 1e-3), f"the case must be able to fail: {float(dropped[i]):.3g}"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("case", ["plain", "z_loss", "no_ignored", "flagged", "dx_only"])
+def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
+    """bf16 logits that all fit the budget, the fused ops emulated on the CPU (on "cuda" they run): the plan keeps
+    all classes but a tail of ~1024 (Plan.scales_in_grad: one kept chunk 256-aligned, none in the weight
+    gradient's buffer, which holds the references), the forward folds the tail first and keeps exp(z - ref) of
+    the rest, and the backward is the factored one (once), with no pass over the kept chunk. Loss, dX and dW
+    within 2x the error of the plan that keeps every logit (HUGEHEAD_KEPT_TAIL=0, chunk_grad_'s pass) against
+    float64 plus bf16's eps, and dW's rows at the targets within 1.5x of that plan's error there; "flagged": a
+    kept class's logit ~95 above every other of rows 0 and 3 (their kept values rebased); "dx_only": the backward
+    asked for dX alone (no dW written, the references still read from the buffer)."""
+    from hugehead import loop
+    from hugehead.functional import loss_plan
+
+    if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
+                                                                                   torch.bfloat16)):
+        pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
+    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    monkeypatch.delenv("HUGEHEAD_KEPT_TAIL", raising=False)
+    n, d, v = 256, 128, 40000
+    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=43)
+    target = _targets(n, v, 0, v, 43)
+    if case == "no_ignored":
+        target = torch.where(target < 0, torch.arange(n) * 7 + 3, target)
+    if case == "flagged":  # rows 0 and 3: a kept class's logit 100, ~95 above any other of theirs
+        w = w.clone()
+        for row, cls in ((0, 5), (3, 6)):
+            w[cls] = (100 * x[row].float() / x[row].float().square().sum()).to(w.dtype)
+    x, w, target = x.to(device), w.to(device), target.to(device)
+    if device == "cpu":
+        from hugehead import functional
+
+        _emulate_fused_ops(monkeypatch)
+        monkeypatch.setattr(functional, "fused_applies", loop.fused_applies)  # (the planner's name for it)
+    opts = dict(z_loss=1e-3 if case == "z_loss" else 0.0)
+    plan = loss_plan(x.requires_grad_(), w.requires_grad_(), target)
+    x, w = x.detach(), w.detach()
+    tail = v - plan.cols
+    assert (plan.scales_in_grad and plan.keep_logits and plan.kept_chunks == 1 and plan.kept_in_grad == 0
+            and plan.cols % 256 == 0 and 1024 <= tail < 1280), plan
+    made = []
+    real = loop._FactoredKept
+    monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(1) or real(*a, **kw))
+
+    def grads():
+        if case != "dx_only":
+            return _lce_grads(x, w, None, target, **opts)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = hugehead.linear_cross_entropy(xg, wg, target, **opts)
+        return [loss.detach(), torch.autograd.grad(loss, [xg])[0]]
+
+    ours = grads()
+    assert len(made) == 1, made
+    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "0")
+    whole = loss_plan(x.requires_grad_(), w.requires_grad_(), target)
+    x, w = x.detach(), w.detach()
+    assert not whole.scales_in_grad and whole.cols == v and whole.kept_chunks == 1, whole
+    plain = grads()
+    assert len(made) == 1, made
+    ref = _lce_float64(x, w, None, target, **opts)
+    for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
+        err, err_plain = rel_err(a, r), rel_err(p, r)
+        assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
+    if case == "dx_only":
+        return
+    rows = torch.unique(target[target >= 0]).cpu()
+    dw_ref = ref[2].double()
+    err, err_plain = [float((g[2].double().cpu()[rows] - dw_ref[rows]).norm() / dw_ref.norm()) for g in (ours, plain)]
+    assert err <= 1.5 * err_plain + 1e-5, f"dW at the targets: {err:.3g} vs {err_plain:.3g}"
+
+
+def test_kept_tail_plan_rules():
+    """plan_chunks' kept tail: only with ``kept_tail`` and ``grad_store`` where all logits would be kept as one
+    chunk and the kept chunk plus the larger of the partials and a float32 dX fit the budget; the tail is the
+    fewest classes from KEPT_TAIL_COLS on that leave a 256-aligned kept chunk; none below 8 tails' classes or with
+    HUGEHEAD_KEPT_TAIL=0; and the plan travels through the op's plan list."""
+    from hugehead.functional import _given_plan, _plan_list
+    from hugehead.plan import KEPT_TAIL_COLS, kept_tail_bytes, kept_tail_cols
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    n, d, v = 4096, 4096, 128256
+
+    def plan(budget, **kw):
+        args = dict(direct_dx=True, grad_store=True, kept_tail=True)
+        args.update(kw)
+        return plan_chunks(n, d, v, bf16, cpu, None, budget, **args)
+
+    tail = kept_tail_cols(v)
+    assert tail == 1024 and (v - tail) % 256 == 0
+    assert kept_tail_cols(128257) == 1025 and kept_tail_cols(8 * KEPT_TAIL_COLS - 1) == 0
+    need = kept_tail_bytes(n, d, v, tail, 2)
+    assert need == n * (v - tail) * 2 + n * d * 4
+    p = plan(need)
+    assert p.scales_in_grad and p.cols == v - tail and p.kept_chunks == 1 and p.kept_in_grad == 0, p
+    assert _given_plan(_plan_list(p)) == p and _given_plan(_plan_list(p)).scales_in_grad
+    for q in (plan(need - 1), plan(need, kept_tail=False), plan(need, grad_store=False)):
+        assert not q.scales_in_grad and q.cols == v and q.kept_chunks == 1, q
+    assert not plan(n * v * 2 - 1).scales_in_grad  # not all logits fit: no kept-all plan at all
+    os_env = pytest.MonkeyPatch()
+    try:
+        os_env.setenv("HUGEHEAD_KEPT_TAIL", "0")
+        assert not plan(need).scales_in_grad
+    finally:
+        os_env.undo()
+    old = _plan_list(plan(need, kept_tail=False))
+    assert not _given_plan(old[:6]).scales_in_grad  # a list from before the flag
+
+
 def test_kept_logits_put_rows_writes_one_entry_a_row_in_either_storage():
     """KeptLogits.put_rows (the factored backward's one scatter of the targets' entries): entry (i, col[i]) of
     kept chunk chunk[i] gets values[i] where asked, in the weight gradient's buffer's slots and in the kept
