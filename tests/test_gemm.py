@@ -1420,7 +1420,7 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
         _emulate_fused_ops(monkeypatch)
     made = []
     real = loop._FactoredKept
-    monkeypatch.setattr(loop, "_FactoredKept", lambda *a: made.append(1) or real(*a))
+    monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(1) or real(*a, **kw))
     monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0" if case == "logits" else "1")
     ours = _lce_grads(x, w, None, target, **opts)
     assert len(made) == (case != "logits"), made
