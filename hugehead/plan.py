@@ -331,11 +331,11 @@ def kept_tail_cols(v: int) -> int:
 
 def kept_tail_bytes(n: int, d: int, v: int, tail: int, itemsize: int) -> int:
     """Peak bytes of a kept-tail plan: the kept chunk, and beside it the larger of the forward's partials
-    (the fused statistics GEMM's, at most 8 bytes per row and 128 columns without logit sums) and the
+    (the fused statistics GEMM that stores probabilities: 8 bytes per row and 192-column tile) and the
     backward's float32 ``dX`` (which the factored backward also uses for ``s x``; the tail's gradient and the
     targets' temporaries take the consumed kept chunk's memory)."""
     kept = n * (v - tail) * itemsize
-    return kept + max(n * (-(-(v - tail) // 128)) * 8, n * d * 4)
+    return kept + max(n * (-(-(v - tail) // 192)) * 8, n * d * 4)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
