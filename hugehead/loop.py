@@ -29,6 +29,7 @@ from .plan import (  # noqa: F401  (re-exported: the planner's names were public
     grad_store_layout,
     kept_plan,
     kept_shape,
+    kept_tail_split,
     plan_chunks,
     plan_topk_chunks,
 )
@@ -343,6 +344,11 @@ def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], targe
     into their gradient in place (no recompute); ``store``: the weight gradient's buffer from the forward, which
     holds the plan's ``kept_in_grad`` chunks (:class:`KeptLogits`) and becomes ``dW`` (None: a fresh one). The
     caller holds the no-autocast and out-of-memory guards."""
+    if plan.scales_in_grad and kept.numel() > 0:
+        done = _kept_tail_backward(x, ResidentChunks(weight, bias, x.dtype), target, lse, grad_rows, options, plan,
+                                   need_x, need_weight, kept, grad_lse, store)
+        if done is not None:
+            return tuple(t if t is not None else x.new_empty(0) for t in (*done, None))
     keep = kept.numel() > 0 or (store is not None and plan.kept_in_grad > 0)
     # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
     # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
@@ -362,6 +368,76 @@ def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], targe
         grad_w if grad_w is not None else x.new_empty(0),
         grad_b if grad_b is not None else x.new_empty(0),
     )
+
+
+def _kept_tail_backward(x: Tensor, source: ResidentChunks, target, lse: Tensor, grad_rows: Tensor,
+                        options: LossOptions, plan: Plan, need_x: bool, need_weight: bool, kept: Tensor,
+                        grad_lse: Optional[Tensor], store: Optional[Tensor]
+                        ) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
+    """The backward of a kept-tail plan (:attr:`Plan.scales_in_grad`: one kept chunk of ``exp(z - ref)``, classes
+    ``[0, C)``, and a tail ``[C, V)`` recomputed) in no memory beyond the kept chunk and the weight gradient's
+    buffer ``store`` (so never more than keeping every logit): ``(dX in x's dtype, dW = store)``, each None where
+    not asked for; None where this does not apply (the caller's loop then runs).
+
+    The order makes the room. First ``dX`` in float32 in the store's first bytes (after :class:`_FactoredKept` read
+    its scale area there): ``s (e W_k)``, the targets' ``G_t W_t`` (their rows gathered there too) and the tail's
+    ``g W_tail`` (its gradient there too, from the recompute GEMM), then cast to x's dtype. Then ``dW``: the tail's
+    rows, ``[C, V)``, past every byte used so far; the kept chunk's ``eᵀ (s x)`` in two GEMMs of classes
+    ``[0, h)`` and ``[h, C)``, the first with ``s x`` in the store's rows ``[h, C)`` (which only the second writes),
+    the second with it in ``e``'s first columns (which only the first read); and the targets' ``G_t x`` added by
+    ``index_put_`` with ``x G_t`` there too. The arithmetic is :class:`_FactoredKept`'s."""
+    n, d = x.shape
+    v, cols = source.num_rows, plan.cols
+    tail = v - cols
+    if not (plan.kept_chunks == 1 and plan.kept_in_grad == 0 and 0 < tail and n > 0 and kept.dim() == 3
+            and tuple(kept.shape) == (1, n, cols) and kept.is_contiguous() and store is not None
+            and store.is_contiguous() and store.dtype == x.dtype and tuple(store.shape) == (v, d)):
+        return None
+    slots = KeptLogits(plan, kept, store, n)
+    if not _probs_plan(x, source, target, plan, slots, _kept_last(source, cols), fused_applies(x, target, "stats"),
+                       bool(options.label_smoothing), options.kernel_softcap):
+        return None
+    size = x.element_size()
+    h = kept_tail_split(n, d, cols, tail, size)
+    if not h:
+        return None
+    spans = [n * d * 4, n * d * size, n * tail * size]  # dX in float32, the targets' rows, the tail's gradient
+    ends = [sum(-(-b // 256) * 256 for b in spans[:i + 1]) for i in range(len(spans))]
+    factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots, 0, source, None, None)
+    raw = store.view(-1).view(torch.uint8)
+    starts = [0] + ends[:-1]
+    dx = raw[starts[0]:starts[0] + spans[0]].view(torch.float32).view(n, d)
+    picked = raw[starts[1]:starts[1] + spans[1]].view(x.dtype).view(n, d)
+    g_tail = raw[starts[2]:starts[2] + spans[2]].view(x.dtype).view(n, tail)
+    s = factored.scales[0][:, None]
+    apart = factored.apart[:, None]
+    e = slots.chunk(0, cols)
+    w = source.weight
+    chunk = WeightChunk(cols, v, w[cols:], None)
+    exact = _exact_logits(x, source, target, options.kernel_softcap, bool(options.label_smoothing))
+    if not (fused_applies(x, target, "grad") and _fused_grad(x, chunk, target, cols, v, lse, grad_rows, options,
+                                                             grad_lse, g_tail, exact=exact)):
+        _logits_into(x, chunk, g_tail)
+        _chunk_grad(target, 0, n, g_tail, cols, v, lse, grad_rows, options.label_smoothing, options.z_loss,
+                    options.kernel_softcap, grad_lse)
+    grad_x = grad_w = None
+    if need_x:
+        _mm_float(dx, e, w[:cols])
+        dx.mul_(s)
+        dx.addcmul_(torch.index_select(w, 0, factored.apart_cls, out=picked), apart)
+        _add_dx(dx, g_tail, chunk.weight, x.new_empty(0) if x.is_cuda else x.new_empty(n, d))
+        grad_x = dx.to(x.dtype)
+    if need_weight:
+        _mm_dw(store[cols:], g_tail, x)
+        xs = store[h:].view(-1)[: n * d].view(n, d)
+        torch.mul(x, s, out=xs)  # (float32 products rounded once to x's dtype, as _FactoredKept's)
+        _mm_dw(store[:h], e[:, :h], xs)
+        xs = e[:, :d]
+        torch.mul(x, s, out=xs)
+        _mm_dw(store[h:cols], e[:, h:], xs)
+        store.index_put_((factored.apart_cls,), torch.mul(x, apart, out=e[:, :d]), accumulate=True)
+        grad_w = store
+    return grad_x, grad_w
 
 
 def forward_stats_steps(

@@ -45,6 +45,7 @@ __all__ = [
     "kept_shape",
     "kept_tail_cols",
     "kept_tail_enabled",
+    "kept_tail_split",
     "grad_store_enabled",
     "grad_store_layout",
     "overlap_enabled",
@@ -308,11 +309,10 @@ def grad_store_layout(n: int, d: int, v: int, cols: int, itemsize: int, grad_ite
     return offset, stride, max(0, (total - offset) // stride)
 
 
-# The classes a kept-tail plan does not keep (at least; up to 255 more, so that the kept chunk's width is a multiple
-# of 256: its rows 16-byte aligned for the fused GEMM's TMA store): folded first, they give each row the reference
-# the kept chunk's exp(z - ref) is taken against, and the backward recomputes them (2·N·D·tail FLOPs, 0.8% of
-# llama3's 128256 classes).
+# The classes a kept-tail plan does not keep, at least (kept_tail_cols): folded first, they give each row the reference
+# the kept chunk's exp(z - ref) is taken against, and the backward recomputes them (2·N·D·tail FLOPs).
 KEPT_TAIL_COLS = 1024
+_PROBS_TILE_COLS = 192  # the statistics GEMM that stores probabilities: a (max, sum) partial of 8 bytes per row and tile
 
 
 def kept_tail_enabled() -> bool:
@@ -322,20 +322,31 @@ def kept_tail_enabled() -> bool:
     return os.environ.get("HUGEHEAD_KEPT_TAIL", "1") != "0"
 
 
-def kept_tail_cols(v: int) -> int:
-    """The tail a kept-tail plan of ``v`` classes leaves unkept (0: too few classes for one)."""
+def kept_tail_split(n: int, d: int, cols: int, tail: int, itemsize: int) -> int:
+    """Where the backward of a kept-tail plan (``hugehead.loop._kept_tail_backward``) splits its kept chunk's
+    ``dW`` into two GEMMs, ``[0, h)`` and ``[h, cols)``, or 0 where it has no room: ``s x`` ``[N, D]`` lives first
+    in the weight gradient's rows ``[h, cols)`` (so ``cols - h >= N``), then in the kept chunk's first ``D``
+    columns (so ``h >= D``); and ``dX`` in float32, the targets' weight rows and the tail's gradient fit in the
+    rows of the kept classes' ``dW`` before any is written."""
+    h = cols // 2 // _MIN_COLS * _MIN_COLS
+    room = sum(_round_up(b, 256) for b in (n * d * 4, n * d * itemsize, n * tail * itemsize))
+    return h if (h >= d and cols - h >= n and room <= cols * d * itemsize) else 0
+
+
+def kept_tail_cols(n: int, d: int, v: int, itemsize: int) -> int:
+    """The tail a kept-tail plan of ``N × V`` logits leaves unkept, or 0 for none: the fewest classes from
+    :data:`KEPT_TAIL_COLS` on that leave a kept chunk 256 classes aligned (its rows 16-byte aligned for the fused
+    GEMM's TMA store) and whose logits take at least the bytes of that chunk's partials, so that the plan never
+    needs more memory than keeping every logit (its backward needs none: :func:`kept_tail_split`). At llama3's
+    128256 classes in bf16: 2816 (2.2%)."""
     if v < 8 * KEPT_TAIL_COLS:
         return 0
-    return v - (v - KEPT_TAIL_COLS) // _MIN_COLS * _MIN_COLS
-
-
-def kept_tail_bytes(n: int, d: int, v: int, tail: int, itemsize: int) -> int:
-    """Peak bytes of a kept-tail plan: the kept chunk, and beside it the larger of the forward's partials
-    (the fused statistics GEMM that stores probabilities: 8 bytes per row and 192-column tile) and the
-    backward's float32 ``dX`` (which the factored backward also uses for ``s x``; the tail's gradient and the
-    targets' temporaries take the consumed kept chunk's memory)."""
-    kept = n * (v - tail) * itemsize
-    return kept + max(n * (-(-(v - tail) // 192)) * 8, n * d * 4)
+    cols = (v - KEPT_TAIL_COLS) // _MIN_COLS * _MIN_COLS
+    while cols > 0 and (v - cols) * itemsize < -(-cols // _PROBS_TILE_COLS) * 8:
+        cols -= _MIN_COLS
+    if cols <= 0 or not kept_tail_split(n, d, cols, v - cols, itemsize):
+        return 0
+    return v - cols
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -383,8 +394,8 @@ def plan_chunks(
     ``kept_tail``: the caller's chunks take the factored backward of kept probabilities (the fused statistics
     GEMM storing ``exp(z - ref)``; :func:`hugehead.loop._probs_plan`) and ``grad_store`` holds: where all logits
     would be kept as one chunk, all but a tail of :func:`kept_tail_cols` classes are (:attr:`Plan.scales_in_grad`),
-    the tail folded first gives each row its reference, and the backward runs no pass over the kept chunk
-    (see :func:`kept_tail_enabled`).
+    the tail folded first gives each row its reference, and the backward runs no pass over the kept chunk, in no
+    more memory than keeping every logit takes (see :func:`kept_tail_enabled`).
     """
     budget = _as_budget(memory_budget, device)
     chosen = dict(budget=budget.bytes, budget_reason=budget.reason)
@@ -400,8 +411,8 @@ def plan_chunks(
         memory_budget = max(1, memory_budget - 3 * min(v, max_cols) * d * itemsize)
     keep = chunk_size is None and allow_keep
     if keep and direct_dx and weight_dtype == dtype and n * v * itemsize <= memory_budget:
-        tail = kept_tail_cols(v) if (kept_tail and grad_store and kept_tail_enabled()) else 0
-        if tail and kept_tail_bytes(n, d, v, tail, itemsize) <= memory_budget:
+        tail = kept_tail_cols(n, d, v, itemsize) if (kept_tail and grad_store and kept_tail_enabled()) else 0
+        if tail:
             return Plan(rows=n, cols=v - tail, keep_logits=True, kept_chunks=1, scales_in_grad=True, **chosen)
         return Plan(rows=n, cols=v, keep_logits=True, kept_chunks=1, **chosen)
     if keep and n * v * itemsize + dx_bytes <= memory_budget:

@@ -1452,13 +1452,14 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
 @pytest.mark.parametrize("case", ["plain", "z_loss", "no_ignored", "flagged", "dx_only"])
 def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     """bf16 logits that all fit the budget, the fused ops emulated on the CPU (on "cuda" they run): the plan keeps
-    all classes but a tail of ~1024 (Plan.scales_in_grad: one kept chunk 256-aligned, none in the weight
+    all classes but a tail of ~1088 (Plan.scales_in_grad: one kept chunk 256-aligned, none in the weight
     gradient's buffer, which holds the references), the forward folds the tail first and keeps exp(z - ref) of
     the rest, and the backward is the factored one (once), with no pass over the kept chunk. Loss, dX and dW
     within 2x the error of the plan that keeps every logit (HUGEHEAD_KEPT_TAIL=0, chunk_grad_'s pass) against
-    float64 plus bf16's eps, and dW's rows at the targets within 1.5x of that plan's error there; "flagged": a
-    kept class's logit ~95 above every other of rows 0 and 3 (their kept values rebased); "dx_only": the backward
-    asked for dX alone (no dW written, the references still read from the buffer)."""
+    float64 plus bf16's eps, and dW's rows at the targets within 1.5x of that plan's error there. The backward is
+    loop._kept_tail_backward's (dX and dW in no memory beyond the kept chunk and dW's buffer). "flagged": a kept
+    class's logit ~95 above every other of rows 0 and 3 (their kept values rebased); "dx_only":
+    torch.autograd.grad for x alone."""
     from hugehead import loop
     from hugehead.functional import loss_plan
 
@@ -1487,10 +1488,11 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     x, w = x.detach(), w.detach()
     tail = v - plan.cols
     assert (plan.scales_in_grad and plan.keep_logits and plan.kept_chunks == 1 and plan.kept_in_grad == 0
-            and plan.cols % 256 == 0 and 1024 <= tail < 1280), plan
-    made = []
-    real = loop._FactoredKept
+            and plan.cols % 256 == 0 and 1024 <= tail < 1536), plan
+    made, lean = [], []
+    real, real_tail = loop._FactoredKept, loop._kept_tail_backward
     monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    monkeypatch.setattr(loop, "_kept_tail_backward", lambda *a: lean.append(real_tail(*a)) or lean[-1])
 
     def grads():
         if case != "dx_only":
@@ -1500,13 +1502,14 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
         return [loss.detach(), torch.autograd.grad(loss, [xg])[0]]
 
     ours = grads()
-    assert len(made) == 1, made
+    assert len(made) == 1 and len(lean) == 1 and lean[0] is not None, (made, lean)
+    assert lean[0][0] is not None and lean[0][1] is not None, lean
     monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "0")
     whole = loss_plan(x.requires_grad_(), w.requires_grad_(), target)
     x, w = x.detach(), w.detach()
     assert not whole.scales_in_grad and whole.cols == v and whole.kept_chunks == 1, whole
     plain = grads()
-    assert len(made) == 1, made
+    assert len(made) == 1 and len(lean) == 1, (made, lean)
     ref = _lce_float64(x, w, None, target, **opts)
     for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
         err, err_plain = rel_err(a, r), rel_err(p, r)
@@ -1521,38 +1524,42 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
 
 def test_kept_tail_plan_rules():
     """plan_chunks' kept tail: only with ``kept_tail`` and ``grad_store`` where all logits would be kept as one
-    chunk and the kept chunk plus the larger of the partials and a float32 dX fit the budget; the tail is the
-    fewest classes from KEPT_TAIL_COLS on that leave a 256-aligned kept chunk; none below 8 tails' classes or with
-    HUGEHEAD_KEPT_TAIL=0; and the plan travels through the op's plan list."""
+    chunk; the tail is the fewest classes from KEPT_TAIL_COLS on that leave a 256-aligned kept chunk whose
+    logits' bytes cover that chunk's partials (so the plan never takes more than keeping every logit) and where
+    the backward has room (kept_tail_split); none below 8 tails' classes or with HUGEHEAD_KEPT_TAIL=0; and the
+    plan travels through the op's plan list."""
     from hugehead.functional import _given_plan, _plan_list
-    from hugehead.plan import KEPT_TAIL_COLS, kept_tail_bytes, kept_tail_cols
+    from hugehead.plan import KEPT_TAIL_COLS, kept_tail_cols, kept_tail_split
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    n, d, v = 4096, 4096, 128256
 
-    def plan(budget, **kw):
+    def plan(n, d, v, budget, **kw):
         args = dict(direct_dx=True, grad_store=True, kept_tail=True)
         args.update(kw)
         return plan_chunks(n, d, v, bf16, cpu, None, budget, **args)
 
-    tail = kept_tail_cols(v)
-    assert tail == 1024 and (v - tail) % 256 == 0
-    assert kept_tail_cols(128257) == 1025 and kept_tail_cols(8 * KEPT_TAIL_COLS - 1) == 0
-    need = kept_tail_bytes(n, d, v, tail, 2)
-    assert need == n * (v - tail) * 2 + n * d * 4
-    p = plan(need)
-    assert p.scales_in_grad and p.cols == v - tail and p.kept_chunks == 1 and p.kept_in_grad == 0, p
-    assert _given_plan(_plan_list(p)) == p and _given_plan(_plan_list(p)).scales_in_grad
-    for q in (plan(need - 1), plan(need, kept_tail=False), plan(need, grad_store=False)):
-        assert not q.scales_in_grad and q.cols == v and q.kept_chunks == 1, q
-    assert not plan(n * v * 2 - 1).scales_in_grad  # not all logits fit: no kept-all plan at all
-    os_env = pytest.MonkeyPatch()
+    for n, d, v, want in ((4096, 4096, 128256, 2816), (8192, 2304, 256000, 5376), (256, 128, 40000, 1088)):
+        tail = kept_tail_cols(n, d, v, 2)
+        cols = v - tail
+        assert tail == want and cols % 256 == 0 and tail >= KEPT_TAIL_COLS
+        assert tail * 2 >= -(-cols // 192) * 8 and (tail - 256) * 2 < -(-(cols + 256) // 192) * 8 or tail < 1280
+        h = kept_tail_split(n, d, cols, tail, 2)
+        assert h >= d and cols - h >= n and h % 256 == 0
+        p = plan(n, d, v, n * v * 2)  # the budget of keeping every logit: the tail plan fits it
+        assert p.scales_in_grad and p.cols == cols and p.kept_chunks == 1 and p.kept_in_grad == 0, p
+        assert _given_plan(_plan_list(p)) == p and _given_plan(_plan_list(p)).scales_in_grad
+        for q in (plan(n, d, v, n * v * 2, kept_tail=False), plan(n, d, v, n * v * 2, grad_store=False)):
+            assert not q.scales_in_grad and q.cols == v and q.kept_chunks == 1, q
+        assert not plan(n, d, v, n * v * 2 - 1).scales_in_grad  # not all logits fit: no kept-all plan at all
+    assert kept_tail_cols(64, 64, 8 * KEPT_TAIL_COLS - 1, 2) == 0
+    assert kept_tail_cols(8192, 8192, 16384, 2) == 0  # no room for s x beside the first dW GEMM's rows
+    env = pytest.MonkeyPatch()
     try:
-        os_env.setenv("HUGEHEAD_KEPT_TAIL", "0")
-        assert not plan(need).scales_in_grad
+        env.setenv("HUGEHEAD_KEPT_TAIL", "0")
+        assert not plan(4096, 4096, 128256, 4 << 30).scales_in_grad
     finally:
-        os_env.undo()
-    old = _plan_list(plan(need, kept_tail=False))
+        env.undo()
+    old = _plan_list(plan(4096, 4096, 128256, 4 << 30, kept_tail=False))
     assert not _given_plan(old[:6]).scales_in_grad  # a list from before the flag
 
 
