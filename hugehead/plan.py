@@ -315,11 +315,16 @@ KEPT_TAIL_COLS = 1024
 _PROBS_TILE_COLS = 192  # the statistics GEMM that stores probabilities: a (max, sum) partial of 8 bytes per row and tile
 
 
+# Whether kept-tail plans are taken without HUGEHEAD_KEPT_TAIL in the environment: not until an H200 A/B says
+# they win (bench/NOTES.md, session 25).
+KEPT_TAIL_DEFAULT = "0"
+
+
 def kept_tail_enabled() -> bool:
     """Whether plans may keep all logits but a tail as probabilities (:func:`plan_chunks`' ``kept_tail``):
-    ``HUGEHEAD_KEPT_TAIL=0`` (environment, read per plan) keeps all of them as logits instead, the A/B's other
-    side (their backward then runs chunk_grad_'s pass over all the logits)."""
-    return os.environ.get("HUGEHEAD_KEPT_TAIL", "1") != "0"
+    ``HUGEHEAD_KEPT_TAIL=1`` / ``0`` (environment, read per plan; unset: :data:`KEPT_TAIL_DEFAULT`); off, all of
+    them are kept as logits, and their backward runs chunk_grad_'s pass over them (the A/B's other side)."""
+    return os.environ.get("HUGEHEAD_KEPT_TAIL", KEPT_TAIL_DEFAULT) != "0"
 
 
 def kept_tail_split(n: int, d: int, cols: int, tail: int, itemsize: int) -> int:

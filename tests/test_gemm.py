@@ -1467,7 +1467,7 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
                                                                                    torch.bfloat16)):
         pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
     monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
-    monkeypatch.delenv("HUGEHEAD_KEPT_TAIL", raising=False)
+    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "1")
     n, d, v = 256, 128, 40000
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=43)
     target = _targets(n, v, 0, v, 43)
@@ -1526,12 +1526,14 @@ def test_kept_tail_plan_rules():
     """plan_chunks' kept tail: only with ``kept_tail`` and ``grad_store`` where all logits would be kept as one
     chunk; the tail is the fewest classes from KEPT_TAIL_COLS on that leave a 256-aligned kept chunk whose
     logits' bytes cover that chunk's partials (so the plan never takes more than keeping every logit) and where
-    the backward has room (kept_tail_split); none below 8 tails' classes or with HUGEHEAD_KEPT_TAIL=0; and the
-    plan travels through the op's plan list."""
+    the backward has room (kept_tail_split); none below 8 tails' classes or with HUGEHEAD_KEPT_TAIL=0 (the
+    default: plan.KEPT_TAIL_DEFAULT); and the plan travels through the op's plan list."""
     from hugehead.functional import _given_plan, _plan_list
     from hugehead.plan import KEPT_TAIL_COLS, kept_tail_cols, kept_tail_split
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    env = pytest.MonkeyPatch()
+    env.setenv("HUGEHEAD_KEPT_TAIL", "1")
 
     def plan(n, d, v, budget, **kw):
         args = dict(direct_dx=True, grad_store=True, kept_tail=True)
@@ -1553,14 +1555,13 @@ def test_kept_tail_plan_rules():
         assert not plan(n, d, v, n * v * 2 - 1).scales_in_grad  # not all logits fit: no kept-all plan at all
     assert kept_tail_cols(64, 64, 8 * KEPT_TAIL_COLS - 1, 2) == 0
     assert kept_tail_cols(8192, 8192, 16384, 2) == 0  # no room for s x beside the first dW GEMM's rows
-    env = pytest.MonkeyPatch()
+    old = _plan_list(plan(4096, 4096, 128256, 4 << 30, kept_tail=False))
+    assert not _given_plan(old[:6]).scales_in_grad  # a list from before the flag
     try:
         env.setenv("HUGEHEAD_KEPT_TAIL", "0")
         assert not plan(4096, 4096, 128256, 4 << 30).scales_in_grad
     finally:
         env.undo()
-    old = _plan_list(plan(4096, 4096, 128256, 4 << 30, kept_tail=False))
-    assert not _given_plan(old[:6]).scales_in_grad  # a list from before the flag
 
 
 def test_kept_logits_put_rows_writes_one_entry_a_row_in_either_storage():
