@@ -1522,7 +1522,7 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     assert err <= 1.5 * err_plain + 1e-5, f"dW at the targets: {err:.3g} vs {err_plain:.3g}"
 
 
-def test_kept_tail_plan_rules():
+def test_kept_tail_plan_rules(monkeypatch):
     """plan_chunks' kept tail: only with ``kept_tail`` and ``grad_store`` where all logits would be kept as one
     chunk; the tail is the fewest classes from KEPT_TAIL_COLS on that leave a 256-aligned kept chunk whose
     logits' bytes cover that chunk's partials (so the plan never takes more than keeping every logit) and where
@@ -1532,8 +1532,7 @@ def test_kept_tail_plan_rules():
     from hugehead.plan import KEPT_TAIL_COLS, kept_tail_cols, kept_tail_split
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    env = pytest.MonkeyPatch()
-    env.setenv("HUGEHEAD_KEPT_TAIL", "1")
+    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "1")
 
     def plan(n, d, v, budget, **kw):
         args = dict(direct_dx=True, grad_store=True, kept_tail=True)
@@ -1557,11 +1556,8 @@ def test_kept_tail_plan_rules():
     assert kept_tail_cols(8192, 8192, 16384, 2) == 0  # no room for s x beside the first dW GEMM's rows
     old = _plan_list(plan(4096, 4096, 128256, 4 << 30, kept_tail=False))
     assert not _given_plan(old[:6]).scales_in_grad  # a list from before the flag
-    try:
-        env.setenv("HUGEHEAD_KEPT_TAIL", "0")
-        assert not plan(4096, 4096, 128256, 4 << 30).scales_in_grad
-    finally:
-        env.undo()
+    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "0")
+    assert not plan(4096, 4096, 128256, 4 << 30).scales_in_grad
 
 
 def test_kept_logits_put_rows_writes_one_entry_a_row_in_either_storage():
