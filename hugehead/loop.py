@@ -29,6 +29,7 @@ from .plan import (  # noqa: F401  (re-exported: the planner's names were public
     grad_store_layout,
     kept_plan,
     kept_shape,
+    kept_tail_scratch,
     kept_tail_split,
     plan_chunks,
     plan_topk_chunks,
@@ -401,16 +402,11 @@ def _kept_tail_backward(x: Tensor, source: ResidentChunks, target, lse: Tensor, 
     h = kept_tail_split(n, d, cols, tail, size)
     if not h:
         return None
-    spans = [n * d * 4, n * d * size, n * tail * size]  # dX in float32, the targets' rows, the tail's gradient
-    ends = [sum(-(-b // 256) * 256 for b in spans[:i + 1]) for i in range(len(spans))]
     factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots, 0, source, None, None)
     raw = store.view(-1).view(torch.uint8)
-    starts = [0] + ends[:-1]
-    dx = raw[starts[0]:starts[0] + spans[0]].view(torch.float32).view(n, d)
-    picked = raw[starts[1]:starts[1] + spans[1]].view(x.dtype).view(n, d)
-    g_tail = raw[starts[2]:starts[2] + spans[2]].view(x.dtype).view(n, tail)
+    dx, picked, g_tail = (raw[a:a + b].view(dtype).view(n, width) for (a, b), dtype, width in zip(
+        kept_tail_scratch(n, d, tail, size), (torch.float32, x.dtype, x.dtype), (d, d, tail)))
     s = factored.scales[0][:, None]
-    apart = factored.apart[:, None]
     e = slots.chunk(0, cols)
     w = source.weight
     chunk = WeightChunk(cols, v, w[cols:], None)
@@ -424,7 +420,7 @@ def _kept_tail_backward(x: Tensor, source: ResidentChunks, target, lse: Tensor, 
     if need_x:
         _mm_float(dx, e, w[:cols])
         dx.mul_(s)
-        dx.addcmul_(torch.index_select(w, 0, factored.apart_cls, out=picked), apart)
+        factored.targets_dx(dx, picked)
         _add_dx(dx, g_tail, chunk.weight, x.new_empty(0) if x.is_cuda else x.new_empty(n, d))
         grad_x = dx.to(x.dtype)
     if need_weight:
@@ -435,7 +431,7 @@ def _kept_tail_backward(x: Tensor, source: ResidentChunks, target, lse: Tensor, 
         xs = e[:, :d]
         torch.mul(x, s, out=xs)
         _mm_dw(store[h:cols], e[:, h:], xs)
-        store.index_put_((factored.apart_cls,), torch.mul(x, apart, out=e[:, :d]), accumulate=True)
+        factored.targets_dw(store, e[:, :d])
         grad_w = store
     return grad_x, grad_w
 
@@ -918,17 +914,15 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     exact = _exact_logits(x, source, target, options.kernel_softcap, bool(options.label_smoothing))  # as the forward
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
-    factored = None
-    if kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _kept_last(source, kept_classes),
-                                        fused_applies(x, target, "stats"), bool(options.label_smoothing),
-                                        options.kernel_softcap):
-        factored = True
+    probs = kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _kept_last(source, kept_classes),
+                                             fused_applies(x, target, "stats"), bool(options.label_smoothing),
+                                             options.kernel_softcap)
     # The streamed chunks' workspace (one chunk at a time: the widest not kept). After a factored backward, which
     # takes the kept chunks first, the kept tensor's memory is free for it where large enough.
     width = min(plan.cols, v - kept_classes)
     workspace = None
     if kept_classes < v:
-        spare = _spare(kept, min(plan.rows, n) * width) if factored else None
+        spare = _spare(kept, min(plan.rows, n) * width) if probs else None
         workspace = spare if spare is not None else x.new_empty(min(plan.rows, n) * width)
     dx_partial = None
     if grad_x is not None and grad_x.dtype != x.dtype:
@@ -936,7 +930,8 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
         dx_partial = x.new_empty(0) if x.is_cuda else x.new_empty(min(plan.rows, n), d)
     dw_acc = x.new_empty(min(plan.cols, v), d, dtype=acc) if (rows_split and need_weight) else None
     dw_writer = _WeightGradWriter(source, x, min(plan.cols, v))
-    if factored:
+    factored = None
+    if probs:
         factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots, class_start, source,
                                  dw_writer if need_weight else None, grad_x,
                                  None if workspace is None or workspace.data_ptr() == _ptr(kept) else workspace,
@@ -1094,7 +1089,6 @@ class _FactoredKept:
         rounded once to x's dtype: exact when G_t is, as the logits path's ``round(G_t) x``) by
         ``index_put_(accumulate=True)``, whose CUDA kernel sorts the classes and sums each class's rows in order
         onto ``dW_t`` in float32 (deterministic, unlike index_add_'s atomics: many rows may share a target)."""
-        apart = self.apart[:, None]
         n, d = self.x.shape
         # Its two [N, D] temporaries in the kept tensor's memory where it has room (every kept chunk's GEMMs are
         # queued by now), else in the chunks' buffers
@@ -1102,13 +1096,22 @@ class _FactoredKept:
         if spare is None:
             self._buffers(grad_x)
         if grad_x is not None:
-            rows = self.source.weight[self.apart_cls] if spare is None else torch.index_select(
-                self.source.weight, 0, self.apart_cls, out=spare[n * d:].view(n, d))
-            grad_x.addcmul_(rows, apart)  # (in float32, grad_x's dtype)
+            self.targets_dx(grad_x, None if spare is None else spare[n * d:].view(n, d))
         if self.writer is not None:
-            xs = self.xs if spare is None else spare[: n * d].view(n, d)
-            dw = self.source.grad_weight_out(0, self.source.num_rows, self.x.dtype)
-            dw.index_put_((self.apart_cls,), torch.mul(self.x, apart, out=xs), accumulate=True)
+            self.targets_dw(self.source.grad_weight_out(0, self.source.num_rows, self.x.dtype),
+                            self.xs if spare is None else spare[: n * d].view(n, d))
+
+    def targets_dx(self, grad_x: Tensor, rows: Optional[Tensor]) -> None:
+        """``grad_x += G_t W_t`` in float32 (grad_x's dtype); ``rows``: an ``[N, D]`` buffer of the weight's dtype
+        for the gathered ``W_t`` (None: a new one)."""
+        w = self.source.weight
+        picked = w[self.apart_cls] if rows is None else torch.index_select(w, 0, self.apart_cls, out=rows)
+        grad_x.addcmul_(picked, self.apart[:, None])
+
+    def targets_dw(self, dw: Tensor, xs: Tensor) -> None:
+        """``dW_t += G_t x`` by ``index_put_(accumulate=True)``; ``xs``: an ``[N, D]`` buffer of x's dtype (any
+        strides) for the products."""
+        dw.index_put_((self.apart_cls,), torch.mul(self.x, self.apart[:, None], out=xs), accumulate=True)
 
 
 def _mm_float(out: Tensor, a: Tensor, b: Tensor) -> None:

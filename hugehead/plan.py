@@ -45,6 +45,7 @@ __all__ = [
     "kept_shape",
     "kept_tail_cols",
     "kept_tail_enabled",
+    "kept_tail_scratch",
     "kept_tail_split",
     "grad_store_enabled",
     "grad_store_layout",
@@ -334,8 +335,18 @@ def kept_tail_split(n: int, d: int, cols: int, tail: int, itemsize: int) -> int:
     columns (so ``h >= D``); and ``dX`` in float32, the targets' weight rows and the tail's gradient fit in the
     rows of the kept classes' ``dW`` before any is written."""
     h = cols // 2 // _MIN_COLS * _MIN_COLS
-    room = sum(_round_up(b, 256) for b in (n * d * 4, n * d * itemsize, n * tail * itemsize))
-    return h if (h >= d and cols - h >= n and room <= cols * d * itemsize) else 0
+    start, nbytes = kept_tail_scratch(n, d, tail, itemsize)[-1]
+    return h if (h >= d and cols - h >= n and start + nbytes <= cols * d * itemsize) else 0
+
+
+def kept_tail_scratch(n: int, d: int, tail: int, itemsize: int) -> List[Tuple[int, int]]:
+    """``(start, bytes)`` in the weight gradient's buffer, 256-byte aligned, of what a kept-tail backward keeps
+    there before it writes ``dW``: ``dX`` in float32, the targets' weight rows, the tail's gradient."""
+    out, start = [], 0
+    for nbytes in (n * d * 4, n * d * itemsize, n * tail * itemsize):
+        out.append((start, nbytes))
+        start = _round_up(start + nbytes, 256)
+    return out
 
 
 def kept_tail_cols(n: int, d: int, v: int, itemsize: int) -> int:
