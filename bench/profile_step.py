@@ -8,6 +8,13 @@ gaps between what bench_lce / bench_multilabel measure and the kernels' sum.
     [--out DIR]  writes profile_<shape>_<case>.md there as well
     [--host N]   also the host's time per Python function over the profiled steps (cProfile, the N largest by
                  cumulative time): where the host spends the wait before a step's first kernel
+    [--impl NAME]  a peer of bench_lce (bench/peers.py: hugehead, torch_compile, torch, ...) called as bench_lce
+                 calls it (loss, then torch.autograd.grad for x and W): the same tables, side by side
+
+Besides the step's time (CUDA events around one call from an idle GPU, as bench_lce times it), the step with
+its host work hidden: the same call queued behind ~20 ms of GPU sleep (``torch.cuda._sleep``), so its launches
+are queued ahead of the GPU unless the call waits on the GPU. The difference is the host latency the step
+exposes (Python before its first kernel, launch gaps, synchronizations).
 
 Besides the kernels' totals it reports where the GPU waited inside each profiled step: from the step's
 start on the host (a ``record_function`` range) to its first kernel, and the largest idle gaps between
@@ -33,10 +40,24 @@ import hugehead  # noqa: E402
 SHAPES = {**{k: Shape(k, s["n"], s["d"], s["v"]) for k, s in GPU_SHAPES.items()}, **ALL_SHAPES}
 
 
-def build(shape: str, case: str):
+def build(shape: str, case: str, impl: Optional[str] = None):
     s = SHAPES[shape]
     dev = torch.device("cuda")
     x, w, t = make_inputs(s, dev, dtype=torch.bfloat16, seed=0)
+    if impl is not None:  # a peer of bench_lce (hugehead included), called as bench_lce calls it
+        from bench.peers import IMPLS
+
+        if case != "single":
+            raise SystemExit(f"profile_step: --impl {impl} takes --case single only")
+        fn, _ = IMPLS[impl].load()
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+
+        def run_peer():
+            loss = fn(x, w, t)
+            torch.autograd.grad(loss, (x, w))
+            return loss.detach()
+        return run_peer
     target = sparse_target(s.n, s.v, 5, 0.2, dev, seed=1) if case == "multi" else t
     if case == "fwd":
         def run():
@@ -213,6 +234,23 @@ def _step_waits(prof, steps: int, top: int) -> List[str]:
     return lines
 
 
+def hidden_host_ms(run, reps: int = 5, sleep_ms: float = 20.0) -> float:
+    """Median ms of ``run`` between CUDA events queued behind ``sleep_ms`` of GPU sleep: the host queues the
+    call's launches while the GPU sleeps, so its Python and launch latency is hidden unless it waits on the GPU."""
+    rate = torch.cuda.get_device_properties(0).clock_rate  # kHz: cycles a ms
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(sleep_ms * rate))
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def profile_steps(run, steps: int):
     """torch.profiler over ``steps`` calls of ``run``, each from an idle GPU (as bench_lce times it) inside a
     ``STEP_MARK`` range, with the ops' shapes for :func:`stage_split`."""
@@ -258,9 +296,12 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--out", default=None)
     p.add_argument("--host", type=int, default=0, help="cProfile's N largest functions by cumulative time")
+    p.add_argument("--impl", default=None, help="a bench_lce peer (hugehead, torch_compile, torch, ...), called as "
+                   "bench_lce calls it (default: hugehead, its gradients by loss.backward())")
     opts = p.parse_args(argv)
-    run = build(opts.shape, opts.case)
+    run = build(opts.shape, opts.case, opts.impl)
     step_ms = harness.measure(run, torch.device("cuda"), reps=5, warmup=2).ms
+    hidden_ms = hidden_host_ms(run)
     prof = profile_steps(run, opts.steps)
     kernels = {}
     for e in prof.events():
@@ -271,9 +312,13 @@ def main(argv=None) -> int:
     total = sum(v[0] for v in kernels.values())
     # (an older hugehead on PYTHONPATH, for an A/B of two commits, may predate the fused GEMMs)
     gemm = hugehead.ops.gemm_path(torch.device("cuda"), torch.bfloat16) if hasattr(hugehead.ops, "gemm_path") else "cublas"
-    lines = [f"# profile: {opts.shape} {opts.case}, HUGEHEAD_GEMM={gemm}, hugehead from {Path(hugehead.__file__).parent}",
+    who = "hugehead" if opts.impl is None else f"{opts.impl} (as bench_lce calls it)"
+    lines = [f"# profile: {opts.shape} {opts.case}, {who}, HUGEHEAD_GEMM={gemm}, hugehead from "
+             f"{Path(hugehead.__file__).parent}",
              "", f"step {step_ms:.2f} ms (CUDA events, median of 5); kernels {total:.2f} ms per step; "
-             f"gaps {step_ms - total:.2f} ms", "", "| kernel | ms / step | calls / step |", "|---|--:|--:|"]
+             f"gaps {step_ms - total:.2f} ms; with the host's work hidden (queued behind GPU sleep) "
+             f"{hidden_ms:.2f} ms: the host latency the step exposes {step_ms - hidden_ms:.2f} ms", "",
+             "| kernel | ms / step | calls / step |", "|---|--:|--:|"]
     for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: opts.top]:
         lines.append(f"| `{name[:110]}` | {ms:.2f} | {calls / opts.steps:.0f} |")
     lines += ["", "By stage of the chunk loop (the op that launched each kernel; TFLOP/s from its shapes):", ""]
@@ -285,7 +330,8 @@ def main(argv=None) -> int:
     print(text)
     if opts.out:
         Path(opts.out).mkdir(parents=True, exist_ok=True)
-        (Path(opts.out) / f"profile_{opts.shape}_{opts.case}.md").write_text(text)
+        tag = "" if opts.impl is None else f"_{opts.impl}"
+        (Path(opts.out) / f"profile_{opts.shape}_{opts.case}{tag}.md").write_text(text)
     return 0
 
 
