@@ -9,6 +9,7 @@ moment).
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from typing import List, Optional, Tuple, Union
@@ -109,8 +110,7 @@ def _options(ignore_index: int, label_smoothing: float, z_loss: float, softcap: 
 # --------------------------------------------------------------------------------------------------
 # The single-device op: a custom op over the whole chunk loop, so torch.compile sees one node
 # --------------------------------------------------------------------------------------------------
-@torch.library.custom_op("hugehead::linear_cross_entropy_forward", mutates_args=())
-def _lce_forward(
+def _lce_forward_impl(
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
@@ -146,6 +146,9 @@ def _lce_forward(
     return loss, lse, (x.new_empty(0) if kept is None else kept), (weight.new_empty(0) if store is None else store)
 
 
+_lce_forward = torch.library.custom_op("hugehead::linear_cross_entropy_forward", mutates_args=())(_lce_forward_impl)
+
+
 def _grad_store(weight: Tensor, plan: Plan, keep_logits: bool) -> Optional[Tensor]:
     """The weight gradient's buffer, allocated now to hold the plan's ``kept_in_grad`` chunks (or the kept
     probabilities' references: :attr:`Plan.scales_in_grad`), or None."""
@@ -165,8 +168,7 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, c
             weight.new_empty(0) if store is None else store)
 
 
-@torch.library.custom_op("hugehead::linear_cross_entropy_backward", mutates_args=("kept", "store"))
-def _lce_backward(
+def _lce_backward_impl(
     grad_loss: Tensor,
     grad_lse: Optional[Tensor],
     x: Tensor,
@@ -207,6 +209,10 @@ def _lce_backward(
             None if grad_lse is None else grad_lse.to(acc).contiguous(), store=store)
     # dW went into the store: an op's output may not alias its inputs, so it comes back empty here
     return grad_x, (x.new_empty(0) if store is not None else grad_w), grad_b
+
+
+_lce_backward = torch.library.custom_op("hugehead::linear_cross_entropy_backward",
+                                        mutates_args=("kept", "store"))(_lce_backward_impl)
 
 
 @_lce_backward.register_fake
@@ -251,7 +257,9 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept, grad_store):
         grad_loss = torch.zeros_like(lse)
     need_x = ctx.needs_input_grad[0]
     need_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-    grad_x, grad_w, grad_b = torch.ops.hugehead.linear_cross_entropy_backward(
+    # The eager twin (_LossFunction) calls the backward's body itself, the registered op through the dispatcher.
+    backward = _lce_backward_impl if getattr(ctx, "eager", False) else torch.ops.hugehead.linear_cross_entropy_backward
+    grad_x, grad_w, grad_b = backward(
         grad_loss, grad_lse, x, weight, bias, target, lse, kept, weight.new_empty(0) if store is None else store,
         *ctx.options, need_x, need_weight, ctx.plan
     )
@@ -266,6 +274,53 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept, grad_store):
 
 
 _lce_forward.register_autograd(_lce_backward_autograd, setup_context=_lce_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Eager twins: the registered ops' bodies and autograd as plain autograd.Functions
+# --------------------------------------------------------------------------------------------------
+def eager_twin(name: str, impl, setup_context, backward) -> type:
+    """A ``torch.autograd.Function`` over a registered op's Python body ``impl`` with the op's own autograd
+    (``setup_context(ctx, inputs, output)``, ``backward(ctx, *grads)``; ``ctx.eager`` is True there): what an
+    eager call runs in place of the op (:func:`eager_dispatch`). Same body, same kernels, same bits; without
+    the dispatcher's Python layers around a custom op (its autograd wrapper, redispatch, the alias check,
+    dynamo's disable wrapper, the ADInplaceOrView step), which an eager step pays before its first kernel
+    while the GPU waits: one H100 at llama3_4k (bench/profile_step.py, 2026-12-05) had hugehead expose
+    2.40 ms of host latency a step against torch.compile's 1.16."""
+    # The old form (forward takes ctx): a Function with a setup_context staticmethod binds its arguments
+    # through inspect.signature at every apply (~75 us on a 2-core VM).
+    def forward(ctx, *inputs):
+        output = impl(*inputs)
+        ctx.eager = True
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": f"The eager twin of {impl.__name__} (see :func:`eager_twin`).",
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+    })
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def eager_dispatch(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call on ``tensors`` may run a registered op's :func:`eager_twin` instead of the op: eager (not
+    traced by torch.compile), plain tensors only (no subclass: fake, functional or DTensor ones take the op),
+    no torch-function or dispatch mode and no functorch transform active, and ``HUGEHEAD_EAGER_OP`` unset or
+    not ``0`` (environment, read per call: ``0`` sends every call through the dispatcher, the A/B)."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors):
+        return False
+    if (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return os.environ.get("HUGEHEAD_EAGER_OP", "1") != "0"
+
+
+_LossFunction = eager_twin("_LossFunction", _lce_forward_impl, _lce_setup_context, _lce_backward_autograd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,9 +362,10 @@ def rows_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], need_x: bool, n
     )
 
 
-def register_rows_autograd(op, hold_index: int) -> None:
+def register_rows_autograd(op, hold_index: int, impl=None) -> Optional[type]:
     """The autograd of a rows-plan op (inputs ``x, weight, bias, ...``, ``hold`` at ``hold_index``; outputs
-    ``(loss, dX, dW, db)`` for an incoming gradient of 1): the backward scales the forward's gradients."""
+    ``(loss, dX, dW, db)`` for an incoming gradient of 1): the backward scales the forward's gradients.
+    With the op's Python body ``impl``, returns its :func:`eager_twin` (same autograd)."""
     def setup_context(ctx, inputs, output):
         bias = inputs[2]
         hold = inputs[hold_index]
@@ -354,10 +410,11 @@ def register_rows_autograd(op, hold_index: int) -> None:
         return (*grads, *(None,) * (ctx.num_inputs - 3))
 
     op.register_autograd(backward, setup_context=setup_context)
+    return None if impl is None else eager_twin(impl.__name__.removesuffix("_impl") + "_function", impl,
+                                                setup_context, backward)
 
 
-@torch.library.custom_op("hugehead::linear_cross_entropy_rows", mutates_args=())
-def _lce_rows(
+def _lce_rows_impl(
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
@@ -396,13 +453,16 @@ def _lce_rows(
     return loss, grad_x, grad_w, grad_b
 
 
+_lce_rows = torch.library.custom_op("hugehead::linear_cross_entropy_rows", mutates_args=())(_lce_rows_impl)
+
+
 @_lce_rows.register_fake
 def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, mean, need_x, need_weight, hold,
       plan):
     return rows_fake(x, weight, bias, need_x, need_weight)
 
 
-register_rows_autograd(_lce_rows, hold_index=11)
+_RowsFunction = register_rows_autograd(_lce_rows, hold_index=11, impl=_lce_rows_impl)
 
 
 def linear_cross_entropy(
@@ -532,7 +592,9 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
                      return_lse=return_lse, label_smoothing=options.label_smoothing, softcap=options.kernel_softcap)
     if plan.grad_in_forward:
         return _rows_op(x, weight, bias, target, options, plan), None
-    loss_rows, lse, _, _ = torch.ops.hugehead.linear_cross_entropy_forward(
+    forward = (_LossFunction.apply if eager_dispatch(x, weight, bias, target)
+               else torch.ops.hugehead.linear_cross_entropy_forward)
+    loss_rows, lse, _, _ = forward(
         x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
         options.kernel_softcap, int(chunk_size or 0), int(memory_budget or 0), plan.keep_logits,
         _plan_list(plan),
@@ -544,7 +606,9 @@ def _rows_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
              plan: Plan) -> Tensor:
     """The scalar loss of ``plan`` (a rows plan) through ``hugehead::linear_cross_entropy_rows``."""
     need_weight = weight.requires_grad or (bias is not None and bias.requires_grad)
-    loss, _, _, _ = torch.ops.hugehead.linear_cross_entropy_rows(
+    rows = (_RowsFunction.apply if eager_dispatch(x, weight, bias, target)
+            else torch.ops.hugehead.linear_cross_entropy_rows)
+    loss, _, _, _ = rows(
         x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
         options.kernel_softcap, options.reduction == "mean", x.requires_grad, need_weight,
         not torch.compiler.is_compiling(), [plan.rows, plan.cols, plan.budget],

@@ -13,7 +13,7 @@ import hugehead
 from hugehead import reference
 from hugehead.functional import loss_dtype, plan_chunks
 
-from conftest import DEVICES, FLOAT_DTYPES, fail_next_mm, requires_cuda, rel_err
+from conftest import DEVICES, FLOAT_DTYPES, fail_next_mm, requires_cuda, rel_err, rows_budget
 
 REDUCTIONS = ["mean", "sum", "none"]
 LAYOUTS = ["contiguous", "transposed", "col_sliced", "row_sliced"]
@@ -454,6 +454,120 @@ def test_deterministic(device, dtype):
     second = run_with_grads(fn, x, w, b, None, "mean")
     for a, c in zip(first, second):
         assert torch.equal(a, c)
+
+
+# --------------------------------------------------------------------------------------------------
+# The eager twin (functional.eager_twin): an eager call skips the dispatcher's layers, same bits
+# --------------------------------------------------------------------------------------------------
+def _grad_fn_names(t: torch.Tensor) -> set:
+    """Every autograd node's class name reachable from ``t``."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+_EAGER_CASES = {  # name: (options, which autograd node takes the loss eagerly)
+    "kept": (dict(), "_LossFunctionBackward"),
+    "recompute_z_loss_smoothing": (dict(chunk_size=300, memory_budget=1, z_loss=1e-3, label_smoothing=0.1,
+                                        softcap=20.0), "_LossFunctionBackward"),
+    "sum_with_lse": (dict(reduction="sum", return_lse=True), "_LossFunctionBackward"),
+    "none": (dict(reduction="none"), "_LossFunctionBackward"),
+    "rows": (dict(memory_budget=rows_budget(257, 48, 1100, torch.float32, 64)), "_lce_rows_functionBackward"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EAGER_CASES))
+def test_eager_twin_gives_the_registered_ops_bits_and_float64s_values(device, name, monkeypatch):
+    """An eager call runs the op's body as a plain autograd.Function (no dispatcher layers); with
+    HUGEHEAD_EAGER_OP=0 it goes through the registered op. Loss, lse and every gradient are bitwise the
+    same both ways, and within the float64 reference's tolerance; each way's autograd node is the one
+    expected."""
+    opts, eager_node = _EAGER_CASES[name]
+    torch.manual_seed(11)
+    n, d, v = 257, 48, 1100
+    x = torch.randn(n, d, device=device)
+    w = torch.randn(v, d, device=device) / d ** 0.5
+    b = torch.randn(v, device=device) if name == "kept" else None
+    target = torch.randint(0, v, (n,), device=device)
+    target[::7] = -100
+    weights = torch.rand(n, device=device)
+
+    def run(flag):
+        monkeypatch.setenv("HUGEHEAD_EAGER_OP", flag)
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        bs = None if b is None else b.clone().requires_grad_()
+        out = hugehead.linear_cross_entropy(xs, ws, target, bs, **opts)
+        loss, lse = out if opts.get("return_lse") else (out, None)
+        total = (loss * weights).sum() if opts.get("reduction") == "none" else loss
+        if lse is not None:
+            total = total + 0.5 * lse[target != -100].sum()
+        nodes = _grad_fn_names(total)
+        total.backward()
+        return [loss.detach(), None if lse is None else lse.detach(), xs.grad, ws.grad,
+                None if bs is None else bs.grad], nodes
+
+    eager, eager_nodes = run("1")
+    op, op_nodes = run("0")
+    assert eager_node in eager_nodes, eager_nodes
+    assert eager_node not in op_nodes and not any("Function" in n and n.startswith("_") for n in op_nodes), op_nodes
+    for a, c in zip(eager, op):
+        assert (a is None and c is None) or torch.equal(a, c)
+    # ... and both are the loss: float64 plain PyTorch from the same inputs
+    x64, w64 = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    b64 = None if b is None else b.double().cpu().requires_grad_()
+    ref_opts = {k: opts[k] for k in ("z_loss", "label_smoothing", "softcap", "reduction") if k in opts}
+    logits = x64 @ w64.T + (0 if b64 is None else b64)
+    ref = reference.linear_cross_entropy(x64, w64, target.cpu(), b64, **ref_opts)
+    total = (ref * weights.double().cpu()).sum() if opts.get("reduction") == "none" else ref
+    if opts.get("return_lse"):
+        cap = opts.get("softcap")
+        z = logits if cap is None else cap * torch.tanh(logits / cap)
+        total = total + 0.5 * torch.logsumexp(z, dim=1)[target.cpu() != -100].sum()
+        assert_rel(eager[1][target != -100], torch.logsumexp(z, dim=1)[target.cpu() != -100], 1e-5, "lse")
+    total.backward()
+    assert_rel(eager[0], ref, 1e-5, "loss")
+    assert_rel(eager[2], x64.grad, 1e-4, "dx")
+    assert_rel(eager[3], w64.grad, 1e-4, "dw")
+    if b is not None:
+        assert_rel(eager[4], b64.grad, 1e-4, "db")
+
+
+def test_eager_dispatch_takes_the_registered_op_under_modes_and_transforms():
+    """A dispatch mode (FlopCounterMode), a torch-function mode (a device context), a tensor subclass or
+    HUGEHEAD_EAGER_OP=0 sends the call through the registered op, which they can see; a plain eager call
+    takes the twin."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hugehead.functional import eager_dispatch
+
+    x, w = torch.randn(5, 4), torch.randn(9, 4)
+    t = torch.tensor([0, 3, 8, 2, 1])
+    assert eager_dispatch(x, w, None, t)
+    assert eager_dispatch(x, torch.nn.Parameter(w), None, t)
+    with FlopCounterMode(display=False):
+        assert not eager_dispatch(x, w, None, t)
+    with torch.device("cpu"):
+        assert not eager_dispatch(x, w, None, t)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not eager_dispatch(x.as_subclass(Sub), w, None, t)
+    # the mode sees the op and the call still gives the loss
+    xs = x.clone().requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        loss = hugehead.linear_cross_entropy(xs, w, t)
+        loss.backward()
+    assert "GeneratedBackwardFor_hugehead_linear_cross_entropy_forward_defaultBackward" in _grad_fn_names(loss)
+    ref = F.cross_entropy(x.double() @ w.double().T, t)
+    assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref))
+    assert counter.get_total_flops() >= 0
 
 
 # --------------------------------------------------------------------------------------------------

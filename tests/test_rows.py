@@ -229,14 +229,9 @@ def test_functional_uses_the_rows_plan_only_where_it_applies(monkeypatch):
     x, w, b, target = _inputs(n, d, v, torch.float32, "cpu", True, ignore=True)
     budget = rows_budget(n, d, v, torch.float32, 32)
     calls = []
-    rows_op = torch.ops.hugehead.linear_cross_entropy_rows
-
-    class Spy:
-        def __call__(self, *args):
-            calls.append(args)
-            return rows_op(*args)
-
-    monkeypatch.setattr(torch.ops.hugehead, "linear_cross_entropy_rows", Spy())
+    # (the rows op's body reads its plan through rows_plan, eagerly (the op's eager twin) or through the op)
+    rows_plan = hugehead.functional.rows_plan
+    monkeypatch.setattr(hugehead.functional, "rows_plan", lambda plan: calls.append(plan) or rows_plan(plan))
     for kwargs, grad, used in [
         (dict(), True, True),
         (dict(reduction="sum"), True, True),
@@ -402,9 +397,8 @@ def test_chunked_classifier_one_local_shard_uses_rows(devices, reduction, monkey
     head = hugehead.ChunkedClassifier(d, v, bias=True, devices=devices, memory_budget=budget, reduction=reduction,
                                       label_smoothing=0.1, softcap=5.0)
     calls = []
-    rows_op = torch.ops.hugehead.linear_cross_entropy_rows
-    monkeypatch.setattr(torch.ops.hugehead, "linear_cross_entropy_rows",
-                        lambda *args: calls.append(args[-1]) or rows_op(*args))
+    rows_plan = hugehead.functional.rows_plan  # (read by the rows op's body, eager twin or op)
+    monkeypatch.setattr(hugehead.functional, "rows_plan", lambda plan: calls.append(plan) or rows_plan(plan))
     x = torch.randn(n, d, requires_grad=True)
     target = torch.randint(0, v, (n,))
     target[::9] = -100
