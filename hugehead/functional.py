@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -93,9 +92,10 @@ def _given_plan(plan: Optional[List[int]]) -> Optional[Plan]:
     scales_in_grad]``), or None."""
     if not plan:
         return None
-    out = Plan.from_list(plan[:5])
-    return replace(out, budget=int(plan[5]), budget_reason=f"a budget of {int(plan[5])} bytes",
-                   scales_in_grad=out.keep_logits and len(plan) > 6 and bool(plan[6]))
+    rows, cols, kept_chunks, overlap, in_grad, budget = (int(v) for v in plan[:6])
+    return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap),
+                kept_in_grad=in_grad, budget=budget, budget_reason=f"a budget of {budget} bytes",
+                scales_in_grad=kept_chunks > 0 and len(plan) > 6 and bool(plan[6]))
 
 
 def _plan_list(plan: Plan) -> List[int]:

@@ -214,14 +214,22 @@ def has_fused_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     CUTLASS GEMMs (asked of the dispatcher), a compute capability 9.0 GPU (the kernels are sm_90a machine
     code only) and bfloat16/float16. Per-device answers are cached (a dict lookup that torch.compile traces
     through)."""
-    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or not torch.cuda.is_available():
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _FUSED_GEMM_DEVICES:
-        _FUSED_GEMM_DEVICES[index] = (
-            torch._C._dispatch_has_kernel_for_dispatch_key("hugehead::gemm_chunk_stats_", "CUDA")
-            and torch.cuda.get_device_capability(index) == (9, 0)
-        )
+    index = device.index
+    known = _FUSED_GEMM_DEVICES.get(index)  # (asked at every chunk step: the cached answer first)
+    if known is not None:
+        return known
+    if not torch.cuda.is_available():
+        return False
+    if index is None:
+        index = torch.cuda.current_device()
+        if index in _FUSED_GEMM_DEVICES:
+            return _FUSED_GEMM_DEVICES[index]
+    _FUSED_GEMM_DEVICES[index] = (
+        torch._C._dispatch_has_kernel_for_dispatch_key("hugehead::gemm_chunk_stats_", "CUDA")
+        and torch.cuda.get_device_capability(index) == (9, 0)
+    )
     return _FUSED_GEMM_DEVICES[index]
 
 
@@ -239,7 +247,8 @@ def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
     import os
 
     wanted = os.environ.get("HUGEHEAD_GEMM", "cutlass").lower()
-    if wanted not in ("cutlass", "cutlass_forward") or not has_fused_gemm(torch.device(device), dtype):
+    if wanted not in ("cutlass", "cutlass_forward") or not has_fused_gemm(
+            device if isinstance(device, torch.device) else torch.device(device), dtype):
         return "cublas"
     return wanted
 

@@ -225,13 +225,21 @@ def check_target_range(target: Tensor, num_classes: int, ignore_index: Optional[
                          f"classes (valid: {valid})")
 
 
+# Targets of up to this many rows are checked on the host from a copy (one copy before the loop's first kernel,
+# the reduction after it is queued); more rows take the reduction on the device (four kernels) and copy its two
+# values: a long copy on the stream would hold up the loop's kernels.
+HOST_CHECK_MAX_ROWS = 1 << 16
+
+
 def start_target_check(target: Tensor, num_classes: int, ignore_index: Optional[int],
                        what: str = "target") -> Callable[[], None]:
     """:func:`check_target_range` without waiting for the device: returns the function that finishes it
-    (raises the same ValueError). On CUDA the reduction and the copy of its two values into pinned host
-    memory are queued with an event, and the finisher waits for that event only, so the caller can queue
-    its kernels first: the host no longer drains the queue (the model's kernels before the loss) ahead of
-    the loss's launches. Elsewhere the check runs now and the finisher does nothing.
+    (raises the same ValueError). On CUDA the targets (up to :data:`HOST_CHECK_MAX_ROWS` of them; more: the
+    reduction's two values) are copied into pinned host memory with an event, and the finisher waits for that
+    event only and checks the copy on the host, so the caller can queue its kernels first: the host neither
+    drains the queue (the model's kernels before the loss) nor launches the check's kernels ahead of the
+    loss's (an eager step's GPU waits for every launch before its first GEMM). Elsewhere the check runs now
+    and the finisher does nothing.
 
     Only for ops whose outputs are fresh tensors, which call the finisher before returning them: the
     kernels queued in between read the targets as class ids compared with column ranges (none indexes
@@ -239,14 +247,19 @@ def start_target_check(target: Tensor, num_classes: int, ignore_index: Optional[
     if target.device.type != "cuda" or target.numel() == 0:
         check_target_range(target, num_classes, ignore_index, what)
         return _checked
-    low_high = torch.empty(2, dtype=target.dtype, pin_memory=True)
-    low_high.copy_(_low_high(target, ignore_index), non_blocking=True)
+    whole = target.numel() <= HOST_CHECK_MAX_ROWS
+    source = target if whole else _low_high(target, ignore_index)
+    host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+    host.copy_(source, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
 
     def finish() -> None:
         done.synchronize()
-        low, high = low_high.tolist()
+        if whole:
+            check_target_range(host, num_classes, ignore_index, what)
+            return
+        low, high = host.tolist()
         if low < 0 or high >= num_classes:
             check_target_range(target, num_classes, ignore_index, what)  # the error naming the first bad value
 

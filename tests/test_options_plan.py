@@ -528,7 +528,12 @@ def test_cuda_step_does_not_synchronize(case, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_start_target_check_raises_in_its_finisher_on_cuda_and_at_once_elsewhere(device):
+@pytest.mark.parametrize("where", ["host copy", "device reduction"])
+def test_start_target_check_raises_in_its_finisher_on_cuda_and_at_once_elsewhere(device, where, monkeypatch):
+    """On CUDA the check is queued (a copy of the targets, or past HOST_CHECK_MAX_ROWS rows a reduction's two
+    values) and raises in its finisher, with the same message either way; elsewhere at once."""
+    if where == "device reduction":
+        monkeypatch.setattr(hugehead.options, "HOST_CHECK_MAX_ROWS", 2)
     good = torch.tensor([0, 9, -100, 4], device=device)
     hugehead.options.start_target_check(good, 10, -100)()  # nothing to raise
     bad = torch.tensor([0, 9, 12, 4, -1], device=device)
