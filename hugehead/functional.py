@@ -257,12 +257,13 @@ def _lce_backward_autograd(ctx, grad_loss, grad_lse, grad_kept, grad_store):
         grad_loss = torch.zeros_like(lse)
     need_x = ctx.needs_input_grad[0]
     need_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-    # The eager twin (_LossFunction) calls the backward's body itself, the registered op through the dispatcher.
-    backward = _lce_backward_impl if getattr(ctx, "eager", False) else torch.ops.hugehead.linear_cross_entropy_backward
-    grad_x, grad_w, grad_b = backward(
-        grad_loss, grad_lse, x, weight, bias, target, lse, kept, weight.new_empty(0) if store is None else store,
-        *ctx.options, need_x, need_weight, ctx.plan
-    )
+    args = (grad_loss, grad_lse, x, weight, bias, target, lse, kept, weight.new_empty(0) if store is None else store,
+            *ctx.options, need_x, need_weight, ctx.plan)
+    if getattr(ctx, "eager", False):  # the eager twin (_LossFunction): the backward's body, below autograd as the op's
+        with torch.no_grad():
+            grad_x, grad_w, grad_b = _lce_backward_impl(*args)
+    else:
+        grad_x, grad_w, grad_b = torch.ops.hugehead.linear_cross_entropy_backward(*args)
     if store is not None:
         grad_w, store = store, None  # the buffer the backward wrote dW into: the one reference left
     grad_x, grad_w, grad_b = no_second_order("linear_cross_entropy", (x, weight, bias), (
