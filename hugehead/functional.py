@@ -21,6 +21,7 @@ from .sparse import is_sparse_target
 from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     ResidentChunks,
+    _tma_ready,
     RowStats,
     fused_applies,
     merge_row_stats,
@@ -574,10 +575,14 @@ def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] 
     # (the loop's _probs_plan decides again from the same inputs and options: the forward and backward agree)
     kept_tail = (grad_store and bias is None and not label_smoothing and not softcap and x.dtype == torch.bfloat16
                  and weight.dtype == x.dtype and fused_applies(x, target, "stats") and fused_applies(x, target, "grad"))
+    # (and where every chunk's operands suit the fused GEMMs' loads, the forward stores no logits outside the kept
+    # chunks, and the backward's workspace can live in theirs: plan_chunks' kept_probs)
+    kept_probs = kept_tail and _tma_ready(x) and _tma_ready(weight)
     return plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
                      allow_rows=wants_grad and not return_lse and reduction != "none",
-                     side_stream=not fused_applies(x, target, "grad"), grad_store=grad_store, kept_tail=kept_tail)
+                     side_stream=not fused_applies(x, target, "grad"), grad_store=grad_store, kept_tail=kept_tail,
+                     kept_probs=kept_probs)
 
 
 def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],

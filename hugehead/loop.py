@@ -25,8 +25,10 @@ from .options import LossOptions, row_losses
 from .plan import (  # noqa: F401  (re-exported: the planner's names were public here before plan.py)
     _MAX_COLS,
     DEFAULT_MEMORY_BUDGET,
+    FUSED_STATS_WIDEN,
     Plan,
     grad_store_layout,
+    kept_probs_enabled,
     kept_plan,
     kept_shape,
     kept_tail_scratch,
@@ -524,8 +526,7 @@ def _probs_plan(x: Tensor, source, target, plan: Plan, slots: Optional[KeptLogit
     return (fused and kept_last and slots is not None and isinstance(target, Tensor) and plan.rows >= x.shape[0]
             and x.dtype == torch.bfloat16 and source.weight.dtype == x.dtype and source.bias is None
             and not logit_sum and not softcap
-            and slots.scale_area() is not None and os.environ.get("HUGEHEAD_KEPT_PROBS", "1") != "0"
-            and os.environ.get("HUGEHEAD_GEMM_STATS_REF", "1") != "0")
+            and slots.scale_area() is not None and kept_probs_enabled())
 
 
 def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True, store=None):
@@ -614,9 +615,9 @@ def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
 
 # The fused statistics GEMM stores no logits: its one buffer is the partials, 16 bytes per row and 128 columns
 # (a sixteenth of a 16-bit logits chunk of the same width; 8 bytes without label smoothing's logit sums). So
-# where the weight is resident in the compute dtype (chunks are slices, never casts) it takes chunks this many
-# times the plan's width: fewer launches, merges and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
-FUSED_STATS_WIDEN = 8
+# where the weight is resident in the compute dtype (chunks are slices, never casts) it takes chunks
+# FUSED_STATS_WIDEN (hugehead.plan, which counts their partials) times the plan's width: fewer launches, merges
+# and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
 
 
 def _fused_stats_cols(plan: Plan, source) -> int:

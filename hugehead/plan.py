@@ -283,6 +283,39 @@ def grad_store_enabled() -> bool:
     return os.environ.get("HUGEHEAD_KEEP_IN_GRAD", "1") != "0"
 
 
+def kept_probs_enabled() -> bool:
+    """Whether kept chunks may hold probabilities for the factored backward (``hugehead.loop._probs_plan``):
+    ``HUGEHEAD_KEPT_PROBS=0`` or ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read per call; change them between
+    steps only) turn it off, for A/B runs; the planner and both halves of the loop ask this same question."""
+    return (os.environ.get("HUGEHEAD_KEPT_PROBS", "1") != "0"
+            and os.environ.get("HUGEHEAD_GEMM_STATS_REF", "1") != "0")
+
+
+def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget: int, itemsize: int,
+                      grad_offset: int, grad_slots: int) -> int:
+    """The chunks a plan whose kept chunks hold probabilities (:func:`plan_chunks`' ``kept_probs``) keeps in the
+    budget, or 0 where that rule does not apply. Its forward stores no logits outside the kept chunks (the fused
+    statistics GEMM writes partials only), and its backward takes the kept chunks first, then recomputes the
+    others into the kept tensor's memory (``hugehead.loop._spare``): no workspace chunk of its own, so the budget
+    holds one kept chunk more than the streaming rule's. Counted beside them: ``dX``'s float32 sums and the
+    factored backward's ``[N, D]`` buffers (twice :func:`plan_chunks`' ``dx_bytes``), and the widened forward's
+    partials (8 bytes a row per 128 columns of :data:`FUSED_STATS_WIDEN` chunks: a quarter of a 16-bit chunk).
+    It needs at least one chunk in the budget (the workspace's memory) and one in the weight gradient's buffer,
+    whose first bytes hold the references (``KeptLogits.scale_area``: ``kept_chunks + 1`` float32 rows)."""
+    chunk_bytes = n * cols * itemsize
+    held = 2 * n * d * (itemsize + 4) + n * (-(-cols * FUSED_STATS_WIDEN // 128)) * 8
+    kept = min((memory_budget - held) // chunk_bytes, num_chunks - 1)
+    in_grad = min(grad_slots, num_chunks - kept)
+    if kept < 1 or in_grad < 1 or grad_offset < (kept + in_grad + 1) * n * 4:
+        return 0
+    return int(kept)
+
+
+# The factor by which the fused statistics GEMM widens the chunks it folds without storing (their partials only:
+# ``hugehead.loop._fused_stats_cols``), here for the memory those partials take (:func:`probs_kept_chunks`).
+FUSED_STATS_WIDEN = 8
+
+
 _STORE_ALIGN = 256  # bytes: a kept chunk's first row in the gradient's buffer (16 for the GEMMs' TMA loads)
 
 
@@ -390,6 +423,7 @@ def plan_chunks(
     side_stream: bool = True,
     grad_store: bool = False,
     kept_tail: bool = False,
+    kept_probs: bool = False,
 ) -> Plan:
     """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
 
@@ -412,6 +446,9 @@ def plan_chunks(
     would be kept as one chunk, all but a tail of :func:`kept_tail_cols` classes are (:attr:`Plan.scales_in_grad`),
     the tail folded first gives each row its reference, and the backward runs no pass over the kept chunk, in no
     more memory than keeping every logit takes (see :func:`kept_tail_enabled`).
+    ``kept_probs``: the caller's kept chunks take the factored backward of kept probabilities (as ``kept_tail``;
+    also the layouts of the fused GEMMs' TMA loads): where only some chunks are kept, the streamed chunks'
+    workspace lives in the kept tensor's memory, so the budget keeps one chunk more (:func:`probs_kept_chunks`).
     """
     budget = _as_budget(memory_budget, device)
     chosen = dict(budget=budget.bytes, budget_reason=budget.reason)
@@ -461,8 +498,11 @@ def plan_chunks(
         kept_chunks = max(0, min(kept_chunks, num_chunks - 1))
         in_grad = 0
         if grad_store and grad_store_enabled():
-            in_grad = min(grad_store_layout(n, d, v, cols, itemsize, _itemsize(weight_dtype))[2],
-                          num_chunks - kept_chunks)
+            offset, _, slots = grad_store_layout(n, d, v, cols, itemsize, _itemsize(weight_dtype))
+            if kept_probs and not overlap and weight_dtype == dtype and kept_probs_enabled():
+                kept_chunks = max(kept_chunks, probs_kept_chunks(n, d, cols, num_chunks, memory_budget, itemsize,
+                                                                 offset, slots))
+            in_grad = min(slots, num_chunks - kept_chunks)
         if kept_chunks + in_grad >= 1:
             return Plan(rows=n, cols=cols, keep_logits=True, kept_chunks=int(kept_chunks + in_grad), overlap=overlap,
                         kept_in_grad=int(in_grad), **chosen)
@@ -550,7 +590,7 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
 def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
               memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
               allow_rows: bool = False, direct_dx: bool = False, side_stream: bool = True,
-              grad_store: bool = False, kept_tail: bool = False) -> Plan:
+              grad_store: bool = False, kept_tail: bool = False, kept_probs: bool = False) -> Plan:
     """The plan of one loss call: the cheapest that fits the budget.
 
     Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
@@ -567,7 +607,7 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     budget = _as_budget(memory_budget, device)
     plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
                        allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream, grad_store=grad_store,
-                       kept_tail=kept_tail)
+                       kept_tail=kept_tail, kept_probs=kept_probs)
     if not (allow_rows and chunk_size is None and rows_enabled()):
         return plan
     rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)

@@ -1449,6 +1449,71 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypatch, device):
+    """Where the kept chunks hold probabilities (plan_chunks' kept_probs), the forward stores no logits outside
+    them and the backward recomputes the streamed chunks into the kept tensor's memory (loop._spare), so the plan
+    keeps one chunk more in the same budget than the streaming rule (which leaves a workspace chunk free) and
+    HUGEHEAD_KEPT_PROBS=0's plan. Loss, dX and dW within 2x that plan's error against float64 (plus bf16's eps),
+    the streamed chunks' workspace taken from the kept tensor, and on "cuda" (the fused ops themselves) the step's
+    peak memory beyond its inputs and gradients within the budget."""
+    from hugehead import functional, loop
+    from hugehead.functional import loss_plan
+    from hugehead.plan import _MAX_COLS
+
+    if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
+                                                                                   torch.bfloat16)):
+        pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
+    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    cols = _MAX_COLS[device]
+    n, d = (256, 128) if device == "cuda" else (64, 32)
+    v = 4 * cols + 123  # five chunks
+    budget = n * d * 6 + int(2.5 * n * cols * 2)  # the dX buffers and two and a half chunks
+    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=23)
+    target = _targets(n, v, 0, v, 23)
+    x, w, target = x.to(device), w.to(device), target.to(device)
+    if device == "cpu":
+        _emulate_fused_ops(monkeypatch)
+        monkeypatch.setattr(functional, "fused_applies", loop.fused_applies)
+    opts = dict(memory_budget=budget, z_loss=1e-3)
+
+    def plan_now():
+        return loss_plan(x.clone().requires_grad_(), w.clone().requires_grad_(), target, memory_budget=budget)
+
+    plan = plan_now()
+    chunks = -(-v // plan.cols)
+    assert plan.cols == cols and plan.kept_in_grad >= 1 and plan.kept_chunks < chunks, plan
+    streaming = plan_chunks(n, d, v, torch.bfloat16, torch.device(device), None, budget, direct_dx=True,
+                            side_stream=False, grad_store=True)
+    assert plan.kept_chunks - plan.kept_in_grad == 2 and plan.kept_chunks == streaming.kept_chunks + 1, (plan,
+                                                                                                         streaming)
+    spares = []
+    real_spare = loop._spare
+    monkeypatch.setattr(loop, "_spare", lambda kept, numel: spares.append(
+        (numel, real_spare(kept, numel) is not None)) or real_spare(kept, numel))
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    loss = hugehead.linear_cross_entropy(xl, wl, target, **opts)
+    loss.backward()
+    ours = [loss.detach(), xl.grad, wl.grad]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base - xl.grad.nbytes - wl.grad.nbytes
+        assert peak <= budget, (peak, budget)
+    assert (n * cols, True) in spares, spares  # the streamed chunks' workspace: the kept tensor's memory
+    monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
+    assert plan_now().kept_chunks == streaming.kept_chunks
+    plain = _lce_grads(x, w, None, target, **opts)
+    ref = _lce_float64(x, w, None, target, **opts)
+    for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
+        err, err_plain = rel_err(a, r), rel_err(p, r)
+        assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", ["plain", "z_loss", "no_ignored", "flagged", "dx_only", "deep"])
 def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     """bf16 logits that all fit the budget, the fused ops emulated on the CPU (on "cuda" they run): the plan keeps
