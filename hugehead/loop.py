@@ -1032,7 +1032,12 @@ class _FactoredKept:
         kept_classes = k_n * cols
         local = target - class_start
         inside = (local >= 0) & (local < kept_classes)
-        cls = local.clamp(0, kept_classes - 1)
+        # Rows whose target is not kept (most of them) take a kept class of their own, their row index modulo the
+        # kept classes, where they add exact zeros: clamped to the last kept class, thousands of rows shared one
+        # class, whose rows index_put_'s kernel sums one after another (targets_dw: 15.8 ms of an xc6M_16k step
+        # and 2.3 ms of an xc6M one on an H100 at 73167d1, against ~0.1 ms spread).
+        spread = torch.remainder(torch.arange(local.shape[0], device=local.device), kept_classes)
+        cls = torch.where(inside, local, spread)
         k_t = torch.div(cls, cols, rounding_mode="floor")
         # Each kept target's entry of e becomes 0; its G_t is added apart (finish). Rows whose target is not kept
         # add exact zeros there.

@@ -1487,10 +1487,11 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
                             side_stream=False, grad_store=True)
     assert plan.kept_chunks - plan.kept_in_grad == 2 and plan.kept_chunks == streaming.kept_chunks + 1, (plan,
                                                                                                          streaming)
-    spares = []
-    real_spare = loop._spare
+    spares, made = [], []
+    real_spare, real_factored = loop._spare, loop._FactoredKept
     monkeypatch.setattr(loop, "_spare", lambda kept, numel: spares.append(
         (numel, real_spare(kept, numel) is not None)) or real_spare(kept, numel))
+    monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(real_factored(*a, **kw)) or made[-1])
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -1504,6 +1505,13 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
         peak = torch.cuda.max_memory_allocated() - base - xl.grad.nbytes - wl.grad.nbytes
         assert peak <= budget, (peak, budget)
     assert (n * cols, True) in spares, spares  # the streamed chunks' workspace: the kept tensor's memory
+    # The rows whose target is not kept add their zeros to dW at classes of their own (index_put_ sums a class's
+    # rows one after another), the others at their targets.
+    kept_classes = plan.kept_chunks * plan.cols
+    inside = (target >= 0) & (target < kept_classes)
+    cls = made[0].apart_cls
+    assert 0 < int(inside.sum()) < n and torch.equal(cls[inside], target[inside]), cls
+    assert cls[~inside].unique().numel() == int((~inside).sum()) and int(cls.max()) < kept_classes, cls
     monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
     assert plan_now().kept_chunks == streaming.kept_chunks
     plain = _lce_grads(x, w, None, target, **opts)
