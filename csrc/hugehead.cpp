@@ -75,6 +75,10 @@ TORCH_LIBRARY(hugehead, m) {
   // once to self's dtype, as CPU ATen's self.mul_(scale) (CUDA's rounds a 0-d float32 scale to a 16-bit
   // self's dtype first, and runs unvectorized). The backward of an op whose gradients the forward made.
   m.def("scale_(Tensor(a!) self, Tensor scale) -> ()");
+  // out = x * scale[:, None] for a 2-D x and a row vector scale in x's accumulation dtype: the product in that
+  // dtype, rounded once to out's (x's) dtype, as ATen's torch.mul(x, scale[:, None], out=out) (whose CUDA
+  // kernel takes the broadcast-with-cast path there: ~0.7 TB/s). A kept chunk's s x in the factored backward.
+  m.def("row_scale(Tensor(a!) out, Tensor x, Tensor scale) -> ()");
 }
 
 PYBIND11_MODULE(_C, module) {

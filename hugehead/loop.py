@@ -428,10 +428,10 @@ def _kept_tail_backward(x: Tensor, source: ResidentChunks, target, lse: Tensor, 
     if need_weight:
         _mm_dw(store[cols:], g_tail, x)
         xs = store[h:].view(-1)[: n * d].view(n, d)
-        torch.mul(x, s, out=xs)  # (float32 products rounded once to x's dtype, as _FactoredKept's)
+        _row_scaled(xs, x, s[:, 0])  # (float32 products rounded once to x's dtype, as _FactoredKept's)
         _mm_dw(store[:h], e[:, :h], xs)
         xs = e[:, :d]
-        torch.mul(x, s, out=xs)
+        _row_scaled(xs, x, s[:, 0])
         _mm_dw(store[h:cols], e[:, h:], xs)
         factored.targets_dw(store, e[:, :d])
         grad_w = store
@@ -1084,7 +1084,7 @@ class _FactoredKept:
             self._write_dw(chunk, e, s, self.xs)
 
     def _write_dw(self, chunk: WeightChunk, e: Tensor, s: Tensor, xs: Tensor) -> None:
-        torch.mul(self.x, s, out=xs)  # in float32 (s's dtype), rounded once to x's dtype
+        _row_scaled(xs, self.x, s[:, 0])  # in float32 (s's dtype), rounded once to x's dtype
         plain_x, self.writer.x = self.writer.x, xs
         self.writer.write(chunk, e, None)
         self.writer.x = plain_x
@@ -1117,7 +1117,18 @@ class _FactoredKept:
     def targets_dw(self, dw: Tensor, xs: Tensor) -> None:
         """``dW_t += G_t x`` by ``index_put_(accumulate=True)``; ``xs``: an ``[N, D]`` buffer of x's dtype (any
         strides) for the products."""
-        dw.index_put_((self.apart_cls,), torch.mul(self.x, self.apart[:, None], out=xs), accumulate=True)
+        dw.index_put_((self.apart_cls,), _row_scaled(xs, self.x, self.apart), accumulate=True)
+
+
+def _row_scaled(out: Tensor, x: Tensor, scale: Tensor) -> Tensor:
+    """``out = x * scale[:, None]`` (``scale [N]`` in the accumulation dtype), the product rounded once to ``out``'s
+    dtype: ATen's ``torch.mul``, or with ``HUGEHEAD_ROW_SCALE=1`` (environment, read per call) :func:`ops.row_scale`,
+    the same bits in one vectorized pass where ATen's CUDA kernel takes its broadcast-with-cast path (~0.7 TB/s:
+    1.7 ms of an xc6M_16k step on an H100). Off until it has run on a GPU (compiled for sm_90a at this commit;
+    its CUDA tests are in tests/test_scale.py)."""
+    if os.environ.get("HUGEHEAD_ROW_SCALE", "0") == "1":
+        return ops.row_scale(out, x, scale)
+    return torch.mul(x, scale[:, None], out=out)
 
 
 def _mm_float(out: Tensor, a: Tensor, b: Tensor) -> None:

@@ -14,7 +14,7 @@ from ._extension import _C  # noqa: F401  (loads the library that registers the 
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
            "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "gemm_dx_", "gemm_dw_", "dense_gemm_enabled",
-           "has_fused_gemm", "gemm_path", "scale_"]
+           "has_fused_gemm", "gemm_path", "scale_", "row_scale"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -525,4 +525,31 @@ def scale_(self: Tensor, scale: Tensor) -> Tensor:
 @torch.library.register_fake("hugehead::scale_")
 def _scale_fake(self, scale):
     torch._check(scale.numel() == 1, lambda: f"scale must have one element, got shape {tuple(scale.shape)}")
+    return None
+
+
+def row_scale(out: Tensor, x: Tensor, scale: Tensor) -> Tensor:
+    """``out = x * scale[:, None]``: each row of ``x`` times its entry of ``scale``, the product in ``scale``'s
+    dtype (the accumulation dtype: float32, float64 for float64 ``x``) and rounded once to ``out``'s dtype;
+    ``torch.mul(x, scale[:, None], out=out)`` bit for bit, in one vectorized pass on CUDA, where ATen's kernel
+    for that broadcast with a cast runs at ~0.7 TB/s (1.7 ms of an xc6M_16k step on an H100 for the factored
+    backward's ``s x``, :class:`hugehead.loop._FactoredKept`). Returns ``out``.
+
+    Args:
+        out: ``[N, D]``, ``x``'s dtype, any row stride (written); may be ``x`` itself.
+        x: ``[N, D]`` float16/bfloat16/float32/float64, any strides.
+        scale: ``[N]`` in the accumulation dtype, on ``x``'s device.
+
+    Raises:
+        RuntimeError: another dtype or shape of ``out`` or ``scale``, another device, an ``out`` that overlaps
+            ``x`` without being it or shares memory with ``scale``.
+    """
+    torch.ops.hugehead.row_scale.default(out, x, scale)
+    return out
+
+
+@torch.library.register_fake("hugehead::row_scale")
+def _row_scale_fake(out, x, scale):
+    torch._check(scale.dim() == 1 and scale.shape[0] == x.shape[0],
+                 lambda: f"scale must have shape [{x.shape[0]}], got {tuple(scale.shape)}")
     return None

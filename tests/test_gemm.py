@@ -1512,6 +1512,11 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     cls = made[0].apart_cls
     assert 0 < int(inside.sum()) < n and torch.equal(cls[inside], target[inside]), cls
     assert cls[~inside].unique().numel() == int((~inside).sum()) and int(cls.max()) < kept_classes, cls
+    # ops.row_scale for the factored backward's s x (HUGEHEAD_ROW_SCALE=1): the same bits as ATen's mul
+    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "1")
+    for a, r in zip(_lce_grads(x, w, None, target, **opts), ours):
+        assert torch.equal(a, r)
+    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")
     monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
     assert plan_now().kept_chunks == streaming.kept_chunks
     plain = _lce_grads(x, w, None, target, **opts)
@@ -1580,6 +1585,11 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     ours = grads()
     assert len(made) == 1 and len(lean) == 1 and lean[0] is not None, (made, lean)
     assert lean[0][0] is not None and lean[0][1] is not None, lean
+    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "1")  # ops.row_scale for s x: the same bits as ATen's mul
+    for a, r in zip(grads(), ours):
+        assert torch.equal(a, r)
+    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")
+    del made[1:], lean[1:]
     monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "0")
     whole = loss_plan(x.requires_grad_(), w.requires_grad_(), target)
     x, w = x.detach(), w.detach()

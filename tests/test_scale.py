@@ -342,3 +342,102 @@ def test_bench_scale_smoke_writes_its_report(tmp_path):
     assert [r["case"] for r in doc["rows"]] == ["tiny", "tiny fp32"] and doc["meta"]["smoke"]
     assert all(r["scale__ms"] > 0 and r["mul__ms"] > 0 for r in doc["rows"])
     assert (tmp_path / "scale.md").read_text().startswith("# In-place scaling")
+
+
+# --------------------------------------------------------------------------------------------------
+# hugehead::row_scale (out = x * scale[:, None], the factored backward's s x)
+# --------------------------------------------------------------------------------------------------
+def _row_case(device, dtype, rows, cols, seed=0):
+    x = _values(rows * cols, dtype, seed=seed).reshape(rows, cols).to(device)
+    g = torch.Generator().manual_seed(seed + 1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = (torch.randn(rows, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-10, 1, (rows,), generator=g))).to(acc).to(device)  # float16 stays finite
+    scale[::5] = 0.0
+    return x, scale
+
+
+# (name, x view, out view) over bases [rows, cols + 40]: packed rows, rows starting mid-pack, odd widths, x
+# transposed (a column stride: ATen's fallback), in place.
+ROW_LAYOUTS = [
+    ("contiguous", lambda b: b[:, :-40], lambda b: b[:, :-40]),
+    ("column slices from 8", lambda b: b[:, 8:-32], lambda b: b[:, 8:-32]),
+    ("column slices from 3, odd width", lambda b: b[:, 3:-38], lambda b: b[:, 3:-38]),
+    ("x mid-pack, out packed", lambda b: b[:, 1:-39], lambda b: b[:, :-40]),
+    ("every other row", lambda b: b[::2, :-40], lambda b: b[::2, :-40]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("name", [r[0] for r in ROW_LAYOUTS])
+@pytest.mark.parametrize("rows, cols", [(1, 8), (7, 1), (33, 768), (130, 1003)])
+def test_row_scale_bitwise_equal_to_torch_mul_and_writes_only_out(device, dtype, name, rows, cols):
+    """``ops.row_scale(out, x, s)`` is ``torch.mul(x, s[:, None], out=out)`` bit for bit on the same device (the
+    product in the accumulation dtype, rounded once), within half an ulp of the float64 product, and writes
+    nothing of out's base outside out."""
+    _, x_view, out_view = next(r for r in ROW_LAYOUTS if r[0] == name)
+    x_base, scale = _row_case(device, dtype, 2 * rows if name == "every other row" else rows, cols + 40)
+    scale = scale[::2] if name == "every other row" else scale
+    x = x_view(x_base)
+    out_base = torch.full((x_base.shape[0], cols + 40), 7.0, dtype=dtype, device=device)
+    out = out_view(out_base)
+    assert out.shape == x.shape
+    before = out_base.clone()
+    assert ops.row_scale(out, x, scale) is out
+    ref = torch.empty_like(out)
+    torch.mul(x, scale[:, None], out=ref)
+    assert torch.equal(out, ref)
+    exact = x.double() * scale.double()[:, None]
+    ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert bool(((out.double() - exact).abs() <= ulp).all())
+    mask = torch.ones_like(out_base, dtype=torch.bool)
+    out_view(mask).fill_(False)
+    assert torch.equal(out_base[mask], before[mask])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_scale_in_place_and_transposed_x(device, dtype):
+    """In place (out is x) and a transposed x (column stride 1000: the fallback through ATen), the same bits as
+    torch.mul."""
+    x, scale = _row_case(device, dtype, 64, 1000, seed=3)
+    ref = torch.mul(x, scale[:, None])
+    y = x.clone()
+    ops.row_scale(y, y, scale)
+    assert torch.equal(y, ref.to(dtype))
+    xt = x.t().contiguous().t()  # [64, 1000] with strides (1, 64)
+    out = torch.empty_like(x)
+    ops.row_scale(out, xt, scale)
+    assert torch.equal(out, ref.to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_scale_bad_arguments_raise_before_writing(device):
+    x, scale = _row_case(device, torch.bfloat16, 6, 16)
+    out = torch.zeros_like(x)
+    cases = [
+        (out, x, scale.double(), "must be Float for BFloat16"),
+        (out, x, scale[:5], r"shape \[6\]"),
+        (out, x, scale[:, None], r"shape \[6\]"),
+        (out.float(), x, scale, "out must be BFloat16"),
+        (out[:, :8], x, scale, "shaped like x"),
+        (torch.zeros(6, 16, dtype=torch.int32, device=device), x.to(torch.int32), scale, "float16, bfloat16"),
+        (x[:, 1:9], x[:, :8], scale, "overlaps x without being x"),
+        (torch.zeros(1, 16, dtype=torch.bfloat16, device=device).expand(6, 16), x, scale, "share memory"),
+    ]
+    for args in cases:
+        *ops_args, message = args
+        before = [a.clone() for a in ops_args]
+        with pytest.raises(RuntimeError, match=message):
+            ops.row_scale(*ops_args)
+        for a, b in zip(ops_args, before):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_scale_opcheck(device):
+    for dtype in ALL_DTYPES:
+        x, scale = _row_case(device, dtype, 9, 40)
+        torch.library.opcheck(torch.ops.hugehead.row_scale.default, [torch.empty_like(x), x, scale])
+        torch.library.opcheck(torch.ops.hugehead.row_scale.default, [torch.empty_like(x[:, 3:]), x[:, 3:], scale])

@@ -1,8 +1,12 @@
-// CPU kernel of hugehead::scale_: self *= scale in place over a dense tensor, in blocks on ATen's thread pool
-// (float32 / float64; 16-bit self through ATen's vectorized kernel, the same arithmetic).
+// CPU kernels of hugehead::scale_ (self *= scale in place over a dense tensor, in blocks on ATen's thread pool;
+// float32 / float64, 16-bit self through ATen's vectorized kernel, the same arithmetic) and hugehead::row_scale
+// (out = x * scale[:, None], rows on the thread pool, the product in the accumulation dtype rounded once).
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "hugehead/common.h"
 #include "hugehead/entry.h"
@@ -44,8 +48,33 @@ void scale_cpu(const ScaleParams& p, const at::Tensor& self) {
   });
 }
 
+template <typename scalar_t, typename opmath_t>
+void row_scale_rows(const RowScaleParams& p) {
+  scalar_t* out = static_cast<scalar_t*>(p.out);
+  const scalar_t* x = static_cast<const scalar_t*>(p.x);
+  const opmath_t* scale = static_cast<const opmath_t*>(p.scale);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, p.cols));
+  at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const opmath_t s = scale[i];
+      const scalar_t* xi = x + i * p.x_stride;
+      scalar_t* oi = out + i * p.out_stride;
+      for (int64_t j = 0; j < p.cols; ++j) oi[j] = static_cast<scalar_t>(static_cast<opmath_t>(xi[j]) * s);
+    }
+  });
+}
+
+void row_scale_cpu(const RowScaleParams& p, const at::Tensor& out) {
+  HUGEHEAD_DISPATCH_LOGITS(out.scalar_type(), "row_scale_cpu", [&] {
+    row_scale_rows<scalar_t, at::opmath_type<scalar_t>>(p);
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CPU, m) { m.impl("scale_", &entry::scale<scale_cpu>); }
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) {
+  m.impl("scale_", &entry::scale<scale_cpu>);
+  m.impl("row_scale", &entry::row_scale<row_scale_cpu>);
+}
 
 }  // namespace hugehead

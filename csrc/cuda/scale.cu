@@ -1,4 +1,4 @@
-// CUDA kernel of hugehead::scale_: self *= scale in place over a dense tensor, the scale read from device
+// CUDA kernels of hugehead::scale_ and hugehead::row_scale (below). scale_: self *= scale in place over a dense tensor, the scale read from device
 // memory (no host synchronization). A grid-stride loop of 16-byte loads and stores over the 16-byte aligned
 // body, kUnroll of them in flight per thread, and a scalar head and tail: ATen's mul_ by a 0-d CUDA tensor
 // runs its unvectorized strided kernel (a stride-0 operand) at ~0.9 TB/s on an H200. A scale of 1 writes
@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "hugehead/common.h"
 #include "hugehead/cuda_utils.cuh"
@@ -94,8 +95,68 @@ void scale_cuda(const ScaleParams& p, const at::Tensor& self) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// row_scale: out[i, j] = x[i, j] * scale[i]. Where every row starts 16-byte aligned in both tensors and the width
+// is a whole number of 16-byte packs, a grid-stride loop over the packs of all rows (16-byte loads and stores,
+// kUnroll in flight); else one element a step. Each element is written once, from its own x and its row's scale.
+template <typename scalar_t, typename opmath_t, bool kPacked>
+__global__ void __launch_bounds__(kScaleThreads) row_scale_kernel(RowScaleParams p) {
+  using Pack = std::conditional_t<kPacked, cuda::Vec16<scalar_t>, cuda::Vec1<scalar_t>>;
+  constexpr int V = Pack::kSize;
+  const scalar_t* x = static_cast<const scalar_t*>(p.x);
+  scalar_t* out = static_cast<scalar_t*>(p.out);
+  const opmath_t* scale = static_cast<const opmath_t*>(p.scale);
+  const int64_t per_row = p.cols / V;
+  const int64_t packs = p.rows * per_row;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < packs;
+       base += kUnroll * threads) {
+    Pack v[kUnroll];
+    int64_t row[kUnroll], col[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = base + u * threads;
+      row[u] = k / per_row;
+      col[u] = (k - row[u] * per_row) * V;
+      if (k < packs) v[u] = *reinterpret_cast<const Pack*>(x + row[u] * p.x_stride + col[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * threads >= packs) break;
+      const opmath_t s = scale[row[u]];
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[u].v[e] = scaled(v[u].v[e], s);
+      *reinterpret_cast<Pack*>(out + row[u] * p.out_stride + col[u]) = v[u];
+    }
+  }
+}
+
+void row_scale_cuda(const RowScaleParams& p, const at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int64_t size = out.element_size();
+  const int64_t v = 16 / size;
+  const bool packed = p.cols % v == 0 && p.out_stride % v == 0 && p.x_stride % v == 0 &&
+                      reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t resident = static_cast<int64_t>(props->multiProcessorCount) *
+                           (props->maxThreadsPerMultiProcessor / kScaleThreads);
+  const int64_t packs = p.rows * (p.cols / (packed ? v : 1));
+  const int64_t needed = (packs + kScaleThreads * kUnroll - 1) / (kScaleThreads * kUnroll);
+  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, needed)));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  HUGEHEAD_DISPATCH_LOGITS(out.scalar_type(), "row_scale_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    HUGEHEAD_BOOL_SWITCH(packed, kPacked, [&] {
+      row_scale_kernel<scalar_t, opmath_t, kPacked><<<blocks, kScaleThreads, 0, stream>>>(p);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hugehead, CUDA, m) { m.impl("scale_", &entry::scale<scale_cuda>); }
+TORCH_LIBRARY_IMPL(hugehead, CUDA, m) {
+  m.impl("scale_", &entry::scale<scale_cuda>);
+  m.impl("row_scale", &entry::row_scale<row_scale_cuda>);
+}
 
 }  // namespace hugehead

@@ -82,6 +82,14 @@ struct ScaleParams {
   bool scale_is_double;
 };
 
+// row_scale: out[i, j] = x[i, j] * scale[i], the product in the accumulation dtype, rounded once to x's dtype.
+struct RowScaleParams {
+  void* out;             // rows x cols of x's dtype, row stride out_stride, unit column stride
+  const void* x;         // rows x cols, row stride x_stride, unit column stride
+  const void* scale;     // rows elements of the accumulation dtype (acc_type_for), contiguous
+  int64_t rows, cols, out_stride, x_stride;
+};
+
 // The accumulation dtype of a logits dtype.
 inline at::ScalarType acc_type_for(at::ScalarType logits) {
   return logits == at::kDouble ? at::kDouble : at::kFloat;

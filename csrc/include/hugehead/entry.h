@@ -8,6 +8,7 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/mul.h>
 
 #include <cstdint>
 #include <optional>
@@ -158,6 +159,40 @@ void scale(const at::Tensor& self, const at::Tensor& scale) {
     self.copy_(self.to(at::kFloat).mul_(scale.reshape({})));
   } else {
     self.mul_(scale.reshape({}));
+  }
+}
+
+// row_scale: the checks, and the layouts no kernel takes (a column stride other than 1) through ATen's mul with
+// the same arithmetic (the product in the accumulation dtype, rounded once to out's dtype).
+template <Launch<RowScaleParams> launch>
+void row_scale(const at::Tensor& out, const at::Tensor& x, const at::Tensor& scale) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+              "hugehead: row_scale takes a float16, bfloat16, float32 or float64 x, got ", dtype);
+  HUGEHEAD_CHECK_DIM(x, 2);
+  TORCH_CHECK(out.scalar_type() == dtype && out.sizes() == x.sizes(), "hugehead: row_scale's out must be ", dtype,
+              " shaped like x ", x.sizes(), ", got ", out.scalar_type(), " ", out.sizes());
+  const auto acc = acc_type_for(dtype);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == x.size(0), "hugehead: row_scale's scale must have shape [",
+              x.size(0), "], got ", scale.sizes());
+  TORCH_CHECK(scale.scalar_type() == acc, "hugehead: row_scale's scale must be ", acc, " for ", dtype,
+              " x, got ", scale.scalar_type());
+  TORCH_CHECK(out.device() == x.device() && scale.device() == x.device(), "hugehead: row_scale's out (",
+              out.device(), ") and scale (", scale.device(), ") must be on x's device ", x.device());
+  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes,
+              "hugehead: row_scale cannot write out: some of its elements share memory (an expanded view)");
+  TORCH_CHECK(!out.is_alias_of(scale), "hugehead: row_scale's out must not share memory with scale");
+  if (out.is_alias_of(x)) {
+    TORCH_CHECK(out.data_ptr() == x.data_ptr() && out.strides() == x.strides(),
+                "hugehead: row_scale's out overlaps x without being x itself (in place)");
+  }
+  if (x.numel() == 0) return;
+  if (x.stride(1) == 1 && out.stride(1) == 1 && scale.is_contiguous()) {
+    launch(RowScaleParams{out.data_ptr(), x.const_data_ptr(), scale.const_data_ptr(), x.size(0), x.size(1),
+                          out.stride(0), x.stride(0)},
+           out);
+  } else {
+    at::mul_out(const_cast<at::Tensor&>(out), x, scale.unsqueeze(1));
   }
 }
 
