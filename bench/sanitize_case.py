@@ -360,6 +360,26 @@ def scale_cases(device: torch.device) -> Iterator[Result]:
             yield f"{name}: canaries", canaries, torch.full_like(canaries, 1e3, dtype=torch.float64), 0.0
 
 
+@kernel_case("row_scale")
+def row_scale_cases(device: torch.device) -> Iterator[Result]:
+    """out = x * scale[:, None]: widths on and off the 16-byte packs, rows starting mid-pack, out a column slice
+    of a canary-filled buffer (a write outside it shows as a changed canary)."""
+    for dtype in DTYPES:
+        acc = _acc(dtype)
+        for rows, cols, offset in ((1, 8, 0), (7, 13, 1), (33, 768, 8), (130, 1003, 3)):
+            name = f"{rows} x {cols} from {offset} {str(dtype)[6:]}"
+            x = torch.randn(rows, cols + offset, generator=_gen(name), dtype=torch.float64).to(dtype)[:, offset:]
+            scale = torch.randn(rows, generator=_gen("s " + name), dtype=torch.float64).to(acc)
+            buf = torch.full((rows, cols + 2 * offset + 8), 1e3, dtype=dtype).to(device)
+            out = buf[:, offset:offset + cols]
+            xd, sd = _on(device, x, scale)
+            torch.ops.hugehead.row_scale.default(out, xd, sd)
+            got = buf.cpu()
+            yield f"{name}: scaled", got[:, offset:offset + cols], x.double() * scale.double()[:, None], TOLERANCE[dtype]
+            canaries = torch.cat([got[:, :offset].reshape(-1), got[:, offset + cols:].reshape(-1)])
+            yield f"{name}: canaries", canaries, torch.full_like(canaries, 1e3, dtype=torch.float64), 0.0
+
+
 # (label, N, C, D, class_start, bias, softcap): rows and columns off the GEMM's 128 x 128 / 128 x 256 tiles
 GEMM_STATS_SHAPES = [
     ("one row", 1, 300, 64, 0, False, 0.0),
