@@ -207,6 +207,38 @@ def test_plan_keeps_chunks_in_the_weight_gradients_buffer(monkeypatch):
                                grad_store=True).kept_in_grad == 0
 
 
+def test_kept_probabilities_plans_keep_the_workspaces_chunk(monkeypatch):
+    """Where the kept chunks hold probabilities (kept_probs: the backward's workspace lives in the kept tensor),
+    the budget keeps one chunk more at xc6M and xc6M_16k (7 against 6, beside 16 / 17 in the gradient's buffer),
+    counting dX's float32 sums, the factored buffers and the widened forward's partials beside them; not with
+    HUGEHEAD_KEPT_PROBS=0 or HUGEHEAD_GEMM_STATS_REF=0, a weight in another dtype, no chunk in the gradient's
+    buffer, or a budget that holds no chunk beside those buffers."""
+    cuda = torch.device("cuda")  # planned only: no GPU is touched
+    args = dict(direct_dx=True, side_stream=False, grad_store=True)
+    for n, cols, in_grad in ((4096, 65536, 16), (16384, 16384, 17)):
+        d, v, budget = 768, 6_000_000, 4 << 30
+        old = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, **args)
+        new = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, kept_probs=True, **args)
+        assert (old.cols, old.kept_chunks, old.kept_in_grad) == (cols, 6 + in_grad, in_grad), old
+        assert (new.cols, new.kept_chunks, new.kept_in_grad) == (cols, 7 + in_grad, in_grad), new
+        chunk = n * cols * 2
+        held = 2 * n * d * 6 + n * (cols * planner.FUSED_STATS_WIDEN // 128) * 8
+        assert held + 7 * chunk <= budget < held + 8 * chunk
+        for var in ("HUGEHEAD_KEPT_PROBS", "HUGEHEAD_GEMM_STATS_REF"):
+            monkeypatch.setenv(var, "0")
+            assert planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, kept_probs=True, **args) == old
+            monkeypatch.delenv(var)
+        fp32 = dict(args, weight_dtype=torch.float32)
+        assert planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, kept_probs=True, **fp32) == \
+            planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, **fp32)
+    offset, _, slots = planner.grad_store_layout(4096, 768, 6_000_000, 65536, 2, 2)
+    assert planner.probs_kept_chunks(4096, 768, 65536, 92, 4 << 30, 2, offset, slots) == 7
+    assert planner.probs_kept_chunks(4096, 768, 65536, 92, 4 << 30, 2, offset, 0) == 0  # no gradient buffer slot
+    assert planner.probs_kept_chunks(4096, 768, 65536, 92, 4 << 30, 2, 100, slots) == 0  # no room for references
+    assert planner.probs_kept_chunks(4096, 768, 65536, 92, 600 << 20, 2, offset, slots) == 0  # no chunk beside
+    assert planner.probs_kept_chunks(4096, 768, 65536, 5, 4 << 30, 2, offset, slots) == 4  # all but one chunk
+
+
 def test_chunk_multiple_rounds_the_planned_width(monkeypatch):
     """HUGEHEAD_CHUNK_MULTIPLE (an A/B knob): the planned width rounded down to its multiple instead of 256's;
     a width pinned by chunk_size, or all the classes, is left alone; a bad value is a clear error."""
