@@ -21,7 +21,6 @@ from .sparse import is_sparse_target
 from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
     ResidentChunks,
-    _tma_ready,
     RowStats,
     fused_applies,
     merge_row_stats,
@@ -31,6 +30,7 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     shard_forward_stats,
     whole_head_backward,
 )
+from .loop import _tma_ready
 from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
     FLOAT_DTYPES,
     LossOptions,

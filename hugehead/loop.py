@@ -35,6 +35,7 @@ from .plan import (  # noqa: F401  (re-exported: the planner's names were public
     kept_tail_split,
     plan_chunks,
     plan_topk_chunks,
+    scale_area_bytes,
 )
 
 __all__ = [
@@ -186,7 +187,7 @@ class KeptLogits:
         probabilities (:func:`_probs_plan`): row ``k`` the reference kept chunk ``k``'s values are relative to,
         the last row the forward's target logits. None where nothing is kept there or the gap is too small. A
         kept-tail plan (:attr:`Plan.scales_in_grad`) has it at the buffer's start, which holds no chunk."""
-        need = (self.plan.kept_chunks + 1) * self.n * 4
+        need = scale_area_bytes(self.plan.kept_chunks, self.n)
         if self.slots is None:
             if self.area is None or self.area.numel() < need:
                 return None

@@ -291,6 +291,12 @@ def kept_probs_enabled() -> bool:
             and os.environ.get("HUGEHEAD_GEMM_STATS_REF", "1") != "0")
 
 
+def scale_area_bytes(kept_chunks: int, n: int) -> int:
+    """Bytes of the references a plan of kept probabilities keeps ahead of the weight gradient buffer's first slot
+    (``hugehead.loop.KeptLogits.scale_area``): ``kept_chunks + 1`` float32 rows of ``N``."""
+    return (kept_chunks + 1) * n * 4
+
+
 def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget: int, itemsize: int,
                       grad_offset: int, grad_slots: int) -> int:
     """The chunks a plan whose kept chunks hold probabilities (:func:`plan_chunks`' ``kept_probs``) keeps in the
@@ -301,12 +307,12 @@ def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget:
     factored backward's ``[N, D]`` buffers (twice :func:`plan_chunks`' ``dx_bytes``), and the widened forward's
     partials (8 bytes a row per 128 columns of :data:`FUSED_STATS_WIDEN` chunks: a quarter of a 16-bit chunk).
     It needs at least one chunk in the budget (the workspace's memory) and one in the weight gradient's buffer,
-    whose first bytes hold the references (``KeptLogits.scale_area``: ``kept_chunks + 1`` float32 rows)."""
+    whose first bytes hold the references (:func:`scale_area_bytes`)."""
     chunk_bytes = n * cols * itemsize
     held = 2 * n * d * (itemsize + 4) + n * (-(-cols * FUSED_STATS_WIDEN // 128)) * 8
     kept = min((memory_budget - held) // chunk_bytes, num_chunks - 1)
     in_grad = min(grad_slots, num_chunks - kept)
-    if kept < 1 or in_grad < 1 or grad_offset < (kept + in_grad + 1) * n * 4:
+    if kept < 1 or in_grad < 1 or grad_offset < scale_area_bytes(kept + in_grad, n):
         return 0
     return int(kept)
 
