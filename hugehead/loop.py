@@ -1123,11 +1123,10 @@ class _FactoredKept:
 
 def _row_scaled(out: Tensor, x: Tensor, scale: Tensor) -> Tensor:
     """``out = x * scale[:, None]`` (``scale [N]`` in the accumulation dtype), the product rounded once to ``out``'s
-    dtype: ATen's ``torch.mul``, or with ``HUGEHEAD_ROW_SCALE=1`` (environment, read per call) :func:`ops.row_scale`,
-    the same bits in one vectorized pass where ATen's CUDA kernel takes its broadcast-with-cast path (~0.7 TB/s:
-    1.7 ms of an xc6M_16k step on an H100). Off until it has run on a GPU (compiled for sm_90a at this commit;
-    its CUDA tests are in tests/test_scale.py)."""
-    if os.environ.get("HUGEHEAD_ROW_SCALE", "0") == "1":
+    dtype: :func:`ops.row_scale`, ``torch.mul``'s bits in one vectorized pass where ATen's CUDA kernel takes its
+    broadcast-with-cast path (~0.7 TB/s: 1.7 ms of an xc6M_16k step on an H100). ``HUGEHEAD_ROW_SCALE=0``
+    (environment, read per call) takes ATen's ``torch.mul`` instead: the A/B baseline."""
+    if os.environ.get("HUGEHEAD_ROW_SCALE", "1") != "0":
         return ops.row_scale(out, x, scale)
     return torch.mul(x, scale[:, None], out=out)
 

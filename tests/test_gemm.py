@@ -1458,6 +1458,7 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     peak memory beyond its inputs and gradients within the budget."""
     from hugehead import functional, loop
     from hugehead.functional import loss_plan
+    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)  # ops.row_scale, the default
     from hugehead.plan import _MAX_COLS
 
     if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
@@ -1512,11 +1513,11 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     cls = made[0].apart_cls
     assert 0 < int(inside.sum()) < n and torch.equal(cls[inside], target[inside]), cls
     assert cls[~inside].unique().numel() == int((~inside).sum()) and int(cls.max()) < kept_classes, cls
-    # ops.row_scale for the factored backward's s x (HUGEHEAD_ROW_SCALE=1): the same bits as ATen's mul
-    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "1")
+    # the factored backward's s x by ops.row_scale (the default) and by ATen's mul (HUGEHEAD_ROW_SCALE=0): same bits
+    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")
     for a, r in zip(_lce_grads(x, w, None, target, **opts), ours):
         assert torch.equal(a, r)
-    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")
+    monkeypatch.delenv("HUGEHEAD_ROW_SCALE")
     monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
     assert plan_now().kept_chunks == streaming.kept_chunks
     plain = _lce_grads(x, w, None, target, **opts)
@@ -1541,6 +1542,7 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     (loop.FUSED_STORE_MAX_DEPTH), as gemma2's (CUDA only: its float64 reference is slow on the CPU)."""
     from hugehead import loop
     from hugehead.functional import loss_plan
+    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)  # ops.row_scale, the default
 
     if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
                                                                                    torch.bfloat16)):
@@ -1585,10 +1587,10 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     ours = grads()
     assert len(made) == 1 and len(lean) == 1 and lean[0] is not None, (made, lean)
     assert lean[0][0] is not None and lean[0][1] is not None, lean
-    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "1")  # ops.row_scale for s x: the same bits as ATen's mul
+    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")  # ATen's mul for s x: the same bits as ops.row_scale (default)
     for a, r in zip(grads(), ours):
         assert torch.equal(a, r)
-    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")
+    monkeypatch.delenv("HUGEHEAD_ROW_SCALE")
     del made[1:], lean[1:]
     monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "0")
     whole = loss_plan(x.requires_grad_(), w.requires_grad_(), target)
