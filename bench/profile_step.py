@@ -8,6 +8,9 @@ gaps between what bench_lce / bench_multilabel measure and the kernels' sum.
     [--out DIR]  writes profile_<shape>_<case>.md there as well
     [--host N]   also the host's time per Python function over the profiled steps (cProfile, the N largest by
                  cumulative time): where the host spends the wait before a step's first kernel
+    [--trace]    also one step under torch.profiler with Python stacks: its Chrome trace (gzip) in --out, and
+                 for the largest GPU gaps the Python functions the host ran between the launches on either
+                 side (:func:`host_in_gaps`, also ``python -m bench.profile_step --gaps TRACE.json.gz``)
     [--impl NAME]  a peer of bench_lce (bench/peers.py: hugehead, torch_compile, torch, ...) called as bench_lce
                  calls it (loss, then torch.autograd.grad for x and W): the same tables, side by side
 
@@ -288,6 +291,76 @@ def _host_profile(run, steps: int, top: int) -> List[str]:
     return lines
 
 
+def trace_step(run, path: Path) -> Path:
+    """One call of ``run`` from an idle GPU under torch.profiler with Python stacks; its Chrome trace, gzipped."""
+    import gzip
+    import shutil
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA], with_stack=True) as prof:
+        with torch.profiler.record_function(STEP_MARK):
+            run()
+        torch.cuda.synchronize()
+    raw = path.with_suffix("")  # trace.json.gz -> trace.json
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    return path
+
+
+def host_in_gaps(trace: dict, min_gap_us: float = 50.0, top: int = 8, per_gap: int = 6) -> List[str]:
+    """Markdown lines: the ``top`` largest idle gaps of the GPU between kernels (and before the first one, from
+    the step's range), each with the Python functions of hugehead (else any) that the host ran between the
+    launch of the kernel before the gap and the launch of the one after (their time inside that window, the
+    innermost first), from a Chrome trace of :func:`trace_step`."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    launches, kernels, py, step = {}, [], [], None
+    for e in events:
+        cat, ph = e.get("cat", ""), e.get("ph")
+        if ph != "X":
+            continue
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(e)
+        elif cat == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+        elif cat == "python_function":
+            py.append(e)
+        elif e.get("name") == STEP_MARK and cat == "user_annotation":
+            step = e
+    kernels.sort(key=lambda e: e["ts"])
+    gaps = []
+    if step is not None and kernels:
+        gaps.append((kernels[0]["ts"] - step["ts"], None, kernels[0], step["ts"]))
+    last = kernels[0] if kernels else None  # the kernel that ended last so far (other streams overlap)
+    for b in kernels[1:]:
+        gap = b["ts"] - (last["ts"] + last["dur"])
+        la = launches.get(last.get("args", {}).get("correlation"))
+        if gap >= min_gap_us and la is not None:
+            gaps.append((gap, last, b, la["ts"] + la["dur"]))
+        if b["ts"] + b["dur"] > last["ts"] + last["dur"]:
+            last = b
+    gaps.sort(key=lambda g: -g[0])
+    lines = ["", f"Host work in the GPU's largest gaps (us; Python functions between the two launches, the "
+             f"innermost hugehead ones first):", "", "| gap us | kernel before -> after | host window us | "
+             "what the host ran (us inside the window) |", "|--:|---|--:|---|"]
+    for gap, a, b, t0 in gaps[:top]:
+        lb = launches.get(b.get("args", {}).get("correlation"))
+        t1 = lb["ts"] if lb is not None else b["ts"]
+        inside = []
+        for e in py:
+            lo, hi = max(t0, e["ts"]), min(t1, e["ts"] + e["dur"])
+            if hi - lo > 0.02 * max(t1 - t0, 1.0):
+                inside.append((e["name"], hi - lo, e["dur"]))
+        ours = [i for i in inside if "hugehead" in i[0]] or inside
+        ours.sort(key=lambda i: (i[2], -i[1]))  # innermost (shortest) first among those that fill the window
+        what = "; ".join(f"{name.split('/')[-1][:60]} {us:.0f}" for name, us, _ in ours[:per_gap])
+        before = "step start" if a is None else a["name"][:40]
+        lines.append(f"| {gap:.0f} | `{before}` -> `{b['name'][:40]}` | {t1 - t0:.0f} | {what} |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="xc1M", choices=sorted(SHAPES))
@@ -298,7 +371,18 @@ def main(argv=None) -> int:
     p.add_argument("--host", type=int, default=0, help="cProfile's N largest functions by cumulative time")
     p.add_argument("--impl", default=None, help="a bench_lce peer (hugehead, torch_compile, torch, ...), called as "
                    "bench_lce calls it (default: hugehead, its gradients by loss.backward())")
+    p.add_argument("--trace", action="store_true", help="also one step's Chrome trace with Python stacks (--out) "
+                   "and the host's work in the largest GPU gaps")
+    p.add_argument("--gaps", default=None, help="only print host_in_gaps of this Chrome trace (.json or .json.gz)")
     opts = p.parse_args(argv)
+    if opts.gaps:
+        import gzip
+        import json
+
+        opener = gzip.open if opts.gaps.endswith(".gz") else open
+        with opener(opts.gaps, "rt") as f:
+            print("\n".join(host_in_gaps(json.load(f), top=opts.top)))
+        return 0
     run = build(opts.shape, opts.case, opts.impl)
     step_ms = harness.measure(run, torch.device("cuda"), reps=5, warmup=2).ms
     hidden_ms = hidden_host_ms(run)
@@ -326,6 +410,14 @@ def main(argv=None) -> int:
     lines += _step_waits(prof, opts.steps, top=5)
     if opts.host:
         lines += _host_profile(run, opts.steps, opts.host)
+    if opts.trace:
+        import gzip
+        import json
+
+        tag = "" if opts.impl is None else f"_{opts.impl}"
+        path = trace_step(run, Path(opts.out or ".") / f"trace_{opts.shape}_{opts.case}{tag}.json.gz")
+        with gzip.open(path, "rt") as f:
+            lines += host_in_gaps(json.load(f), top=opts.top)
     text = "\n".join(lines) + "\n"
     print(text)
     if opts.out:

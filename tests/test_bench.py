@@ -765,6 +765,37 @@ def test_profile_step_idle_gaps_between_kernels():
     assert idle_gaps([]) == (0.0, [])
 
 
+def test_profile_step_host_in_gaps_names_the_host_work_between_launches():
+    """profile_step --trace: each GPU gap (and the wait from the step's start to its first kernel) lists the
+    Python functions the host ran between the launch of the kernel that ended last before it and the launch of
+    the one after, hugehead's first, the innermost first; a kernel on another stream overlapping leaves no gap."""
+    from bench.profile_step import STEP_MARK, host_in_gaps
+
+    def k(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2,
+                "args": {"correlation": corr}}
+
+    def py(name, ts, dur):
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur}
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": STEP_MARK, "ts": 0, "dur": 2000},
+              launch(100, 1), k("first", 110, 100, 1),
+              launch(120, 2), k("side", 150, 400, 2),  # another stream: busy until 550
+              launch(130, 3), k("after_side", 560, 10, 3),  # a 10 us gap: below min_gap_us
+              py("hugehead/loop.py(10): _prologue", 140, 700), py("hugehead/plan.py(5): plan_chunks", 200, 500),
+              py("threading.py(1): wait", 300, 50),
+              launch(845, 4), k("gemm", 900, 100, 4)]
+    lines = host_in_gaps({"traceEvents": events}, min_gap_us=50.0)
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| gap")]
+    assert len(rows) == 2, rows
+    assert rows[0].startswith("| 330 | `after_side` -> `gemm` | 713 |"), rows[0]  # 900 - 570; host 132 -> 845
+    assert "plan_chunks 500; loop.py(10): _prologue 700" in rows[0] and "threading" not in rows[0], rows[0]
+    assert rows[1].startswith("| 110 | `step start` -> `first` | 100 |"), rows[1]
+
+
 def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
     """profile_step's stages: each kernel in the stage of the op that launched it (hugehead's ops by name, the
     statistics GEMM's merge apart; cuBLAS's GEMMs by their shapes: over the features a logits GEMM, rows by
