@@ -302,6 +302,7 @@ def trace_step(run, path: Path) -> Path:
         with torch.profiler.record_function(STEP_MARK):
             run()
         torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
     raw = path.with_suffix("")  # trace.json.gz -> trace.json
     prof.export_chrome_trace(str(raw))
     with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
