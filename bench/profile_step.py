@@ -10,7 +10,9 @@ gaps between what bench_lce / bench_multilabel measure and the kernels' sum.
                  cumulative time): where the host spends the wait before a step's first kernel
     [--trace]    also one step under torch.profiler with Python stacks: its Chrome trace (gzip) in --out, and
                  for the largest GPU gaps the Python functions the host ran between the launches on either
-                 side (:func:`host_in_gaps`, also ``python -m bench.profile_step --gaps TRACE.json.gz``)
+                 side (:func:`host_in_gaps`, also ``python -m bench.profile_step --gaps TRACE.json.gz``). The
+                 Python tracer inflates host times many-fold (one H100: a cached pinned torch.empty took 2.1 ms
+                 under it, 4.8 us without): it says which functions run in a gap, not how long each takes
     [--impl NAME]  a peer of bench_lce (bench/peers.py: hugehead, torch_compile, torch, ...) called as bench_lce
                  calls it (loss, then torch.autograd.grad for x and W): the same tables, side by side
 
