@@ -1458,8 +1458,9 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     peak memory beyond its inputs and gradients within the budget."""
     from hugehead import functional, loop
     from hugehead.functional import loss_plan
-    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)  # ops.row_scale, the default
     from hugehead.plan import _MAX_COLS
+
+    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)  # ops.row_scale, the default
 
     if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
                                                                                    torch.bfloat16)):
