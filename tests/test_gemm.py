@@ -97,6 +97,16 @@ def _run(fn, x, w, b, target, class_start, softcap, state):
     return [t.cpu() for t in dev]
 
 
+def _fused_gemms_or_skip(monkeypatch, device: str) -> None:
+    """The fused CUTLASS GEMMs for a test on ``device`` ("cpu": their emulation; "cuda": skipped without an sm_90
+    GPU and a CUTLASS build), with the factored backward's ops.row_scale (the default: HUGEHEAD_ROW_SCALE unset)."""
+    if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
+                                                                                   torch.bfloat16)):
+        pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
+    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)
+
+
 def _fused(x, w, b, target, class_start, softcap, state, with_logit_sum=True):
     ops.gemm_chunk_stats_(x.cuda(), w.cuda(), None if b is None else b.cuda(), target.cuda(), class_start, softcap,
                           *state, with_logit_sum=with_logit_sum)
@@ -1363,11 +1373,8 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     from hugehead import loop
     from hugehead.functional import loss_plan
 
-    if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
-                                                                                   torch.bfloat16)):
-        pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
+    _fused_gemms_or_skip(monkeypatch, device)
     monkeypatch.setenv("HUGEHEAD_ROWS", "0")
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
     n, d, v = 256, 128, 40000
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=41)
     target = _targets(n, v, 0, v, 41)
@@ -1460,13 +1467,8 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     from hugehead.functional import loss_plan
     from hugehead.plan import _MAX_COLS
 
-    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)  # ops.row_scale, the default
-
-    if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
-                                                                                   torch.bfloat16)):
-        pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
+    _fused_gemms_or_skip(monkeypatch, device)
     monkeypatch.setenv("HUGEHEAD_ROWS", "0")
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
     cols = _MAX_COLS[device]
     n, d = (256, 128) if device == "cuda" else (64, 32)
     v = 4 * cols + 123  # five chunks
@@ -1543,12 +1545,7 @@ def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
     (loop.FUSED_STORE_MAX_DEPTH), as gemma2's (CUDA only: its float64 reference is slow on the CPU)."""
     from hugehead import loop
     from hugehead.functional import loss_plan
-    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)  # ops.row_scale, the default
-
-    if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
-                                                                                   torch.bfloat16)):
-        pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    _fused_gemms_or_skip(monkeypatch, device)
     monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "1")
     if case == "deep" and device == "cpu":
         pytest.skip("2304 features: the float64 reference takes too long on the CPU")
