@@ -134,20 +134,45 @@ def _lce_forward_impl(
     the caller (None: planned here from chunk_size/memory_budget)."""
     v = weight.shape[0]
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    # (inside the op: eager, and no checked copy needed); finished once the loop's kernels are queued
-    finish_check = start_target_check(target, v, ignore_index)
     step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    # The target check (inside the op: eager, and no checked copy needed) starts once the first chunk's GEMM is
+    # queued, and is finished once the loop's kernels are: see _DeferredCheck.
+    check = _DeferredCheck(target, v, ignore_index)
     with _no_autocast(x.device), shard_oom_guard(0, 0, v, x.device, step_plan, memory_budget or None):
         store = _grad_store(weight, step_plan, keep_logits)
         stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), target, 0, options, step_plan,
-                                          store=store)
+                                          store=store, after_first=check.start)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         loss = row_losses(lse, target_logit, logit_sum, target != ignore_index, v, options)
-    finish_check()
+    check.finish()
     return loss, lse, (x.new_empty(0) if kept is None else kept), (weight.new_empty(0) if store is None else store)
 
 
 _lce_forward = torch.library.custom_op("hugehead::linear_cross_entropy_forward", mutates_args=())(_lce_forward_impl)
+
+
+class _DeferredCheck:
+    """:func:`hugehead.options.start_target_check` started late: by the chunk loop once its first chunk's work is
+    queued (:func:`hugehead.loop.run_steps`' ``after_first``), so that its host work (a pinned buffer, the copy,
+    an event) and its device-to-host copy no longer stand between an eager step's start and its first GEMM,
+    while the GPU idles. The kernels queued before it read the targets only as class ids compared with column
+    ranges (as those queued before the check finishes always did), and :meth:`finish` runs before the op's
+    outputs are returned: a target out of range still raises the same ValueError, and nothing is corrupted.
+    One H100 at xc6M (bench/bench_prologue.py --timeline): see bench/NOTES.md, session 29."""
+
+    __slots__ = ("target", "num_classes", "ignore_index", "finisher")
+
+    def __init__(self, target: Tensor, num_classes: int, ignore_index: int):
+        self.target, self.num_classes, self.ignore_index = target, num_classes, ignore_index
+        self.finisher = None
+
+    def start(self) -> None:
+        if self.finisher is None:
+            self.finisher = start_target_check(self.target, self.num_classes, self.ignore_index)
+
+    def finish(self) -> None:
+        self.start()  # (the loop started it: a no-op here)
+        self.finisher()
 
 
 def _grad_store(weight: Tensor, plan: Plan, keep_logits: bool) -> Optional[Tensor]:
@@ -336,15 +361,16 @@ def rows_plan(plan: List[int]) -> Plan:
 
 
 def rows_pass(x: Tensor, weight: Tensor, bias: Optional[Tensor], target, options: LossOptions, plan: Plan,
-              grad_rows: Tensor, need_x: bool, need_weight: bool, row_losses_of=None
+              grad_rows: Tensor, need_x: bool, need_weight: bool, row_losses_of=None, after_first=None
               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The body of every rows-plan op: :func:`hugehead.loop.rows_steps` of a weight on ``x``'s device
     under the no-autocast and out-of-memory guards: ``(loss_rows [N], dX, dW, db)``, a gradient not asked
-    for (or db without bias) a fresh empty tensor each (custom op outputs may not alias each other)."""
+    for (or db without bias) a fresh empty tensor each (custom op outputs may not alias each other).
+    ``after_first``: as :func:`hugehead.loop.run_steps`'."""
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, None):
         loss_rows, grad_x, grad_w, grad_b = run_steps(rows_steps(
             x, ResidentChunks(weight, bias, x.dtype), target, options, plan, grad_rows, need_x, need_weight,
-            row_losses_of))
+            row_losses_of), after_first)
     return (
         loss_rows,
         grad_x if grad_x is not None else x.new_empty(0),
@@ -439,8 +465,9 @@ def _lce_rows_impl(
     for backward (torch.compile)."""
     acc = ops.acc_dtype(x.dtype)
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    # (inside the op: eager, no checked copy needed); finished once the pass's kernels are queued
-    finish_check = start_target_check(target, weight.shape[0], ignore_index)
+    # (inside the op: eager, no checked copy needed); started once the first block's GEMM is queued and finished
+    # once the pass's kernels are (_DeferredCheck)
+    check = _DeferredCheck(target, weight.shape[0], ignore_index)
     target = target.long().contiguous()
     valid = target != ignore_index
     count = valid.sum(dtype=acc)
@@ -449,9 +476,9 @@ def _lce_rows_impl(
     # loss is 0 / 0 = NaN as F.cross_entropy's.
     grad_rows = torch.where(valid, scale, torch.zeros((), dtype=acc, device=x.device))
     loss_rows, grad_x, grad_w, grad_b = rows_pass(x, weight, bias, target, options, rows_plan(plan), grad_rows,
-                                                  need_x, need_weight)
+                                                  need_x, need_weight, after_first=check.start)
     loss = loss_rows.sum() / count if mean else loss_rows.sum()
-    finish_check()
+    check.finish()
     return loss, grad_x, grad_w, grad_b
 
 

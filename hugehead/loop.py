@@ -319,18 +319,26 @@ def step_result(done: StopIteration):
     return done.args[0] if done.args else None
 
 
-def run_steps(steps: Generator[None, None, T]) -> T:
-    """Run a chunk-loop generator to its end and return its result."""
+def run_steps(steps: Generator[None, None, T], after_first: Optional[Callable[[], None]] = None) -> T:
+    """Run a chunk-loop generator to its end and return its result. ``after_first``: called once, when the
+    first chunk's work is queued (or at the end, where there was none): host work the first GEMM need not
+    wait for (an eager step's GPU idles until the host launches it)."""
     while True:
         try:
             next(steps)
         except StopIteration as done:
+            if after_first is not None:
+                after_first()
             return step_result(done)
+        if after_first is not None:
+            after_first, call = None, after_first
+            call()
 
 
-def shard_forward_stats(*args, **kwargs) -> Tuple[RowStats, Optional[Tensor]]:
-    """:func:`forward_stats_steps` run to its end."""
-    return run_steps(forward_stats_steps(*args, **kwargs))
+def shard_forward_stats(*args, after_first: Optional[Callable[[], None]] = None,
+                        **kwargs) -> Tuple[RowStats, Optional[Tensor]]:
+    """:func:`forward_stats_steps` run to its end (``after_first``: as :func:`run_steps`')."""
+    return run_steps(forward_stats_steps(*args, **kwargs), after_first)
 
 
 def shard_backward(*args, **kwargs) -> Tuple[Optional[Tensor], Optional[Tensor]]:
@@ -557,9 +565,12 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     for j, chunk in enumerate(chunks):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
-            rows = RowStats(*(s[r0:r1] for s in stats))
+            # (rows whole: the tensors themselves, not six views a chunk, the first chunk's before its GEMM)
+            whole = r0 == 0 and r1 == n
+            rows = stats if whole else RowStats(*(s[r0:r1] for s in stats))
+            xr = x if whole else x[r0:r1]
             if chunk.c0 >= kept_classes and fused and _fused_stats(
-                    x[r0:r1], chunk, target[r0:r1], class_start + chunk.c0, softcap, rows, logit_sum,
+                    xr, chunk, target if whole else target[r0:r1], class_start + chunk.c0, softcap, rows, logit_sum,
                     reference=rows.max if fold_ref and j > 0 else None, exact=exact):
                 continue
             if chunk.c0 < kept_classes:
@@ -571,14 +582,14 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
                 elif kept_last and plan.rows >= n:
                     chunk_ref = stats.max.clone()
                 z = slots.chunk(k, chunk.c1 - chunk.c0)
-                _stored_stats(x[r0:r1], chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, fused,
+                _stored_stats(xr, chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, fused,
                               logit_sum, reference=chunk_ref, probs=probs)
                 continue
             if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
                 # (a widened chunk the fused GEMM refused -- its layout -- needs its own width)
                 workspace = x.new_empty(min(plan.rows, n) * min(max(plan.cols, chunk.c1 - chunk.c0), v))
             z = _workspace_view(workspace, r1 - r0, chunk.c1 - chunk.c0)
-            _logits_into(x[r0:r1], chunk, z)
+            _logits_into(xr, chunk, z)
             _chunk_stats(target, r0, r1, z, class_start + chunk.c0, softcap, rows)
         yield
     if probs:

@@ -179,6 +179,12 @@ def check_target_tensor(target, x: Tensor) -> Tensor:
     Raises:
         TypeError: not a tensor, or not int64/int32. ValueError: wrong shape, another device than ``x``.
     """
+    _check_target_tensor(target, x)
+    return target.reshape(-1).long().contiguous()
+
+
+def _check_target_tensor(target, x: Tensor) -> None:
+    """:func:`check_target_tensor`'s checks alone (no flattened copy made)."""
     if not isinstance(target, Tensor):
         raise TypeError(f"hugehead: target must be a tensor, got {type(target).__name__}")
     lead = tuple(x.shape[:-1])
@@ -193,7 +199,6 @@ def check_target_tensor(target, x: Tensor) -> Tensor:
         raise TypeError(f"hugehead: target must be int64 or int32, got {target.dtype}")
     if target.device != x.device:
         raise ValueError(f"hugehead: target is on {target.device} but x is on {x.device}")
-    return target.reshape(-1).long().contiguous()
 
 
 def _out_of_range(target: Tensor, num_classes: int, ignore_index: Optional[int]) -> Tensor:
@@ -322,7 +327,7 @@ def check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tenso
         )
     if weight.shape[0] == 0:
         raise ValueError("hugehead: weight has no classes (V=0)")
-    check_target_tensor(target, x)
+    _check_target_tensor(target, x)
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"hugehead: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")

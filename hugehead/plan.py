@@ -405,7 +405,7 @@ def kept_tail_cols(n: int, d: int, v: int, itemsize: int) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _as_budget(memory_budget, device: torch.device) -> Budget:

@@ -752,6 +752,28 @@ def test_bench_prologue_smoke_writes_its_report(tmp_path):
     assert (tmp_path / "prologue.md").read_text().startswith("# The forward's host work")
 
 
+def test_bench_prologue_timeline_smoke_marks_the_first_gemm(tmp_path):
+    """bench_prologue --timeline on the CPU: every pass marks the loop's functions in host order, the first
+    GEMM after the plan and the target check after it (the check waits for the first chunk's GEMM), and the
+    probes are taken off again afterwards."""
+    from bench import bench_prologue
+    from hugehead import loop, ops
+
+    before = (loop._logits_into, ops.chunk_stats_)
+    assert bench_prologue.main(["--timeline", "--cpu-smoke", "--reps", "2", "--out", str(tmp_path)]) == 0
+    assert (loop._logits_into, ops.chunk_stats_) == before
+    (row,) = json.loads((tmp_path / "prologue_timeline.json").read_text())["rows"]
+    assert row["shape"] == "smoke" and row["step_ms"] > 0
+    for name in bench_prologue.TIMELINE_PASSES:
+        marks = row[name]["marks"]
+        at = {m["probe"]: m["host_us"] for m in marks}
+        assert [m["host_us"] for m in marks] == sorted(at.values()) and all(m["gpu_us"] is None for m in marks)
+        assert row[name]["first_gemm"]["probe"] == "loop._logits_into"
+        assert at["functional.loss_plan"] < at["loop._logits_into"] < at["functional.start_target_check"]
+        assert row[name]["first_gemm_host_us_all"] and not row[name]["first_gemm_gpu_us_all"]
+    assert (tmp_path / "prologue_timeline.md").read_text().startswith("# Where a training step's GPU waits")
+
+
 def test_profile_step_idle_gaps_between_kernels():
     """profile_step's gap analysis: kernels on other streams overlapping count as busy, a kernel nested in a
     longer one leaves no gap, and each gap names the kernel that ended last before it and the one after it."""

@@ -581,6 +581,36 @@ def test_start_target_check_raises_in_its_finisher_on_cuda_and_at_once_elsewhere
     assert hugehead.options.start_target_check(bad[:0], 10, None)() is None
 
 
+@pytest.mark.parametrize("case", ["chunks", "rows"])
+def test_target_check_starts_once_the_first_gemm_is_queued(case, monkeypatch):
+    """The single-device ops start the target check (on CUDA a pinned buffer, a copy and an event) once the loop
+    has queued its first chunk's GEMM, not before it (an eager step's GPU idles until that launch): once a call,
+    and a bad id still raises the same ValueError, from the forward."""
+    from hugehead import functional, loop
+
+    calls = []
+    real_check, real_logits = functional.start_target_check, loop._logits_into
+    monkeypatch.setattr(functional, "start_target_check", lambda *a: calls.append("check") or real_check(*a))
+    monkeypatch.setattr(loop, "_logits_into", lambda *a: calls.append("gemm") or real_logits(*a))
+    n, d, v = 64, 16, 700
+    x = torch.randn(n, d, dtype=torch.float64, requires_grad=case == "rows")
+    w = torch.randn(v, d, dtype=torch.float64, requires_grad=case == "rows")
+    target = torch.randint(0, v, (n,))
+    target[::5] = -100
+    budget = {"chunks": 256 * n * 8 + n * d * 16, "rows": 32 * v * 8 + n * d * 8}[case]
+    plan = planner.plan_loss(n, d, v, torch.float64, x.device, None, budget, allow_rows=case == "rows",
+                             direct_dx=True)
+    assert plan.kind == {"chunks": "recompute", "rows": "rows"}[case] and (plan.cols < v or plan.rows < n), plan
+    with torch.set_grad_enabled(case == "rows"):
+        loss = hugehead.linear_cross_entropy(x, w, target, memory_budget=budget)
+    assert calls.count("check") == 1 and calls[0] == "gemm" and calls.count("gemm") >= 2, calls
+    ref = F.cross_entropy(x @ w.T, target)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    target[9] = v
+    with pytest.raises(ValueError, match=rf"target {v} at row 9 is out of range for {v} classes"):
+        hugehead.linear_cross_entropy(x, w, target, memory_budget=budget)
+
+
 @requires_cuda
 @pytest.mark.parametrize("case", ["forward", "rows"])
 def test_cuda_out_of_range_target_raises_after_the_queued_loop_and_leaves_the_context_usable(case, monkeypatch):
