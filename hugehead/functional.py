@@ -30,7 +30,7 @@ from .loop import (  # noqa: F401  (re-exported: the loop's names were public he
     shard_forward_stats,
     whole_head_backward,
 )
-from .loop import _tma_ready
+from .loop import _side_stream, _tma_ready
 from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
     FLOAT_DTYPES,
     LossOptions,
@@ -155,19 +155,33 @@ class _DeferredCheck:
     """:func:`hugehead.options.start_target_check` started late: by the chunk loop once its first chunk's work is
     queued (:func:`hugehead.loop.run_steps`' ``after_first``), so that its host work (a pinned buffer, the copy,
     an event) and its device-to-host copy no longer stand between an eager step's start and its first GEMM,
-    while the GPU idles. The kernels queued before it read the targets only as class ids compared with column
-    ranges (as those queued before the check finishes always did), and :meth:`finish` runs before the op's
-    outputs are returned: a target out of range still raises the same ValueError, and nothing is corrupted.
-    One H100 at xc6M (bench/bench_prologue.py --timeline): see bench/NOTES.md, session 29."""
+    while the GPU idles. On CUDA the copy runs on the loop's side stream after an event recorded at the op's
+    start (the targets as the caller left them), beside the GEMMs: on the current stream it would wait for the
+    first chunk's work, and :meth:`finish` with it (at llama3_4k the whole forward, whose end the host then waits
+    for before it queues the backward). The kernels queued before the check read the targets only as class ids
+    compared with column ranges (as those queued before it finishes always did), and :meth:`finish` runs before
+    the op's outputs are returned: a target out of range still raises the same ValueError, and nothing is
+    corrupted. Measured in bench/NOTES.md (session 29; bench/bench_prologue.py --timeline)."""
 
-    __slots__ = ("target", "num_classes", "ignore_index", "finisher")
+    __slots__ = ("target", "num_classes", "ignore_index", "ready", "finisher")
 
     def __init__(self, target: Tensor, num_classes: int, ignore_index: int):
         self.target, self.num_classes, self.ignore_index = target, num_classes, ignore_index
         self.finisher = None
+        self.ready = None
+        if target.is_cuda and target.numel():
+            self.ready = torch.cuda.Event()
+            self.ready.record()
 
     def start(self) -> None:
-        if self.finisher is None:
+        if self.finisher is not None:
+            return
+        if self.ready is None:
+            self.finisher = start_target_check(self.target, self.num_classes, self.ignore_index)
+            return
+        side = _side_stream(self.target.device)
+        side.wait_event(self.ready)
+        with torch.cuda.stream(side):
             self.finisher = start_target_check(self.target, self.num_classes, self.ignore_index)
 
     def finish(self) -> None:
