@@ -171,7 +171,7 @@ class _DeferredCheck:
         self.ready = None
         if target.is_cuda and target.numel():
             self.ready = torch.cuda.Event()
-            self.ready.record()
+            self.ready.record(torch.cuda.current_stream(target.device))  # (the targets' device, current or not)
 
     def start(self) -> None:
         if self.finisher is not None:

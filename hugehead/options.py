@@ -255,9 +255,9 @@ def start_target_check(target: Tensor, num_classes: int, ignore_index: Optional[
     whole = target.numel() <= HOST_CHECK_MAX_ROWS
     source = target if whole else _low_high(target, ignore_index)
     host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
-    host.copy_(source, non_blocking=True)
+    host.copy_(source, non_blocking=True)  # (on the current stream of the targets' device, as the event below)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(target.device))
 
     def finish() -> None:
         done.synchronize()
