@@ -130,9 +130,23 @@ def gemm_flops(op: str, shapes: Sequence[Sequence[int]]) -> float:
     return 0.0
 
 
-def stage_of(op: str, shapes: Sequence[Sequence[int]], kernel: str, n: int, d: int) -> str:
+def _a_transposed(op: str, shapes: Sequence[Sequence[int]], strides) -> Optional[bool]:
+    """Whether an aten GEMM's first operand is a transposed view (``gᵀ``, as dW's is), from the profiler's
+    recorded strides (``FunctionEvent.structured_input_strides``, newer torch); None where they were not
+    recorded."""
+    i = 0 if op == "aten::mm" else 1
+    try:
+        (rows, cols), (s0, s1) = shapes[i], strides[i]
+    except (IndexError, TypeError, ValueError):
+        return None
+    if rows > 1 and cols > 1:
+        return s0 == 1 and s1 != 1
+    return None
+
+
+def stage_of(op: str, shapes: Sequence[Sequence[int]], kernel: str, n: int, d: int, strides=None) -> str:
     """The loop stage a kernel belongs to (``op``: the op that launched it; ``n``, ``d``: the loss's rows and
-    features)."""
+    features; ``strides``: the op's recorded input strides, where the profiler has them)."""
     if op == "hugehead::gemm_chunk_stats_" and MERGE_KERNEL in kernel:
         return "partials' merge"
     if op in OP_STAGES:
@@ -147,7 +161,15 @@ def stage_of(op: str, shapes: Sequence[Sequence[int]], kernel: str, n: int, d: i
         # count as dX's depth, below it, as a ragged last chunk's dW).
         if n_out != d:
             return "logits GEMM (cuBLAS)"
+        transposed = _a_transposed(op, shapes, strides)
+        if transposed is not None:  # dW's first operand is gᵀ, dX's g itself: decisive where recorded
+            return "dW GEMM (cuBLAS)" if transposed else "dX GEMM (cuBLAS)"
         if m > n:
+            return "dW GEMM (cuBLAS)"
+        if m == n == k and op == "aten::mm" and len(shapes) == 3:
+            # A chunk of exactly N classes (xc6M_16k: 16384 both) gives dX and dW the same shapes. On CUDA a 16-bit
+            # dX sums in float32 through the out_dtype overloads (a dtype among the inputs: 4 of them for mm) or
+            # returns a new tensor (2); dW is written by mm(gᵀ, x, out=) (3).
             return "dW GEMM (cuBLAS)"
         return "dX GEMM (cuBLAS)" if (m == n or k > n) else "dW GEMM (cuBLAS)"
     if op.startswith("hugehead::"):
@@ -167,7 +189,7 @@ def stage_split(events, steps: int, n: int, d: int) -> dict:
         shapes = getattr(e, "input_shapes", None) or []
         flops, counted = gemm_flops(e.name, shapes), False
         for k in kernels:
-            name = stage_of(e.name, shapes, k.name, n, d)
+            name = stage_of(e.name, shapes, k.name, n, d, getattr(e, "structured_input_strides", None))
             st = stages.setdefault(name, {"ms": 0.0, "calls": 0, "flops": 0.0})
             st["ms"] += k.duration / 1e3 / steps
             if not counted and name != "partials' merge":

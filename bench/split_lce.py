@@ -110,8 +110,10 @@ def _step_ms(x, w, t, reps: int, **kwargs) -> Dict[str, float]:
         loss = hugehead.linear_cross_entropy(xg, wg, t, **kwargs)
         return torch.autograd.grad(loss, (xg, wg))
 
-    timing = harness.measure(step, x.device, reps=reps, warmup=2)
-    # beyond what was allocated before the timed calls (the inputs) and the two returned gradients
+    # beyond the inputs and the two returned gradients, as bench_lce counts it. (Without input_bytes the
+    # baseline is what was allocated when the timed calls began: the inputs and the last warm-up's gradients,
+    # still held then, so subtracting the gradients again left 0 in every split.md up to 29ce64b.)
+    timing = harness.measure(step, x.device, reps=reps, warmup=2, input_bytes=harness.tensor_bytes(x, w, t))
     grads = harness.tensor_bytes(x, w)
     return {"ms": timing.ms, "peak_extra_gib": max(0, timing.peak_extra_bytes - grads) / 2**30}
 

@@ -853,6 +853,23 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
               op("aten::mm", [[n, n], [n, c]], [("nvjet_logits", 3.0)])]  # logits where D = N
     assert {k: v["calls"] for k, v in stage_split(square, steps=1, n=n, d=n).items()} == {
         "dW GEMM (cuBLAS)": 1, "dX GEMM (cuBLAS)": 1, "logits GEMM (cuBLAS)": 1}
+    # A chunk of exactly N classes (xc6M_16k) gives dX and dW the same shapes: the recorded strides tell them apart
+    # (dW's first operand is gᵀ), else the overloads: dX sums in float32 through out_dtype (a dtype input), dW is
+    # written by mm(gᵀ, x, out=).
+    strided = [NS(**vars(op("aten::mm", [[n, n], [n, d], [n, d]], [("nvjet_dw", 4.0)])),
+                  structured_input_strides=[[1, n], [d, 1], [d, 1]]),
+               NS(**vars(op("aten::mm", [[n, n], [n, d], [n, d]], [("nvjet_dx_cpu", 2.0)])),
+                  structured_input_strides=[[n, 1], [d, 1], [d, 1]]),
+               NS(**vars(op("aten::addmm", [[n, d], [n, n], [n, d], [], [], [], [n, d]], [("nvjet_dx", 3.0)])),
+                  structured_input_strides=[[d, 1], [n, 1], [d, 1], [], [], [], [d, 1]])]
+    assert {k: v["ms"] * 1e3 for k, v in stage_split(strided, steps=1, n=n, d=d).items()} == {
+        "dW GEMM (cuBLAS)": pytest.approx(4.0), "dX GEMM (cuBLAS)": pytest.approx(5.0)}
+    unstrided = [op("aten::mm", [[n, n], [n, d], [n, d]], [("nvjet_dw", 4.0)]),
+                 op("aten::mm", [[n, n], [n, d], [], [n, d]], [("nvjet_dx_first", 1.0)]),
+                 op("aten::addmm", [[n, d], [n, n], [n, d], [], [], [], [n, d]], [("nvjet_dx", 3.0)]),
+                 op("aten::mm", [[n, n], [n, d]], [("nvjet_dx_direct", 2.0)])]
+    assert {k: v["calls"] for k, v in stage_split(unstrided, steps=1, n=n, d=d).items()} == {
+        "dW GEMM (cuBLAS)": 1, "dX GEMM (cuBLAS)": 3}
     stages = stage_split(events * 2, steps=2, n=n, d=d)  # two identical steps
     f = 2.0 * n * d * c
     fb = 2.0 * r * d * c
