@@ -316,10 +316,8 @@ def _host_profile(run, steps: int, top: int) -> List[str]:
 
 
 def trace_step(run, path: Path) -> Path:
-    """One call of ``run`` from an idle GPU under torch.profiler with Python stacks; its Chrome trace, gzipped."""
-    import gzip
-    import shutil
-
+    """One call of ``run`` from an idle GPU under torch.profiler with Python stacks; its Chrome trace (gzipped by
+    torch.profiler where ``path`` ends in ``.gz``)."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA], with_stack=True) as prof:
@@ -327,12 +325,18 @@ def trace_step(run, path: Path) -> Path:
             run()
         torch.cuda.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
-    raw = path.with_suffix("")  # trace.json.gz -> trace.json
-    prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    raw.unlink()
+    prof.export_chrome_trace(str(path))
     return path
+
+
+def load_trace(path) -> dict:
+    """A Chrome trace of :func:`trace_step` (``.json`` or ``.json.gz``)."""
+    import gzip
+    import json
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 def host_in_gaps(trace: dict, min_gap_us: float = 50.0, top: int = 8, per_gap: int = 6) -> List[str]:
@@ -401,12 +405,7 @@ def main(argv=None) -> int:
     p.add_argument("--gaps", default=None, help="only print host_in_gaps of this Chrome trace (.json or .json.gz)")
     opts = p.parse_args(argv)
     if opts.gaps:
-        import gzip
-        import json
-
-        opener = gzip.open if opts.gaps.endswith(".gz") else open
-        with opener(opts.gaps, "rt") as f:
-            print("\n".join(host_in_gaps(json.load(f), top=opts.top)))
+        print("\n".join(host_in_gaps(load_trace(opts.gaps), top=opts.top)))
         return 0
     run = build(opts.shape, opts.case, opts.impl)
     step_ms = harness.measure(run, torch.device("cuda"), reps=5, warmup=2).ms
@@ -436,13 +435,9 @@ def main(argv=None) -> int:
     if opts.host:
         lines += _host_profile(run, opts.steps, opts.host)
     if opts.trace:
-        import gzip
-        import json
-
         tag = "" if opts.impl is None else f"_{opts.impl}"
         path = trace_step(run, Path(opts.out or ".") / f"trace_{opts.shape}_{opts.case}{tag}.json.gz")
-        with gzip.open(path, "rt") as f:
-            lines += host_in_gaps(json.load(f), top=opts.top)
+        lines += host_in_gaps(load_trace(path), top=opts.top)
     text = "\n".join(lines) + "\n"
     print(text)
     if opts.out:
