@@ -159,14 +159,24 @@ def float64_reference(x, w, b, target, grad_out, opts):
     return ref
 
 
-def assert_rel(actual, ref, tol, what):
-    """Norm-wise relative error ≤ tol; NaNs must sit where the reference has them."""
+def assert_rel(actual, ref, tol, what, plain=None):
+    """Norm-wise relative error ≤ tol; NaNs must sit where the reference has them.
+
+    With ``plain`` (the same computation done the plain way in the same dtype) and fewer than 16
+    elements, the bound is also at least 4x plain's error + 4 eps: a gradient that is one sum of
+    cancelling terms (N = D = 1) is off by more than ``tol`` for either implementation now and then
+    (float32 over 300 seeds at N = D = 1, V 100-299: 2 draws over 1e-5 for each, plain's worst
+    9.1e-5, ours 4.6e-5); a wrong formula is still off by O(1)."""
     assert actual.shape == ref.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(ref.shape)}"
     a, r = actual.detach().double().cpu(), ref.detach().double().cpu()
     assert torch.equal(a.isnan(), r.isnan()), f"{what}: NaN pattern differs: {a} vs {r}"
     keep = ~r.isnan()
     err = rel_err(a[keep], r[keep])
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+    bound = tol
+    if plain is not None and int(keep.sum()) < 16:
+        err_plain = rel_err(plain.detach().double().cpu()[keep], r[keep])
+        bound = max(tol, 4.0 * err_plain + 4.0 * torch.finfo(actual.dtype).eps)
+    assert err <= bound, f"{what}: relative error {err:.3g} > {bound:.3g}"
 
 
 def assert_low_precision(actual, plain, ref, dtype, what, out_dtype=None):
@@ -209,13 +219,13 @@ def check_case(case, dtype, device):
     ref = float64_reference(x, w, b, target, grad_out, opts)
     assert ours[0].dtype == loss_dtype(dtype) and ours[0].device == x.device
     names = ("loss", "grad x", "grad weight", "grad bias")
+    plain = run_with_grads(lambda x_, w_, b_: plain_loss(x_, w_, b_, target, opts), x, w, b, grad_out,
+                           opts["reduction"])
     if dtype in FP32_TOL:
-        for a, r, name in zip(ours, ref, names):
+        for a, p, r, name in zip(ours, plain, ref, names):
             if r is not None:
-                assert_rel(a, r, FP32_TOL[dtype], name)
+                assert_rel(a, r, FP32_TOL[dtype], name, plain=p)
     else:
-        plain = run_with_grads(lambda x_, w_, b_: plain_loss(x_, w_, b_, target, opts), x, w, b, grad_out,
-                               opts["reduction"])
         for a, p, r, name in zip(ours, plain, ref, names):
             if r is not None:
                 assert_low_precision(a, p, r, dtype, name, out_dtype=loss_dtype(dtype) if name == "loss" else None)
@@ -243,6 +253,9 @@ def _case(**overrides):
 # One row, V smaller than the pinned chunk; many rows split into blocks of one row, one class per chunk.
 @example(case=_case(v=5, d=7, chunk_size=64, label_smoothing=0.1))
 @example(case=_case(n=13, v=9, d=4, chunk_size=1, split_rows=1, bias=True, ignore="some", reduction="sum"))
+# One row of one feature: grad x is one cancelling sum (-0.0125 from terms ~0.1), 1.2e-5 off in float32 for
+# us and 9.8e-6 for plain PyTorch: over a fixed 1e-5, so assert_rel's small-tensor bound (a CI run's find).
+@example(case=_case(v=169))
 def test_matches_float64_reference(device, dtype, case):
     check_case(case, dtype, device)
 
