@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 21's H200 evidence as device calls, one per line (carry [".hh", ".whl", ".peers"], timeout_s 600):
+#
+#   git rev-parse HEAD > .hh/sha          # here, before the calls (the device's copy of .git may be stale)
+#   OUT=... bash bench/board_calls.sh 1   # board part 1 (builds; the wheel comes back in $OUT/wheel: copy it to .hh/)
+#   OUT=... bash bench/board_calls.sh 2   # board part 2 (--resume; carry part 1's lce.json as .peers/lce_parts/lce.json
+#                                         # unless the machine stayed warm), then split_lce and Nsight Compute at xc6M
+#   OUT=... bash bench/board_calls.sh suite   # the CUDA test suite
+#   OUT=... [MINI_S=230] [SUITE_S=150] bash bench/board_calls.sh mini
+#                                         # one call for a short budget: hugehead and torch.compile at xc6M_16k,
+#                                         # xc6M and llama3_4k, then the CUDA suite
+#
+# .hh/ (git-ignored) holds sha and, after the first build, hugehead-*.whl: later calls install that wheel with the
+# tree's Python laid over it (HUGEHEAD_WHEEL_OVERLAY: only valid while csrc/, setup.py and CMakeLists.txt are the
+# wheel's). .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
+# Parts 1, 2 and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
+# builds the wheel only, if .hh/ has none.
+set -u
+WHAT=${1:?usage: bash bench/board_calls.sh 1|2|suite|mini}
+OUT=${OUT:?set OUT to the output folder}
+export OUT
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 2
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "GPU: $GPU"
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total --format=csv
+IS_H200=0
+[[ "$GPU" == *H200* ]] && IS_H200=1
+HUGEHEAD_GIT_SHA=$(cat .hh/sha) || { echo "write .hh/sha first (git rev-parse HEAD > .hh/sha)"; exit 2; }
+export HUGEHEAD_GIT_SHA
+WHEEL=$(ls .hh/hugehead-*.whl 2>/dev/null | head -1)
+use_wheel() {
+    if [ -n "$WHEEL" ]; then
+        export HUGEHEAD_WHEEL=$WHEEL HUGEHEAD_WHEEL_OVERLAY=1
+    else
+        mkdir -p "$OUT/wheel" && export BUILD_WHEEL_DIR=$OUT/wheel
+    fi
+}
+not_h200() { echo "not an H200: nothing run"; exit 3; }
+
+case "$WHAT" in
+1)
+    if [ "$IS_H200" = 1 ]; then
+        use_wheel
+        exec bash bench/lce_parts.sh 1
+    fi
+    [ -n "$WHEEL" ] && not_h200
+    use_wheel
+    STAGES="smi peers build dispatch" DEADLINE_S=400 exec bash bench/device_check.sh
+    ;;
+2)
+    [ "$IS_H200" = 1 ] || not_h200
+    use_wheel
+    NCU=${NCU:-/usr/local/cuda/bin/ncu}
+    DEADLINE_S=${DEADLINE_S:-585} STAGES="peers build bench" \
+        EXTRA="split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k --out $OUT/split|ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.split_lce --ncu xc6M > $OUT/ncu_xc6M.txt 2>&1" \
+        exec bash bench/lce_parts.sh 2
+    ;;
+suite)
+    use_wheel
+    STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
+        DEADLINE_S=${DEADLINE_S:-560} exec bash bench/device_check.sh
+    ;;
+mini)
+    [ "$IS_H200" = 1 ] || not_h200
+    use_wheel
+    S=${SUITE_S:-150}
+    EX=""
+    [ "$S" -gt 0 ] && EX="suite=timeout $S python3 -P -m pytest tests -q -m cuda -rf --junitxml=$OUT/junit.xml > $OUT/pytest_cuda.log 2>&1; tail -3 $OUT/pytest_cuda.log"
+    DEADLINE_S=585 STAGES="smi peers build dispatch bench" \
+        BENCH_ARGS="--shapes xc6M_16k,xc6M,llama3_4k --peers hugehead,torch_compile --min-case-s 100 --budget ${MINI_S:-230}" \
+        EXTRA="$EX" exec bash bench/device_check.sh
+    ;;
+*)
+    echo "usage: bash bench/board_calls.sh 1|2|suite|mini" >&2
+    exit 2
+    ;;
+esac
