@@ -15,20 +15,24 @@
 # wheel's). .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
 # Parts 1, 2 and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
 # builds the wheel only, if .hh/ has none.
+# For a rehearsal elsewhere: HH (the folder for sha and the wheel), DEVICE_CHECK and LCE_PARTS (the scripts called).
 set -u
 WHAT=${1:?usage: bash bench/board_calls.sh 1|2|suite|mini}
 OUT=${OUT:?set OUT to the output folder}
 export OUT
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
+HH=${HH:-.hh}
+DEVICE_CHECK=${DEVICE_CHECK:-bench/device_check.sh}
+LCE_PARTS=${LCE_PARTS:-bench/lce_parts.sh}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "GPU: $GPU"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total --format=csv
 IS_H200=0
 [[ "$GPU" == *H200* ]] && IS_H200=1
-HUGEHEAD_GIT_SHA=$(cat .hh/sha) || { echo "write .hh/sha first (git rev-parse HEAD > .hh/sha)"; exit 2; }
+HUGEHEAD_GIT_SHA=$(cat "$HH/sha") || { echo "write $HH/sha first (git rev-parse HEAD > $HH/sha)"; exit 2; }
 export HUGEHEAD_GIT_SHA
-WHEEL=$(ls .hh/hugehead-*.whl 2>/dev/null | head -1)
+WHEEL=$(ls "$HH"/hugehead-*.whl 2>/dev/null | head -1)
 use_wheel() {
     if [ -n "$WHEEL" ]; then
         export HUGEHEAD_WHEEL=$WHEEL HUGEHEAD_WHEEL_OVERLAY=1
@@ -42,11 +46,11 @@ case "$WHAT" in
 1)
     if [ "$IS_H200" = 1 ]; then
         use_wheel
-        exec bash bench/lce_parts.sh 1
+        exec bash "$LCE_PARTS" 1
     fi
     [ -n "$WHEEL" ] && not_h200
     use_wheel
-    STAGES="smi peers build dispatch" DEADLINE_S=400 exec bash bench/device_check.sh
+    STAGES="smi peers build dispatch" DEADLINE_S=400 exec bash "$DEVICE_CHECK"
     ;;
 2)
     [ "$IS_H200" = 1 ] || not_h200
@@ -54,12 +58,12 @@ case "$WHAT" in
     NCU=${NCU:-/usr/local/cuda/bin/ncu}
     DEADLINE_S=${DEADLINE_S:-585} STAGES="peers build bench" \
         EXTRA="split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k --out $OUT/split|ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.split_lce --ncu xc6M > $OUT/ncu_xc6M.txt 2>&1" \
-        exec bash bench/lce_parts.sh 2
+        exec bash "$LCE_PARTS" 2
     ;;
 suite)
     use_wheel
     STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
-        DEADLINE_S=${DEADLINE_S:-560} exec bash bench/device_check.sh
+        DEADLINE_S=${DEADLINE_S:-560} exec bash "$DEVICE_CHECK"
     ;;
 mini)
     [ "$IS_H200" = 1 ] || not_h200
@@ -69,7 +73,7 @@ mini)
     [ "$S" -gt 0 ] && EX="suite=timeout $S python3 -P -m pytest tests -q -m cuda -rf --junitxml=$OUT/junit.xml > $OUT/pytest_cuda.log 2>&1; tail -3 $OUT/pytest_cuda.log"
     DEADLINE_S=585 STAGES="smi peers build dispatch bench" \
         BENCH_ARGS="--shapes xc6M_16k,xc6M,llama3_4k --peers hugehead,torch_compile --min-case-s 100 --budget ${MINI_S:-230}" \
-        EXTRA="$EX" exec bash bench/device_check.sh
+        EXTRA="$EX" exec bash "$DEVICE_CHECK"
     ;;
 *)
     echo "usage: bash bench/board_calls.sh 1|2|suite|mini" >&2

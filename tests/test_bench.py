@@ -889,3 +889,56 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
     assert gemm_flops("aten::mm", []) == 0.0 and gemm_flops("aten::add_", [[n], [n]]) == 0.0
     table = stage_lines(stages, step_ms=1.0)
     assert table[2].startswith("| dX GEMM (cuBLAS) | 0.15 | 3 |") and table[2].endswith("| 15.5% |")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bench/board_calls.sh is a bash script")
+def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
+    """bench/board_calls.sh with a stand-in nvidia-smi and stand-ins for the scripts it calls: on an H100 the
+    H200-only calls run nothing (exit 3), part 1 builds the wheel only while none is kept; on an H200 a kept
+    wheel is installed with the tree's Python over it, else the build leaves one in $OUT/wheel; every call
+    records the SHA from the sha file, and a missing sha file stops it before any step."""
+    import os
+    import subprocess
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text('#!/usr/bin/env bash\necho "$GPU_NAME"\n')
+    smi.chmod(0o755)
+    record = ('echo "$(basename "$0")${1:+ $1} | STAGES=${STAGES:-} WHEEL=${HUGEHEAD_WHEEL:-} '
+              'OVERLAY=${HUGEHEAD_WHEEL_OVERLAY:-} BUILD=${BUILD_WHEEL_DIR:-} SHA=$HUGEHEAD_GIT_SHA '
+              'ARGS=${BENCH_ARGS:-} EXTRA=${EXTRA:-}"\n')
+    for name in ("device_check.sh", "lce_parts.sh"):
+        (tmp_path / name).write_text(record)
+    hh = tmp_path / "hh"
+    hh.mkdir()
+
+    def call(what, gpu):
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        env = dict(os.environ, GPU_NAME=gpu, HH=str(hh), OUT=str(out), PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
+                   DEVICE_CHECK=str(tmp_path / "device_check.sh"), LCE_PARTS=str(tmp_path / "lce_parts.sh"))
+        proc = subprocess.run(["bash", str(harness.REPO_ROOT / "bench" / "board_calls.sh"), what], env=env,
+                              capture_output=True, text=True, timeout=60)
+        return proc.returncode, proc.stdout.strip().splitlines()[-1]
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert call("1", h200) == (2, f"write {hh}/sha first (git rev-parse HEAD > {hh}/sha)")
+    (hh / "sha").write_text("0123456789ab\n")
+    rc, line = call("1", h200)
+    assert rc == 0 and line.startswith("lce_parts.sh 1 | STAGES= WHEEL= OVERLAY= BUILD=")
+    assert line.split("BUILD=")[1].startswith(str(tmp_path / "out" / "wheel")) and "SHA=0123456789ab" in line
+    rc, line = call("1", h100)
+    assert rc == 0 and line.startswith("device_check.sh | STAGES=smi peers build dispatch WHEEL= OVERLAY= BUILD=")
+    wheel = hh / "hugehead-0.1.0-cp312-cp312-linux_x86_64.whl"
+    wheel.write_bytes(b"")
+    for what in ("1", "2", "mini"):
+        assert call(what, h100) == (3, "not an H200: nothing run")
+    rc, line = call("suite", h100)
+    assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
+    rc, line = call("2", h200)
+    assert rc == 0 and line.startswith(f"lce_parts.sh 2 | STAGES=peers build bench WHEEL={wheel} OVERLAY=1 BUILD= ")
+    assert "EXTRA=split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k" in line and "--ncu xc6M" in line
+    rc, line = call("mini", h200)
+    assert rc == 0 and "ARGS=--shapes xc6M_16k,xc6M,llama3_4k --peers hugehead,torch_compile" in line
+    assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
