@@ -6,7 +6,7 @@
 #   OUT=... bash bench/board_calls.sh 2   # board part 2 (--resume; carry part 1's lce.json as .peers/lce_parts/lce.json
 #                                         # unless the machine stayed warm), then split_lce and Nsight Compute at xc6M
 #   OUT=... bash bench/board_calls.sh suite   # the CUDA test suite
-#   OUT=... [MINI_S=230] [SUITE_S=150] bash bench/board_calls.sh mini
+#   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
 #                                         # one call for a short budget: hugehead and torch.compile at xc6M_16k,
 #                                         # xc6M and llama3_4k, then the CUDA suite
 #
@@ -71,7 +71,7 @@ mini)
     S=${SUITE_S:-150}
     EX=""
     [ "$S" -gt 0 ] && EX="suite=timeout $S python3 -P -m pytest tests -q -m cuda -rf --junitxml=$OUT/junit.xml > $OUT/pytest_cuda.log 2>&1; tail -3 $OUT/pytest_cuda.log"
-    DEADLINE_S=585 STAGES="smi peers build dispatch bench" \
+    DEADLINE_S=${DEADLINE_S:-585} STAGES="smi peers build dispatch bench" \
         BENCH_ARGS="--shapes xc6M_16k,xc6M,llama3_4k --peers hugehead,torch_compile --min-case-s 100 --budget ${MINI_S:-230}" \
         EXTRA="$EX" exec bash "$DEVICE_CHECK"
     ;;
