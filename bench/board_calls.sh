@@ -7,8 +7,8 @@
 #                                         # unless the machine stayed warm), then split_lce and Nsight Compute at xc6M
 #   OUT=... bash bench/board_calls.sh suite   # the CUDA test suite
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
-#                                         # one call for a short budget: hugehead and torch.compile at xc6M_16k,
-#                                         # xc6M and llama3_4k, then the CUDA suite
+#                                         # one call for a short budget: hugehead and torch.compile at llama3_4k,
+#                                         # xc6M and xc6M_16k (cheapest first), then the CUDA suite
 #
 # .hh/ (git-ignored) holds sha and, after the first build, hugehead-*.whl: later calls install that wheel with the
 # tree's Python laid over it (HUGEHEAD_WHEEL_OVERLAY: only valid while csrc/, setup.py and CMakeLists.txt are the
@@ -72,7 +72,7 @@ mini)
     EX=""
     [ "$S" -gt 0 ] && EX="suite=timeout $S python3 -P -m pytest tests -q -m cuda -rf --junitxml=$OUT/junit.xml > $OUT/pytest_cuda.log 2>&1; tail -3 $OUT/pytest_cuda.log"
     DEADLINE_S=${DEADLINE_S:-585} STAGES="smi peers build dispatch bench" \
-        BENCH_ARGS="--shapes xc6M_16k,xc6M,llama3_4k --peers hugehead,torch_compile --min-case-s 100 --budget ${MINI_S:-230}" \
+        BENCH_ARGS="--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile --min-case-s 100 --budget ${MINI_S:-230}" \
         EXTRA="$EX" exec bash "$DEVICE_CHECK"
     ;;
 *)

@@ -940,5 +940,5 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     assert rc == 0 and line.startswith(f"lce_parts.sh 2 | STAGES=peers build bench WHEEL={wheel} OVERLAY=1 BUILD= ")
     assert "EXTRA=split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k" in line and "--ncu xc6M" in line
     rc, line = call("mini", h200)
-    assert rc == 0 and "ARGS=--shapes xc6M_16k,xc6M,llama3_4k --peers hugehead,torch_compile" in line
+    assert rc == 0 and "ARGS=--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile" in line
     assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
