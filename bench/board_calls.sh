@@ -4,7 +4,8 @@
 #   git rev-parse HEAD > .hh/sha          # here, before the calls (the device's copy of .git may be stale)
 #   OUT=... bash bench/board_calls.sh 1   # board part 1 (builds; the wheel comes back in $OUT/wheel: copy it to .hh/)
 #   OUT=... bash bench/board_calls.sh 2   # board part 2 (--resume; carry part 1's lce.json as .peers/lce_parts/lce.json
-#                                         # unless the machine stayed warm), then split_lce and Nsight Compute at xc6M
+#                                         # unless the machine stayed warm), then split_lce and Nsight Compute of one
+#                                         # fused xc6M chunk (bench_gemm --ncu: the issue's "ncu of one fused chunk")
 #   OUT=... bash bench/board_calls.sh suite   # the CUDA test suite
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
 #                                         # one call for a short budget: hugehead and torch.compile at llama3_4k,
@@ -57,7 +58,7 @@ case "$WHAT" in
     use_wheel
     NCU=${NCU:-/usr/local/cuda/bin/ncu}
     DEADLINE_S=${DEADLINE_S:-585} STAGES="peers build bench" \
-        EXTRA="split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k --out $OUT/split|ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.split_lce --ncu xc6M > $OUT/ncu_xc6M.txt 2>&1" \
+        EXTRA="split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k --out $OUT/split|ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > $OUT/ncu_fused_xc6M.txt 2>&1" \
         exec bash "$LCE_PARTS" 2
     ;;
 suite)

@@ -938,7 +938,8 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
     rc, line = call("2", h200)
     assert rc == 0 and line.startswith(f"lce_parts.sh 2 | STAGES=peers build bench WHEEL={wheel} OVERLAY=1 BUILD= ")
-    assert "EXTRA=split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k" in line and "--ncu xc6M" in line
+    assert "EXTRA=split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k" in line
+    assert "python3 -m bench.bench_gemm --ncu xc6M > " in line and "split_lce --ncu" not in line  # the fused chunk
     rc, line = call("mini", h200)
     assert rc == 0 and "ARGS=--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile" in line
     assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
