@@ -7,6 +7,8 @@
 #                                         # unless the machine stayed warm), then split_lce and Nsight Compute of one
 #                                         # fused xc6M chunk (bench_gemm --ncu: the issue's "ncu of one fused chunk")
 #   OUT=... bash bench/board_calls.sh suite   # the CUDA test suite
+#   OUT=... bash bench/board_calls.sh evidence   # H200 only: the CUDA test suite, then Nsight Compute of one fused
+#                                         # xc6M chunk (part 2's ncu): acceptance 2 and the ncu without the board
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
 #                                         # one call for a short budget: hugehead and torch.compile at llama3_4k,
 #                                         # xc6M and xc6M_16k (cheapest first), then the CUDA suite
@@ -14,11 +16,11 @@
 # .hh/ (git-ignored) holds sha and, after the first build, hugehead-*.whl: later calls install that wheel with the
 # tree's Python laid over it (HUGEHEAD_WHEEL_OVERLAY: only valid while csrc/, setup.py and CMakeLists.txt are the
 # wheel's). .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
-# Parts 1, 2 and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
+# Parts 1, 2, evidence and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
 # builds the wheel only, if .hh/ has none.
 # For a rehearsal elsewhere: HH (the folder for sha and the wheel), DEVICE_CHECK and LCE_PARTS (the scripts called).
 set -u
-WHAT=${1:?usage: bash bench/board_calls.sh 1|2|suite|mini}
+WHAT=${1:?usage: bash bench/board_calls.sh 1|2|suite|evidence|mini}
 OUT=${OUT:?set OUT to the output folder}
 export OUT
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +44,8 @@ use_wheel() {
     fi
 }
 not_h200() { echo "not an H200: nothing run"; exit 3; }
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+NCU_FUSED="ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > $OUT/ncu_fused_xc6M.txt 2>&1"
 
 case "$WHAT" in
 1)
@@ -56,15 +60,20 @@ case "$WHAT" in
 2)
     [ "$IS_H200" = 1 ] || not_h200
     use_wheel
-    NCU=${NCU:-/usr/local/cuda/bin/ncu}
     DEADLINE_S=${DEADLINE_S:-585} STAGES="peers build bench" \
-        EXTRA="split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k --out $OUT/split|ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > $OUT/ncu_fused_xc6M.txt 2>&1" \
+        EXTRA="split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k --out $OUT/split|$NCU_FUSED" \
         exec bash "$LCE_PARTS" 2
     ;;
 suite)
     use_wheel
     STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
         DEADLINE_S=${DEADLINE_S:-560} exec bash "$DEVICE_CHECK"
+    ;;
+evidence)
+    [ "$IS_H200" = 1 ] || not_h200
+    use_wheel
+    STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
+        EXTRA="$NCU_FUSED" DEADLINE_S=${DEADLINE_S:-560} exec bash "$DEVICE_CHECK"
     ;;
 mini)
     [ "$IS_H200" = 1 ] || not_h200
@@ -77,7 +86,7 @@ mini)
         EXTRA="$EX" exec bash "$DEVICE_CHECK"
     ;;
 *)
-    echo "usage: bash bench/board_calls.sh 1|2|suite|mini" >&2
+    echo "usage: bash bench/board_calls.sh 1|2|suite|evidence|mini" >&2
     exit 2
     ;;
 esac

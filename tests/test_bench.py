@@ -932,7 +932,7 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     assert rc == 0 and line.startswith("device_check.sh | STAGES=smi peers build dispatch WHEEL= OVERLAY= BUILD=")
     wheel = hh / "hugehead-0.1.0-cp312-cp312-linux_x86_64.whl"
     wheel.write_bytes(b"")
-    for what in ("1", "2", "mini"):
+    for what in ("1", "2", "evidence", "mini"):
         assert call(what, h100) == (3, "not an H200: nothing run")
     rc, line = call("suite", h100)
     assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
@@ -940,6 +940,10 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     assert rc == 0 and line.startswith(f"lce_parts.sh 2 | STAGES=peers build bench WHEEL={wheel} OVERLAY=1 BUILD= ")
     assert "EXTRA=split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k" in line
     assert "python3 -m bench.bench_gemm --ncu xc6M > " in line and "split_lce --ncu" not in line  # the fused chunk
+    rc, line = call("evidence", h200)
+    assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
+    assert line.endswith(f"EXTRA=ncu=/usr/local/cuda/bin/ncu --clock-control none --profile-from-start off --section "
+                         f"SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > {tmp_path / 'out'}/ncu_fused_xc6M.txt 2>&1")
     rc, line = call("mini", h200)
     assert rc == 0 and "ARGS=--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile" in line
     assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
