@@ -9,6 +9,10 @@
 #   OUT=... bash bench/board_calls.sh suite   # the CUDA test suite
 #   OUT=... bash bench/board_calls.sh evidence   # H200 only: the CUDA test suite, then Nsight Compute of one fused
 #                                         # xc6M chunk (part 2's ncu): acceptance 2 and the ncu without the board
+#   git archive --format=tar -o .hh/old.tar bf7c076   # here, before an `ab` call
+#   OUT=... [AB_SHAPES=llama3_4k,gemma2] [AB_ROUNDS=2] bash bench/board_calls.sh ab
+#                                         # H200 only: bench/ab_commits.py, the old commit's hugehead built beside
+#                                         # this tree's and both timed in turns with torch.compile (~6 minutes)
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
 #                                         # one call for a short budget: hugehead and torch.compile at llama3_4k,
 #                                         # xc6M and xc6M_16k (cheapest first), then the CUDA suite
@@ -16,11 +20,11 @@
 # .hh/ (git-ignored) holds sha and, after the first build, hugehead-*.whl: later calls install that wheel with the
 # tree's Python laid over it (HUGEHEAD_WHEEL_OVERLAY: only valid while csrc/, setup.py and CMakeLists.txt are the
 # wheel's). .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
-# Parts 1, 2, evidence and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
+# Parts 1, 2, evidence, ab and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
 # builds the wheel only, if .hh/ has none.
 # For a rehearsal elsewhere: HH (the folder for sha and the wheel), DEVICE_CHECK and LCE_PARTS (the scripts called).
 set -u
-WHAT=${1:?usage: bash bench/board_calls.sh 1|2|suite|evidence|mini}
+WHAT=${1:?usage: bash bench/board_calls.sh 1|2|suite|evidence|ab|mini}
 OUT=${OUT:?set OUT to the output folder}
 export OUT
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -75,6 +79,14 @@ evidence)
     STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
         EXTRA="$NCU_FUSED" DEADLINE_S=${DEADLINE_S:-560} exec bash "$DEVICE_CHECK"
     ;;
+ab)
+    [ "$IS_H200" = 1 ] || not_h200
+    [ -f "$HH/old.tar" ] || { echo "make $HH/old.tar first (git archive --format=tar -o $HH/old.tar bf7c076)"; exit 2; }
+    use_wheel
+    STAGES="smi peers build" DEADLINE_S=${DEADLINE_S:-585} \
+        EXTRA="ab=python3 -m bench.ab_commits --old-tar $HH/old.tar --out $OUT/ab --shapes ${AB_SHAPES:-llama3_4k,gemma2} --rounds ${AB_ROUNDS:-2}" \
+        exec bash "$DEVICE_CHECK"
+    ;;
 mini)
     [ "$IS_H200" = 1 ] || not_h200
     use_wheel
@@ -86,7 +98,7 @@ mini)
         EXTRA="$EX" exec bash "$DEVICE_CHECK"
     ;;
 *)
-    echo "usage: bash bench/board_calls.sh 1|2|suite|evidence|mini" >&2
+    echo "usage: bash bench/board_calls.sh 1|2|suite|evidence|ab|mini" >&2
     exit 2
     ;;
 esac

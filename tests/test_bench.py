@@ -932,7 +932,7 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     assert rc == 0 and line.startswith("device_check.sh | STAGES=smi peers build dispatch WHEEL= OVERLAY= BUILD=")
     wheel = hh / "hugehead-0.1.0-cp312-cp312-linux_x86_64.whl"
     wheel.write_bytes(b"")
-    for what in ("1", "2", "evidence", "mini"):
+    for what in ("1", "2", "evidence", "ab", "mini"):
         assert call(what, h100) == (3, "not an H200: nothing run")
     rc, line = call("suite", h100)
     assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
@@ -944,6 +944,97 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
     assert line.endswith(f"EXTRA=ncu=/usr/local/cuda/bin/ncu --clock-control none --profile-from-start off --section "
                          f"SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > {tmp_path / 'out'}/ncu_fused_xc6M.txt 2>&1")
+    assert call("ab", h200) == (2, f"make {hh}/old.tar first (git archive --format=tar -o {hh}/old.tar bf7c076)")
+    (hh / "old.tar").write_bytes(b"")
+    rc, line = call("ab", h200)
+    assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build WHEEL" in line
+    assert line.endswith(f"EXTRA=ab=python3 -m bench.ab_commits --old-tar {hh}/old.tar --out {tmp_path / 'out'}/ab "
+                         "--shapes llama3_4k,gemma2 --rounds 2")
     rc, line = call("mini", h200)
     assert rc == 0 and "ARGS=--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile" in line
     assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
+
+
+_AB_FAKE_BENCH = '''
+import argparse, json, os, sys
+from pathlib import Path
+p = argparse.ArgumentParser()
+for a in ("--peers", "--shapes", "--out", "--work"):
+    p.add_argument(a)
+o = p.parse_args()
+tree = Path.cwd().name
+log = Path(os.environ["AB_ORDER_LOG"])
+k = len(log.read_text().splitlines()) if log.exists() else 0
+log.write_text((log.read_text() if log.exists() else "") + tree + "\\n")
+base = {"old": 20.0, "new": 19.0}[tree]
+rows = []
+for shape in o.shapes.split(","):
+    for impl in o.peers.split(","):
+        ms = (base if impl == "hugehead" else 21.0) + 0.5 * k + (10.0 if shape == "gemma2" else 0.0)
+        rows.append({"shape": shape, "impl": impl, "fwd_bwd_ms": ms, "fwd_ms": ms / 3})
+Path(o.out).mkdir(parents=True, exist_ok=True)
+meta = {"hugehead_file": str(Path.cwd() / "hugehead"), "gpu_name": "Stand-in GPU", "git_sha": os.environ["HUGEHEAD_GIT_SHA"]}
+(Path(o.out) / "lce.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+'''
+
+
+def _ab_fake_tree(root):
+    (root / "bench").mkdir(parents=True)
+    (root / "bench" / "__init__.py").write_text("")
+    (root / "bench" / "bench_lce.py").write_text(_AB_FAKE_BENCH)
+    (root / "setup.py").write_text("import os, sys\nassert sys.argv[1:] == ['build_ext', '--inplace'], sys.argv\n"
+                                   "assert os.environ['HUGEHEAD_CUDA'] == 'ON'\nopen('built.txt', 'w').write('yes')\n")
+
+
+def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
+    """bench/ab_commits.py with two stand-in trees (the old one as a tar carrying its commit in the pax header,
+    as git archive writes it): the old tree is unpacked and built in place, the runs take turns (old, new, new,
+    old), each run's medians and each tree's means and ratios are the stand-in's numbers."""
+    import tarfile
+
+    from bench import ab_commits
+
+    src = tmp_path / "src" / "old"
+    _ab_fake_tree(src)
+    tar_path = tmp_path / "old.tar"
+    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "ab" * 20}) as tar:
+        for f in sorted(src.rglob("*")):
+            tar.add(f, arcname=str(f.relative_to(src)), recursive=False)
+    assert ab_commits.tar_commit(tar_path) == "ab" * 20
+    new = tmp_path / "new"
+    _ab_fake_tree(new)
+    scratch = tmp_path / "scratch" / "old"
+    monkeypatch.setenv("AB_ORDER_LOG", str(tmp_path / "order.log"))
+    monkeypatch.setenv("HUGEHEAD_GIT_SHA", "cd" * 20)
+    rc = ab_commits.main(["--old-tar", str(tar_path), "--out", str(tmp_path / "out"), "--scratch", str(scratch),
+                          "--new-tree", str(new), "--shapes", "llama3_4k,gemma2", "--rounds", "2"])
+    assert rc == 0
+    assert (scratch / "built.txt").read_text() == "yes"
+    assert (tmp_path / "order.log").read_text().split() == ["old", "new", "new", "old"]
+    ab = json.loads((tmp_path / "out" / "ab.json").read_text())
+    assert ab["meta"]["old_sha"] == "ab" * 20 and ab["meta"]["new_sha"] == "cd" * 20
+    assert ab["meta"]["gpu"] == "Stand-in GPU" and ab["meta"]["imports"]["old1"] == str(scratch / "hugehead")
+    assert [r["label"] for r in ab["runs"]][::4] == ["old1", "new1", "new2", "old2"]
+    c = ab["per_shape"]["llama3_4k"]
+    # run k (0..3) gives base + 0.5 k: old ran as k = 0 and 3, new as k = 1 and 2
+    assert c["old_hugehead"] == pytest.approx(20.75) and c["new_hugehead"] == pytest.approx(19.75)
+    assert c["old_torch_compile"] == pytest.approx(21.75) and c["new_torch_compile"] == pytest.approx(21.75)
+    assert c["new_over_old"] == pytest.approx(19.75 / 20.75) and c["new_over_compile"] == pytest.approx(19.75 / 21.75)
+    assert ab["per_shape"]["gemma2"]["old_hugehead"] == pytest.approx(30.75)
+    md = (tmp_path / "out" / "ab.md").read_text()
+    assert "| llama3_4k | 20.75 | 19.75 | 0.952 | 21.75 | 21.75 | 0.954 | 0.908 |" in md
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (harness.REPO_ROOT / ".git").exists(),
+                    reason="needs git and a git checkout")
+def test_ab_commits_reads_the_commit_git_archive_wrote(tmp_path):
+    import subprocess
+
+    from bench import ab_commits
+
+    head = subprocess.run(["git", "-C", str(harness.REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    tar_path = tmp_path / "head.tar"
+    subprocess.run(["git", "-C", str(harness.REPO_ROOT), "archive", "--format=tar", "-o", str(tar_path), "HEAD"],
+                   check=True)
+    assert ab_commits.tar_commit(tar_path) == head
