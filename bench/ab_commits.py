@@ -68,6 +68,14 @@ def orders(rounds: int) -> List[List[str]]:
     return [["old", "new"] if r % 2 == 0 else ["new", "old"] for r in range(rounds)]
 
 
+def imported_from_its_tree(tree: str, hugehead_file: Optional[str], scratch: Path) -> bool:
+    """Whether a run's hugehead came from its own tree: the old run's from the scratch folder, the new run's not."""
+    if not hugehead_file:
+        return False
+    inside = Path(hugehead_file).resolve().is_relative_to(scratch.resolve())
+    return inside if tree == "old" else not inside
+
+
 def bench_cmd(shapes: str, out: Path, extra: List[str]) -> List[str]:
     return [sys.executable, "-m", "bench.bench_lce", "--peers", PEERS, "--shapes", shapes, "--out", str(out),
             "--work", str(out / "work"), *extra]
@@ -156,7 +164,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rc != 0:
             print(f"ab_commits: the old tree's build failed; see {out / 'build_old.log'}", file=sys.stderr)
             return 1
-    trees = {"old": (opts.scratch, old_sha, {}), "new": (opts.new_tree, new_sha, {"HUGEHEAD_BENCH_IMPORT": "installed"})}
+    # The old tree's bench must import the old tree's hugehead (built in place), whatever the caller's environment
+    # says (device_check.sh runs its steps with HUGEHEAD_BENCH_IMPORT=installed, which bf7c076's bench honours too).
+    trees = {"old": (opts.scratch, old_sha, {"HUGEHEAD_BENCH_IMPORT": "tree"}),
+             "new": (opts.new_tree, new_sha, {"HUGEHEAD_BENCH_IMPORT": "installed"})}
     runs = []
     for r, order in enumerate(orders(opts.rounds), start=1):
         for tree in order:
@@ -171,6 +182,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "hugehead_file": lce["meta"].get("hugehead_file"), "gpu": lce["meta"].get("gpu_name")})
             print(f"ab_commits: {label} rc {rc}, {len(lce['rows'])} rows, hugehead from {runs[-1]['hugehead_file']}",
                   flush=True)
+            if not imported_from_its_tree(tree, runs[-1]["hugehead_file"], opts.scratch):
+                runs[-1]["rc"] = runs[-1]["rc"] or 3
+                print(f"ab_commits: {label} imported hugehead from {runs[-1]['hugehead_file']}, not from the {tree} "
+                      f"tree (old: {opts.scratch})", file=sys.stderr, flush=True)
     summary = summarize(runs)
     gpu = next((run["gpu"] for run in runs if run["gpu"]), None)
     meta = {"old_sha": old_sha, "new_sha": new_sha, "rounds": opts.rounds, "shapes": opts.shapes, "gpu": gpu,

@@ -973,7 +973,8 @@ for shape in o.shapes.split(","):
         ms = (base if impl == "hugehead" else 21.0) + 0.5 * k + (10.0 if shape == "gemma2" else 0.0)
         rows.append({"shape": shape, "impl": impl, "fwd_bwd_ms": ms, "fwd_ms": ms / 3})
 Path(o.out).mkdir(parents=True, exist_ok=True)
-meta = {"hugehead_file": str(Path.cwd() / "hugehead"), "gpu_name": "Stand-in GPU", "git_sha": os.environ["HUGEHEAD_GIT_SHA"]}
+installed = os.environ.get("HUGEHEAD_BENCH_IMPORT") == "installed"
+meta = {"hugehead_file": "/site-packages/hugehead" if installed else str(Path.cwd() / "hugehead"), "gpu_name": "Stand-in GPU", "git_sha": os.environ["HUGEHEAD_GIT_SHA"]}
 (Path(o.out) / "lce.json").write_text(json.dumps({"meta": meta, "rows": rows}))
 '''
 
@@ -1006,6 +1007,7 @@ def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
     scratch = tmp_path / "scratch" / "old"
     monkeypatch.setenv("AB_ORDER_LOG", str(tmp_path / "order.log"))
     monkeypatch.setenv("HUGEHEAD_GIT_SHA", "cd" * 20)
+    monkeypatch.setenv("HUGEHEAD_BENCH_IMPORT", "installed")  # as device_check.sh's steps run
     rc = ab_commits.main(["--old-tar", str(tar_path), "--out", str(tmp_path / "out"), "--scratch", str(scratch),
                           "--new-tree", str(new), "--shapes", "llama3_4k,gemma2", "--rounds", "2"])
     assert rc == 0
@@ -1014,6 +1016,7 @@ def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
     ab = json.loads((tmp_path / "out" / "ab.json").read_text())
     assert ab["meta"]["old_sha"] == "ab" * 20 and ab["meta"]["new_sha"] == "cd" * 20
     assert ab["meta"]["gpu"] == "Stand-in GPU" and ab["meta"]["imports"]["old1"] == str(scratch / "hugehead")
+    assert ab["meta"]["imports"]["new1"] == "/site-packages/hugehead" and set(ab["meta"]["rcs"].values()) == {0}
     assert [r["label"] for r in ab["runs"]][::4] == ["old1", "new1", "new2", "old2"]
     c = ab["per_shape"]["llama3_4k"]
     # run k (0..3) gives base + 0.5 k: old ran as k = 0 and 3, new as k = 1 and 2
@@ -1023,6 +1026,10 @@ def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
     assert ab["per_shape"]["gemma2"]["old_hugehead"] == pytest.approx(30.75)
     md = (tmp_path / "out" / "ab.md").read_text()
     assert "| llama3_4k | 20.75 | 19.75 | 0.952 | 21.75 | 21.75 | 0.954 | 0.908 |" in md
+    # an old run that imports the installed hugehead is an error, not a measurement of the old code
+    assert ab_commits.imported_from_its_tree("old", "/site-packages/hugehead", scratch) is False
+    assert ab_commits.imported_from_its_tree("new", str(scratch / "hugehead"), scratch) is False
+    assert ab_commits.imported_from_its_tree("old", None, scratch) is False
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (harness.REPO_ROOT / ".git").exists(),
