@@ -12,7 +12,8 @@
 #   git archive --format=tar -o .hh/old.tar bf7c076   # here, before an `ab` call
 #   OUT=... [AB_SHAPES=llama3_4k,gemma2] [AB_ROUNDS=2] bash bench/board_calls.sh ab
 #                                         # H200 only: bench/ab_commits.py, the old commit's hugehead built beside
-#                                         # this tree's and both timed in turns with torch.compile (~6 minutes)
+#                                         # this tree's and both timed in turns with torch.compile, then
+#                                         # bench/step_trace.py at xc6M (20 steps, clocks sampled) (~7 minutes)
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
 #                                         # one call for a short budget: hugehead and torch.compile at llama3_4k,
 #                                         # xc6M and xc6M_16k (cheapest first), then the CUDA suite
@@ -84,7 +85,7 @@ ab)
     [ -f "$HH/old.tar" ] || { echo "make $HH/old.tar first (git archive --format=tar -o $HH/old.tar bf7c076)"; exit 2; }
     use_wheel
     STAGES="smi peers build" DEADLINE_S=${DEADLINE_S:-585} \
-        EXTRA="ab=python3 -m bench.ab_commits --old-tar $HH/old.tar --out $OUT/ab --shapes ${AB_SHAPES:-llama3_4k,gemma2} --rounds ${AB_ROUNDS:-2}" \
+        EXTRA="ab=python3 -m bench.ab_commits --old-tar $HH/old.tar --out $OUT/ab --shapes ${AB_SHAPES:-llama3_4k,gemma2} --rounds ${AB_ROUNDS:-2}|trace=python3 -m bench.step_trace --shape xc6M --steps 20 --out $OUT/trace" \
         exec bash "$DEVICE_CHECK"
     ;;
 mini)

@@ -949,7 +949,8 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     rc, line = call("ab", h200)
     assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build WHEEL" in line
     assert line.endswith(f"EXTRA=ab=python3 -m bench.ab_commits --old-tar {hh}/old.tar --out {tmp_path / 'out'}/ab "
-                         "--shapes llama3_4k,gemma2 --rounds 2")
+                         "--shapes llama3_4k,gemma2 --rounds 2|trace=python3 -m bench.step_trace --shape xc6M --steps 20 "
+                         f"--out {tmp_path / 'out'}/trace")
     rc, line = call("mini", h200)
     assert rc == 0 and "ARGS=--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile" in line
     assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
@@ -1045,3 +1046,48 @@ def test_ab_commits_reads_the_commit_git_archive_wrote(tmp_path):
     subprocess.run(["git", "-C", str(harness.REPO_ROOT), "archive", "--format=tar", "-o", str(tar_path), "HEAD"],
                    check=True)
     assert ab_commits.tar_commit(tar_path) == head
+
+
+def test_step_trace_reads_nvidia_smi_and_places_samples_in_steps():
+    """bench/step_trace.py: nvidia-smi's CSV lines (local time, hex event reasons) become samples; a step gets
+    the samples inside its wall-clock span, their lowest and median clock and how many had the SW power-cap
+    flag; a line of another shape is dropped."""
+    import datetime as dt
+
+    from bench import step_trace
+
+    text = ("2026/12/06 09:38:30.645, 1965, 135.61, 0x0000000000000004\n"
+            "2026/12/06 09:38:30.745, 1560, 195.13, 0x0000000000000004\n"
+            "[N/A], 1515, 258.74, 0x0\n"
+            "2026/12/06 09:38:30.846, 1515, 258.74, 0x0000000000000000\n"
+            "2026/12/06 09:38:30.946, 1935, 272.22, 0x0000000000000001\n")
+    samples = step_trace.smi_samples(text)
+    assert [s["mhz"] for s in samples] == [1965.0, 1560.0, 1515.0, 1935.0]
+    t0 = dt.datetime(2026, 12, 6, 9, 38, 30, 700000).timestamp()
+    assert samples[1]["t"] == pytest.approx(t0 + 0.045, abs=1e-6)
+    c = step_trace.clock_during(samples, t0, t0 + 0.2)
+    assert c == {"samples": 2, "mhz_min": 1515.0, "mhz_median": pytest.approx(1537.5), "power_capped": 1}
+    assert step_trace.clock_during(samples, t0 + 10, t0 + 11)["samples"] == 0
+
+
+def test_step_trace_runs_a_step_by_step_case_on_the_cpu(tmp_path):
+    """The CPU run end to end: one row per step, the step's time equal to the host's on the CPU, no allocator
+    or clock columns, and the JSON's steps match the markdown's rows."""
+    from bench import step_trace
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        return sum(i * i for i in range(2000))
+
+    rows = step_trace.trace_steps(step, torch.device("cpu"), steps=4, warmup=2)
+    assert len(calls) == 6 and [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["ms"] == r["host_ms"] > 0 and r["allocator"] == {} and r["t1"] >= r["t0"] for r in rows)
+    assert step_trace.main(["--shape", "tiny", "--steps", "3", "--warmup", "1", "--device", "cpu",
+                            "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "step_trace_tiny_hugehead.json").read_text())
+    assert doc["meta"]["benchmark"] == "step_trace" and doc["meta"]["shape"] == "tiny" and len(doc["steps"]) == 3
+    md = (tmp_path / "step_trace_tiny_hugehead.md").read_text()
+    for r in doc["steps"]:
+        assert f"| {r['step']} | {r['ms']:.2f} |" in md
