@@ -64,7 +64,7 @@ def build_old(tar_path: Path, dest: Path, log: Path, timeout: float) -> int:
 
 
 def orders(rounds: int) -> List[List[str]]:
-    """The trees' order in each round: old first, then new first, and so on (each tree first as often)."""
+    """The trees' order in each round: old first in the odd rounds, new first in the even ones."""
     return [["old", "new"] if r % 2 == 0 else ["new", "old"] for r in range(rounds)]
 
 
