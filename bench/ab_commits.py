@@ -99,7 +99,7 @@ def summarize(runs: List[dict]) -> dict:
         for tree in ("old", "new"):
             for impl in PEERS.split(","):
                 vals = [r["fwd_bwd_ms"] for r in table
-                        if r["shape"] == shape and r["tree"] == tree and r["impl"] == impl and r["fwd_bwd_ms"]]
+                        if r["shape"] == shape and r["tree"] == tree and r["impl"] == impl and _number(r["fwd_bwd_ms"])]
                 cell[f"{tree}_{impl}"] = mean(vals) if vals else None
                 cell[f"{tree}_{impl}_runs"] = len(vals)
         def ratio(a, b):
@@ -111,8 +111,13 @@ def summarize(runs: List[dict]) -> dict:
     return {"runs": table, "per_shape": per_shape}
 
 
-def _ms(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.2f}"
+def _number(v) -> bool:
+    """A measured time: a positive finite number (lce.json writes a failed or non-finite one as None or a string)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def _ms(v) -> str:
+    return f"{v:.2f}" if _number(v) else "-"
 
 
 def _x(v: Optional[float]) -> str:

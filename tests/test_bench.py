@@ -1031,6 +1031,13 @@ def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
     assert ab_commits.imported_from_its_tree("old", "/site-packages/hugehead", scratch) is False
     assert ab_commits.imported_from_its_tree("new", str(scratch / "hugehead"), scratch) is False
     assert ab_commits.imported_from_its_tree("old", None, scratch) is False
+    # a failed case (None) or a non-finite time (written as a string) is listed but left out of the means
+    runs = [{"label": "old1", "tree": "old", "rows": [{"shape": "s", "impl": "hugehead", "fwd_bwd_ms": 10.0}]},
+            {"label": "old2", "tree": "old", "rows": [{"shape": "s", "impl": "hugehead", "fwd_bwd_ms": "nan"}]},
+            {"label": "new1", "tree": "new", "rows": [{"shape": "s", "impl": "hugehead", "fwd_bwd_ms": None}]}]
+    cell = ab_commits.summarize(runs)["per_shape"]["s"]
+    assert cell["old_hugehead"] == 10.0 and cell["old_hugehead_runs"] == 1 and cell["new_hugehead"] is None
+    assert cell["new_over_old"] is None
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (harness.REPO_ROOT / ".git").exists(),
