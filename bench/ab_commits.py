@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -30,7 +29,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Dict, List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench import child
+from bench.common import REPO_ROOT
+
 PEERS = "hugehead,torch_compile"
 
 
@@ -41,15 +42,10 @@ def tar_commit(tar_path: Path) -> Optional[str]:
 
 
 def run_logged(cmd: List[str], cwd: Path, env: Dict[str, str], log: Path, timeout: float) -> int:
-    """Run ``cmd`` with stdout and stderr into ``log``; the exit status (124 on timeout)."""
-    with open(log, "w") as f:
-        f.write(f"$ (cd {cwd} && {' '.join(cmd)})\n")
-        f.flush()
-        try:
-            return subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            f.write(f"\ntimed out after {timeout:.0f} s\n")
-            return 124
+    """Run ``cmd`` in ``cwd`` (bench/child.py's runner: its own process group, stopped with whatever it started
+    there on timeout), output into ``log``; the exit status, 124 on timeout."""
+    rc, timed_out, _ = child.run_logged(cmd, log, timeout, cwd=cwd, env=env)
+    return 124 if timed_out else rc
 
 
 def build_old(tar_path: Path, dest: Path, log: Path, timeout: float) -> int:

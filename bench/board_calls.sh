@@ -69,16 +69,14 @@ case "$WHAT" in
         EXTRA="split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k --out $OUT/split|$NCU_FUSED" \
         exec bash "$LCE_PARTS" 2
     ;;
+evidence)  # the suite below, then the fused chunk's ncu
+    [ "$IS_H200" = 1 ] || not_h200
+    export EXTRA="$NCU_FUSED"
+    ;&
 suite)
     use_wheel
     STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
         DEADLINE_S=${DEADLINE_S:-560} exec bash "$DEVICE_CHECK"
-    ;;
-evidence)
-    [ "$IS_H200" = 1 ] || not_h200
-    use_wheel
-    STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
-        EXTRA="$NCU_FUSED" DEADLINE_S=${DEADLINE_S:-560} exec bash "$DEVICE_CHECK"
     ;;
 ab)
     [ "$IS_H200" = 1 ] || not_h200

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from bench.common import REPO_ROOT
 
@@ -19,13 +19,21 @@ def run_child(args: List[str], log: Path, timeout: float,
            watch: Optional[Callable[[], bool]] = None) -> Tuple[Optional[int], bool, float]:
     """Run ``python -m bench.bench_lce ARGS`` in its own process group; returns (rc, timed_out, wall s).
     It is stopped after ``timeout`` seconds, or as soon as ``watch()`` (polled every second) says so."""
-    cmd = [sys.executable, "-m", "bench.bench_lce", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return run_logged([sys.executable, "-m", "bench.bench_lce", *args], log, timeout, watch=watch)
+
+
+def run_logged(cmd: List[str], log: Path, timeout: float, *, cwd: Path = REPO_ROOT,
+               env: Optional[Dict[str, str]] = None,
+               watch: Optional[Callable[[], bool]] = None) -> Tuple[Optional[int], bool, float]:
+    """Run ``cmd`` in ``cwd`` in its own process group, its output into ``log``; returns (rc, timed_out, wall s).
+    ``env`` (default this process's) gets PYTHONUNBUFFERED=1. Stopped as :func:`run_child` is, with whatever
+    it started in its group."""
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
             while True:
