@@ -13,7 +13,8 @@
 #   OUT=... [AB_SHAPES=llama3_4k,gemma2] [AB_ROUNDS=2] bash bench/board_calls.sh ab
 #                                         # H200 only: bench/ab_commits.py, the old commit's hugehead built beside
 #                                         # this tree's and both timed in turns with torch.compile, then
-#                                         # bench/step_trace.py at xc6M (20 steps, clocks sampled) (~7 minutes)
+#                                         # bench/step_trace.py at xc6M (20 steps, clocks sampled) (~5 minutes);
+#                                         # AB_ANY_GPU=1 runs it on an H100 too
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
 #                                         # one call for a short budget: hugehead and torch.compile at llama3_4k,
 #                                         # xc6M and xc6M_16k (cheapest first), then the CUDA suite
@@ -50,6 +51,8 @@ use_wheel() {
 }
 not_h200() { echo "not an H200: nothing run"; exit 3; }
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
+# At most 8 files come back from $OUT: the A/B's per-run folders and logs and the trace's nvidia-smi CSV go into one tar
+AB_PACK="pack=cd $OUT && tar -czf ab_runs.tar.gz --exclude=work ab trace; rm -rf ab/old[0-9]* ab/new[0-9]* ab/*.log trace/*_smi.csv; find . -type f | sort"
 NCU_FUSED="ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > $OUT/ncu_fused_xc6M.txt 2>&1"
 
 case "$WHAT" in
@@ -78,12 +81,12 @@ suite)
     STAGES="smi peers build dispatch test" TEST_ARGS="tests -q -m cuda -rf" TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
         DEADLINE_S=${DEADLINE_S:-560} exec bash "$DEVICE_CHECK"
     ;;
-ab)
-    [ "$IS_H200" = 1 ] || not_h200
+ab)  # AB_ANY_GPU=1: on any GPU (the code's A/B holds on its own board; the issue's targets are the H200's)
+    [ "$IS_H200" = 1 ] || [ "${AB_ANY_GPU:-0}" = 1 ] || not_h200
     [ -f "$HH/old.tar" ] || { echo "make $HH/old.tar first (git archive --format=tar -o $HH/old.tar bf7c076)"; exit 2; }
     use_wheel
     STAGES="smi peers build" DEADLINE_S=${DEADLINE_S:-585} \
-        EXTRA="ab=python3 -m bench.ab_commits --old-tar $HH/old.tar --out $OUT/ab --shapes ${AB_SHAPES:-llama3_4k,gemma2} --rounds ${AB_ROUNDS:-2}|trace=python3 -m bench.step_trace --shape xc6M --steps 20 --out $OUT/trace" \
+        EXTRA="ab=python3 -m bench.ab_commits --old-tar $HH/old.tar --out $OUT/ab --shapes ${AB_SHAPES:-llama3_4k,gemma2} --rounds ${AB_ROUNDS:-2}|trace=python3 -m bench.step_trace --shape xc6M --steps 20 --out $OUT/trace|$AB_PACK" \
         exec bash "$DEVICE_CHECK"
     ;;
 mini)

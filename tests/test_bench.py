@@ -892,7 +892,7 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bench/board_calls.sh is a bash script")
-def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
+def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path, monkeypatch):
     """bench/board_calls.sh with a stand-in nvidia-smi and stand-ins for the scripts it calls: on an H100 the
     H200-only calls run nothing (exit 3), part 1 builds the wheel only while none is kept; on an H200 a kept
     wheel is installed with the tree's Python over it, else the build leaves one in $OUT/wheel; every call
@@ -950,7 +950,15 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path):
     assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build WHEEL" in line
     assert line.endswith(f"EXTRA=ab=python3 -m bench.ab_commits --old-tar {hh}/old.tar --out {tmp_path / 'out'}/ab "
                          "--shapes llama3_4k,gemma2 --rounds 2|trace=python3 -m bench.step_trace --shape xc6M --steps 20 "
-                         f"--out {tmp_path / 'out'}/trace")
+                         f"--out {tmp_path / 'out'}/trace|pack=cd {tmp_path / 'out'} && tar -czf ab_runs.tar.gz "
+                         "--exclude=work ab trace; rm -rf ab/old[0-9]* ab/new[0-9]* ab/*.log trace/*_smi.csv; "
+                         "find . -type f | sort")
+    rc, line = call("ab", h100)
+    assert (rc, line) == (3, "not an H200: nothing run")
+    monkeypatch.setenv("AB_ANY_GPU", "1")  # the A/B on another GPU, asked for
+    rc, line = call("ab", h100)
+    monkeypatch.delenv("AB_ANY_GPU")
+    assert rc == 0 and "EXTRA=ab=python3 -m bench.ab_commits" in line
     rc, line = call("mini", h200)
     assert rc == 0 and "ARGS=--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile" in line
     assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
