@@ -11,10 +11,10 @@
 #                                         # xc6M chunk (part 2's ncu): acceptance 2 and the ncu without the board
 #   git archive --format=tar -o .hh/old.tar bf7c076   # here, before an `ab` call
 #   OUT=... [AB_SHAPES=llama3_4k,gemma2] [AB_ROUNDS=2] bash bench/board_calls.sh ab
-#                                         # H200 only: bench/ab_commits.py, the old commit's hugehead built beside
+#                                         # H200 (any GPU with AB_ANY_GPU=1): bench/ab_commits.py, the old commit's hugehead built beside
 #                                         # this tree's and both timed in turns with torch.compile, then
 #                                         # bench/step_trace.py at xc6M (20 steps, clocks sampled) (~5 minutes);
-#                                         # AB_ANY_GPU=1 runs it on an H100 too
+#                                         # the per-run folders come back in $OUT/ab_runs.tar.gz
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
 #                                         # one call for a short budget: hugehead and torch.compile at llama3_4k,
 #                                         # xc6M and xc6M_16k (cheapest first), then the CUDA suite
@@ -22,7 +22,7 @@
 # .hh/ (git-ignored) holds sha and, after the first build, hugehead-*.whl: later calls install that wheel with the
 # tree's Python laid over it (HUGEHEAD_WHEEL_OVERLAY: only valid while csrc/, setup.py and CMakeLists.txt are the
 # wheel's). .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
-# Parts 1, 2, evidence, ab and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
+# Parts 1, 2, evidence, ab (unless AB_ANY_GPU=1) and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
 # builds the wheel only, if .hh/ has none.
 # For a rehearsal elsewhere: HH (the folder for sha and the wheel), DEVICE_CHECK and LCE_PARTS (the scripts called).
 set -u
@@ -52,7 +52,7 @@ use_wheel() {
 not_h200() { echo "not an H200: nothing run"; exit 3; }
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 # At most 8 files come back from $OUT: the A/B's per-run folders and logs and the trace's nvidia-smi CSV go into one tar
-AB_PACK="pack=cd $OUT && tar -czf ab_runs.tar.gz --exclude=work ab trace; rm -rf ab/old[0-9]* ab/new[0-9]* ab/*.log trace/*_smi.csv; find . -type f | sort"
+AB_PACK="pack=cd $OUT && tar -czf ab_runs.tar.gz --exclude=work \$(ls -d ab trace 2>/dev/null) && rm -rf ab/old[0-9]* ab/new[0-9]* ab/*.log trace/*_smi.csv; find . -type f | sort"
 NCU_FUSED="ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > $OUT/ncu_fused_xc6M.txt 2>&1"
 
 case "$WHAT" in
