@@ -10,9 +10,9 @@ apart from the board's. This does that.
              (after this tree's hugehead is installed: ``bench/board_calls.sh ab`` does both)
 
 The old tree is unpacked into a scratch folder and built in place (its own ``setup.py build_ext --inplace``, CUDA
-on). Each round then runs ``python3 -m bench.bench_lce --peers hugehead,torch_compile --shapes ...`` once from the
-old tree (its own bench/, importing its own hugehead) and once from this tree (the installed hugehead), the first
-tree alternating round by round (old, new, new, old, ...). torch.compile runs in every process as the board's
+and CUTLASS on). Each round then runs ``python3 -m bench.bench_lce --peers hugehead,torch_compile --shapes ...``
+once from the old tree (its own bench/, importing its own hugehead) and once from this tree (the installed
+hugehead), the first tree alternating round by round (old, new, new, old, ...). torch.compile runs in every process as the board's
 control. ``OUT/ab.{json,md}`` give each run's medians and, per shape, each tree's mean over its runs, new / old, and
 each tree's hugehead / torch.compile.
 """
@@ -55,7 +55,10 @@ def build_old(tar_path: Path, dest: Path, log: Path, timeout: float) -> int:
     dest.mkdir(parents=True)
     with tarfile.open(tar_path) as tar:
         tar.extractall(dest, filter="data")
-    env = dict(os.environ, HUGEHEAD_CUDA=os.environ.get("HUGEHEAD_CUDA", "ON"))
+    # CUTLASS ON: a commit with the fused GEMMs fails to build without their headers instead of falling back to
+    # cuBLAS unnoticed (trees before them, such as bf7c076, do not read the variable).
+    env = dict(os.environ, HUGEHEAD_CUDA=os.environ.get("HUGEHEAD_CUDA", "ON"),
+               HUGEHEAD_CUTLASS=os.environ.get("HUGEHEAD_CUTLASS", "ON"))
     return run_logged([sys.executable, "setup.py", "build_ext", "--inplace"], dest, env, log, timeout)
 
 

@@ -993,7 +993,8 @@ def _ab_fake_tree(root):
     (root / "bench" / "__init__.py").write_text("")
     (root / "bench" / "bench_lce.py").write_text(_AB_FAKE_BENCH)
     (root / "setup.py").write_text("import os, sys\nassert sys.argv[1:] == ['build_ext', '--inplace'], sys.argv\n"
-                                   "assert os.environ['HUGEHEAD_CUDA'] == 'ON'\nopen('built.txt', 'w').write('yes')\n")
+                                   "assert os.environ['HUGEHEAD_CUDA'] == os.environ['HUGEHEAD_CUTLASS'] == 'ON'\n"
+                                   "open('built.txt', 'w').write('yes')\n")
 
 
 def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
