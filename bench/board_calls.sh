@@ -2,7 +2,8 @@
 # Issue 21's H200 evidence as device calls, one per line (carry [".hh", ".whl", ".peers"], timeout_s 600):
 #
 #   git rev-parse HEAD > .hh/sha          # here, before the calls (the device's copy of .git may be stale)
-#   OUT=... bash bench/board_calls.sh 1   # board part 1 (builds; the wheel comes back in $OUT/wheel: copy it to .hh/)
+#   OUT=... bash bench/board_calls.sh 1   # board part 1 (builds; the wheel and its build_inputs.sha256 come back in
+#                                         # $OUT/wheel: copy both to .hh/)
 #   OUT=... bash bench/board_calls.sh 2   # board part 2 (--resume; carry part 1's lce.json as .peers/lce_parts/lce.json
 #                                         # unless the machine stayed warm), then split_lce and Nsight Compute of one
 #                                         # fused xc6M chunk (bench_gemm --ncu: the issue's "ncu of one fused chunk")
@@ -21,9 +22,10 @@
 #
 # .hh/ (git-ignored) holds sha and, after the first build, hugehead-*.whl: later calls install that wheel with the
 # tree's Python laid over it (HUGEHEAD_WHEEL_OVERLAY: only valid while csrc/, setup.py and CMakeLists.txt are the
-# wheel's). .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
-# Parts 1, 2, evidence, ab (unless AB_ANY_GPU=1) and mini exit 3 at once on a GPU other than an H200 (the issue's targets are the H200's); part 1 then
-# builds the wheel only, if .hh/ has none.
+# wheel's). build_inputs.sha256 beside it is those files' digest at the build; a wheel without it, or built from
+# other files, is left unused and the call builds a fresh one. .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
+# Parts 1, 2, evidence, ab (unless AB_ANY_GPU=1) and mini exit 3 at once on a GPU other than an H200 (the issue's
+# targets are the H200's); part 1 then builds the wheel only, if .hh/ has none that fits.
 # For a rehearsal elsewhere: HH (the folder for sha and the wheel), DEVICE_CHECK and LCE_PARTS (the scripts called).
 set -u
 WHAT=${1:?usage: bash bench/board_calls.sh 1|2|suite|evidence|ab|mini}
@@ -41,12 +43,21 @@ IS_H200=0
 [[ "$GPU" == *H200* ]] && IS_H200=1
 HUGEHEAD_GIT_SHA=$(cat "$HH/sha") || { echo "write $HH/sha first (git rev-parse HEAD > $HH/sha)"; exit 2; }
 export HUGEHEAD_GIT_SHA
+build_inputs() {  # the digest of what the compiled extension is built from
+    find csrc setup.py CMakeLists.txt -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-64
+}
 WHEEL=$(ls "$HH"/hugehead-*.whl 2>/dev/null | head -1)
+if [ -n "$WHEEL" ] && [ "$(cat "$HH/build_inputs.sha256" 2>/dev/null)" != "$(build_inputs)" ]; then
+    echo "$WHEEL: not built from this tree's csrc/, setup.py and CMakeLists.txt (or no $HH/build_inputs.sha256):" \
+         "not used; a fresh wheel is built"
+    WHEEL=""
+fi
 use_wheel() {
     if [ -n "$WHEEL" ]; then
         export HUGEHEAD_WHEEL=$WHEEL HUGEHEAD_WHEEL_OVERLAY=1
     else
         mkdir -p "$OUT/wheel" && export BUILD_WHEEL_DIR=$OUT/wheel
+        build_inputs > "$OUT/wheel/build_inputs.sha256"
     fi
 }
 not_h200() { echo "not an H200: nothing run"; exit 3; }

@@ -1,6 +1,7 @@
 """The benchmark harness (timing logic with a scripted clock, the writer), the placement benchmark's
 pipeline on CPU shards, bench_lce's peers, cases, parent and report. No test here asserts a time: the
 timing logic is checked against a fake clock, the pipelines for what they compute and write."""
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -932,6 +933,19 @@ def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path, monkeypatc
     assert rc == 0 and line.startswith("device_check.sh | STAGES=smi peers build dispatch WHEEL= OVERLAY= BUILD=")
     wheel = hh / "hugehead-0.1.0-cp312-cp312-linux_x86_64.whl"
     wheel.write_bytes(b"")
+    # The build inputs' digest, as `find csrc setup.py CMakeLists.txt | sort | sha256sum` then sha256sum of that.
+    root = harness.REPO_ROOT
+    paths = sorted([str(q.relative_to(root)) for q in (root / "csrc").rglob("*") if q.is_file()]
+                   + ["setup.py", "CMakeLists.txt"])
+    listing = "".join(f"{hashlib.sha256((root / q).read_bytes()).hexdigest()}  {q}\n" for q in paths)
+    digest = hashlib.sha256(listing.encode()).hexdigest()
+    rc, line = call("2", h200)  # a wheel without its digest: not used, a fresh one built, the digest beside it
+    assert rc == 0 and " WHEEL= OVERLAY= BUILD=" in line
+    assert (tmp_path / "out" / "wheel" / "build_inputs.sha256").read_text().strip() == digest
+    (hh / "build_inputs.sha256").write_text("0" * 64 + "\n")  # built from other sources: not used either
+    rc, line = call("2", h200)
+    assert rc == 0 and " WHEEL= OVERLAY= BUILD=" in line
+    (hh / "build_inputs.sha256").write_text(digest + "\n")
     for what in ("1", "2", "evidence", "ab", "mini"):
         assert call(what, h100) == (3, "not an H200: nothing run")
     rc, line = call("suite", h100)
