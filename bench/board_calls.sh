@@ -62,8 +62,9 @@ use_wheel() {
 }
 not_h200() { echo "not an H200: nothing run"; exit 3; }
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
-# At most 8 files come back from $OUT: the A/B's per-run folders and logs and the trace's nvidia-smi CSV go into one tar
-AB_PACK="pack=cd $OUT && tar -czf ab_runs.tar.gz --exclude=work \$(ls -d ab trace 2>/dev/null) && rm -rf ab/old[0-9]* ab/new[0-9]* ab/*.log trace/*_smi.csv; find . -type f | sort"
+# At most 8 files come back from $OUT: the A/B's per-run folders and logs and the trace go into one tar (a fresh
+# wheel and its digest need two more)
+AB_PACK="pack=cd $OUT && tar -czf ab_runs.tar.gz --exclude=work \$(ls -d ab trace 2>/dev/null) && rm -rf ab/old[0-9]* ab/new[0-9]* ab/*.log trace; find . -type f | sort"
 NCU_FUSED="ncu=$NCU --clock-control none --profile-from-start off --section SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > $OUT/ncu_fused_xc6M.txt 2>&1"
 
 case "$WHAT" in
@@ -105,7 +106,8 @@ mini)
     use_wheel
     S=${SUITE_S:-150}
     EX=""
-    [ "$S" -gt 0 ] && EX="suite=timeout $S python3 -P -m pytest tests -q -m cuda -rf --junitxml=$OUT/junit.xml > $OUT/pytest_cuda.log 2>&1; tail -3 $OUT/pytest_cuda.log"
+    # The suite's log goes into logs.tar.gz: with a fresh wheel and its digest, 8 files come back
+    [ "$S" -gt 0 ] && EX="suite=timeout $S python3 -P -m pytest tests -q -m cuda -rf --junitxml=$OUT/junit.xml > $OUT/logs/pytest_cuda.log 2>&1; tail -3 $OUT/logs/pytest_cuda.log"
     DEADLINE_S=${DEADLINE_S:-585} STAGES="smi peers build dispatch bench" \
         BENCH_ARGS="--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile --min-case-s 100 --budget ${MINI_S:-230}" \
         EXTRA="$EX" exec bash "$DEVICE_CHECK"
