@@ -12,9 +12,9 @@ apart from the board's. This does that.
 The old tree is unpacked into a scratch folder and built in place (its own ``setup.py build_ext --inplace``, CUDA
 and CUTLASS on). Each round then runs ``python3 -m bench.bench_lce --peers hugehead,torch_compile --shapes ...``
 once from the old tree (its own bench/, importing its own hugehead) and once from this tree (the installed
-hugehead), the first tree alternating round by round (old, new, new, old, ...). torch.compile runs in every process as the board's
-control. ``OUT/ab.{json,md}`` give each run's medians and, per shape, each tree's mean over its runs, new / old, and
-each tree's hugehead / torch.compile.
+hugehead), the first tree alternating round by round (old, new, new, old, ...). torch.compile runs in every process
+as the board's control. ``OUT/ab.{json,md}`` give each run's medians and, per shape, each tree's mean over its runs,
+new / old, and each tree's hugehead / torch.compile.
 """
 from __future__ import annotations
 

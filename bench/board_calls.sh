@@ -12,8 +12,9 @@
 #                                         # xc6M chunk (part 2's ncu): acceptance 2 and the ncu without the board
 #   git archive --format=tar -o .hh/old.tar bf7c076   # here, before an `ab` call
 #   OUT=... [AB_SHAPES=llama3_4k,gemma2] [AB_ROUNDS=2] bash bench/board_calls.sh ab
-#                                         # H200 (any GPU with AB_ANY_GPU=1): bench/ab_commits.py, the old commit's hugehead built beside
-#                                         # this tree's and both timed in turns with torch.compile, then
+#                                         # H200 (any GPU with AB_ANY_GPU=1): bench/ab_commits.py, the old
+#                                         # commit's hugehead built beside this tree's and both timed in turns
+#                                         # with torch.compile, then
 #                                         # bench/step_trace.py at xc6M (20 steps, clocks sampled) (~5 minutes);
 #                                         # the per-run folders come back in $OUT/ab_runs.tar.gz
 #   OUT=... [MINI_S=230] [SUITE_S=150] [DEADLINE_S=585] bash bench/board_calls.sh mini
@@ -23,7 +24,8 @@
 # .hh/ (git-ignored) holds sha and, after the first build, hugehead-*.whl: later calls install that wheel with the
 # tree's Python laid over it (HUGEHEAD_WHEEL_OVERLAY: only valid while csrc/, setup.py and CMakeLists.txt are the
 # wheel's). build_inputs.sha256 beside it is those files' digest at the build; a wheel without it, or built from
-# other files, is left unused and the call builds a fresh one. .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the peer wheels (bench/README.md, "Peers").
+# other files, is left unused and the call builds a fresh one. .whl/ holds nvidia-cutlass 4.2.0.0 and .peers/ the
+# peer wheels (bench/README.md, "Peers").
 # Parts 1, 2, evidence, ab (unless AB_ANY_GPU=1) and mini exit 3 at once on a GPU other than an H200 (the issue's
 # targets are the H200's); part 1 then builds the wheel only, if .hh/ has none that fits.
 # For a rehearsal elsewhere: HH (the folder for sha and the wheel), DEVICE_CHECK and LCE_PARTS (the scripts called).
