@@ -29,7 +29,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Dict, List, Optional
 
-from bench import child
+from bench import child, harness
 from bench.common import REPO_ROOT
 
 PEERS = "hugehead,torch_compile"
@@ -195,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     meta = {"old_sha": old_sha, "new_sha": new_sha, "rounds": opts.rounds, "shapes": opts.shapes, "gpu": gpu,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": round(time.time() - t0, 1),
             "imports": {run["label"]: run["hugehead_file"] for run in runs}, "rcs": {run["label"]: run["rc"] for run in runs}}
-    (out / "ab.json").write_text(json.dumps({"meta": meta, **summary}, indent=1))
+    harness.write_json(out / "ab.json", {"meta": meta, **summary})
     md = markdown(summary, meta)
     (out / "ab.md").write_text(md)
     print(md)
