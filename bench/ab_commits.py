@@ -195,9 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     meta = {"old_sha": old_sha, "new_sha": new_sha, "rounds": opts.rounds, "shapes": opts.shapes, "gpu": gpu,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": round(time.time() - t0, 1),
             "imports": {run["label"]: run["hugehead_file"] for run in runs}, "rcs": {run["label"]: run["rc"] for run in runs}}
-    harness.write_json(out / "ab.json", {"meta": meta, **summary})
     md = markdown(summary, meta)
-    (out / "ab.md").write_text(md)
+    harness.write_report(out, "ab", {"meta": meta, **summary}, md)
     print(md)
     return 0 if all(run["rc"] == 0 for run in runs) else 1
 

@@ -184,8 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         out = Path(opts.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = f"step_trace_{opts.shape}_{opts.impl}"
-        harness.write_json(out / f"{stem}.json", {"meta": meta, "steps": rows})
-        (out / f"{stem}.md").write_text(md)
+        harness.write_report(out, stem, {"meta": meta, "steps": rows}, md)
         if smi_text:
             (out / f"{stem}_smi.csv").write_text(smi_text)
     return 0
