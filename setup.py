@@ -18,6 +18,27 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 
+INSTALL = ("pip install setuptools wheel cmake ninja && pip install --no-deps nvidia-cutlass==4.2.0.0 && "
+           "pip install --no-build-isolation .")
+
+
+def _require_torch() -> None:
+    """Stop at once, with the command that works, when torch cannot be imported: hugehead compiles against
+    the torch of the environment it installs into, and pip's default isolated build environment hides it
+    (pyproject.toml's build requirements leave torch out, so an isolated build ends here in seconds)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        sys.exit(
+            f"hugehead: cannot import torch ({exc}). hugehead builds against the torch already installed in this "
+            "environment, which pip hides when it builds in an isolated environment (its default). Install "
+            f"torch first, then build without isolation:\n    {INSTALL}\n"
+            "Extras go on the last command as usual, e.g. pip install --no-build-isolation \".[transformers]\"."
+        )
+
+
+_require_torch()
+
 
 def _find_cmake() -> str:
     """cmake on PATH, else the one the pip 'cmake' package ships."""

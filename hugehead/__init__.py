@@ -15,7 +15,7 @@ from .checkpoint import keep_optimizer_state_on_shards, place_optimizer_state
 from .ddp import ignore_heads_in_ddp
 from .predict import predict_topk, predict_topk_chunks
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["linear_cross_entropy", "linear_topk", "linear_binary_cross_entropy", "csr_target", "CsrTarget", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
            "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "ignore_heads_in_ddp",
            "predict_topk", "predict_topk_chunks", "metrics"]
