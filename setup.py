@@ -1,5 +1,6 @@
 # Drives CMakeLists.txt (the one real build) with Ninja and puts hugehead/_C*.so inside the package.
-# Build switches (environment): HUGEHEAD_CUDA=AUTO|ON|OFF, HUGEHEAD_CUDA_ARCHS="90" (CMake style),
+# Build switches (environment): HUGEHEAD_CUDA=AUTO|ON|OFF, HUGEHEAD_CUDA_ARCHS (CMake style, e.g. "90"; unset:
+# torch's architectures from sm_80 up),
 # HUGEHEAD_CUTLASS=AUTO|ON|OFF (the sm_90a GEMMs of csrc/cuda/gemm/, CUDA builds only) with HUGEHEAD_CUTLASS_DIR
 # (CUTLASS's include directory; default: the installed nvidia-cutlass package's cutlass_library/source/include),
 # HUGEHEAD_BUILD_DIR (default build/cmake-<python tag>: kept, so a rebuild is incremental; wiped and
@@ -144,8 +145,8 @@ class CMakeBuild(build_ext):
         configure.append(f"-DHUGEHEAD_CUTLASS={os.environ.get('HUGEHEAD_CUTLASS', 'AUTO').upper()}")
         # Passed every time (empty: look for the package), so a cached directory never outlives the variable.
         configure.append(f"-DHUGEHEAD_CUTLASS_DIR={os.environ.get('HUGEHEAD_CUTLASS_DIR', '')}")
-        if "HUGEHEAD_CUDA_ARCHS" in os.environ:
-            configure.append(f"-DHUGEHEAD_CUDA_ARCHS={os.environ['HUGEHEAD_CUDA_ARCHS']}")
+        # Empty: torch's architectures from sm_80 up (CMakeLists.txt); passed every time, as above.
+        configure.append(f"-DHUGEHEAD_CUDA_ARCHS={os.environ.get('HUGEHEAD_CUDA_ARCHS', '')}")
         try:
             import ninja
 
