@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import hugehead.info
 from hugehead import demo
 
 TINY = ["--classes", "2000", "--dim", "32", "--input-dim", "32", "--hidden", "64", "--batch", "128",
@@ -16,6 +17,7 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path, capsys):
     assert demo.main(TINY + ["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "held-out top-1 accuracy" in out and "peak memory per device" in out
+    assert out.splitlines()[0] == hugehead.info.summary()  # the build's one-line summary first
 
     png = tmp_path / "training.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

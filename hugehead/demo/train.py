@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 import torch
 
 import hugehead
+from hugehead.info import summary as build_summary
 from .cli import dtype_name, parse_args
 from .data import ZipfPrototypes
 from .fit import WORKSPACE_BUDGET, check_fits, estimate_bytes_per_device
@@ -45,6 +46,7 @@ def main(argv: Optional[Sequence[str]] = None, *, start: Optional[float] = None)
     start = time.perf_counter() if start is None else start
     args = parse_args(argv)
     check_fits(args)
+    print(build_summary())  # which build and GEMM path this run gets (python -m hugehead.info for all of it)
     torch.manual_seed(args.seed)
     devices, first, dtype = args.devices, args.devices[0], args.dtype
     try:
