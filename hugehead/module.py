@@ -621,12 +621,25 @@ class ChunkedClassifier(nn.Module):
         Returns:
             ``(values [N, k]`` in ``x``'s dtype, ``indices [N, k]`` int64``)`` on ``x``'s device, sorted by
             value descending, ties broken by the lower class index.
+
+        Under ``torch.compile``, a head of one shard on ``x``'s device stays in the graph
+        (``fullgraph=True`` works, as for :func:`hugehead.linear_topk`); several shards, offload or ranks
+        run eagerly as one graph break.
         Raises:
             ValueError: bad k, or the checks of :meth:`forward` on x.
         """
         x = self._check_x(x)
         if isinstance(k, bool) or int(k) != k or not 0 <= k <= self.num_classes:
             raise ValueError(f"hugehead: k must be an integer in [0, num_classes={self.num_classes}], got {k}")
+        if self._one_local_shard_on(x.device):
+            # One resident shard beside x: linear_topk's registered op, which torch.compile keeps in the
+            # graph (fullgraph=True); the engines' multi-device path below runs eagerly.
+            from .topk import linear_topk
+
+            shard, cap = self.shards[0], self.loss_options().kernel_softcap
+            return linear_topk(x, shard.weight, int(k), shard.bias if self.has_bias else None,
+                               softcap=cap if cap > 0 else None, chunk_size=self.engine.chunk_size,
+                               memory_budget=self.engine.memory_budget)
         spec = self._spec()
         shards = spec.shards(self._shard_params())
         return _engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))

@@ -210,7 +210,7 @@ def linear_topk(
     Args:
         x: ``[N, D]`` float16, bfloat16, float32 or float64. weight: ``[V, D]``, same device; same dtype
             outside ``torch.autocast``. bias: ``[V]`` or None.
-        k: an int in ``[1, V]`` (at most 4096 on CUDA).
+        k: an int in ``[0, V]`` (at most 4096 on CUDA); 0 gives ``[N, 0]`` results, as :meth:`ChunkedClassifier.topk`.
         softcap: ranks (and returns) ``softcap * tanh(z / softcap)`` of the logits (bias included).
         chunk_size: classes per chunk; None plans it from the shapes and ``memory_budget``.
         memory_budget: bytes of workspace the planner may use (default 4 GiB, at most a quarter of a CUDA
@@ -228,7 +228,7 @@ def linear_topk(
         ValueError: shape or device mismatch, ``k`` out of range, bad softcap/chunk_size/memory_budget.
     """
     compute = _check_inputs(x, weight, bias)
-    k = check_k(k, weight.shape[0], x.device)
+    k = check_k(k, weight.shape[0], x.device, allow_zero=True)
     cap = _check_softcap(softcap)
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)

@@ -277,8 +277,7 @@ def test_opcheck_linear_topk(device):
 
 def test_linear_topk_rejects_bad_input():
     x, w, b, _ = integer_problem(5, 4, 30, torch.float32, "cpu")
-    for k, err, match in ((0, ValueError, r"k must be in \[1, num_classes=30\], got 0"),
-                          (-1, ValueError, "k must be in"), (31, ValueError, "got 31"),
+    for k, err, match in ((-1, ValueError, r"k must be in \[0, num_classes=30\], got -1"), (31, ValueError, "got 31"),
                           (2.0, TypeError, "k must be an int, got float"), (True, TypeError, "k must be an int"),
                           (torch.tensor(3), TypeError, "k must be an int")):
         with pytest.raises(err, match=match):
@@ -371,6 +370,35 @@ def test_module_topk_several_shards(device, sizes, k):
     head, x, z = _head(sizes, device, chunk_size=256)
     values, indices = head.topk(x, k)
     assert_topk_equal(values, indices, z, k)
+
+
+@pytest.mark.parametrize("softcap", [None, 6.0])
+def test_module_topk_of_one_shard_compiles_fullgraph(device, softcap):
+    """One shard beside x: the registered op in the graph, the same answer as a head of two shards (the
+    engines' path) and the float64 reference."""
+    head, x, z = _head([2000], device, chunk_size=300, softcap=softcap)
+    compiled = torch.compile(lambda x_: head.topk(x_, 17), fullgraph=True, backend="aot_eager")
+    values, indices = compiled(x)
+    two, _, _ = _head([900, 1100], device, chunk_size=300, softcap=softcap)
+    two_values, two_indices = two.topk(x, 17)
+    assert torch.equal(indices, two_indices) and torch.equal(values, two_values)
+    if softcap is None:
+        assert_topk_equal(values, indices, z, 17)
+    else:
+        capped = softcap * torch.tanh(z / softcap)
+        assert torch.allclose(values.cpu(), capped.gather(1, indices.cpu()), rtol=0, atol=1e-12)
+        assert torch.equal(values.cpu(), values.cpu().sort(dim=1, descending=True).values)
+        assert torch.all(values.cpu()[:, -1:] >= capped.topk(17).values[:, -1:] - 1e-12)
+
+
+@pytest.mark.parametrize("sizes", [[40], [15, 25]])
+def test_module_topk_and_linear_topk_agree_on_k_zero(device, sizes):
+    head, x, _ = _head(sizes, device)
+    values, indices = head.topk(x, 0)
+    w, b = torch.cat([s.weight for s in head.shards]).to(device), torch.cat([s.bias for s in head.shards]).to(device)
+    ref_values, ref_indices = hugehead.linear_topk(x, w, 0, b)
+    for got, ref in ((values, ref_values), (indices, ref_indices)):
+        assert got.shape == ref.shape == (30, 0) and got.dtype == ref.dtype and got.device == ref.device
 
 
 def test_module_topk_under_autocast_and_compile(device):
