@@ -108,6 +108,32 @@ def test_build_dir_of_another_torch_or_python_is_removed(monkeypatch, tmp_path):
         assert "/gone/venv" in logged[-1]
 
 
+def test_build_checks_its_tree_before_configuring(monkeypatch, tmp_path):
+    """The build wiring that the slow venv test runs end to end: build_ext stamps (or wipes) its CMake tree
+    with this environment's key before it configures, and passes every switch each time (empty: the
+    default), so a value cached by an earlier build never outlives its environment variable."""
+    from setuptools import Distribution
+
+    setup_py = _setup_module(monkeypatch)
+    tree = _configured_tree(tmp_path / "tree")
+    (tree / setup_py.STAMP).write_text(json.dumps({**setup_py.build_key(), "torch_dir": "/gone/venv/torch"}))
+    calls = []
+    monkeypatch.setattr(setup_py.subprocess, "check_call", lambda cmd: calls.append(cmd))
+    monkeypatch.setattr(setup_py, "_find_cmake", lambda: "cmake")
+    for name in ("HUGEHEAD_CUDA_ARCHS", "HUGEHEAD_CUTLASS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HUGEHEAD_BUILD_DIR", str(tree))
+    command = setup_py.CMakeBuild(Distribution())
+    monkeypatch.setattr(command, "get_ext_fullpath", lambda name: str(tmp_path / "out" / "_C.so"))
+    command.build_extension(setup_py.CMakeExtension("hugehead._C"))
+    assert not (tree / "build.ninja").exists()  # configured for another torch: removed
+    assert json.loads((tree / setup_py.STAMP).read_text()) == setup_py.build_key()
+    configure, build = calls
+    assert configure[configure.index("-B") + 1] == str(tree) and build[:3] == ["cmake", "--build", str(tree)]
+    assert "-DHUGEHEAD_CUDA_ARCHS=" in configure and "-DHUGEHEAD_CUTLASS_DIR=" in configure
+    assert f"-DHUGEHEAD_OUTPUT_DIR={tmp_path / 'out'}" in configure
+
+
 def _run(cmd, cwd, timeout, env=None):
     result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, f"{cmd} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -141,12 +167,14 @@ def _venv_with_torch(path: Path) -> Path:
     return python
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="venv layout and RUNPATH checks are Linux-specific")
 def test_reinstall_into_a_new_venv_after_deleting_the_first(tmp_path):
     """The README's install into venv A, `rm -rf A`, the same install into venv B from the same clone: the
     build notices its tree was configured for A's torch, configures again, links B's torch and imports
-    (before: `ninja: error: '.../A/.../torch/lib/libc10.so' missing`). Cost: two torch installs and two
-    clean CPU builds, 89 s of CPU (9 min of wall time on the 2-core machine at load average ~14)."""
+    (before: `ninja: error: '.../A/.../torch/lib/libc10.so' missing`). Slow (two torch installs and two
+    clean CPU builds); test_build_dir_of_another_torch_or_python_is_removed and
+    test_build_checks_its_tree_before_configuring cover its logic in the default run."""
     clone = _copy_of_this_clone(tmp_path / "clone")
     env = {**os.environ, "MAX_JOBS": "2", "HUGEHEAD_CUDA": "OFF"}
     env.pop("PYTHONPATH", None)
