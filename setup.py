@@ -23,12 +23,18 @@ INSTALL = ("pip install setuptools wheel cmake ninja && pip install --no-deps nv
            "pip install --no-build-isolation .")
 
 
+# The oldest torch the test suite and the GPU runs use; pyproject.toml's dependency says the same.
+MIN_TORCH = (2, 11)
+
+
 def _require_torch() -> None:
     """Stop at once, with the command that works, when torch cannot be imported: hugehead compiles against
     the torch of the environment it installs into, and pip's default isolated build environment hides it
-    (pyproject.toml's build requirements leave torch out, so an isolated build ends here in seconds)."""
+    (pyproject.toml's build requirements leave torch out, so an isolated build ends here in seconds). A torch
+    older than MIN_TORCH stops here too: pip would upgrade it only after the build, leaving a module built
+    against the old one."""
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError as exc:
         sys.exit(
             f"hugehead: cannot import torch ({exc}). hugehead builds against the torch already installed in this "
@@ -36,6 +42,10 @@ def _require_torch() -> None:
             f"torch first, then build without isolation:\n    {INSTALL}\n"
             "Extras go on the last command as usual, e.g. pip install --no-build-isolation \".[transformers]\"."
         )
+    found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if found < MIN_TORCH:
+        sys.exit(f"hugehead needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (the versions it is tested with); this "
+                 f"environment has torch {torch.__version__}. Upgrade torch first, then: {INSTALL}")
 
 
 _require_torch()

@@ -46,3 +46,11 @@ def test_build_without_torch_stops_with_the_command_that_works(tmp_path):
     assert "pip install --no-deps nvidia-cutlass==4.2.0.0 && pip install --no-build-isolation ." in result.stderr
     assert 'pip install --no-build-isolation ".[transformers]"' in result.stderr
     assert not list(tmp_path.glob("*.egg-info"))  # stopped before setuptools ran
+
+
+def test_build_with_an_untested_torch_stops_before_compiling(tmp_path):
+    code = ("import runpy, sys, types; sys.modules['torch'] = types.SimpleNamespace(__version__='2.8.0+cu128'); "
+            f"sys.argv = ['setup.py', '--version']; runpy.run_path({str(REPO / 'setup.py')!r}, run_name='__main__')")
+    result = _setup_py(["-c", code], tmp_path)
+    assert result.returncode == 1
+    assert "hugehead needs torch >= 2.11" in result.stderr and "has torch 2.8.0+cu128" in result.stderr
