@@ -23,13 +23,18 @@ def build_info() -> Dict:
     """What the loaded ``hugehead._C`` was built with: ``torch`` / ``torch_cuda`` (the torch it compiled
     against), ``build_type``, ``cuda`` (bool), ``nvcc``, ``cuda_archs`` (CMake style, e.g. ``"80-real"``,
     ``"90"``), ``cutlass`` (bool), ``cutlass_why`` (why on or off), ``cutlass_archs``."""
+    if not hasattr(_C, "build_info"):
+        raise RuntimeError("hugehead: this hugehead._C was built before builds recorded what they compiled; "
+                           "rebuild it: pip install --no-build-isolation .")
     return json.loads(_C.build_info())
 
 
-def _arch_number(arch: str) -> Tuple[int, str]:
-    """``"86-real"`` -> ``(86, "real")``; ``"90"`` -> ``(90, "")`` (CMake: SASS and PTX)."""
+def _arch_number(arch: str) -> Optional[Tuple[int, str]]:
+    """``"86-real"`` -> ``(86, "real")``; ``"90"`` -> ``(90, "")`` (CMake: SASS and PTX); None for CMake's
+    symbolic values (``native``, ``all``, ...)."""
     number, _, kind = arch.partition("-")
-    return int(number.rstrip("af")), kind
+    number = number.rstrip("af")
+    return (int(number), kind) if number.isdigit() else None
 
 
 def kernels_for(capability: Tuple[int, int], archs: Sequence[str]) -> Optional[str]:
@@ -37,7 +42,9 @@ def kernels_for(capability: Tuple[int, int], archs: Sequence[str]) -> Optional[s
     same major version at or below its minor (binary compatible), else PTX at or below it (JIT compiled at
     first use), else None (no kernel image runs there)."""
     cc = capability[0] * 10 + capability[1]
-    parsed = [_arch_number(a) for a in archs]
+    parsed = [p for p in map(_arch_number, archs) if p is not None]
+    if len(parsed) < len(archs):
+        return f"as CMake chose for {';'.join(archs)}"
     sass = [n for n, kind in parsed if kind in ("", "real") and n // 10 == capability[0] and n <= cc]
     if sass:
         return f"sm_{max(sass)} SASS"

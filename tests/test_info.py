@@ -61,6 +61,8 @@ def test_gemm_path_of_each_gpu(capability, path, why):
 ])
 def test_kernel_image_of_each_gpu(capability, kernels):
     assert info.kernels_for(capability, CUTLASS_BUILD["cuda_archs"]) == kernels
+    assert info.kernels_for(capability, ["90a-real"]) == ("sm_90 SASS" if capability == (9, 0) else None)
+    assert info.kernels_for(capability, ["native"]) == "as CMake chose for native"
 
 
 def test_report_of_a_cuda_build_with_an_a100_and_an_h100():
