@@ -30,9 +30,9 @@ __all__ = ["linear_topk", "topk_state", "topk_steps", "shard_topk", "merge_topk"
 CUDA_MAX_K = 4096
 
 
-def check_k(k, num_classes: int, device: torch.device, *, allow_zero: bool = False) -> int:
-    """``k`` as an int in ``[1, num_classes]`` (``[0, ...]`` with ``allow_zero``), at most
-    :data:`CUDA_MAX_K` on CUDA.
+def check_k(k, num_classes: int, device: torch.device) -> int:
+    """``k`` as an int in ``[0, num_classes]`` (0: empty ``[N, 0]`` results), at most :data:`CUDA_MAX_K` on
+    CUDA.
 
     Raises:
         TypeError: ``k`` is not an integer (a bool, a float, a tensor). ValueError: out of range.
@@ -40,9 +40,8 @@ def check_k(k, num_classes: int, device: torch.device, *, allow_zero: bool = Fal
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(f"hugehead: k must be an int, got {type(k).__name__} {k!r}")
     k = int(k)
-    low = 0 if allow_zero else 1
-    if not low <= k <= num_classes:
-        raise ValueError(f"hugehead: k must be in [{low}, num_classes={num_classes}], got {k}")
+    if not 0 <= k <= num_classes:
+        raise ValueError(f"hugehead: k must be in [0, num_classes={num_classes}], got {k}")
     if device.type == "cuda" and k > CUDA_MAX_K:
         raise ValueError(f"hugehead: k must be at most {CUDA_MAX_K} on CUDA, got {k}")
     return k
@@ -228,7 +227,7 @@ def linear_topk(
         ValueError: shape or device mismatch, ``k`` out of range, bad softcap/chunk_size/memory_budget.
     """
     compute = _check_inputs(x, weight, bias)
-    k = check_k(k, weight.shape[0], x.device, allow_zero=True)
+    k = check_k(k, weight.shape[0], x.device)
     cap = _check_softcap(softcap)
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)
