@@ -376,11 +376,11 @@ def run_all(opts) -> int:
         doc["meta"]["resumed_from"] = _part(earlier["meta"])
         doc["meta"]["parts"] = [*(earlier["meta"].get("parts") or [_part(earlier["meta"])]), _part(doc["meta"])]
 
-    def publish():
+    def publish(record=False):
         doc["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)  # of this part when resumed
         if earlier is not None:
             doc["meta"]["parts"][-1]["elapsed_s"] = doc["meta"]["elapsed_s"]
-        report.write_reports(doc, out_dir)
+        report.write_reports(doc, out_dir, record=record)
 
     publish()
     deadline = None if opts.budget is None else t_start + opts.budget
@@ -455,7 +455,7 @@ def run_all(opts) -> int:
             publish()
     order = {(s.name, i): k for k, (s, i) in enumerate((s, i) for s in shapes for i in impls)}
     doc["rows"].sort(key=lambda r: order.get((r["shape"], r["impl"]), len(order)))
-    publish()
+    publish(record=opts.record)  # the history gets the finished run only, once
 
     print(f"\nwrote {out_dir}/lce.json, lce.md" + ("" if doc["meta"].get("png_error") else ", lce.png")
           + f" in {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -532,6 +532,7 @@ def main(argv=None) -> int:
     p.add_argument("--one", nargs=2, metavar=("IMPL", "SHAPE"), help="run one case in this process (--json-out F)")
     p.add_argument("--case", nargs=2, metavar=("IMPLS", "SHAPE"),
                    help="run the cases of a comma list of implementations in this process (--json-dir D)")
+    harness.add_record_flag(p)
     p.add_argument("--json-dir", help="with --case: where each case's JSON goes")
     p.add_argument("--probe", action="store_true", help="write environment and import facts to --json-out")
     p.add_argument("--json-out", help="with --one / --probe: where the JSON goes")
