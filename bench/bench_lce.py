@@ -8,12 +8,12 @@ cases down; per shape, the implementations that cannot break their process share
 reference). The parent never touches CUDA; it collects one JSON per case and rewrites ``lce.json``,
 ``lce.md`` and ``lce.png`` after every process, so a run cut short still leaves its results. The
 implementations are in ``bench/peers.py``; ``hugehead_eqmem`` (hugehead at torch.compile's memory) runs
-after ``torch_compile`` with its measured peak as ``memory_budget``. A full run on one H200 takes two
-device calls: ``bench/lce_parts.sh``.
+after ``torch_compile`` with its measured peak as ``memory_budget``. A run cut short (``--budget``) is
+continued with ``--resume``.
 
     python -m bench.bench_lce --out DIR [--shapes a,b] [--peers hugehead,torch,...] [--skip xc6M:liger] [--budget S]
     python -m bench.bench_lce --out DIR --resume DIR/lce.json [same options]   # continue a run cut short
-    python -m bench.bench_lce @ARGS_FILE                 # the arguments one a line (bench/lce_parts.sh)
+    python -m bench.bench_lce @ARGS_FILE                 # the arguments one a line
     python -m bench.bench_lce --device cpu               # fp32 on the CPU shapes -> bench/results/cpu/
     python -m bench.bench_lce --cpu-smoke [--out DIR]    # the whole pipeline on tiny CPU shapes
     python -m bench.bench_lce --case IMPLS SHAPE --json-dir D  # cases in this process (what the parent runs)
@@ -477,7 +477,7 @@ def run_all(opts) -> int:
 
 def _expand_arg_files(argv: List[str]) -> List[str]:
     """``@FILE`` -> the arguments in FILE, one a line (e.g. a ``--skip`` reason with spaces, through a shell
-    that splits words: bench/lce_parts.sh)."""
+    that splits words)."""
     out: List[str] = []
     for arg in argv:
         if arg.startswith("@") and len(arg) > 1:

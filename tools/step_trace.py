@@ -8,7 +8,7 @@ cudaMalloc / cudaFree by the caching allocator, leaves the GPU idle while the ho
 them apart: a power clamp shows as a lower clock with the SW power-cap flag (0x4) and no allocator event; a host
 stall as a host time near the step time, or an allocator retry / device allocation in that step.
 
-    python -m bench.step_trace --shape xc6M [--impl hugehead] [--steps 20] [--warmup 2] [--out DIR]
+    python -m tools.step_trace --shape xc6M [--impl hugehead] [--steps 20] [--warmup 2] [--out DIR]
 
 The step is bench_lce's: ``loss_fn(x, weight, target)`` then ``torch.autograd.grad`` for x and W on the same
 seeded inputs, the previous step's result dropped first, CUDA events around the call from an idle GPU. The clock

@@ -2,15 +2,15 @@
 grouped by name (total ms per step, calls per step), beside the step's wall time (CUDA events). For the
 gaps between what bench_lce / bench_multilabel measure and the kernels' sum.
 
-    python -m bench.profile_step --shape xc6M --case fwd            # forward only (eval loss)
-    python -m bench.profile_step --shape xc1M --case single         # forward + backward, class ids
-    python -m bench.profile_step --shape xc1M --case multi          # forward + backward, 5 positives
+    python -m tools.profile_step --shape xc6M --case fwd            # forward only (eval loss)
+    python -m tools.profile_step --shape xc1M --case single         # forward + backward, class ids
+    python -m tools.profile_step --shape xc1M --case multi          # forward + backward, 5 positives
     [--out DIR]  writes profile_<shape>_<case>.md there as well
     [--host N]   also the host's time per Python function over the profiled steps (cProfile, the N largest by
                  cumulative time): where the host spends the wait before a step's first kernel
     [--trace]    also one step under torch.profiler with Python stacks: its Chrome trace (gzip) in --out, and
                  for the largest GPU gaps the Python functions the host ran between the launches on either
-                 side (:func:`host_in_gaps`, also ``python -m bench.profile_step --gaps TRACE.json.gz``). The
+                 side (:func:`host_in_gaps`, also ``python -m tools.profile_step --gaps TRACE.json.gz``). The
                  Python tracer inflates host times many-fold (one H100: a cached pinned torch.empty took 2.1 ms
                  under it, 4.8 us without): it says which functions run in a gap, not how long each takes
     [--impl NAME]  a peer of bench_lce (bench/peers.py: hugehead, torch_compile, torch, ...) called as bench_lce

@@ -8,9 +8,9 @@ events, median), at the chunk width ``linear_cross_entropy`` plans for each shap
 with TFLOP/s on 2·N·D·C, the per-step totals (× V / C), and how far the fused results are from the cuBLAS
 path's (max |Δ lse|, relative error of the gradient chunk). Needs a CUDA build with CUTLASS on an sm_90 GPU.
 
-    python -m bench.bench_gemm [--shapes xc1M,xc6M] [--out DIR] [--reps 10]
+    python -m tools.bench_gemm [--shapes xc1M,xc6M] [--out DIR] [--reps 10]
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
-        python -m bench.bench_gemm --ncu xc6M       # one fused chunk of each kind, for Nsight Compute
+        python -m tools.bench_gemm --ncu xc6M       # one fused chunk of each kind, for Nsight Compute
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _ms(fn, reps: int) -> float:
 def planned_chunk(name: str, cols=None):
     """A shape's bf16 inputs on the GPU and its first chunk as the loop plans it (``cols`` None: the planned
     width): ``(shape, x, w, t, cols, wc, tc)``, with every row's target clamped into the chunk so the
-    target-logit path is exercised. Shared with bench/gemm_clocks.py."""
+    target-logit path is exercised. """
     from hugehead.loop import plan_chunks
 
     shape = find_shape(name)
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
         ncu_one(opts.ncu)
         return 0
     meta = harness.run_meta("gemm", torch.device("cuda"), options=opts,
-                            command=" ".join(["python", "-m", "bench.bench_gemm", *sys.argv[1:]]))
+                            command=" ".join(["python", "-m", "tools.bench_gemm", *sys.argv[1:]]))
     results = []
     for name in opts.shapes.split(","):
         results.append(bench_shape(name, opts.reps, opts.cols))

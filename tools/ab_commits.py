@@ -6,8 +6,8 @@ code took 17.85 ms at llama3_4k on that board and 19.20-19.67 ms on another (ses
 apart from the board's. This does that.
 
     here:    git archive --format=tar -o .hh/old.tar bf7c076     # the commit id rides in the tar's pax header
-    device:  python3 -m bench.ab_commits --old-tar .hh/old.tar --out $OUT/ab [--shapes llama3_4k,gemma2] [--rounds 2]
-             (after this tree's hugehead is installed: ``bench/board_calls.sh ab`` does both)
+    device:  python3 -m tools.ab_commits --old-tar .hh/old.tar --out $OUT/ab [--shapes llama3_4k,gemma2] [--rounds 2]
+             (after this tree's hugehead is installed)
 
 The old tree is unpacked into a scratch folder and built in place (its own ``setup.py build_ext --inplace``, CUDA
 and CUTLASS on). Each round then runs ``python3 -m bench.bench_lce --peers hugehead,torch_compile --shapes ...``
@@ -125,7 +125,7 @@ def _x(v: Optional[float]) -> str:
 
 def markdown(summary: dict, meta: dict) -> str:
     lines = [f"# hugehead at {meta['old_sha'][:12]} (old) against {meta['new_sha'][:12]} (new), one device call",
-             "", f"{meta.get('gpu', '?')} · {meta['created_utc']} · `python3 -m bench.ab_commits` "
+             "", f"{meta.get('gpu', '?')} · {meta['created_utc']} · `python3 -m tools.ab_commits` "
              f"({meta['rounds']} rounds, the first tree alternating; each run one `bench_lce --peers {PEERS}` process)",
              "", "| run | tree | git | shape | impl | fwd+bwd ms | fwd ms |", "|---|---|---|---|---|--:|--:|"]
     for r in summary["runs"]:
@@ -169,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"ab_commits: the old tree's build failed; see {out / 'build_old.log'}", file=sys.stderr)
             return 1
     # The old tree's bench must import the old tree's hugehead (built in place), whatever the caller's environment
-    # says (device_check.sh runs its steps with HUGEHEAD_BENCH_IMPORT=installed, which bf7c076's bench honours too).
+    # says (run it with HUGEHEAD_BENCH_IMPORT=installed).
     trees = {"old": (opts.scratch, old_sha, {"HUGEHEAD_BENCH_IMPORT": "tree"}),
              "new": (opts.new_tree, new_sha, {"HUGEHEAD_BENCH_IMPORT": "installed"})}
     runs = []

@@ -1,14 +1,14 @@
 """The compute-sanitizer harness: every kernel op of ``torch.ops.hugehead`` (discovered from the dispatcher)
 called directly on inputs made by PyTorch on the host and copied to the device, each result checked
 against a float64 reference computed on the host. Nothing else runs on the GPU between the copies: no
-cuBLAS, no PyTorch kernel, so the only kernels compute-sanitizer sees are ours (``bench/device_check.sh``
+cuBLAS, no PyTorch kernel, so the only kernels compute-sanitizer sees are ours (``tools/gpu_check.sh``
 also filters on the ``hugehead`` namespace), and every byte a kernel reads was written by a host-to-device
 copy (what initcheck counts as initialized) or by our own kernels.
 
-    python -m bench.sanitize_case --device cpu     # the same cases and checks on the CPU kernels (CI runs it)
+    python -m tools.sanitize_case --device cpu     # the same cases and checks on the CPU kernels (CI runs it)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --kernel-name kns=hugehead \\
-        --error-exitcode 1 python -P bench/sanitize_case.py -q       # what device_check.sh's sanitizer stage runs
-    python -m bench.sanitize_case --list           # the kernel ops found and the cases each has
+        --error-exitcode 1 python -P -m tools.sanitize_case -q       # what tools/gpu_check.sh runs
+    python -m tools.sanitize_case --list           # the kernel ops found and the cases each has
 
 PyTorch's caching allocator would hide an out-of-bounds access inside a cached block from memcheck, hence
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor its own cudaMalloc). Exit status: 0 when every case is within
@@ -559,7 +559,7 @@ def main(argv=None) -> int:
         return 2 if missing else 0
     if missing:
         print(f"kernel op(s) without a sanitizer case: {', '.join(missing)}: add a function under "
-              f"@kernel_case(\"{missing[0]}\") in bench/sanitize_case.py", flush=True)
+              f"@kernel_case(\"{missing[0]}\") in tools/sanitize_case.py", flush=True)
         return 2
     device = torch.device(opts.device)
     ops = opts.ops.split(",") if opts.ops else found

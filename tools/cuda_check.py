@@ -1,4 +1,4 @@
-"""Quick CUDA check used during development on the H200: small-shape correctness of every dtype/option
+"""Quick CUDA check used during development on a GPU: small-shape correctness of every dtype/option
 against float64, then the xc6M shape (N=4096, D=768, V=6M, bf16): timing, bitwise repeatability and a
 pure-PyTorch chunked float32 comparison of loss and gradient norms."""
 import json

@@ -4,10 +4,10 @@ each GEMM stage's achieved TFLOP/s (from the shapes of the ops that launched the
 gradient GEMMs, cuBLAS's or our dX / dW, the kept chunks' logits GEMMs and memory-bound passes, the
 partials' merges), beside the step with the side-stream overlap on and off and with ``memory_budget=256 MiB``.
 
-    python -m bench.split_lce [--shapes llama3_4k,xc6M] [--out DIR] [--widths 16384,32768,65536]
+    python -m tools.split_lce [--shapes llama3_4k,xc6M] [--out DIR] [--widths 16384,32768,65536]
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
-        python -m bench.split_lce --ncu xc6M      # one chunk of every cuBLAS-path stage, for Nsight Compute
-    (one fused chunk of each kind for Nsight Compute: ``python -m bench.bench_gemm --ncu xc6M``)
+        python -m tools.split_lce --ncu xc6M      # one chunk of every cuBLAS-path stage, for Nsight Compute
+    (one fused chunk of each kind for Nsight Compute: ``python -m tools.bench_gemm --ncu xc6M``)
 
 ``--widths``: a sweep of cuBLAS's three GEMMs of one chunk at each width (the streamed loop's cost per class).
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 from bench import harness  # first: decides which hugehead is imported
-from bench import profile_step
+from tools import profile_step
 from bench.common import SHAPES, find_shape, make_inputs
 
 import torch  # noqa: E402
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         return 0
     meta = harness.run_meta("split", torch.device("cuda"), options=opts,
                             shapes={n: vars(find_shape(n)) for n in opts.shapes.split(",")},
-                            command=" ".join(["python", "-m", "bench.split_lce", *sys.argv[1:]]),
+                            command=" ".join(["python", "-m", "tools.split_lce", *sys.argv[1:]]),
                             square_gemm_tflops=square_gemm_tflops(opts.reps))
     widths = [int(c) for c in opts.widths.split(",") if c]
     results = []
