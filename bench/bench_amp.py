@@ -412,6 +412,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--parts", default="fwd_bwd,train,scaler", help="comma list of fwd_bwd, train, scaler")
+    harness.add_record_flag(p)
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
     t_start = time.perf_counter()
@@ -435,7 +436,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def publish():
         meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        harness.write_report(out.parent, out.stem, doc, render_markdown)
+        harness.write_report(out.parent, out.stem, doc, render_markdown, record=args.record, study="amp")
 
     n, d, v = sizes["n"], sizes["d"], sizes["v"]
     if "fwd_bwd" in parts:

@@ -128,6 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path)
+    harness.add_record_flag(p)
     args = p.parse_args(argv)
     if "RANK" not in os.environ:
         print("bench_dist runs under torchrun: torchrun --standalone --nproc_per_node 2 -m bench.bench_dist",
@@ -217,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = dict(meta=meta, world_size=world, backend=backend, records=records, checks=checks)
         out = args.out or (harness.REPO_ROOT / "bench" / "results"
                            / f"{harness.gpu_slug(meta.get('gpu_name', 'cpu'))}x{world}")
-        harness.write_report(out, "dist", doc, render_markdown)
+        harness.write_report(out, "dist", doc, render_markdown, record=args.record)
         print(f"{world} ranks: fwd+bwd {part['fwd_bwd_ms']:.1f} ms = {part['fwd_bwd_ratio_vs_one_gpu']:.3f}x one GPU "
               f"(target <= {TARGET_RATIO}); fwd {part['fwd_ms']:.1f} ms, top-5 {part['topk_ms']:.1f} ms; checks "
               + ", ".join(f"{k} {v:.2e}" for k, v in checks.items()) + f"; wrote {out / 'dist.json'}", flush=True)

@@ -8,12 +8,12 @@ cases down; per shape, the implementations that cannot break their process share
 reference). The parent never touches CUDA; it collects one JSON per case and rewrites ``lce.json``,
 ``lce.md`` and ``lce.png`` after every process, so a run cut short still leaves its results. The
 implementations are in ``bench/peers.py``; ``hugehead_eqmem`` (hugehead at torch.compile's memory) runs
-after ``torch_compile`` with its measured peak as ``memory_budget``. A full run on one H200 takes two
-device calls: ``bench/lce_parts.sh``.
+after ``torch_compile`` with its measured peak as ``memory_budget``. A run cut short (``--budget``) is
+continued with ``--resume``.
 
     python -m bench.bench_lce --out DIR [--shapes a,b] [--peers hugehead,torch,...] [--skip xc6M:liger] [--budget S]
     python -m bench.bench_lce --out DIR --resume DIR/lce.json [same options]   # continue a run cut short
-    python -m bench.bench_lce @ARGS_FILE                 # the arguments one a line (bench/lce_parts.sh)
+    python -m bench.bench_lce @ARGS_FILE                 # the arguments one a line
     python -m bench.bench_lce --device cpu               # fp32 on the CPU shapes -> bench/results/cpu/
     python -m bench.bench_lce --cpu-smoke [--out DIR]    # the whole pipeline on tiny CPU shapes
     python -m bench.bench_lce --case IMPLS SHAPE --json-dir D  # cases in this process (what the parent runs)
@@ -376,11 +376,11 @@ def run_all(opts) -> int:
         doc["meta"]["resumed_from"] = _part(earlier["meta"])
         doc["meta"]["parts"] = [*(earlier["meta"].get("parts") or [_part(earlier["meta"])]), _part(doc["meta"])]
 
-    def publish():
+    def publish(record=False):
         doc["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)  # of this part when resumed
         if earlier is not None:
             doc["meta"]["parts"][-1]["elapsed_s"] = doc["meta"]["elapsed_s"]
-        report.write_reports(doc, out_dir)
+        report.write_reports(doc, out_dir, record=record)
 
     publish()
     deadline = None if opts.budget is None else t_start + opts.budget
@@ -455,7 +455,7 @@ def run_all(opts) -> int:
             publish()
     order = {(s.name, i): k for k, (s, i) in enumerate((s, i) for s in shapes for i in impls)}
     doc["rows"].sort(key=lambda r: order.get((r["shape"], r["impl"]), len(order)))
-    publish()
+    publish(record=opts.record)  # the history gets the finished run only, once
 
     print(f"\nwrote {out_dir}/lce.json, lce.md" + ("" if doc["meta"].get("png_error") else ", lce.png")
           + f" in {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -477,7 +477,7 @@ def run_all(opts) -> int:
 
 def _expand_arg_files(argv: List[str]) -> List[str]:
     """``@FILE`` -> the arguments in FILE, one a line (e.g. a ``--skip`` reason with spaces, through a shell
-    that splits words: bench/lce_parts.sh)."""
+    that splits words)."""
     out: List[str] = []
     for arg in argv:
         if arg.startswith("@") and len(arg) > 1:
@@ -532,6 +532,7 @@ def main(argv=None) -> int:
     p.add_argument("--one", nargs=2, metavar=("IMPL", "SHAPE"), help="run one case in this process (--json-out F)")
     p.add_argument("--case", nargs=2, metavar=("IMPLS", "SHAPE"),
                    help="run the cases of a comma list of implementations in this process (--json-dir D)")
+    harness.add_record_flag(p)
     p.add_argument("--json-dir", help="with --case: where each case's JSON goes")
     p.add_argument("--probe", action="store_true", help="write environment and import facts to --json-out")
     p.add_argument("--json-out", help="with --one / --probe: where the JSON goes")

@@ -95,6 +95,7 @@ def main(argv=None) -> dict:
                     help="memory_budget (bytes) of every hugehead case (default: the library's default)")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shape names")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/<device>)")
+    harness.add_record_flag(ap)
     args = ap.parse_args(argv)
     on_cpu = args.cpu or args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if on_cpu else "cuda")
@@ -184,7 +185,7 @@ def main(argv=None) -> dict:
     out = args.out or harness.REPO_ROOT / "bench" / "results" / slug
     if args.smoke and args.out is None:
         out = Path("/tmp") / "hugehead_bench_smoke"
-    paths = harness.write_report(out, "multilabel", {"meta": meta, "rows": rows}, md)
+    paths = harness.write_report(out, "multilabel", {"meta": meta, "rows": rows}, md, record=args.record)
     print(f"wrote {paths['md']}")
     return paths
 

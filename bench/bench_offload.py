@@ -309,6 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--budget", type=float, default=220.0, help="seconds; later cases are skipped past it")
     p.add_argument("--skip", default="", help="comma list of cases to skip: ceilings,xc6M,resident,autocast,xc25M")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, CPU compute device (checks the pipeline)")
+    harness.add_record_flag(p)
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -337,7 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # After every case (a run cut short still leaves its rows); the plot once, at the end.
         doc["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         harness.write_report(out, "offload", doc, render_markdown,
-                             plot=(lambda path: render_png(doc, path)) if plot else None)
+                             plot=(lambda path: render_png(doc, path)) if plot else None, record=args.record)
 
     def case(name: str, fn: Callable[[], List[dict]], need_s: float, shape: Shape, dtype, placement, variant):
         left = args.budget - (time.perf_counter() - t_start)

@@ -187,6 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--shapes", default="xc6M,xc6M_16k", help="scaling shapes: xc6M (N=4096), xc6M_16k (N=16384)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path)
+    harness.add_record_flag(p)
     args = p.parse_args(argv)
     if not (args.scaling or args.huge):
         args.scaling = args.huge = True
@@ -220,7 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def publish(plot: bool = False):  # after every part: a run cut short still leaves its results
         harness.write_report(out, "placement", doc, render_markdown,
-                             plot=(lambda path: render_png(doc, path)) if plot and doc.get("scaling") else None)
+                             plot=(lambda path: render_png(doc, path)) if plot and doc.get("scaling") else None, record=args.record)
 
     if args.scaling:
         doc["scaling"] = []

@@ -349,6 +349,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dir", type=Path, help="scratch directory on the disk to measure (default: <out>/resume_tmp)")
     p.add_argument("--out", type=Path)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on two CPU shards (checks the pipeline)")
+    harness.add_record_flag(p)
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.classes, args.dim, args.dtype, args.batch = 20_000, 64, "fp32", 64
@@ -375,7 +376,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         run(args, work, doc)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    harness.write_report(args.out, "resume", doc, render_markdown)
+    harness.write_report(args.out, "resume", doc, render_markdown, record=args.record)
     print(render_markdown(doc))
     return 0 if doc["all_loads_match"] else 1
 

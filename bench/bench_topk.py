@@ -176,6 +176,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2 GPU, 1 CPU)")
     p.add_argument("--cpu-logits-gib", type=float, default=4.0, help="largest [N, V] float32 logits torch.topk gets")
     p.add_argument("--out", type=Path, help="output folder")
+    harness.add_record_flag(p)
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke else args.device)
     gpu = device.type == "cuda"
@@ -191,7 +192,7 @@ def main(argv=None) -> None:
     doc = {"meta": meta, "rows": rows}
     out = args.out or harness.REPO_ROOT / "bench" / "results" / (
         harness.gpu_slug(str(meta["gpu_name"])) if gpu else "cpu")
-    written = harness.write_report(out, "topk", doc, markdown, plot=lambda path: plot(doc, path))
+    written = harness.write_report(out, "topk", doc, markdown, plot=lambda path: plot(doc, path), record=args.record)
     print("wrote", ", ".join(str(v) for v in written.values()))
 
 

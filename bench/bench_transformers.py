@@ -296,6 +296,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--recompute-budgets", default="1.5",
                    help="comma list of GiB: a patched-Llama row at each memory_budget without the rows plan "
                         "(HUGEHEAD_ROWS=0: chunks recomputed, the low-memory setting before it)")
+    harness.add_record_flag(p)
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     if args.cpu_smoke:
@@ -316,7 +317,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def publish():
         meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        harness.write_report(out.parent, out.stem, doc, render_markdown)
+        harness.write_report(out.parent, out.stem, doc, render_markdown, record=args.record, study="transformers")
 
     parts = set(args.parts.split(","))
     if "bert" in parts:  # first: the 6M head wants the GPU to itself

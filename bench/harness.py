@@ -621,11 +621,20 @@ def bar_chart(path: Path, categories: Sequence[str], panels: Union[Panel, Sequen
     plt.close(fig)
 
 
+def add_record_flag(parser) -> None:
+    """``--record [CSV]``: append this run's rows to ``bench/results/history.csv`` (or CSV)."""
+    parser.add_argument("--record", nargs="?", const=True, default=False, metavar="CSV",
+                        help="append this run's rows to bench/results/history.csv (or to CSV)")
+
+
 def write_report(out_dir: Path, stem: str, doc: Dict[str, object], markdown: Union[str, Callable[[dict], str]],
-                 plot: Optional[Callable[[Path], None]] = None) -> Dict[str, Path]:
+                 plot: Optional[Callable[[Path], None]] = None, record: Union[bool, str, Path] = False,
+                 study: Optional[str] = None) -> Dict[str, Path]:
     """Write ``<stem>.json`` (atomically), ``<stem>.md`` and, when ``plot`` is given, ``<stem>.png``
     (``plot(path)`` draws it) into ``out_dir``. ``markdown`` is the text or a function of ``doc``. A plot
     that fails (no matplotlib) is noted in ``doc["meta"]["png_error"]`` and the rest is still written.
+    ``record``: True appends the document's rows (``bench.history.rows_of(study or stem, doc)``) to
+    ``bench/results/history.csv``, a path to that CSV; False (the default) writes no history.
     Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -643,4 +652,10 @@ def write_report(out_dir: Path, stem: str, doc: Dict[str, object], markdown: Uni
     write_json(out_dir / f"{stem}.json", doc)
     _atomic_write(out_dir / f"{stem}.md", text)
     written.update(json=out_dir / f"{stem}.json", md=out_dir / f"{stem}.md")
+    if record:
+        from bench import history  # history imports nothing of the harness: no cycle
+
+        path = history.HISTORY if record is True else Path(record)
+        history.append(history.rows_of(study or stem, doc), path)
+        written["history"] = path
     return written

@@ -358,10 +358,45 @@ def render_png(doc: dict, path: Path) -> None:
                       f"{_machine(meta)} (git {sha})", smoke=harness.is_smoke(meta))
 
 
-def write_reports(doc: dict, out_dir: Path) -> None:
-    """Write lce.json, lce.md and lce.png into ``out_dir``; a plotting failure is noted in the JSON."""
+def write_reports(doc: dict, out_dir: Path, record=False) -> None:
+    """Write lce.json, lce.md and lce.png into ``out_dir``; a plotting failure is noted in the JSON.
+    ``record``: as :func:`bench.harness.write_report`'s (append the rows to history.csv)."""
     harness.write_report(out_dir, "lce", doc, render_markdown,
-                         plot=(lambda path: render_png(doc, path)) if doc["rows"] else None)
+                         plot=(lambda path: render_png(doc, path)) if doc["rows"] else None, record=record)
+
+
+def plot_history(csv_path: Path, study: str, shape: str, out: Path, gpu: Optional[str] = None) -> int:
+    """Plot ``median_ms`` of every implementation of ``study`` at ``shape`` over the recorded runs of
+    ``csv_path`` (history.csv), one line per implementation, in the order they were recorded; on
+    ``gpu`` only when given. Returns how many points were drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench import history
+
+    rows = [r for r in history.read(csv_path) if r["study"] == study and r["shape"] == shape
+            and (gpu is None or r["gpu"] == gpu)]
+    runs: List[str] = []
+    for r in rows:
+        run = f"{r['date'][:10]} {r['sha'][:7]}"
+        if run not in runs:
+            runs.append(run)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 3), 4))
+    for impl in _ordered([r["impl"] for r in rows], []):
+        points = [(runs.index(f"{r['date'][:10]} {r['sha'][:7]}"), float(r["median_ms"])) for r in rows if r["impl"] == impl]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+    ax.set_xticks(range(len(runs)), runs, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("median ms")
+    ax.set_title(f"{study}, {shape}" + (f", {gpu}" if gpu else ""))
+    if rows:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return len(rows)
 
 
 def merge(docs: List[dict]) -> dict:
@@ -388,10 +423,23 @@ def merge(docs: List[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("json", nargs="+", help="lce.json files (several: merged in order)")
+    p.add_argument("json", nargs="*", help="lce.json files (several: merged in order)")
+    p.add_argument("--history", metavar="CSV", help="plot history.csv instead: --study, --shape, --png (and --gpu)")
+    p.add_argument("--study", default="lce")
+    p.add_argument("--shape")
+    p.add_argument("--gpu")
+    p.add_argument("--png", help="where --history writes its plot")
     p.add_argument("--out", help="folder for the merged lce.json/md/png (default: beside the single input)")
     p.add_argument("--headline", action="store_true", help="print the headline table only (nothing written)")
     opts = p.parse_args(argv)
+    if opts.history:
+        if not (opts.shape and opts.png):
+            p.error("--history needs --shape and --png")
+        drawn = plot_history(Path(opts.history), opts.study, opts.shape, Path(opts.png), opts.gpu)
+        print(f"{drawn} points of {opts.study} at {opts.shape} -> {opts.png}")
+        return 0 if drawn else 1
+    if not opts.json:
+        p.error("give lce.json files, or --history")
     docs = [json.loads(Path(f).read_text()) for f in opts.json]
     if opts.headline:
         print(render_headline(merge(docs) if len(docs) > 1 else docs[0]), end="")

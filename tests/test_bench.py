@@ -114,7 +114,7 @@ def test_placement_benchmark_cpu_smoke(tmp_path):
 def test_sanitizer_harness_covers_every_kernel_op_and_checks_them_on_cpu(capsys):
     """bench/sanitize_case.py (what compute-sanitizer runs on the GPU) has cases for every kernel op the
     dispatcher holds, and its float64 checks pass on the CPU kernels."""
-    from bench import sanitize_case
+    from tools import sanitize_case
 
     ops = sanitize_case.kernel_ops()
     assert {"chunk_stats_", "chunk_grad_"} <= set(ops) and not {"linear_cross_entropy_forward"} & set(ops)
@@ -124,7 +124,7 @@ def test_sanitizer_harness_covers_every_kernel_op_and_checks_them_on_cpu(capsys)
 
 
 def test_sanitizer_harness_refuses_an_op_without_cases(monkeypatch, capsys):
-    from bench import sanitize_case
+    from tools import sanitize_case
 
     monkeypatch.setattr(sanitize_case, "kernel_ops", lambda: ["chunk_stats_", "new_kernel_"])
     assert sanitize_case.main(["--device", "cpu"]) == 2
@@ -133,7 +133,7 @@ def test_sanitizer_harness_refuses_an_op_without_cases(monkeypatch, capsys):
 
 def test_sanitizer_harness_reports_a_wrong_result(monkeypatch, capsys):
     """A kernel result off its float64 reference fails the run (exit 1), so garbage cannot pass silently."""
-    from bench import sanitize_case
+    from tools import sanitize_case
 
     real = sanitize_case.CASES["chunk_grad_"]
 
@@ -491,6 +491,7 @@ def test_eqmem_is_skipped_when_torch_compile_has_no_peak(tmp_path, monkeypatch):
     assert row["error"].startswith("skipped: torch_compile OOM at this shape, no peak memory to match")
 
 
+@pytest.mark.slow  # eqmem after a resume; eqmem itself: test_eqmem_runs_at_the_peak_torch_compile_measured_before_it_in_the_process
 def test_resume_runs_eqmem_at_the_earlier_parts_torch_compile_peak(tmp_path, monkeypatch, capsys):
     """--resume with torch_compile measured in the earlier part: the parent hands its row to the
     hugehead_eqmem case process, which runs at its peak (recorded in the row, the plan and lce.md's
@@ -568,81 +569,6 @@ def test_a_process_stopped_by_the_run_budget_leaves_its_cases_to_resume(tmp_path
     assert rows[2]["error"] == f"{bench_lce.BUDGET_SKIP} 7 s used up"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bench/lce_parts.sh is a bash script")
-def test_lce_parts_script_runs_one_benchmark_in_two_parts(tmp_path):
-    """bench/lce_parts.sh as the GPU machine runs it, with a stand-in for device_check.sh that runs only its
-    bench step (on the CPU smoke shapes): part 1 measures its shapes, part 2 continues part 1's lce.json (the
-    copy it left on the machine) and measures only the rest, into one lce.json of two parts; the --skip
-    reasons, spaces and all, reach bench_lce through the arguments file."""
-    import os
-    import subprocess
-
-    stub = tmp_path / "device_check.sh"
-    stub.write_text('cd "$REPO_ROOT" && exec "$PYTHON" -m bench.bench_lce --out "$OUT/results" '
-                    '--work "$OUT/work" --budget 500 $BENCH_ARGS\n')
-    env = dict(os.environ, DEVICE_CHECK=str(stub), LCE_PARTS_STATE=str(tmp_path / "state"), PART1_SHAPES="tiny",
-               EXTRA_ARGS="--cpu-smoke --reps 1 --warmup 1 --peers hugehead,torch", PYTHON=sys.executable,
-               HUGEHEAD_GIT_SHA="0123456789ab", REPO_ROOT=str(harness.REPO_ROOT))
-    docs = []
-    for part in (1, 2):
-        out = tmp_path / f"out{part}"
-        out.mkdir()
-        proc = subprocess.run(["bash", str(harness.REPO_ROOT / "bench" / "lce_parts.sh"), str(part)],
-                              env={**env, "OUT": str(out)}, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        docs.append(json.loads((out / "results" / "lce.json").read_text()))
-    part1, doc = docs
-    assert [(r["shape"], r["impl"]) for r in part1["rows"]] == [("tiny", "hugehead"), ("tiny", "torch")]
-    assert [(r["shape"], r["impl"], r["status"]) for r in doc["rows"]] == [
-        (s, i, "ok") for s in ("tiny", "tiny_odd") for i in ("hugehead", "torch")]
-    assert doc["rows"][:2] == part1["rows"]  # reused as recorded, not measured again
-    assert len(doc["meta"]["parts"]) == 2 and doc["meta"]["parts"][0]["command"] == part1["meta"]["command"]
-    assert "xc6M*:cce=CCE 25.1.1 hits an illegal memory access" in doc["meta"]["skip"]
-    assert "--resume" in doc["meta"]["command"] and "--resume" not in part1["meta"]["command"]
-    assert "lce_parts: part 2: 4 rows in 2 part(s); none left out by the budget" in proc.stdout
-    assert (tmp_path / "out2" / "results" / "lce.md").exists() and (tmp_path / "out2" / "results" / "lce.png").exists()
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bench/device_check.sh is a bash script")
-def test_device_check_sanitizer_step_finds_the_filter_and_runs_initcheck_unfiltered(tmp_path):
-    """device_check.sh's sanitizer step with a stand-in compute-sanitizer whose --help is long (the real one's
-    is ~30 KB: a `--help | grep -q` under pipefail lost the race with SIGPIPE and the kernel filter came and
-    went between calls): every call finds the filter, and initcheck runs without it (memory only an
-    unfiltered torch kernel wrote reads as uninitialized under a filter)."""
-    import os
-    import subprocess
-
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    calls = tmp_path / "calls.txt"
-    fake = bindir / "compute-sanitizer"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        'if [ "$1" = --help ]; then for i in $(seq 1 4000); do echo "  --option-$i   what it does"; done;'
-        ' echo "  --kernel-name  filter"; for i in $(seq 1 4000); do echo "  --more-$i"; done; exit 0; fi\n'
-        'if [ "$1" = --version ]; then echo "fake sanitizer 1.0"; exit 0; fi\n'
-        f'echo "$*" >> {calls}\n'
-        'echo "========= ERROR SUMMARY: 0 errors"\n')
-    fake.chmod(0o755)
-    for attempt in range(3):
-        out = tmp_path / f"out{attempt}"
-        out.mkdir()
-        env = dict(os.environ, OUT=str(out), STAGES="sanitizer", SANITIZER_TOOLS="memcheck initcheck",
-                   PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable)
-        env.pop("SANITIZER_FILTER", None)
-        proc = subprocess.run(["bash", str(harness.REPO_ROOT / "bench" / "device_check.sh")], env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "filter: --kernel-name kns=hugehead" in (out / "sanitizer" / "version.txt").read_text()
-    lines = calls.read_text().splitlines()
-    assert len(lines) == 6
-    for line in lines:
-        if line.startswith("--tool memcheck"):
-            assert "--kernel-name kns=hugehead" in line
-        else:
-            assert line.startswith("--tool initcheck") and "--kernel-name" not in line
-
-
 def test_skip_items_carry_their_reason_into_the_row():
     from bench.bench_lce import _parse_skips, _skip_reason
 
@@ -655,130 +581,10 @@ def test_skip_items_carry_their_reason_into_the_row():
         _parse_skips("xc6M")
 
 
-def test_ab_env_takes_turns_restores_the_environment_and_computes_the_gradients(tmp_path, monkeypatch):
-    """bench/ab_env.py on the CPU: every setting set during its own steps only (the rows plan off for one),
-    the environment as it was afterwards, the recorded gradient norms those of float64 autograd, and the
-    report written. The times come from a scripted clock (no time is asserted)."""
-    import math
-    import os
-
-    from bench import ab_env
-    from bench.common import find_shape, make_inputs
-    from hugehead import reference
-
-    seen = []
-
-    def fake(fn, devices=None, clock="events"):
-        seen.append(os.environ.get("HUGEHEAD_ROWS"))
-        return float(len(seen)), fn()
-
-    monkeypatch.setattr(harness, "time_call_ms", fake)
-    monkeypatch.setenv("HUGEHEAD_ROWS", "1")
-    settings = ['on={}', 'off={"HUGEHEAD_ROWS": "0"}']
-    assert ab_env.main(["--device", "cpu", "--shapes", "tiny", "--rounds", "2", "--reps", "3", "--out", str(tmp_path),
-                        *settings]) == 0
-    assert os.environ["HUGEHEAD_ROWS"] == "1"
-    assert seen == ["1"] * 3 + ["0"] * 3 + ["1"] * 3 + ["0"] * 3  # the settings take turns, round after round
-    doc = json.loads((tmp_path / "ab_env.json").read_text())
-    res = doc["results"]["tiny"]
-    assert res["on"]["ms"] == [1.0, 2.0, 3.0, 7.0, 8.0, 9.0] and res["off"]["median_ms"] == 8.0
-    x, w, t = make_inputs(find_shape("tiny"), torch.device("cpu"), torch.float32)
-    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
-    gx, gw = torch.autograd.grad(reference.linear_cross_entropy(xr, wr, t), (xr, wr))
-    for name in ("on", "off"):
-        nx, nw = res[name]["grad_norms"]
-        assert math.isclose(nx, float(gx.norm()), rel_tol=1e-5) and math.isclose(nw, float(gw.norm()), rel_tol=1e-5)
-    assert "| tiny | off | HUGEHEAD_ROWS=0 |" in (tmp_path / "ab_env.md").read_text()
-
-
-def test_ab_env_settings_parse_json_and_the_shell_safe_form():
-    import argparse
-
-    from bench.ab_env import _setting
-
-    assert _setting('a={"X": 1, "Y": "n"}') == ("a", {"X": "1", "Y": "n"})
-    assert _setting("b=X=1,Y=n") == ("b", {"X": "1", "Y": "n"})
-    assert _setting("c=") == ("c", {})
-    assert _setting("d=X=") == ("d", {"X": ""})
-    for bad in ("noequals", "=X=1", "e=X", 'f=["X"]', "g=X=1,Y"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _setting(bad)
-
-
-def test_gemm_clocks_tile_orders(monkeypatch):
-    """bench/gemm_clocks.py --orders: each variant under each order, the order's variables set after the
-    variant's own (and removed again by the next variant's setter)."""
-    import os
-
-    from bench import gemm_clocks
-
-    assert gemm_clocks.order_env("default") == {}
-    assert gemm_clocks.order_env("m8") == {"HUGEHEAD_GEMM_RASTER": "m", "HUGEHEAD_GEMM_SWIZZLE": "8"}
-    assert gemm_clocks.order_env("n") == {"HUGEHEAD_GEMM_RASTER": "n"}
-    assert gemm_clocks.order_env("4") == {"HUGEHEAD_GEMM_SWIZZLE": "4"}
-    for bad in ("", "x8", "m3", "m16", "mn"):
-        with pytest.raises(ValueError, match="tile order"):
-            gemm_clocks.order_env(bad)
-    for var in ("HUGEHEAD_GEMM_RASTER", "HUGEHEAD_GEMM_SWIZZLE"):
-        monkeypatch.setenv(var, "")  # recorded, so the setters' changes are undone after the test
-        monkeypatch.delenv(var)
-
-    def setter():
-        os.environ.pop("HUGEHEAD_GEMM_RASTER", None)
-        os.environ.pop("HUGEHEAD_GEMM_SWIZZLE", None)
-    out = gemm_clocks.with_orders([("a", setter, len), ("b", setter, len)], ["default", "m8"])
-    assert [label for label, _, _ in out] == ["a [default]", "a [m8]", "b [default]", "b [m8]"]
-    seen = []
-    for _, set_env, fn in out:
-        set_env()
-        seen.append((os.environ.get("HUGEHEAD_GEMM_RASTER"), os.environ.get("HUGEHEAD_GEMM_SWIZZLE")))
-        assert fn is len
-    assert seen == [(None, None), ("m", "8")] * 2
-    assert gemm_clocks.with_orders([("a", setter, len)], []) == [("a", setter, len)]
-    # nvidia-smi's samples: a field it cannot report is NaN, a line of another shape is dropped
-    rows = gemm_clocks.smi_rows("1500, 690.1, 60, 35\n1485, 688.0, 61, [N/A]\nbad line\n")
-    assert rows[0] == [1500.0, 690.1, 60.0, 35.0] and rows[1][:3] == [1485.0, 688.0, 61.0] and len(rows) == 2
-    assert rows[1][3] != rows[1][3]  # NaN
-
-
-def test_bench_prologue_smoke_writes_its_report(tmp_path):
-    """bench/bench_prologue.py (issue 21: the forward's host work before its first GEMM) end to end on the CPU."""
-    from bench import bench_prologue
-
-    assert bench_prologue.main(["--cpu-smoke", "--reps", "2", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "prologue.json").read_text())
-    (row,) = doc["rows"]
-    assert row["shape"] == "smoke" and row["check_targets_us"] > 0 and row["forward_host_us"] > 0
-    assert row["forward_ms"] > 0 and row["forward_behind_busy_gpu_ms"] is None and doc["meta"]["smoke"]
-    assert (tmp_path / "prologue.md").read_text().startswith("# The forward's host work")
-
-
-def test_bench_prologue_timeline_smoke_marks_the_first_gemm(tmp_path):
-    """bench_prologue --timeline on the CPU: every pass marks the loop's functions in host order, the first
-    GEMM after the plan and the target check after it (the check waits for the first chunk's GEMM), and the
-    probes are taken off again afterwards."""
-    from bench import bench_prologue
-    from hugehead import loop, ops
-
-    before = (loop._logits_into, ops.chunk_stats_)
-    assert bench_prologue.main(["--timeline", "--cpu-smoke", "--reps", "2", "--out", str(tmp_path)]) == 0
-    assert (loop._logits_into, ops.chunk_stats_) == before
-    (row,) = json.loads((tmp_path / "prologue_timeline.json").read_text())["rows"]
-    assert row["shape"] == "smoke" and row["step_ms"] > 0
-    for name in bench_prologue.TIMELINE_PASSES:
-        marks = row[name]["marks"]
-        at = {m["probe"]: m["host_us"] for m in marks}
-        assert [m["host_us"] for m in marks] == sorted(at.values()) and all(m["gpu_us"] is None for m in marks)
-        assert row[name]["first_gemm"]["probe"] == "loop._logits_into"
-        assert at["functional.loss_plan"] < at["loop._logits_into"] < at["functional.start_target_check"]
-        assert row[name]["first_gemm_host_us_all"] and not row[name]["first_gemm_gpu_us_all"]
-    assert (tmp_path / "prologue_timeline.md").read_text().startswith("# Where a training step's GPU waits")
-
-
 def test_profile_step_idle_gaps_between_kernels():
     """profile_step's gap analysis: kernels on other streams overlapping count as busy, a kernel nested in a
     longer one leaves no gap, and each gap names the kernel that ended last before it and the one after it."""
-    from bench.profile_step import idle_gaps
+    from tools.profile_step import idle_gaps
 
     kernels = [("c", 50.0, 60.0), ("a", 0.0, 10.0), ("b", 5.0, 30.0), ("n", 12.0, 20.0), ("d", 65.0, 66.0),
                ("e", 100.0, 120.0)]
@@ -792,7 +598,7 @@ def test_profile_step_host_in_gaps_names_the_host_work_between_launches():
     """profile_step --trace: each GPU gap (and the wait from the step's start to its first kernel) lists the
     Python functions the host ran between the launch of the kernel that ended last before it and the launch of
     the one after, hugehead's first, the innermost first; a kernel on another stream overlapping leaves no gap."""
-    from bench.profile_step import STEP_MARK, host_in_gaps
+    from tools.profile_step import STEP_MARK, host_in_gaps
 
     def k(name, ts, dur, corr):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
@@ -825,7 +631,7 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
     classes dX, classes by rows dW), FLOPs once per op call from its shapes, per step."""
     from types import SimpleNamespace as NS
 
-    from bench.profile_step import gemm_flops, is_gemm_stage, stage_lines, stage_split
+    from tools.profile_step import gemm_flops, is_gemm_stage, stage_lines, stage_split
 
     cpu = torch.autograd.DeviceType.CPU
     n, d, c, r = 64, 16, 96, 48  # rows, features, a chunk's classes, a rows-plan block
@@ -892,92 +698,6 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
     assert table[2].startswith("| dX GEMM (cuBLAS) | 0.15 | 3 |") and table[2].endswith("| 15.5% |")
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bench/board_calls.sh is a bash script")
-def test_board_calls_script_picks_the_step_by_gpu_and_wheel(tmp_path, monkeypatch):
-    """bench/board_calls.sh with a stand-in nvidia-smi and stand-ins for the scripts it calls: on an H100 the
-    H200-only calls run nothing (exit 3), part 1 builds the wheel only while none is kept; on an H200 a kept
-    wheel is installed with the tree's Python over it, else the build leaves one in $OUT/wheel; every call
-    records the SHA from the sha file, and a missing sha file stops it before any step."""
-    import os
-    import subprocess
-
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    smi = bindir / "nvidia-smi"
-    smi.write_text('#!/usr/bin/env bash\necho "$GPU_NAME"\n')
-    smi.chmod(0o755)
-    record = ('echo "$(basename "$0")${1:+ $1} | STAGES=${STAGES:-} WHEEL=${HUGEHEAD_WHEEL:-} '
-              'OVERLAY=${HUGEHEAD_WHEEL_OVERLAY:-} BUILD=${BUILD_WHEEL_DIR:-} SHA=$HUGEHEAD_GIT_SHA '
-              'ARGS=${BENCH_ARGS:-} EXTRA=${EXTRA:-}"\n')
-    for name in ("device_check.sh", "lce_parts.sh"):
-        (tmp_path / name).write_text(record)
-    hh = tmp_path / "hh"
-    hh.mkdir()
-
-    def call(what, gpu):
-        out = tmp_path / "out"
-        out.mkdir(exist_ok=True)
-        env = dict(os.environ, GPU_NAME=gpu, HH=str(hh), OUT=str(out), PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
-                   DEVICE_CHECK=str(tmp_path / "device_check.sh"), LCE_PARTS=str(tmp_path / "lce_parts.sh"))
-        proc = subprocess.run(["bash", str(harness.REPO_ROOT / "bench" / "board_calls.sh"), what], env=env,
-                              capture_output=True, text=True, timeout=60)
-        return proc.returncode, proc.stdout.strip().splitlines()[-1]
-
-    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-    assert call("1", h200) == (2, f"write {hh}/sha first (git rev-parse HEAD > {hh}/sha)")
-    (hh / "sha").write_text("0123456789ab\n")
-    rc, line = call("1", h200)
-    assert rc == 0 and line.startswith("lce_parts.sh 1 | STAGES= WHEEL= OVERLAY= BUILD=")
-    assert line.split("BUILD=")[1].startswith(str(tmp_path / "out" / "wheel")) and "SHA=0123456789ab" in line
-    rc, line = call("1", h100)
-    assert rc == 0 and line.startswith("device_check.sh | STAGES=smi peers build dispatch WHEEL= OVERLAY= BUILD=")
-    wheel = hh / "hugehead-0.1.0-cp312-cp312-linux_x86_64.whl"
-    wheel.write_bytes(b"")
-    # The build inputs' digest, as `find csrc setup.py CMakeLists.txt | sort | sha256sum` then sha256sum of that.
-    root = harness.REPO_ROOT
-    paths = sorted([str(q.relative_to(root)) for q in (root / "csrc").rglob("*") if q.is_file()]
-                   + ["setup.py", "CMakeLists.txt"])
-    listing = "".join(f"{hashlib.sha256((root / q).read_bytes()).hexdigest()}  {q}\n" for q in paths)
-    digest = hashlib.sha256(listing.encode()).hexdigest()
-    rc, line = call("2", h200)  # a wheel without its digest: not used, a fresh one built, the digest beside it
-    assert rc == 0 and " WHEEL= OVERLAY= BUILD=" in line
-    assert (tmp_path / "out" / "wheel" / "build_inputs.sha256").read_text().strip() == digest
-    (hh / "build_inputs.sha256").write_text("0" * 64 + "\n")  # built from other sources: not used either
-    rc, line = call("2", h200)
-    assert rc == 0 and " WHEEL= OVERLAY= BUILD=" in line
-    (hh / "build_inputs.sha256").write_text(digest + "\n")
-    for what in ("1", "2", "evidence", "ab", "mini"):
-        assert call(what, h100) == (3, "not an H200: nothing run")
-    rc, line = call("suite", h100)
-    assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
-    rc, line = call("2", h200)
-    assert rc == 0 and line.startswith(f"lce_parts.sh 2 | STAGES=peers build bench WHEEL={wheel} OVERLAY=1 BUILD= ")
-    assert "EXTRA=split=python3 -m bench.split_lce --shapes xc6M,xc6M_16k" in line
-    assert "python3 -m bench.bench_gemm --ncu xc6M > " in line and "split_lce --ncu" not in line  # the fused chunk
-    rc, line = call("evidence", h200)
-    assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build dispatch test" in line
-    assert line.endswith(f"EXTRA=ncu=/usr/local/cuda/bin/ncu --clock-control none --profile-from-start off --section "
-                         f"SpeedOfLight python3 -m bench.bench_gemm --ncu xc6M > {tmp_path / 'out'}/ncu_fused_xc6M.txt 2>&1")
-    assert call("ab", h200) == (2, f"make {hh}/old.tar first (git archive --format=tar -o {hh}/old.tar bf7c076)")
-    (hh / "old.tar").write_bytes(b"")
-    rc, line = call("ab", h200)
-    assert rc == 0 and f"WHEEL={wheel} OVERLAY=1 BUILD= " in line and "STAGES=smi peers build WHEEL" in line
-    assert line.endswith(f"EXTRA=ab=python3 -m bench.ab_commits --old-tar {hh}/old.tar --out {tmp_path / 'out'}/ab "
-                         "--shapes llama3_4k,gemma2 --rounds 2|trace=python3 -m bench.step_trace --shape xc6M --steps 20 "
-                         f"--out {tmp_path / 'out'}/trace|pack=cd {tmp_path / 'out'} && tar -czf ab_runs.tar.gz "
-                         "--exclude=work $(ls -d ab trace 2>/dev/null) && rm -rf ab/old[0-9]* ab/new[0-9]* ab/*.log "
-                         "trace; find . -type f | sort")
-    rc, line = call("ab", h100)
-    assert (rc, line) == (3, "not an H200: nothing run")
-    monkeypatch.setenv("AB_ANY_GPU", "1")  # the A/B on another GPU, asked for
-    rc, line = call("ab", h100)
-    monkeypatch.delenv("AB_ANY_GPU")
-    assert rc == 0 and "EXTRA=ab=python3 -m bench.ab_commits" in line
-    rc, line = call("mini", h200)
-    assert rc == 0 and "ARGS=--shapes llama3_4k,xc6M,xc6M_16k --peers hugehead,torch_compile" in line
-    assert "--budget 230" in line and "EXTRA=suite=timeout 150 python3 -P -m pytest tests -q -m cuda" in line
-
-
 _AB_FAKE_BENCH = '''
 import argparse, json, os, sys
 from pathlib import Path
@@ -1017,7 +737,7 @@ def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
     old), each run's medians and each tree's means and ratios are the stand-in's numbers."""
     import tarfile
 
-    from bench import ab_commits
+    from tools import ab_commits
 
     src = tmp_path / "src" / "old"
     _ab_fake_tree(src)
@@ -1031,7 +751,7 @@ def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
     scratch = tmp_path / "scratch" / "old"
     monkeypatch.setenv("AB_ORDER_LOG", str(tmp_path / "order.log"))
     monkeypatch.setenv("HUGEHEAD_GIT_SHA", "cd" * 20)
-    monkeypatch.setenv("HUGEHEAD_BENCH_IMPORT", "installed")  # as device_check.sh's steps run
+    monkeypatch.setenv("HUGEHEAD_BENCH_IMPORT", "installed")  # as tools/gpu_check.sh runs its steps
     rc = ab_commits.main(["--old-tar", str(tar_path), "--out", str(tmp_path / "out"), "--scratch", str(scratch),
                           "--new-tree", str(new), "--shapes", "llama3_4k,gemma2", "--rounds", "2"])
     assert rc == 0
@@ -1068,7 +788,7 @@ def test_ab_commits_builds_the_old_tree_and_takes_turns(tmp_path, monkeypatch):
 def test_ab_commits_reads_the_commit_git_archive_wrote(tmp_path):
     import subprocess
 
-    from bench import ab_commits
+    from tools import ab_commits
 
     head = subprocess.run(["git", "-C", str(harness.REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -1084,7 +804,7 @@ def test_step_trace_reads_nvidia_smi_and_places_samples_in_steps():
     flag; a line of another shape is dropped."""
     import datetime as dt
 
-    from bench import step_trace
+    from tools import step_trace
 
     text = ("2026/12/06 09:38:30.645, 1965, 135.61, 0x0000000000000004\n"
             "2026/12/06 09:38:30.745, 1560, 195.13, 0x0000000000000004\n"
@@ -1103,7 +823,7 @@ def test_step_trace_reads_nvidia_smi_and_places_samples_in_steps():
 def test_step_trace_runs_a_step_by_step_case_on_the_cpu(tmp_path):
     """The CPU run end to end: one row per step, the step's time equal to the host's on the CPU, no allocator
     or clock columns, and the JSON's steps match the markdown's rows."""
-    from bench import step_trace
+    from tools import step_trace
 
     calls = []
 
@@ -1121,3 +841,48 @@ def test_step_trace_runs_a_step_by_step_case_on_the_cpu(tmp_path):
     md = (tmp_path / "step_trace_tiny_hugehead.md").read_text()
     for r in doc["steps"]:
         assert f"| {r['step']} | {r['ms']:.2f} |" in md
+
+
+# --------------------------------------------------------------------------------------------------
+# history.csv: rows appended only when asked, each with the run's commit
+# --------------------------------------------------------------------------------------------------
+def test_write_report_appends_history_rows_only_when_asked(tmp_path):
+    from bench import history
+
+    doc = {"meta": {"git_sha": "0123456789abcdef", "created_utc": "2026-01-01T00:00:00Z", "gpu_name": "Stand-in GPU",
+                    "torch": "2.13.0"},
+           "rows": [{"shape": "xc1M", "impl": "hugehead", "status": "ok", "fwd_bwd_ms": 68.44, "fwd_bwd_peak_extra_gib": 3.93,
+                     "fwd_ms": 18.5, "fwd_peak_extra_gib": None},
+                    {"shape": "xc6M", "impl": "torch", "status": "error", "fwd_bwd_ms": None}]}
+    csv_path = tmp_path / "history.csv"
+    harness.write_report(tmp_path / "a", "lce", doc, "# t\n")
+    assert not csv_path.exists()
+    written = harness.write_report(tmp_path / "a", "lce", doc, "# t\n", record=csv_path)
+    harness.write_report(tmp_path / "a", "lce", doc, "# t\n", record=csv_path)
+    assert written["history"] == csv_path
+    rows = history.read(csv_path)
+    assert len(rows) == 4 and list(rows[0]) == list(history.COLUMNS)
+    assert rows[0] == {"sha": "0123456789ab", "date": "2026-01-01T00:00:00Z", "gpu": "Stand-in GPU", "torch": "2.13.0",
+                       "study": "lce", "shape": "xc1M", "impl": "hugehead", "median_ms": "68.440", "peak_gib": "3.93"}
+    assert rows[1]["impl"] == "hugehead fwd" and rows[1]["peak_gib"] == ""
+
+
+def test_history_holds_a_sha_for_every_row_and_every_canonical_study():
+    from bench import history
+
+    rows = history.read(history.HISTORY)
+    assert rows and all(r["sha"] not in ("", "unknown") and float(r["median_ms"]) >= 0 for r in rows)
+    studies = {r["study"] for r in rows}
+    assert {"lce", "topk", "multilabel", "amp", "offload", "checkpoint", "transformers", "placement", "dist",
+            "resume"} <= studies
+    # every canonical results file yields rows through its study's extractor
+    for path in (history.REPO_ROOT / "bench" / "results").glob("*/*.json"):
+        assert history.rows_of(path.stem, json.loads(path.read_text())), path
+
+
+def test_report_plots_the_history(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "h.png"
+    assert report.main(["--history", str(Path(__file__).resolve().parents[1] / "bench/results/history.csv"),
+                        "--study", "lce", "--shape", "xc6M", "--png", str(png)]) == 0
+    assert png.stat().st_size > 1000
