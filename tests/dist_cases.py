@@ -457,7 +457,7 @@ def run_world(world: int, jobs: List[str], out: str, backend: str = "gloo",
     ctx = mp.start_processes(_rank_main, args=(world, backend, store, out, jobs), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5.0):  # raises when a rank failed
+    while not ctx.join(timeout=min(5.0, max(0.5, deadline - time.monotonic()))):  # raises when a rank failed
         if time.monotonic() > deadline:
             for proc in ctx.processes:
                 if proc.is_alive():
