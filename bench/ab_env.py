@@ -2,13 +2,12 @@
 take turns, round after round (so a board that warms up or throttles weighs on each alike), each round a
 warm-up step and ``--reps`` timed ones (CUDA events; the host clock with ``--device cpu``); the median and
 minimum per setting, and the gradients' norms (a setting that changes the arithmetic shows here). The
-knobs are the ones hugehead reads per call (``HUGEHEAD_GEMM_SCHEDULE``, ``HUGEHEAD_GEMM_DENSE``,
-``HUGEHEAD_GEMM_GRAD_STORE``, ``HUGEHEAD_ROWS``, ...).
+knobs are ``hugehead.tuning``'s (``HUGEHEAD_GEMM``, ``HUGEHEAD_ROWS``, ``HUGEHEAD_EAGER_OP``): each setting's
+environment becomes the Tuning its steps run under.
 
-    python -m bench.ab_env --shapes xc1M,xc6M --out DIR \\
-        '2x1={"HUGEHEAD_GEMM_SCHEDULE": "pingpong_cluster"}' 'pingpong={"HUGEHEAD_GEMM_SCHEDULE": "pingpong"}'
+    python -m bench.ab_env --shapes xc1M,xc6M --out DIR 'fused={}' 'cublas={"HUGEHEAD_GEMM": "cublas"}'
     python -m bench.ab_env --device cpu --shapes tiny 'on={}' 'off={"HUGEHEAD_ROWS": "0"}'   # a smoke run
-    python -m bench.ab_env --shapes xc6M_16k default= m8=HUGEHEAD_GEMM_RASTER=m,HUGEHEAD_GEMM_SWIZZLE=8
+    python -m bench.ab_env --shapes xc6M_16k default= cublas=HUGEHEAD_GEMM=cublas
 """
 from __future__ import annotations
 
@@ -46,7 +45,10 @@ def _setting(text: str):
 
 
 def measure(shape_name: str, settings, rounds: int, reps: int, device: torch.device, dtype: torch.dtype):
+    import dataclasses
+
     import hugehead
+    from hugehead import tuning
 
     shape = find_shape(shape_name)
     x, w, t = make_inputs(shape, device, dtype)
@@ -62,8 +64,11 @@ def measure(shape_name: str, settings, rounds: int, reps: int, device: torch.dev
             else:
                 os.environ[k] = v
 
+    tuned = {}  # the setting's Tuning (hugehead reads the environment once, at import)
+
     def step():
-        return torch.autograd.grad(hugehead.linear_cross_entropy(x, w, t), (x, w))
+        with tuning.override(**tuned):
+            return torch.autograd.grad(hugehead.linear_cross_entropy(x, w, t), (x, w))
 
     times = {name: [] for name, _ in settings}
     norms = {}
@@ -73,6 +78,8 @@ def measure(shape_name: str, settings, rounds: int, reps: int, device: torch.dev
             for name, env in settings:
                 restore()
                 os.environ.update(env)
+                tuned.clear()
+                tuned.update(dataclasses.asdict(tuning.from_environment()))
                 gx, gw = step()
                 norms.setdefault(name, [float(gx.float().norm()), float(gw.float().norm())])
                 del gx, gw
