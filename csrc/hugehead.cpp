@@ -33,11 +33,6 @@ TORCH_LIBRARY(hugehead, m) {
       "gemm_chunk_grad_(Tensor x, Tensor weight, Tensor? bias, Tensor target, int class_start, int num_classes, "
       "Tensor lse, Tensor grad_rows, float label_smoothing, float z_loss, float softcap, Tensor? grad_lse, "
       "Tensor(a!) grad_logits, bool exact=False) -> ()");
-  // The backward's dX and dW GEMMs on a chunk's dLoss/dlogits g [N, C] (CUTLASS builds only, as above):
-  // gemm_dx_: out [N, D] float32 (+)= g @ weight [C, D]; gemm_dw_: out [C, D] (+)= g^T @ x [N, D], out in
-  // float32 or g's dtype (accumulate: float32 only). One float32 sum over K per element, rounded once.
-  m.def("gemm_dx_(Tensor(a!) out, Tensor g, Tensor weight, bool accumulate) -> ()");
-  m.def("gemm_dw_(Tensor(a!) out, Tensor g, Tensor x, bool accumulate) -> ()");
   // Replace a logits chunk [N, C] by dLoss/dlogits in place, given every row's final lse and
   // dLoss/dloss_row (zero for ignored rows), with label smoothing, z-loss and softcap folded in.
   // grad_lse (optional, [N]): the gradient reaching a returned per-row lse, added as g_lse * softmax.

@@ -9,14 +9,13 @@ moment).
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops, tuning
 from .sparse import is_sparse_target
 from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
 from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
@@ -88,21 +87,6 @@ def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: 
     )
 
 
-def _given_plan(plan: Optional[List[int]]) -> Optional[Plan]:
-    """The plan that travelled with the call (``[rows, cols, kept_chunks, overlap, kept_in_grad, budget,
-    scales_in_grad]``), or None."""
-    if not plan:
-        return None
-    rows, cols, kept_chunks, overlap, in_grad, budget = (int(v) for v in plan[:6])
-    return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap),
-                kept_in_grad=in_grad, budget=budget, budget_reason=f"a budget of {budget} bytes",
-                scales_in_grad=kept_chunks > 0 and len(plan) > 6 and bool(plan[6]))
-
-
-def _plan_list(plan: Plan) -> List[int]:
-    return [*plan.as_list(), plan.budget, int(plan.keep_logits and plan.scales_in_grad)]
-
-
 def _options(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> LossOptions:
     return LossOptions(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                        softcap=softcap if softcap > 0 else None)
@@ -134,7 +118,7 @@ def _lce_forward_impl(
     the caller (None: planned here from chunk_size/memory_budget)."""
     v = weight.shape[0]
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    step_plan = Plan.decode(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
     # The target check (inside the op: eager, and no checked copy needed) starts once the first chunk's GEMM is
     # queued, and is finished once the loop's kernels are: see _DeferredCheck.
     check = _DeferredCheck(target, v, ignore_index)
@@ -190,9 +174,8 @@ class _DeferredCheck:
 
 
 def _grad_store(weight: Tensor, plan: Plan, keep_logits: bool) -> Optional[Tensor]:
-    """The weight gradient's buffer, allocated now to hold the plan's ``kept_in_grad`` chunks (or the kept
-    probabilities' references: :attr:`Plan.scales_in_grad`), or None."""
-    if not (keep_logits and plan.keep_logits and (plan.kept_in_grad > 0 or plan.scales_in_grad)):
+    """The weight gradient's buffer, allocated now to hold the plan's ``kept_in_grad`` chunks, or None."""
+    if not (keep_logits and plan.keep_logits and plan.kept_in_grad > 0):
         return None
     return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
@@ -201,7 +184,7 @@ def _grad_store(weight: Tensor, plan: Plan, keep_logits: bool) -> Optional[Tenso
 def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget,
       keep_logits, plan=None):
     acc = ops.acc_dtype(x.dtype)
-    step_plan = _given_plan(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
+    step_plan = Plan.decode(plan) or _plan(x, weight, chunk_size, memory_budget, keep_logits)
     kept = x.new_empty(kept_shape(step_plan, x.shape[0])) if step_plan.keep_logits else x.new_empty(0)
     store = _grad_store(weight, step_plan, keep_logits)
     return (x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc), kept,
@@ -235,12 +218,12 @@ def _lce_backward_impl(
     acc = ops.acc_dtype(x.dtype)
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
     keep = kept.numel() > 0
-    step_plan = _given_plan(plan)
+    step_plan = Plan.decode(plan)
     if step_plan is None:
         step_plan = kept_plan(kept) if keep else _plan(x, weight, chunk_size, memory_budget, False)
     if store.numel() == 0:
         store = None
-    if store is None and keep and (step_plan.kept_in_grad or step_plan.scales_in_grad):
+    if store is None and keep and step_plan.kept_in_grad:
         raise RuntimeError("hugehead: the forward kept logits in the weight gradient's buffer: pass it as `store`")
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, step_plan, memory_budget or None):
         grad_rows = torch.where(target != ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=x.device))
@@ -349,8 +332,8 @@ _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 def eager_dispatch(*tensors: Optional[Tensor]) -> bool:
     """Whether a call on ``tensors`` may run a registered op's :func:`eager_twin` instead of the op: eager (not
     traced by torch.compile), plain tensors only (no subclass: fake, functional or DTensor ones take the op),
-    no torch-function or dispatch mode and no functorch transform active, and ``HUGEHEAD_EAGER_OP`` unset or
-    not ``0`` (environment, read per call: ``0`` sends every call through the dispatcher, the A/B)."""
+    no torch-function or dispatch mode and no functorch transform active, and ``hugehead.tuning``'s ``eager_op``
+    (``False`` sends every call through the dispatcher)."""
     if torch.compiler.is_compiling():
         return False
     if any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors):
@@ -358,7 +341,7 @@ def eager_dispatch(*tensors: Optional[Tensor]) -> bool:
     if (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
             or torch._C._functorch.peek_interpreter_stack() is not None):
         return False
-    return os.environ.get("HUGEHEAD_EAGER_OP", "1") != "0"
+    return tuning.current().eager_op
 
 
 _LossFunction = eager_twin("_LossFunction", _lce_forward_impl, _lce_setup_context, _lce_backward_autograd)
@@ -367,13 +350,6 @@ _LossFunction = eager_twin("_LossFunction", _lce_forward_impl, _lce_setup_contex
 # --------------------------------------------------------------------------------------------------
 # The rows plan's op: a scalar loss and its gradients in one pass (hugehead.plan.plan_rows)
 # --------------------------------------------------------------------------------------------------
-def rows_plan(plan: List[int]) -> Plan:
-    """The rows plan that travelled with the call: ``[rows, cols, budget]``."""
-    rows, cols, budget = (int(p) for p in plan)
-    return Plan(rows=rows, cols=cols, grad_in_forward=True, budget=budget,
-                budget_reason=f"a budget of {budget} bytes")
-
-
 def rows_pass(x: Tensor, weight: Tensor, bias: Optional[Tensor], target, options: LossOptions, plan: Plan,
               grad_rows: Tensor, need_x: bool, need_weight: bool, row_losses_of=None, after_first=None
               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -474,7 +450,7 @@ def _lce_rows_impl(
     """The loss reduced to a scalar (``mean``: over the rows not ignored, else the sum; 0-d, accumulation
     dtype) and its gradients for an incoming gradient of 1: ``(dX [N, D] in x's dtype, dW [V, D] in the
     weight's dtype, db [V])`` (empty when not asked for), in one pass over row blocks of ``plan``
-    (``[rows, cols, budget]``). For the "mean", the count of rows not ignored is taken on the device first:
+    (:meth:`hugehead.plan.Plan.encode`). For the "mean", the count of rows not ignored is taken on the device first:
     no host synchronization. ``hold``: the gradients ride on the autograd ctx (eager) instead of being saved
     for backward (torch.compile)."""
     acc = ops.acc_dtype(x.dtype)
@@ -489,7 +465,7 @@ def _lce_rows_impl(
     # 1 / 0 on an all-ignored "mean" is inf: where() keeps those rows' gradient at exactly 0, and the
     # loss is 0 / 0 = NaN as F.cross_entropy's.
     grad_rows = torch.where(valid, scale, torch.zeros((), dtype=acc, device=x.device))
-    loss_rows, grad_x, grad_w, grad_b = rows_pass(x, weight, bias, target, options, rows_plan(plan), grad_rows,
+    loss_rows, grad_x, grad_w, grad_b = rows_pass(x, weight, bias, target, options, Plan.decode(plan), grad_rows,
                                                   need_x, need_weight, after_first=check.start)
     loss = loss_rows.sum() / count if mean else loss_rows.sum()
     check.finish()
@@ -606,24 +582,22 @@ def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] 
     :func:`hugehead.plan.plan_chunks`). Where the weight itself wants its gradient, kept logits may also live
     in that gradient's buffer, allocated at the forward (``Plan.kept_in_grad``), and where the fused GEMMs can
     keep probabilities for the factored backward (bf16, no bias, softcap (``softcap``, the kernels' cap: 0 for
-    none) or label smoothing) a head whose logits all fit keeps all but a tail (``Plan.scales_in_grad``).
-    Benchmarks report it as the step's plan."""
+    none) or label smoothing, the fused GEMMs' layouts) the streamed chunks' workspace lives in the kept
+    chunks' memory. Benchmarks report it as the step's plan."""
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
     keep = wants_grad and not torch.compiler.is_compiling()
     grad_store = keep and weight.requires_grad and weight.device == x.device
     # (the loop's _probs_plan decides again from the same inputs and options: the forward and backward agree)
-    kept_tail = (grad_store and bias is None and not label_smoothing and not softcap and x.dtype == torch.bfloat16
-                 and weight.dtype == x.dtype and fused_applies(x, target, "stats") and fused_applies(x, target, "grad"))
-    # (and where every chunk's operands suit the fused GEMMs' loads, the forward stores no logits outside the kept
+    # (where every chunk's operands suit the fused GEMMs' loads, the forward stores no logits outside the kept
     # chunks, and the backward's workspace can live in theirs: plan_chunks' kept_probs)
-    kept_probs = kept_tail and _tma_ready(x) and _tma_ready(weight)
+    kept_probs = (grad_store and bias is None and not label_smoothing and not softcap and x.dtype == torch.bfloat16
+                  and weight.dtype == x.dtype and fused_applies(x, target) and _tma_ready(x) and _tma_ready(weight))
     return plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
                      allow_rows=wants_grad and not return_lse and reduction != "none",
-                     side_stream=not fused_applies(x, target, "grad"), grad_store=grad_store, kept_tail=kept_tail,
-                     kept_probs=kept_probs)
+                     side_stream=not fused_applies(x, target), grad_store=grad_store, kept_probs=kept_probs)
 
 
 def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
@@ -644,7 +618,7 @@ def _linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optio
     loss_rows, lse, _, _ = forward(
         x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
         options.kernel_softcap, int(chunk_size or 0), int(memory_budget or 0), plan.keep_logits,
-        _plan_list(plan),
+        plan.encode(),
     )
     return reduce_loss(loss_rows, target != options.ignore_index, options.reduction), lse
 
@@ -658,7 +632,7 @@ def _rows_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     loss, _, _, _ = rows(
         x, weight, bias, target, options.ignore_index, options.label_smoothing, options.z_loss,
         options.kernel_softcap, options.reduction == "mean", x.requires_grad, need_weight,
-        not torch.compiler.is_compiling(), [plan.rows, plan.cols, plan.budget],
+        not torch.compiler.is_compiling(), plan.encode(),
     )
     return loss
 

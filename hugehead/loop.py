@@ -14,7 +14,6 @@ does not know which.
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, Generator, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
@@ -28,11 +27,8 @@ from .plan import (  # noqa: F401  (re-exported: the planner's names were public
     FUSED_STATS_WIDEN,
     Plan,
     grad_store_layout,
-    kept_probs_enabled,
     kept_plan,
     kept_shape,
-    kept_tail_scratch,
-    kept_tail_split,
     plan_chunks,
     plan_topk_chunks,
     scale_area_bytes,
@@ -166,10 +162,6 @@ class KeptLogits:
         self.plan, self.kept, self.n = plan, kept, n
         self.in_grad = plan.kept_in_grad
         self.slots = None
-        # A kept-tail plan's store holds no chunk, only the scale area (from its first byte: chunk 0's dW rows,
-        # which the backward writes after it read them)
-        self.area = store.view(-1).view(torch.uint8) if (
-            plan.scales_in_grad and not self.in_grad and store is not None and store.is_contiguous()) else None
         if self.in_grad and store is None:
             raise RuntimeError(f"hugehead: the plan keeps {self.in_grad} chunks in the weight gradient's buffer, "
                                "and none was given")
@@ -185,13 +177,10 @@ class KeptLogits:
         """float32 ``[kept_chunks + 1, N]`` in the weight gradient's buffer ahead of its first slot (bytes the
         backward first writes with chunk 0's ``dW``, after it read them) where the kept chunks hold
         probabilities (:func:`_probs_plan`): row ``k`` the reference kept chunk ``k``'s values are relative to,
-        the last row the forward's target logits. None where nothing is kept there or the gap is too small. A
-        kept-tail plan (:attr:`Plan.scales_in_grad`) has it at the buffer's start, which holds no chunk."""
+        the last row the forward's target logits. None where nothing is kept there or the gap is too small."""
         need = scale_area_bytes(self.plan.kept_chunks, self.n)
         if self.slots is None:
-            if self.area is None or self.area.numel() < need:
-                return None
-            return self.area[:need].view(torch.float32).view(self.plan.kept_chunks + 1, self.n)
+            return None
         raw, offset, _ = self.slots
         if offset < need:
             return None
@@ -356,11 +345,6 @@ def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], targe
     into their gradient in place (no recompute); ``store``: the weight gradient's buffer from the forward, which
     holds the plan's ``kept_in_grad`` chunks (:class:`KeptLogits`) and becomes ``dW`` (None: a fresh one). The
     caller holds the no-autocast and out-of-memory guards."""
-    if plan.scales_in_grad and kept.numel() > 0:
-        done = _kept_tail_backward(x, ResidentChunks(weight, bias, x.dtype), target, lse, grad_rows, options, plan,
-                                   need_x, need_weight, kept, grad_lse, store)
-        if done is not None:
-            return tuple(t if t is not None else x.new_empty(0) for t in (*done, None))
     keep = kept.numel() > 0 or (store is not None and plan.kept_in_grad > 0)
     # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
     # straight into x's dtype, as F.linear's backward does; no accumulation buffers.
@@ -380,71 +364,6 @@ def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], targe
         grad_w if grad_w is not None else x.new_empty(0),
         grad_b if grad_b is not None else x.new_empty(0),
     )
-
-
-def _kept_tail_backward(x: Tensor, source: ResidentChunks, target, lse: Tensor, grad_rows: Tensor,
-                        options: LossOptions, plan: Plan, need_x: bool, need_weight: bool, kept: Tensor,
-                        grad_lse: Optional[Tensor], store: Optional[Tensor]
-                        ) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
-    """The backward of a kept-tail plan (:attr:`Plan.scales_in_grad`: one kept chunk of ``exp(z - ref)``, classes
-    ``[0, C)``, and a tail ``[C, V)`` recomputed) in no memory beyond the kept chunk and the weight gradient's
-    buffer ``store`` (so never more than keeping every logit): ``(dX in x's dtype, dW = store)``, each None where
-    not asked for; None where this does not apply (the caller's loop then runs).
-
-    The order makes the room. First ``dX`` in float32 in the store's first bytes (after :class:`_FactoredKept` read
-    its scale area there): ``s (e W_k)``, the targets' ``G_t W_t`` (their rows gathered there too) and the tail's
-    ``g W_tail`` (its gradient there too, from the recompute GEMM), then cast to x's dtype. Then ``dW``: the tail's
-    rows, ``[C, V)``, past every byte used so far; the kept chunk's ``eᵀ (s x)`` in two GEMMs of classes
-    ``[0, h)`` and ``[h, C)``, the first with ``s x`` in the store's rows ``[h, C)`` (which only the second writes),
-    the second with it in ``e``'s first columns (which only the first read); and the targets' ``G_t x`` added by
-    ``index_put_`` with ``x G_t`` there too. The arithmetic is :class:`_FactoredKept`'s."""
-    n, d = x.shape
-    v, cols = source.num_rows, plan.cols
-    tail = v - cols
-    if not (plan.kept_chunks == 1 and plan.kept_in_grad == 0 and 0 < tail and n > 0 and kept.dim() == 3
-            and tuple(kept.shape) == (1, n, cols) and kept.is_contiguous() and store is not None
-            and store.is_contiguous() and store.dtype == x.dtype and tuple(store.shape) == (v, d)):
-        return None
-    slots = KeptLogits(plan, kept, store, n)
-    if not _probs_plan(x, source, target, plan, slots, _kept_last(source, cols), fused_applies(x, target, "stats"),
-                       bool(options.label_smoothing), options.kernel_softcap):
-        return None
-    size = x.element_size()
-    h = kept_tail_split(n, d, cols, tail, size)
-    if not h:
-        return None
-    factored = _FactoredKept(x, target, lse, grad_rows, options, grad_lse, slots, 0, source, None, None)
-    raw = store.view(-1).view(torch.uint8)
-    dx, picked, g_tail = (raw[a:a + b].view(dtype).view(n, width) for (a, b), dtype, width in zip(
-        kept_tail_scratch(n, d, tail, size), (torch.float32, x.dtype, x.dtype), (d, d, tail)))
-    s = factored.scales[0][:, None]
-    e = slots.chunk(0, cols)
-    w = source.weight
-    chunk = WeightChunk(cols, v, w[cols:], None)
-    exact = _exact_logits(x, source, target, options.kernel_softcap, bool(options.label_smoothing))
-    if not (fused_applies(x, target, "grad") and _fused_grad(x, chunk, target, cols, v, lse, grad_rows, options,
-                                                             grad_lse, g_tail, exact=exact)):
-        _logits_into(x, chunk, g_tail)
-        _chunk_grad(target, 0, n, g_tail, cols, v, lse, grad_rows, options.label_smoothing, options.z_loss,
-                    options.kernel_softcap, grad_lse)
-    grad_x = grad_w = None
-    if need_x:
-        _mm_float(dx, e, w[:cols])
-        dx.mul_(s)
-        factored.targets_dx(dx, picked)
-        _add_dx(dx, g_tail, chunk.weight, x.new_empty(0) if x.is_cuda else x.new_empty(n, d))
-        grad_x = dx.to(x.dtype)
-    if need_weight:
-        _mm_dw(store[cols:], g_tail, x)
-        xs = store[h:].view(-1)[: n * d].view(n, d)
-        _row_scaled(xs, x, s[:, 0])  # (float32 products rounded once to x's dtype, as _FactoredKept's)
-        _mm_dw(store[:h], e[:, :h], xs)
-        xs = e[:, :d]
-        _row_scaled(xs, x, s[:, 0])
-        _mm_dw(store[h:cols], e[:, h:], xs)
-        factored.targets_dw(store, e[:, :d])
-        grad_w = store
-    return grad_x, grad_w
 
 
 def forward_stats_steps(
@@ -476,7 +395,7 @@ def forward_stats_steps(
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
     # The fused GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
-    if _overlapped(plan, x, source) and not fused_applies(x, target, "stats"):
+    if _overlapped(plan, x, source) and not fused_applies(x, target):
         return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan, store)
     # Only label smoothing reads the logit sums: without it the fused GEMM skips them.
     return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan,
@@ -527,15 +446,11 @@ def _probs_plan(x: Tensor, source, target, plan: Plan, slots: Optional[KeptLogit
     GEMM folding against that reference (bf16, no bias, softcap or logit sums, rows whole, the others first),
     and room in the weight gradient's buffer to tell the backward the references (:meth:`KeptLogits.scale_area`).
     The forward and the backward both ask it (the same inputs, options and plan: the same answer), so nothing
-    else tells the backward what its kept chunks hold. ``HUGEHEAD_KEPT_PROBS=0`` (environment, read per call;
-    change it between steps only) turns it off: the kept chunks then hold their logits and chunk_grad_ turns
-    them into their gradient (the A/B). One H200 at 8c1febf, the first factored backward (a dozen small kernels
-    a chunk): xc6M 223.49 ms on against 224.93 off, xc6M_16k 935.59 against 926.55; the second (855a7e7: per
-    chunk two GEMMs and two small kernels, the rest once a step) in bench/NOTES.md."""
+    else tells the backward what its kept chunks hold. Elsewhere the kept chunks hold their logits and
+    chunk_grad_ turns them into their gradient."""
     return (fused and kept_last and slots is not None and isinstance(target, Tensor) and plan.rows >= x.shape[0]
             and x.dtype == torch.bfloat16 and source.weight.dtype == x.dtype and source.bias is None
-            and not logit_sum and not softcap
-            and slots.scale_area() is not None and kept_probs_enabled())
+            and not logit_sum and not softcap and slots.scale_area() is not None)
 
 
 def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True, store=None):
@@ -548,21 +463,18 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     if n == 0 or v == 0:
         return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
-    fused = fused_applies(x, target, "stats")
+    fused = fused_applies(x, target)
     workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
     cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
-    # The chunks not kept, folded first, take the fused GEMM's wider chunks too (partials only, no workspace;
-    # 70 GEMMs and merges fewer at xc6M), where x suits its loads (else each would need a workspace that wide).
-    # HUGEHEAD_STATS_WIDEN_KEPT=0 (environment, read per call): the plan's width, the benchmarks' A/B.
-    widen = (fused and kept is not None and _tma_ready(x)
-             and os.environ.get("HUGEHEAD_STATS_WIDEN_KEPT", "1") != "0")
+    # The chunks not kept, folded first, take the fused GEMM's wider chunks too (partials only, no workspace:
+    # fewer GEMMs and merges), where x suits its loads (else each would need a workspace that wide).
+    widen = fused and kept is not None and _tma_ready(x)
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
     chunks, kept_last = _forward_chunks(source, cols, kept_classes,
                                         _fused_stats_cols(plan, source) if widen else None)
     probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
-    fold_ref = os.environ.get("HUGEHEAD_STATS_REF_ALL", "0") == "1"  # (off by default: _fused_stats)
     exact = _exact_logits(x, source, target, softcap, logit_sum)
-    for j, chunk in enumerate(chunks):
+    for chunk in chunks:
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             # (rows whole: the tensors themselves, not six views a chunk, the first chunk's before its GEMM)
@@ -571,7 +483,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
             xr = x if whole else x[r0:r1]
             if chunk.c0 >= kept_classes and fused and _fused_stats(
                     xr, chunk, target if whole else target[r0:r1], class_start + chunk.c0, softcap, rows, logit_sum,
-                    reference=rows.max if fold_ref and j > 0 else None, exact=exact):
+                    exact=exact):
                 continue
             if chunk.c0 < kept_classes:
                 k = chunk.c0 // plan.cols
@@ -597,19 +509,16 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     return stats, kept
 
 
-# -- gemm (issue 21): the chunk steps through the CUTLASS GEMMs with the statistics (forward) or dLoss/dlogits
+# -- the chunk steps through the CUTLASS GEMMs with the statistics (forward) or dLoss/dlogits
 # (backward) in their epilogues.
-def fused_applies(x: Tensor, target, kind: str) -> bool:
-    """Whether this shard's chunks may take :func:`ops.gemm_chunk_stats_` (``kind="stats"``) or
-    :func:`ops.gemm_chunk_grad_` (``"grad"``): class-id targets, a bf16/fp16 ``x`` on an sm_90 GPU of a
-    CUTLASS build, and :func:`ops.gemm_path` saying ``cutlass`` (or ``cutlass_forward`` for the statistics
-    alone); each chunk still checks its own layout (:func:`_fused_layout`). Not while torch.compile traces:
-    the layout checks read data pointers, which fake tensors do not have."""
-    if not (isinstance(target, Tensor) and x.is_cuda and x.shape[1] > 0 and x.shape[1] % 8 == 0
-            and not torch.compiler.is_compiling()):
-        return False
-    path = ops.gemm_path(x.device, x.dtype)
-    return path == "cutlass" or (path == "cutlass_forward" and kind == "stats")
+def fused_applies(x: Tensor, target) -> bool:
+    """Whether this shard's chunks may take :func:`ops.gemm_chunk_stats_` and :func:`ops.gemm_chunk_grad_`
+    (one answer for both): class-id targets, a bf16/fp16 ``x`` on an sm_90 GPU of a
+    CUTLASS build, and :func:`ops.gemm_path` saying ``cutlass``; each chunk still checks its own layout
+    (:func:`_fused_layout`). Not while torch.compile traces: the layout checks read data pointers, which fake
+    tensors do not have."""
+    return (isinstance(target, Tensor) and x.is_cuda and x.shape[1] > 0 and x.shape[1] % 8 == 0
+            and not torch.compiler.is_compiling() and ops.gemm_path(x.device, x.dtype) == "cutlass")
 
 
 def _tma_ready(t: Tensor) -> bool:
@@ -629,7 +538,7 @@ def _fused_layout(x: Tensor, chunk: WeightChunk) -> bool:
 # (a sixteenth of a 16-bit logits chunk of the same width; 8 bytes without label smoothing's logit sums). So
 # where the weight is resident in the compute dtype (chunks are slices, never casts) it takes chunks
 # FUSED_STATS_WIDEN (hugehead.plan, which counts their partials) times the plan's width: fewer launches, merges
-# and tails (H200, xc6M: 92 chunks of 65536 classes cost ~4 ms over the GEMMs' own time).
+# and tails, each of which costs time beside the GEMMs'.
 
 
 def _fused_stats_cols(plan: Plan, source) -> int:
@@ -646,11 +555,8 @@ def _tma_store_ready(z: Tensor) -> bool:
     return z.stride(1) == 1 and z.stride(0) % 8 == 0 and z.shape[1] % 8 == 0 and z.data_ptr() % 16 == 0
 
 
-# The statistics GEMM that stores its logits pays below this depth (D = K) only. One H200 at 02deba1, bench_lce
-# hugehead-only, the store on / off (HUGEHEAD_GEMM_STORE=0): xc1M's rows plan (D 768) 69.72 / 70.33 ms, its four
-# logits GEMMs 21.89 ms (split.md) where cuBLAS's + chunk_stats_ took 20.08 + 4.06; at D 4096 (llama3_4k, kept)
-# 5.85 against 5.46 + 0.26, at D 2304 (gemma2) the step 46.02 / 45.32: there chunk_stats_' pass is a small
-# part of a long GEMM, and the cooperative fused GEMM's store costs more than that pass.
+# The statistics GEMM that stores its logits pays below this depth (D = K) only: deeper, chunk_stats_' pass is a
+# small part of a long GEMM, and the cooperative fused GEMM's store costs more than that pass.
 FUSED_STORE_MAX_DEPTH = 2048
 
 
@@ -663,12 +569,11 @@ def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1:
     uncapped; the layouts; a depth under :data:`FUSED_STORE_MAX_DEPTH`, or any depth with ``probs``, whose
     cuBLAS path takes four passes over the chunk), one GEMM stores them as it folds
     them (:func:`ops.gemm_chunk_stats_` with ``logits``): no pass reads them back. Else cuBLAS's GEMM, then
-    :func:`_chunk_stats` on what it stored (also with ``HUGEHEAD_GEMM_STORE=0`` in the environment, read per
-    call: the benchmarks' A/B). ``reference``: each row's max over the chunks the forward does not keep
+    :func:`_chunk_stats` on what it stored. ``reference``: each row's max over the chunks the forward does not keep
     (:func:`_forward_chunks`), which the GEMM folds against (no tile maxima); ``probs``: ``z`` then gets
     ``exp(min(z - reference, 80))`` in place of the logits (:func:`_probs_plan`), on either path."""
     if (fused and not softcap and (x.shape[1] < FUSED_STORE_MAX_DEPTH or probs) and _fused_layout(x, chunk)
-            and _tma_store_ready(z) and os.environ.get("HUGEHEAD_GEMM_STORE", "1") != "0"):
+            and _tma_store_ready(z)):
         ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,
                               with_logit_sum=logit_sum, logits=z, reference=reference, probs=probs)
         return
@@ -690,34 +595,24 @@ def _exact_logits(x: Tensor, source, target, softcap: float, smoothing: bool) ->
     """Whether the chunks the forward does not keep take the float32 accumulator as each logit on both sides
     (:func:`ops.gemm_chunk_stats_` / :func:`ops.gemm_chunk_grad_` ``exact``): both fused (a chunk whose layout
     the fused GEMMs refuse takes cuBLAS on both sides alike), no bias, softcap or label smoothing (the forward's
-    logit sums: the 128 x 192 fold has none), a depth under :data:`FUSED_STORE_MAX_DEPTH`, and
-    ``HUGEHEAD_GEMM_EXACT_LOGITS`` unset (read per call; ``0`` turns it off, the A/B's other side: each element's
-    logit is then rounded to x's dtype and unpacked, a cvt a pair and two integer ops, in both epilogues).
-    The forward and the backward ask it of the same inputs and options: the same answer, so a confident row's
+    logit sums: the 128 x 192 fold has none) and a depth under :data:`FUSED_STORE_MAX_DEPTH` (the rounded
+    logits would cost a cvt a pair and two integer ops an element in both epilogues). The forward and the backward ask it of the same inputs and options: the same answer, so a confident row's
     ``p - 1`` sees the forward's lse and the backward's logits as the same numbers. Kept chunks keep their
     rounded logits (stored, and read back by the backward)."""
-    return (os.environ.get("HUGEHEAD_GEMM_EXACT_LOGITS", "1") != "0" and not softcap and not smoothing
-            and source.bias is None and x.shape[1] < FUSED_STORE_MAX_DEPTH
-            and fused_applies(x, target, "stats") and fused_applies(x, target, "grad"))
+    return (not softcap and not smoothing and source.bias is None and x.shape[1] < FUSED_STORE_MAX_DEPTH
+            and fused_applies(x, target))
 
 
 def _fused_stats(x: Tensor, chunk: WeightChunk, target: Tensor, class_start: int, softcap: float,
-                 stats: RowStats, logit_sum: bool = True, reference: Optional[Tensor] = None,
-                 exact: bool = False) -> bool:
+                 stats: RowStats, logit_sum: bool = True, exact: bool = False) -> bool:
     """Fold chunk ``x @ chunk.weightᵀ + chunk.bias`` into ``stats`` in one fused GEMM (``logit_sum`` False:
     ``stats.logit_sum`` left as it is, for a loss that never reads it); False (nothing done) when this
-    chunk's layout does not suit it. ``reference``: ``stats.max`` once a chunk has been folded into it, which
-    the forward passes for every chunk after its first with ``HUGEHEAD_STATS_REF_ALL=1`` in the environment
-    (read per call; off by default). Where :func:`ops.gemm_chunk_stats_` takes it (no bias, softcap or logit
-    sums, depths under 2048) the epilogue folds exp(z - max so far) with no max of its own: no max pass over
-    its tile, and the row max stays the first chunk's (a row whose chunk lies ~55 above it is folded again
-    exactly). One H200 at e9e8c21 (bench/NOTES.md, session 21; three rounds taking turns): xc6M_16k 919.13 ms
-    on against 919.83 off, xc6M 217.93 against 217.82 -- a tie, so the default stays the tile-max fold, whose
-    bits the 128-column folds check."""
+    chunk's layout does not suit it. Each tile folds against its own max (the 128-column folds check its
+    bits)."""
     if not _fused_layout(x, chunk):
         return False
     ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target, class_start, softcap, *stats,
-                          with_logit_sum=logit_sum, reference=reference, exact=exact)
+                          with_logit_sum=logit_sum, exact=exact)
     return True
 
 
@@ -794,23 +689,9 @@ def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
     return lse, target_logit, logit_sum
 
 
-def _dense_applies(g: Tensor, b: Tensor, out: Tensor) -> bool:
-    """Whether a chunk's ``out (+)= g @ b`` (dX) or ``gᵀ @ b`` (dW) may take our GEMM
-    (:func:`ops.gemm_dx_` / :func:`ops.gemm_dw_`, :func:`ops.dense_gemm_enabled`): 16-bit ``g`` and ``b`` in
-    the TMA loads' layout (``g``'s width too: a multiple of 8, also for a kept chunk's strided view), an
-    ``out`` with 16-byte aligned rows. Not while torch.compile traces (data pointers)."""
-    return (b.dtype == g.dtype and b.shape[1] % 8 == 0 and b.shape[1] > 0 and g.shape[1] % 8 == 0
-            and not torch.compiler.is_compiling() and ops.dense_gemm_enabled(g.device, g.dtype)
-            and _tma_ready(g) and _tma_ready(b) and out.stride(1) == 1 and out.data_ptr() % 16 == 0
-            and (out.stride(0) * out.element_size()) % 16 == 0 and max(g.shape) < 2**31 - 1)
-
-
 def _mm_dw(out: Tensor, g: Tensor, x: Tensor, accumulate: bool = False) -> None:
-    """``out = gᵀ x`` (or ``+=``) for a chunk's dW: our GEMM where it applies (float32 ``out``, or ``g``'s dtype
-    written), else ATen's, with the products in ``out``'s dtype (a float32 sum of 16-bit ``g`` and ``x``)."""
-    if _dense_applies(g, x, out) and (out.dtype == torch.float32 or (out.dtype == g.dtype and not accumulate)):
-        ops.gemm_dw_(out, g, x, accumulate)
-        return
+    """``out = gᵀ x`` (or ``+=``) for a chunk's dW in ATen's GEMM, with the products in ``out``'s dtype (a
+    float32 sum of 16-bit ``g`` and ``x``)."""
     gt, xo = g.t().to(out.dtype), x.to(out.dtype)
     if accumulate:
         out.addmm_(gt, xo)
@@ -820,16 +701,13 @@ def _mm_dw(out: Tensor, g: Tensor, x: Tensor, accumulate: bool = False) -> None:
 
 def _add_dx(grad_x: Tensor, g: Tensor, weight: Tensor, dx_partial: Optional[Tensor]) -> None:
     """``grad_x += g @ weight``. When ``grad_x`` is in the accumulation dtype and ``g`` is not: on CUDA one
-    GEMM that sums in float32 into ``grad_x`` itself (ours, :func:`_dense_applies`, else cuBLAS's addmm with
-    ``out_dtype``), elsewhere through a partial in the compute dtype, each chunk's partial rounded on its own
+    GEMM that sums in float32 into ``grad_x`` itself (cuBLAS's addmm with ``out_dtype``), elsewhere through a partial in the compute dtype, each chunk's partial rounded on its own
     (as a single GEMM's would be): never a low-precision running sum."""
     if dx_partial is None:
         grad_x.addmm_(g, weight)
-    elif _dense_applies(g, weight, grad_x):
-        ops.gemm_dx_(grad_x, g, weight, True)
     elif g.is_cuda:
         # cuBLAS accumulates into the float32 grad_x itself (addmm's out_dtype, CUDA only): no rounded partial
-        # and no add pass (H200, xc6M at b4df542: a step 230.3 -> 228.6 ms).
+        # and no add pass.
         torch.addmm(grad_x, g, weight, out_dtype=grad_x.dtype, out=grad_x)
     else:
         part = dx_partial[: g.shape[0]]
@@ -901,7 +779,7 @@ def backward_steps(
     args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
             grad_lse, store)
     # The fused gradient GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
-    if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not fused_applies(x, target, "grad"):
+    if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not fused_applies(x, target):
         return _backward_overlapped(*args)
     return _backward_streamed(*args, grad_x_zero=grad_x_zero)
 
@@ -923,12 +801,12 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
             return grad_w, grad_b
         return None, None
     rows_split = plan.rows < n
-    fused = fused_applies(x, target, "grad")
+    fused = fused_applies(x, target)
     exact = _exact_logits(x, source, target, options.kernel_softcap, bool(options.label_smoothing))  # as the forward
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     probs = kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _kept_last(source, kept_classes),
-                                             fused_applies(x, target, "stats"), bool(options.label_smoothing),
+                                             fused_applies(x, target), bool(options.label_smoothing),
                                              options.kernel_softcap)
     # The streamed chunks' workspace (one chunk at a time: the widest not kept). After a factored backward, which
     # takes the kept chunks first, the kept tensor's memory is free for it where large enough.
@@ -1135,11 +1013,8 @@ class _FactoredKept:
 def _row_scaled(out: Tensor, x: Tensor, scale: Tensor) -> Tensor:
     """``out = x * scale[:, None]`` (``scale [N]`` in the accumulation dtype), the product rounded once to ``out``'s
     dtype: :func:`ops.row_scale`, ``torch.mul``'s bits in one vectorized pass where ATen's CUDA kernel takes its
-    broadcast-with-cast path (~0.7 TB/s: 1.7 ms of an xc6M_16k step on an H100). ``HUGEHEAD_ROW_SCALE=0``
-    (environment, read per call) takes ATen's ``torch.mul`` instead: the A/B baseline."""
-    if os.environ.get("HUGEHEAD_ROW_SCALE", "1") != "0":
-        return ops.row_scale(out, x, scale)
-    return torch.mul(x, scale[:, None], out=out)
+    broadcast-with-cast path, a fraction of the copy bandwidth."""
+    return ops.row_scale(out, x, scale)
 
 
 def _mm_float(out: Tensor, a: Tensor, b: Tensor) -> None:
@@ -1261,7 +1136,7 @@ def rows_steps(
     valid = target != options.ignore_index if row_losses_of is None else None
     # Each block's logits stored by the fused statistics GEMM as it folds them, where it applies; the logit
     # sums only where label smoothing reads them (class ids: a chunk target's kernels fold their own).
-    fused = fused_applies(x, target, "stats")
+    fused = fused_applies(x, target)
     fold_sums = bool(options.label_smoothing)
     workspace = x.new_empty(min(plan.rows, n) * v)
     one_chunk = plan.cols >= v

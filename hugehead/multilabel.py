@@ -27,7 +27,8 @@ from torch import Tensor
 from . import ops, sparse
 # The rows plan's op body and autograd are shared with the class-id op (functional.py imports this module
 # only inside a function, so there is no import cycle).
-from .functional import register_rows_autograd, rows_fake, rows_pass, rows_plan
+from .functional import register_rows_autograd, rows_fake, rows_pass
+from .plan import Plan
 from .targets import BinaryCsrTarget, SoftmaxCsrTarget
 
 __all__ = [
@@ -402,7 +403,7 @@ def _softmax_rows(
     """The loss of :func:`_softmax_forward` reduced to a scalar (``mean``: :func:`reduce_softmax`'s
     ``"mean"``, else the sum; 0-d, accumulation dtype) and its gradients for an incoming gradient of 1:
     ``(dX [N, D] in x's dtype, dW [V, D] in the weight's dtype, db [V])`` (empty when not asked for), in one
-    pass over the row blocks of ``plan`` (``[rows, cols, budget]``, :func:`hugehead.plan.plan_rows`), as
+    pass over the row blocks of ``plan`` (an encoded rows plan, :func:`hugehead.plan.plan_rows`), as
     ``hugehead::linear_cross_entropy_rows`` does for class ids. ``hold``: as there."""
     acc = ops.acc_dtype(x.dtype)
     n, v = x.shape[0], weight.shape[0]
@@ -419,7 +420,7 @@ def _softmax_rows(
         return softmax_row_losses(lse, target_dot, logit_sum, rows.rows(r0, r1), v, label_smoothing, z_loss)
 
     loss_rows, grad_x, grad_w, grad_b = rows_pass(x, weight, bias, target, _options(label_smoothing, z_loss, softcap),
-                                                  rows_plan(plan), grad_rows, need_x, need_weight, row_losses_of)
+                                                  Plan.decode(plan), grad_rows, need_x, need_weight, row_losses_of)
     return loss_rows.sum() / divisor, grad_x, grad_w, grad_b
 
 
@@ -459,7 +460,7 @@ def softmax_rows_loss(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_t
         x, weight, bias, t.crow, t.col, t.row, t.val, chunk_target.grad_val, chunk_target.mass, rows.row_weight,
         rows.weight_sum, rows.valid, chunk_target.class_weight, float(label_smoothing), float(z_loss), float(softcap),
         reduction == "mean", x.requires_grad, need_weight, not torch.compiler.is_compiling(),
-        [plan.rows, plan.cols, plan.budget],
+        plan.encode(),
     )
     return loss
 

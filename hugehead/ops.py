@@ -10,11 +10,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import tuning
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
 __all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "gemm_dx_", "gemm_dw_", "dense_gemm_enabled",
-           "has_fused_gemm", "gemm_path", "scale_", "row_scale"]
+           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path", "scale_", "row_scale"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,7 +99,6 @@ def gemm_chunk_stats_(
             its reference (or whose reference is not finite) has that tile folded again exactly by the merge kernel
             (slow: one warp, one dot at a time; with ``probs`` the row's whole chunk), so the statistics are right
             either way; ``row_max`` stays at the reference where it was that. Elsewhere ignored.
-            ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read per call) turns it off.
         probs: with ``reference`` (bf16, no bias, no logit sums): ``logits`` gets ``exp(min(z - reference,
             80))`` rounded to bf16 in place of z: the chunk's probabilities up to each row's scale
             ``exp(reference - lse)``, for the loop's factored backward; a flagged row gets ``exp(z - M)``
@@ -110,8 +109,7 @@ def gemm_chunk_stats_(
             logit sums or ``logits``, else RuntimeError. Only together with
             :func:`gemm_chunk_grad_`'s ``exact`` for the same chunk's backward: a confident row's ``p - 1``
             needs the forward's lse and the backward's logits to be the same numbers.
-        ``HUGEHEAD_GEMM_SCHEDULE=pingpong|pingpong_cluster|pingpong_cluster_192|cooperative`` (environment,
-        read per call) picks the CUTLASS schedule. The default below a depth of 2048: pingpong_cluster_192
+        The CUTLASS schedule follows the depth: below 2048, pingpong_cluster_192
         (128 x 192 tiles, pingpong in clusters of two CTAs that share each weight tile through TMA multicast)
         without logit sums, softcap or stored logits, else pingpong_cluster (128 x 128); cooperative from a
         depth of 2048. :func:`gemm_chunk_grad_` likewise: pingpong_cluster_192 below 2048 (its TMA store; the
@@ -159,11 +157,9 @@ def gemm_chunk_grad_(
     The plain loss (no bias, softcap, z-loss or ``grad_lse``) into a 16-byte aligned ``grad_logits`` takes the
     TMA-stored epilogue; there, without label smoothing, a row with ``grad_rows > 0`` gets ``g p`` as
     ``exp(z - lse + log g)``: one multiply an element fewer, not the bits of ``chunk_grad_``'s ``g * p``
-    (float32's rounding of the exponent's offset, ~1e-7 relative before the rounding to x's dtype).
-    ``HUGEHEAD_GEMM_GRAD_FOLD=0`` (environment, read per call) keeps ``g * p``, the same bits as
-    ``chunk_grad_`` on cuBLAS's logits up to the GEMM's summation order. The 128 x 192 tiles' gradient is staged
-    in 64 x 64 subtiles rather than CUTLASS's 64 x 32 (half the epilogue's fences and TMA store issues);
-    ``HUGEHEAD_GEMM_GRAD_EPI=32`` (read per call; the A/B's other side) asks CUTLASS's: the same bits.
+    (float32's rounding of the exponent's offset, ~1e-7 relative before the rounding to x's dtype). The 128 x 192
+    tiles' gradient is staged in 64 x 64 subtiles rather than CUTLASS's 64 x 32: half the epilogue's fences and
+    TMA store issues, the same values.
 
     Raises:
         RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build
@@ -173,37 +169,6 @@ def gemm_chunk_grad_(
         x, weight, bias, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap, grad_lse,
         grad_logits, exact,
     )
-
-
-def gemm_dx_(out: Tensor, g: Tensor, weight: Tensor, accumulate: bool) -> None:
-    """``out (+)= g @ weight`` in our GEMM (the backward's dX of a chunk; where :func:`has_fused_gemm` is
-    True): one float32 sum over the chunk's classes per element, added to ``out`` (``accumulate``) or
-    written, as ``torch.addmm(out, g, weight, out_dtype=torch.float32, out=out)`` would.
-
-    Args:
-        out: ``[N, D]`` float32, unit column stride, 16-byte aligned rows; updated in place.
-        g: ``[N, C]`` bfloat16/float16 (the chunk's dLoss/dlogits); weight: ``[C, D]`` g's dtype. Both unit
-            column stride with 16-byte aligned base and rows (TMA); D a multiple of 8.
-
-    Raises:
-        RuntimeError: on a shape, dtype, device, stride or alignment the kernel cannot take, or a build
-            without CUTLASS.
-    """
-    torch.ops.hugehead.gemm_dx_.default(out, g, weight, accumulate)
-
-
-def gemm_dw_(out: Tensor, g: Tensor, x: Tensor, accumulate: bool) -> None:
-    """``out (+)= g.T @ x`` in our GEMM (the backward's dW of a chunk), one float32 sum over the rows per
-    element rounded once to ``out``'s dtype.
-
-    Args:
-        out: ``[C, D]`` float32 (written, or added to with ``accumulate``) or g's dtype (written only).
-        g: ``[N, C]`` bfloat16/float16; x: ``[N, D]`` g's dtype; layouts as for :func:`gemm_dx_`.
-
-    Raises:
-        RuntimeError: as :func:`gemm_dx_`, and for ``accumulate`` into a 16-bit ``out``.
-    """
-    torch.ops.hugehead.gemm_dw_.default(out, g, x, accumulate)
 
 
 _FUSED_GEMM_DEVICES = {}
@@ -236,40 +201,14 @@ def has_fused_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 def gemm_path(device: torch.device, dtype: torch.dtype) -> str:
     """Which logits GEMMs the chunk loop runs: ``"cutlass"`` (the fused statistics and gradient GEMMs,
     :func:`gemm_chunk_stats_` / :func:`gemm_chunk_grad_`) or ``"cublas"`` (ATen GEMMs, then
-    :func:`chunk_stats_` / :func:`chunk_grad_`), or ``"cutlass_forward"`` (the fused statistics GEMM, the
-    backward on cuBLAS). The environment variable ``HUGEHEAD_GEMM=cutlass|cutlass_forward|cublas`` (read at
-    every call) chooses; the CUTLASS ones fall back to cuBLAS where :func:`has_fused_gemm` is False.
-    The default is ``cutlass`` where :func:`has_fused_gemm` holds: measured on one H200 at 0ed8ee1
-    (``bench/bench_gemm.py``, one chunk at xc1M) the fused statistics GEMM takes 0.652 ms against cuBLAS's
-    GEMM + ``chunk_stats_`` 0.750 ms and the fused gradient GEMM 0.746-0.782 ms against 0.875, and a
-    ``bench_lce`` step at xc6M 256.4 ms against 267.8 (forward only 65.1 against 74.7) in the same run.
-    Chunks the fused GEMMs do not take (kept logits, the rows plan, other dtypes or GPUs) run on cuBLAS."""
-    import os
-
-    wanted = os.environ.get("HUGEHEAD_GEMM", "cutlass").lower()
-    if wanted not in ("cutlass", "cutlass_forward") or not has_fused_gemm(
+    :func:`chunk_stats_` / :func:`chunk_grad_`). ``cutlass`` where :func:`has_fused_gemm` holds and
+    ``hugehead.tuning``'s ``gemm`` does not force the cuBLAS fallback: the fused GEMMs overlap the exp work with
+    the GEMM's mainloop, which the separate kernels cannot. Chunks the fused GEMMs do not take (kept logits, the
+    rows plan, other dtypes or GPUs) run on cuBLAS."""
+    if tuning.current().gemm != "cutlass" or not has_fused_gemm(
             device if isinstance(device, torch.device) else torch.device(device), dtype):
         return "cublas"
-    return wanted
-
-
-# What the backward's dense GEMMs take without HUGEHEAD_GEMM_DENSE (dense_gemm_enabled).
-DENSE_GEMM_DEFAULT = "cublas"
-
-
-def dense_gemm_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the backward's dX and dW GEMMs of a chunk take ours (:func:`gemm_dx_` / :func:`gemm_dw_`)
-    instead of cuBLAS's, where :func:`gemm_path` says ``cutlass``: as the environment variable
-    ``HUGEHEAD_GEMM_DENSE`` asks (read at every call): ``cublas``, or ours as ``cutlass`` (the default tiles),
-    ``alternate`` / ``pingpong`` (other tiles) or ``streamk`` (CUTLASS's stream-K scheduler); unset:
-    :data:`DENSE_GEMM_DEFAULT`. On one H200 (0f740e1) ours on the persistent scheduler tie cuBLAS under a
-    two-second soak at the ~690 W power cap (``bench/gemm_clocks.py``, xc1M chunk: dX 0.641 / 0.631 ms against
-    0.636, dW 0.627 against 0.622) and an xc6M step took 233.3 ms on them against 230.8 on cuBLAS; stream-K
-    (dbd5ce0) was slower still (xc6M 244.9 against 231.2, xc6M_16k 949.1 against 934.2)."""
-    import os
-
-    wanted = os.environ.get("HUGEHEAD_GEMM_DENSE", DENSE_GEMM_DEFAULT).lower()
-    return wanted in ("cutlass", "alternate", "pingpong", "streamk") and gemm_path(device, dtype) == "cutlass"
+    return "cutlass"
 
 
 def chunk_grad_(
@@ -466,20 +405,6 @@ def _gemm_chunk_grad_fake(x, weight, bias, target, class_start, num_classes, lse
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(grad_logits.shape == (x.shape[0], weight.shape[0]), lambda: "grad_logits must be [N, C]")
-    return None
-
-
-@torch.library.register_fake("hugehead::gemm_dx_")
-def _gemm_dx_fake(out, g, weight, accumulate):
-    torch._check(g.dim() == 2 and weight.dim() == 2, lambda: "g and weight must be 2-D")
-    torch._check(out.shape == (g.shape[0], weight.shape[1]), lambda: "out must be [N, D]")
-    return None
-
-
-@torch.library.register_fake("hugehead::gemm_dw_")
-def _gemm_dw_fake(out, g, x, accumulate):
-    torch._check(g.dim() == 2 and x.dim() == 2, lambda: "g and x must be 2-D")
-    torch._check(out.shape == (g.shape[1], x.shape[1]), lambda: "out must be [C, D]")
     return None
 
 

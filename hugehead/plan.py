@@ -15,7 +15,6 @@ to spare). The budget is per device: the shards computing on one device share it
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -23,7 +22,7 @@ from typing import Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequenc
 import torch
 from torch import Tensor
 
-from . import pinned
+from . import pinned, tuning
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -35,7 +34,6 @@ __all__ = [
     "plan_chunks",
     "plan_rows",
     "plan_loss",
-    "rows_enabled",
     "ROWS_BLOCKS",
     "ROWS_MIN_BLOCK_ROWS",
     "ROWS_MIN_SPLIT_ROWS",
@@ -43,13 +41,7 @@ __all__ = [
     "plan_streamed",
     "kept_plan",
     "kept_shape",
-    "kept_tail_cols",
-    "kept_tail_enabled",
-    "kept_tail_scratch",
-    "kept_tail_split",
-    "grad_store_enabled",
     "grad_store_layout",
-    "overlap_enabled",
     "stream_cols",
     "cap_plan",
     "SLOT_BYTES",
@@ -201,10 +193,6 @@ class Plan:
     every gradient, ``rows`` rows at a time over all classes (``cols`` classes a chunk), and whose backward
     only scales them; ``reason`` says why the planner chose it (and how ``dW`` accumulates).
 
-    ``scales_in_grad`` (:func:`plan_chunks`' ``kept_tail``): all classes but a short tail kept in one chunk, as
-    ``exp(z - ref)`` for the factored backward (``hugehead.loop._FactoredKept``), whose references live in the
-    weight gradient's buffer, allocated at the forward for them though no kept chunk lives there.
-
     ``budget``/``budget_reason``: the bytes the planner worked within and why (not part of equality).
     """
 
@@ -215,7 +203,6 @@ class Plan:
     overlap: bool = False
     grad_in_forward: bool = False
     kept_in_grad: int = 0
-    scales_in_grad: bool = False
     budget: int = field(default=0, compare=False)
     budget_reason: str = field(default="", compare=False)
     reason: str = field(default="", compare=False)
@@ -229,66 +216,42 @@ class Plan:
             return "rows"
         return "kept" if self.keep_logits else "recompute"
 
-    def as_list(self) -> List[int]:
-        """``[rows, cols, kept_chunks, overlap, kept_in_grad]``: the plan as a custom op's ``int[]`` argument."""
+    def encode(self) -> List[int]:
+        """The plan as a custom op's ``int[]`` argument: ``[rows, cols, kept_chunks, overlap, kept_in_grad,
+        grad_in_forward, budget]`` (the kept fields 0 where nothing is kept). :meth:`decode` reverses it: the
+        backward executes the plan the forward was given, never a new one."""
         keep = self.keep_logits
         return [self.rows, self.cols, self.kept_chunks if keep else 0, int(self.overlap),
-                self.kept_in_grad if keep else 0]
+                self.kept_in_grad if keep else 0, int(self.grad_in_forward), self.budget]
 
     @staticmethod
-    def from_list(values: Sequence[int]) -> "Plan":
-        """The plan of :meth:`as_list` (a list of four, from before ``kept_in_grad``, keeps none there)."""
-        rows, cols, kept_chunks, overlap, in_grad = (*(int(v) for v in values[:5]), 0)[:5]
+    def decode(values: Optional[Sequence[int]]) -> Optional["Plan"]:
+        """The plan :meth:`encode` gave (equal to it, ``budget`` included), or None for an empty or missing list.
+        Raises ``ValueError`` for a list of another length."""
+        if not values:
+            return None
+        if len(values) != _ENCODED_LEN:
+            raise ValueError(f"hugehead: an encoded plan has {_ENCODED_LEN} entries, got {len(values)}")
+        rows, cols, kept_chunks, overlap, in_grad, rows_plan, budget = (int(v) for v in values)
         return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap),
-                    kept_in_grad=in_grad)
+                    grad_in_forward=bool(rows_plan), kept_in_grad=in_grad, budget=budget,
+                    budget_reason=f"a budget of {budget} bytes")
 
 
-def chunk_multiple() -> int:
-    """What a planned chunk's width is rounded down to (where it is not all the classes): 256 columns, or
-    ``HUGEHEAD_CHUNK_MULTIPLE`` (read at every plan; a positive multiple of 64) for A/B runs, e.g. 768 =
-    lcm(256, 192) so that the fused GEMMs' 192-column tiles cover a chunk without a ragged last tile."""
-    text = os.environ.get("HUGEHEAD_CHUNK_MULTIPLE")
-    if text is None or text == "":
-        return _MIN_COLS
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0 or value % 64:
-        raise ValueError(f"HUGEHEAD_CHUNK_MULTIPLE must be a positive multiple of 64, got {text!r}")
-    return value
-
-
-def overlap_enabled() -> bool:
-    # HUGEHEAD_OVERLAP=0 turns the side-stream overlap off (A/B measurements, debugging).
-    return os.environ.get("HUGEHEAD_OVERLAP", "1") != "0"
+_ENCODED_LEN = 7
 
 
 def kept_plan(kept: Tensor) -> Plan:
     """The plan of a backward over kept logits ``[kept_chunks, N, cols]`` when no plan travelled with
     them (chunk widths must match the forward's, whatever the planner would choose now)."""
     return Plan(rows=kept.shape[1], cols=kept.shape[2], keep_logits=True, kept_chunks=kept.shape[0],
-                overlap=kept.device.type == "cuda" and overlap_enabled())
+                overlap=kept.device.type == "cuda")
 
 
 def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
     """Shape of the kept logits tensor of a plan that keeps them: ``[kept_chunks - kept_in_grad, N, cols]``
     (the chunks that do not live in the weight gradient's buffer)."""
     return (plan.kept_chunks - plan.kept_in_grad, n, plan.cols)
-
-
-def grad_store_enabled() -> bool:
-    """Whether plans may keep logits in the weight gradient's buffer (``HUGEHEAD_KEEP_IN_GRAD=0``: not, for
-    A/B runs)."""
-    return os.environ.get("HUGEHEAD_KEEP_IN_GRAD", "1") != "0"
-
-
-def kept_probs_enabled() -> bool:
-    """Whether kept chunks may hold probabilities for the factored backward (``hugehead.loop._probs_plan``):
-    ``HUGEHEAD_KEPT_PROBS=0`` or ``HUGEHEAD_GEMM_STATS_REF=0`` (environment, read per call; change them between
-    steps only) turn it off, for A/B runs; the planner and both halves of the loop ask this same question."""
-    return (os.environ.get("HUGEHEAD_KEPT_PROBS", "1") != "0"
-            and os.environ.get("HUGEHEAD_GEMM_STATS_REF", "1") != "0")
 
 
 def scale_area_bytes(kept_chunks: int, n: int) -> int:
@@ -349,61 +312,6 @@ def grad_store_layout(n: int, d: int, v: int, cols: int, itemsize: int, grad_ite
     return offset, stride, max(0, (total - offset) // stride)
 
 
-# The classes a kept-tail plan does not keep, at least (kept_tail_cols): folded first, they give each row the reference
-# the kept chunk's exp(z - ref) is taken against, and the backward recomputes them (2·N·D·tail FLOPs).
-KEPT_TAIL_COLS = 1024
-_PROBS_TILE_COLS = 192  # the statistics GEMM that stores probabilities: a (max, sum) partial of 8 bytes per row and tile
-
-
-# Whether kept-tail plans are taken without HUGEHEAD_KEPT_TAIL in the environment: not until an H200 A/B says
-# they win (bench/NOTES.md, session 25).
-KEPT_TAIL_DEFAULT = "0"
-
-
-def kept_tail_enabled() -> bool:
-    """Whether plans may keep all logits but a tail as probabilities (:func:`plan_chunks`' ``kept_tail``):
-    ``HUGEHEAD_KEPT_TAIL=1`` / ``0`` (environment, read per plan; unset: :data:`KEPT_TAIL_DEFAULT`); off, all of
-    them are kept as logits, and their backward runs chunk_grad_'s pass over them (the A/B's other side)."""
-    return os.environ.get("HUGEHEAD_KEPT_TAIL", KEPT_TAIL_DEFAULT) != "0"
-
-
-def kept_tail_split(n: int, d: int, cols: int, tail: int, itemsize: int) -> int:
-    """Where the backward of a kept-tail plan (``hugehead.loop._kept_tail_backward``) splits its kept chunk's
-    ``dW`` into two GEMMs, ``[0, h)`` and ``[h, cols)``, or 0 where it has no room: ``s x`` ``[N, D]`` lives first
-    in the weight gradient's rows ``[h, cols)`` (so ``cols - h >= N``), then in the kept chunk's first ``D``
-    columns (so ``h >= D``); and ``dX`` in float32, the targets' weight rows and the tail's gradient fit in the
-    rows of the kept classes' ``dW`` before any is written."""
-    h = cols // 2 // _MIN_COLS * _MIN_COLS
-    start, nbytes = kept_tail_scratch(n, d, tail, itemsize)[-1]
-    return h if (h >= d and cols - h >= n and start + nbytes <= cols * d * itemsize) else 0
-
-
-def kept_tail_scratch(n: int, d: int, tail: int, itemsize: int) -> List[Tuple[int, int]]:
-    """``(start, bytes)`` in the weight gradient's buffer, 256-byte aligned, of what a kept-tail backward keeps
-    there before it writes ``dW``: ``dX`` in float32, the targets' weight rows, the tail's gradient."""
-    out, start = [], 0
-    for nbytes in (n * d * 4, n * d * itemsize, n * tail * itemsize):
-        out.append((start, nbytes))
-        start = _round_up(start + nbytes, 256)
-    return out
-
-
-def kept_tail_cols(n: int, d: int, v: int, itemsize: int) -> int:
-    """The tail a kept-tail plan of ``N × V`` logits leaves unkept, or 0 for none: the fewest classes from
-    :data:`KEPT_TAIL_COLS` on that leave a kept chunk 256 classes aligned (its rows 16-byte aligned for the fused
-    GEMM's TMA store) and whose logits take at least the bytes of that chunk's partials, so that the plan never
-    needs more memory than keeping every logit (its backward needs none: :func:`kept_tail_split`). At llama3's
-    128256 classes in bf16: 2816 (2.2%)."""
-    if v < 8 * KEPT_TAIL_COLS:
-        return 0
-    cols = (v - KEPT_TAIL_COLS) // _MIN_COLS * _MIN_COLS
-    while cols > 0 and (v - cols) * itemsize < -(-cols // _PROBS_TILE_COLS) * 8:
-        cols -= _MIN_COLS
-    if cols <= 0 or not kept_tail_split(n, d, cols, v - cols, itemsize):
-        return 0
-    return v - cols
-
-
 def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
@@ -428,7 +336,6 @@ def plan_chunks(
     direct_dx: bool = False,
     side_stream: bool = True,
     grad_store: bool = False,
-    kept_tail: bool = False,
     kept_probs: bool = False,
 ) -> Plan:
     """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
@@ -447,13 +354,9 @@ def plan_chunks(
     ``grad_store``: the forward may hold kept logits in the weight gradient's buffer (``[V, D]`` in
     ``weight_dtype``, allocated at the forward; :func:`grad_store_layout`): the plan keeps the chunks that fit
     there as well (:attr:`Plan.kept_in_grad`, the leading ones), beyond those the budget holds.
-    ``kept_tail``: the caller's chunks take the factored backward of kept probabilities (the fused statistics
-    GEMM storing ``exp(z - ref)``; :func:`hugehead.loop._probs_plan`) and ``grad_store`` holds: where all logits
-    would be kept as one chunk, all but a tail of :func:`kept_tail_cols` classes are (:attr:`Plan.scales_in_grad`),
-    the tail folded first gives each row its reference, and the backward runs no pass over the kept chunk, in no
-    more memory than keeping every logit takes (see :func:`kept_tail_enabled`).
-    ``kept_probs``: the caller's kept chunks take the factored backward of kept probabilities (as ``kept_tail``;
-    also the layouts of the fused GEMMs' TMA loads): where only some chunks are kept, the streamed chunks'
+    ``kept_probs``: the caller's kept chunks take the factored backward of kept probabilities (the fused
+    statistics GEMM storing ``exp(z - ref)``, :func:`hugehead.loop._probs_plan`, in the layouts of the fused GEMMs'
+    TMA loads): where only some chunks are kept, the streamed chunks'
     workspace lives in the kept tensor's memory, so the budget keeps one chunk more (:func:`probs_kept_chunks`).
     """
     budget = _as_budget(memory_budget, device)
@@ -470,9 +373,6 @@ def plan_chunks(
         memory_budget = max(1, memory_budget - 3 * min(v, max_cols) * d * itemsize)
     keep = chunk_size is None and allow_keep
     if keep and direct_dx and weight_dtype == dtype and n * v * itemsize <= memory_budget:
-        tail = kept_tail_cols(n, d, v, itemsize) if (kept_tail and grad_store and kept_tail_enabled()) else 0
-        if tail:
-            return Plan(rows=n, cols=v - tail, keep_logits=True, kept_chunks=1, scales_in_grad=True, **chosen)
         return Plan(rows=n, cols=v, keep_logits=True, kept_chunks=1, **chosen)
     if keep and n * v * itemsize + dx_bytes <= memory_budget:
         # A cast weight chunk (and its dW in the compute dtype) costs C × D each: keep those chunks at the
@@ -486,16 +386,15 @@ def plan_chunks(
         if device.type in _CHUNK_ELEMS:
             cols = min(cols, max(_MIN_COLS, _CHUNK_ELEMS[device.type] // n))
         cols = max(_MIN_COLS, min(max_cols, cols))
-        if cols < v:  # round down to a multiple of 256 columns (chunk_multiple): aligned rows, GEMM-friendly widths
-            multiple = chunk_multiple()
-            cols = max(_MIN_COLS, cols // multiple * multiple)
+        if cols < v:  # round down to a multiple of 256 columns: aligned rows, GEMM-friendly widths
+            cols = max(_MIN_COLS, cols // _MIN_COLS * _MIN_COLS)
         cols = min(cols, v)
     rows = n
     if rows * cols * itemsize + rows * d * (itemsize + 4) > memory_budget:
         rows = max(1, memory_budget // (cols * itemsize + d * (itemsize + 4)))
     chunk_bytes = n * cols * itemsize
     # A second workspace lets the memory-bound kernels overlap the next chunk's GEMMs (CUDA, rows whole).
-    overlap = (side_stream and device.type == "cuda" and rows >= n and cols < v and overlap_enabled()
+    overlap = (side_stream and device.type == "cuda" and rows >= n and cols < v
                and dx_bytes + 2 * chunk_bytes <= memory_budget)
     if keep and rows >= n:
         # Keep as many leading chunks as the budget holds beyond the streaming workspace(s).
@@ -503,9 +402,9 @@ def plan_chunks(
         kept_chunks = (memory_budget - dx_bytes - (2 if overlap else 1) * chunk_bytes) // chunk_bytes
         kept_chunks = max(0, min(kept_chunks, num_chunks - 1))
         in_grad = 0
-        if grad_store and grad_store_enabled():
+        if grad_store:
             offset, _, slots = grad_store_layout(n, d, v, cols, itemsize, _itemsize(weight_dtype))
-            if kept_probs and not overlap and weight_dtype == dtype and kept_probs_enabled():
+            if kept_probs and not overlap and weight_dtype == dtype:
                 kept_chunks = max(kept_chunks, probs_kept_chunks(n, d, cols, num_chunks, memory_budget, itemsize,
                                                                  offset, slots))
             in_grad = min(slots, num_chunks - kept_chunks)
@@ -534,11 +433,6 @@ ROWS_MIN_BLOCK_ROWS = 2048
 # 58 itemsize / r of the GEMMs' time: 11% for bf16 at 1024 rows, while recomputing the logits costs 33%.
 # Below the floor the chunk loop (which recomputes) is the cheaper plan. The CPU's balance is lower.
 ROWS_MIN_SPLIT_ROWS = {"cuda": 1024, "cpu": 32}
-
-
-def rows_enabled() -> bool:
-    # HUGEHEAD_ROWS=0 turns the rows plan off (A/B measurements; a loss backpropagated twice).
-    return os.environ.get("HUGEHEAD_ROWS", "1") != "0"
 
 
 def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, memory_budget=None, *,
@@ -596,14 +490,14 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
 def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
               memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
               allow_rows: bool = False, direct_dx: bool = False, side_stream: bool = True,
-              grad_store: bool = False, kept_tail: bool = False, kept_probs: bool = False) -> Plan:
+              grad_store: bool = False, kept_probs: bool = False) -> Plan:
     """The plan of one loss call: the cheapest that fits the budget.
 
     Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
     passes, recomputing the logits four. ``allow_rows`` (the caller's loss is a scalar with gradients, one
     local weight, no returned lse — class ids, or a sparse / class-weighted softmax target of
-    :func:`hugehead.multilabel.plan_softmax`, which asks this with the same arguments; ``HUGEHEAD_ROWS=0``
-    turns it off) makes
+    :func:`hugehead.multilabel.plan_softmax`, which asks this with the same arguments; ``hugehead.tuning``'s
+    ``rows=False`` turns it off) makes
     :func:`plan_rows` a candidate: it is chosen when all logits do not fit (instead of keeping some and
     recomputing the rest); when they fit, keeping them is faster at the same three passes. Otherwise
     :func:`plan_chunks` decides (kept logits when they fit, some kept, or all recomputed). A pinned
@@ -613,18 +507,16 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     budget = _as_budget(memory_budget, device)
     plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
                        allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream, grad_store=grad_store,
-                       kept_tail=kept_tail, kept_probs=kept_probs)
-    if not (allow_rows and chunk_size is None and rows_enabled()):
+                       kept_probs=kept_probs)
+    if not (allow_rows and chunk_size is None and tuning.current().rows):
         return plan
     rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)
     if rows is None:
         return plan
-    # All logits kept beats the rows plan at the same three GEMMs: measured on one H200 at a64ef77, the rows
-    # plan's blocks run their statistics and gradient kernels between the GEMMs (no side stream) and reread
-    # dW once a block: llama3_4k 21.3 ms against 17.9 kept, issue 23's Llama step 177.3 against 171.6. So
-    # the rows plan replaces partial keeping and recomputing (xc1M: 74.8 ms against 85.9), not keeping all;
-    # a smaller memory_budget (e.g. 1 GiB for issue 23's Llama head: 6 blocks of 2752 rows) asks for it.
-    kept_all = plan.keep_logits and (plan.kept_chunks * plan.cols >= v or plan.scales_in_grad)
+    # All logits kept beats the rows plan at the same three GEMMs: the rows plan's blocks run their statistics
+    # and gradient kernels between the GEMMs (no side stream) and reread dW once a block. So the rows plan
+    # replaces partial keeping and recomputing, not keeping all; a smaller memory_budget asks for it.
+    kept_all = plan.keep_logits and plan.kept_chunks * plan.cols >= v
     if kept_all:
         return plan
     return rows

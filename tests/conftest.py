@@ -104,3 +104,31 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.fixture
+def tuned():
+    """``tuned(**changes)``: ``hugehead.tuning.override(**changes)`` until the test ends (nested calls stack)."""
+    import contextlib
+
+    from hugehead import tuning
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(tuning.override(**changes))
+
+
+@pytest.fixture
+def forced_plan(monkeypatch):
+    """``forced_plan(**changes)``: every later single-device loss call executes the plan its planner makes with
+    ``changes`` applied (``dataclasses.replace``), e.g. ``overlap=False``: the loop executes whatever plan it is
+    handed, so a test reaches a strategy without a switch in the library."""
+    import dataclasses
+
+    import hugehead.functional
+
+    real = hugehead.functional.loss_plan
+
+    def force(**changes):
+        monkeypatch.setattr(hugehead.functional, "loss_plan",
+                            lambda *a, **k: dataclasses.replace(real(*a, **k), **changes))
+    return force

@@ -1,6 +1,7 @@
 """hugehead.linear_cross_entropy on one device against float64 plain PyTorch: loss and gradients over
 randomized shapes and every option, edge cases (empty batch, all rows ignored, non-finite inputs),
 gradcheck, torch.compile, determinism, input validation, and CUDA-only checks (64-bit indexing)."""
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -11,8 +12,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import hugehead
-from hugehead import reference
+from hugehead import reference, tuning
 from hugehead.functional import loss_dtype, plan_chunks
+from hugehead.plan import plan_loss
 
 from conftest import DEVICES, FLOAT_DTYPES, fail_next_mm, requires_cuda, rel_err, rows_budget
 
@@ -526,7 +528,7 @@ _EAGER_CASES = {  # name: (options, which autograd node takes the loss eagerly)
 @pytest.mark.parametrize("name", sorted(_EAGER_CASES))
 def test_eager_twin_gives_the_registered_ops_bits_and_float64s_values(device, name, monkeypatch):
     """An eager call runs the op's body as a plain autograd.Function (no dispatcher layers); with
-    HUGEHEAD_EAGER_OP=0 it goes through the registered op. Loss, lse and every gradient are bitwise the
+    Tuning(eager_op=False) it goes through the registered op. Loss, lse and every gradient are bitwise the
     same both ways, and within the float64 reference's tolerance; each way's autograd node is the one
     expected."""
     opts, eager_node = _EAGER_CASES[name]
@@ -541,8 +543,11 @@ def test_eager_twin_gives_the_registered_ops_bits_and_float64s_values(device, na
     if name == "rows":  # a few hundred rows get the rows plan on a GPU too (as in test_rows.py)
         monkeypatch.setitem(hugehead.plan.ROWS_MIN_SPLIT_ROWS, "cuda", hugehead.plan.ROWS_MIN_SPLIT_ROWS["cpu"])
 
-    def run(flag):
-        monkeypatch.setenv("HUGEHEAD_EAGER_OP", flag)
+    def run(eager_op):
+        with tuning.override(eager_op=eager_op):
+            return run_once()
+
+    def run_once():
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         bs = None if b is None else b.clone().requires_grad_()
         out = hugehead.linear_cross_entropy(xs, ws, target, bs, **opts)
@@ -555,8 +560,8 @@ def test_eager_twin_gives_the_registered_ops_bits_and_float64s_values(device, na
         return [loss.detach(), None if lse is None else lse.detach(), xs.grad, ws.grad,
                 None if bs is None else bs.grad], nodes
 
-    eager, eager_nodes = run("1")
-    op, op_nodes = run("0")
+    eager, eager_nodes = run(True)
+    op, op_nodes = run(False)
     assert eager_node in eager_nodes, eager_nodes
     assert eager_node not in op_nodes and not any("Function" in n and n.startswith("_") for n in op_nodes), op_nodes
     for a, c in zip(eager, op):
@@ -583,7 +588,7 @@ def test_eager_twin_gives_the_registered_ops_bits_and_float64s_values(device, na
 
 def test_eager_dispatch_takes_the_registered_op_under_modes_and_transforms():
     """A dispatch mode (FlopCounterMode), a torch-function mode (a device context), a tensor subclass or
-    HUGEHEAD_EAGER_OP=0 sends the call through the registered op, which they can see; a plain eager call
+    Tuning(eager_op=False) sends the call through the registered op, which they can see; a plain eager call
     takes the twin."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -742,14 +747,14 @@ def test_cuda_chunk_over_2_31_elements():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_partly_kept_logits_match_float64(device, bias, monkeypatch):
+def test_partly_kept_logits_match_float64(device, bias, tuned, forced_plan):
     """A budget that holds some but not all of the logits: the first chunks are kept (no recompute in the
     backward), the rest stream; loss and every gradient still match float64, and a second backward
     (retain_graph) recomputes what the first consumed."""
     from hugehead.loop import _MAX_COLS
 
-    monkeypatch.setenv("HUGEHEAD_OVERLAP", "0")  # one workspace (the overlap's second has its own test)
-    monkeypatch.setenv("HUGEHEAD_ROWS", "0")  # the chunk loop's kept chunks (tests/test_rows.py: the rows plan)
+    forced_plan(overlap=False)  # one workspace (the overlap's second has its own test)
+    tuned(rows=False)  # the chunk loop's kept chunks (tests/test_rows.py: the rows plan)
     cols = _MAX_COLS[device.type]
     n, d, v = 6, 5, 3 * cols - 100
     itemsize = 8
@@ -778,19 +783,22 @@ def test_partly_kept_logits_match_float64(device, bias, monkeypatch):
         assert_rel(t.grad, a, 1e-12, "second backward")
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, overlap, monkeypatch):
+def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, overlap, monkeypatch, tuned):
     """Chunks kept in the weight gradient's own buffer (allocated at the forward; Plan.kept_in_grad) beside one
     the budget keeps and two recomputed: the backward writes each chunk's dW over slots it consumed, so loss and
     every gradient match float64 and the plan without them; the buffer comes back as w.grad; a second backward
-    (retain_graph) recomputes them; and HUGEHEAD_KEEP_IN_GRAD=0 keeps none there."""
+    (retain_graph) recomputes them; and the plan that keeps none there (plan_loss' grad_store=False) gives the
+    same numbers."""
     from hugehead.functional import loss_plan
     from hugehead.loop import _MAX_COLS
     from hugehead.plan import grad_store_layout
 
-    monkeypatch.setenv("HUGEHEAD_OVERLAP", overlap)
-    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    tuned(rows=False)
+    real_plan = hugehead.functional.loss_plan
+    forced = {}  # the plan every loss call below executes once set (overlap: where the device has a side stream)
+    monkeypatch.setattr(hugehead.functional, "loss_plan", lambda *a, **k: forced.get("plan") or real_plan(*a, **k))
     cols = _MAX_COLS[device.type]
     n, d, v = 12, 5, 4 * cols - 100
     assert grad_store_layout(n, d, v, cols, 8, 8)[2] == 1  # one chunk's logits fit past the first chunk's dW
@@ -805,6 +813,8 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     leaves = [x, w] + ([b] if bias else [])
     opts = dict(label_smoothing=0.1, z_loss=1e-3, memory_budget=budget)
     plan = loss_plan(x, w, target, b, memory_budget=budget)
+    plan = dataclasses.replace(plan, overlap=overlap and device.type == "cuda")
+    forced["plan"] = plan
     assert plan.kept_in_grad == 1 and plan.kept_chunks >= 2 and plan.kept_chunks * plan.cols < v, plan
 
     def grads(retain=False):
@@ -826,8 +836,9 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     loss.backward()  # the kept chunks were consumed: this one recomputes them all
     for a, t in zip(ours[1:], leaves):
         assert_rel(t.grad, a, 1e-12, "second backward")
-    monkeypatch.setenv("HUGEHEAD_KEEP_IN_GRAD", "0")
-    off = loss_plan(x, w, target, b, memory_budget=budget)
+    off = plan_loss(n, d, v, x.dtype, x.device, None, budget, direct_dx=True, side_stream=plan.overlap,
+                    grad_store=False)
+    off = forced["plan"] = dataclasses.replace(off, overlap=plan.overlap)
     assert off.kept_in_grad == 0 and off.kept_chunks == plan.kept_chunks - 1, off
     _, plain = grads()
     for a, r in zip(ours, plain):
@@ -868,14 +879,15 @@ def test_all_logits_kept_with_dx_straight_into_the_gradient(device, dtype):
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("keep", [False, True])
-def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, keep):
+def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, tuned, keep):
     """The overlapped loop (statistics and gradient kernels on a side stream) runs the same kernels on the
     same data as the one-stream loop: loss and every gradient are bitwise equal, and the plan used it. (The
     side stream is the cuBLAS path's: the fused CUTLASS GEMMs have no separate kernels to overlap.)"""
     from hugehead.functional import loss_plan
     from hugehead.loop import _MAX_COLS
 
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cublas")
+    tuned(gemm="cublas")
+    real_plan = hugehead.functional.loss_plan
 
     torch.manual_seed(12)
     cols = _MAX_COLS["cuda"]
@@ -885,16 +897,17 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, ke
     b = torch.randn(v, device="cuda", dtype=torch.bfloat16)
     target = torch.randint(0, v, (n,), device="cuda")
     itemsize = 2
-    # Room for the dX buffers and two workspaces (and, with keep, one kept chunk); the one-stream loop gets one
-    # workspace less, so that both keep the same chunks (a chunk more kept would fold in another order: the
-    # forward takes the chunks it does not keep first).
+    # Room for the dX buffers and two workspaces (and, with keep, one kept chunk); both loops execute that plan
+    # (a chunk more kept would fold in another order: the forward takes the chunks it does not keep first).
     budget = n * d * (itemsize + 4) + (3 if keep else 2) * n * cols * itemsize + 1024
     results, plans = {}, {}
     for overlap in ("0", "1"):
-        monkeypatch.setenv("HUGEHEAD_OVERLAP", overlap)
-        given = budget - (n * cols * itemsize if overlap == "0" else 0)
+        # the one-stream loop executes the overlapped plan with overlap off: the same chunks kept
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        plans[overlap] = plan = loss_plan(leaves[0], leaves[1], target, leaves[2], memory_budget=given)
+        plan = real_plan(leaves[0], leaves[1], target, leaves[2], memory_budget=budget)
+        plans[overlap] = plan = dataclasses.replace(plan, overlap=plan.overlap and overlap == "1")
+        monkeypatch.setattr(hugehead.functional, "loss_plan", lambda *a, _p=plan, **k: _p)
+        given = budget
         # (the weight gradient's buffer keeps a chunk either way; the budget one more with keep)
         assert plan.overlap == (overlap == "1") and plan.cols == cols and \
             plan.kept_chunks - plan.kept_in_grad == int(keep), plan

@@ -1,6 +1,6 @@
 """The CUTLASS sm_90a logits GEMM with the statistics in its epilogue (hugehead::gemm_chunk_stats_, issue 21):
 the op against float64 and against the cuBLAS + chunk_stats_ path it replaces, both schedules, and the whole
-linear_cross_entropy with HUGEHEAD_GEMM=cutlass vs cublas. The GPU tests skip unless the build has the
+linear_cross_entropy on the fused GEMMs vs the cuBLAS fallback (Tuning.gemm). The GPU tests skip unless the build has the
 CUTLASS GEMMs and the GPU is sm_90; the dispatch and fake-kernel tests run everywhere."""
 import math
 
@@ -17,31 +17,29 @@ from conftest import HAS_CUDA_KERNELS, rel_err
 HAS_FUSED = HAS_CUDA_KERNELS and ops.has_fused_gemm(torch.device("cuda"), torch.bfloat16)
 requires_fused = pytest.mark.skipif(
     not HAS_FUSED, reason="needs a CUDA GPU of compute capability 9.0 and hugehead's CUTLASS GEMMs")
-# pingpong_cluster_192 (128 x 192 tiles) serves the statistics GEMM without logit sums, softcap or stored logits;
-# the op runs pingpong_cluster for those
-SCHEDULES = ["pingpong", "pingpong_cluster", "pingpong_cluster_192", "cooperative"]
-# the gradient GEMM has no cooperative instantiation; pingpong_cluster_192 (128 x 192 tiles) has the TMA store only
-GRAD_SCHEDULES = ["pingpong", "pingpong_cluster", "pingpong_cluster_192"]
+# The fused GEMMs' schedule follows the depth and the call (csrc/include/hugehead/gemm.h): below D = 2048
+# pingpong_cluster_192 (128 x 192 tiles: the statistics without logit sums or softcap, the TMA-stored gradient),
+# else pingpong_cluster; from D = 2048 cooperative (statistics) / pingpong_cluster (gradient). The shapes below
+# reach each.
 IGNORE = -100
 
 
-@pytest.fixture(params=SCHEDULES)
-def schedule(request, monkeypatch):
-    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", request.param)
-    return request.param
+def _without_kept_probs(monkeypatch):
+    """The same step with its kept chunks holding logits, not probabilities: planned without kept_probs and the
+    loop's _probs_plan answering no (what planner and loop decide where the factored backward does not apply)."""
+    from hugehead import functional, loop
+
+    real = functional.plan_loss
+    monkeypatch.setattr(functional, "plan_loss", lambda *a, **k: real(*a, **{**k, "kept_probs": False}))
+    monkeypatch.setattr(loop, "_probs_plan", lambda *a, **k: False)
 
 
-@pytest.fixture(params=GRAD_SCHEDULES)
-def grad_schedule(request, monkeypatch):
-    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", request.param)
+def _without_grad_store(monkeypatch):
+    """The same step keeping no chunk in the weight gradient's buffer (planned with grad_store=False)."""
+    from hugehead import functional
 
-
-# HUGEHEAD_GEMM_GRAD_STORE: the gradient GEMM's TMA store where it applies ("auto", the default), or the
-# register epilogue's direct stores everywhere.
-@pytest.fixture(params=["auto", "direct"])
-def grad_store(request, monkeypatch):
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", request.param)
-    return request.param
+    real = functional.plan_loss
+    monkeypatch.setattr(functional, "plan_loss", lambda *a, **k: real(*a, **{**k, "grad_store": False}))
 
 
 def _inputs(n, c, d, dtype, *, bias, seed, scale=1.0):
@@ -97,14 +95,13 @@ def _run(fn, x, w, b, target, class_start, softcap, state):
     return [t.cpu() for t in dev]
 
 
-def _fused_gemms_or_skip(monkeypatch, device: str) -> None:
+def _fused_gemms_or_skip(tuned, device: str) -> None:
     """The fused CUTLASS GEMMs for a test on ``device`` ("cpu": their emulation; "cuda": skipped without an sm_90
-    GPU and a CUTLASS build), with the factored backward's ops.row_scale (the default: HUGEHEAD_ROW_SCALE unset)."""
+    GPU and a CUTLASS build)."""
     if device == "cuda" and not (torch.cuda.is_available() and ops.has_fused_gemm(torch.device("cuda"),
                                                                                    torch.bfloat16)):
         pytest.skip("needs the fused GEMMs (an sm_90 GPU, a CUTLASS build)")
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
-    monkeypatch.delenv("HUGEHEAD_ROW_SCALE", raising=False)
+    tuned(gemm="cutlass")
 
 
 def _fused(x, w, b, target, class_start, softcap, state, with_logit_sum=True):
@@ -132,6 +129,7 @@ SHAPES = [
     (130, 257, 128, 1000, False, 30.0),
     (257, 1000, 768, 500, True, 0.0),
     (1000, 3000, 768, 4096, True, 15.0),
+    (300, 1000, 2048, 0, False, 0.0),  # cooperative
     (4096, 8192 + 17, 768, 64, False, 0.0),
     (64, 60000 + 17, 64, 0, False, 0.0),  # 313 / 469 column tiles a row: the merge's loads in several rounds
 ]
@@ -140,7 +138,7 @@ SHAPES = [
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,d,class_start,bias,softcap", SHAPES)
-def test_stats_match_float64_and_the_cublas_path(schedule, dtype, n, c, d, class_start, bias, softcap):
+def test_stats_match_float64_and_the_cublas_path(dtype, n, c, d, class_start, bias, softcap):
     seed = n * 7 + c
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
     target = _targets(n, c, class_start, class_start + c + 100, seed)
@@ -183,7 +181,7 @@ def test_stats_match_float64_and_the_cublas_path(schedule, dtype, n, c, d, class
 
 @requires_fused
 @pytest.mark.parametrize("n,c,d", [(257, 1000, 768), (4096, 20000, 768)])
-def test_repeated_runs_are_bitwise_identical(schedule, n, c, d):
+def test_repeated_runs_are_bitwise_identical(n, c, d):
     x, w, b = _inputs(n, c, d, torch.bfloat16, bias=True, seed=3)
     target = _targets(n, c, 0, c, 3)
     state = _start_state(n, 3)
@@ -198,7 +196,7 @@ def test_repeated_runs_are_bitwise_identical(schedule, n, c, d):
 @requires_fused
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,c,d", [(1000, 3000, 768), (300, 20000 + 17, 768), (64, 60000 + 17, 64)])
-def test_stats_without_logit_sums(schedule, bias, n, c, d):
+def test_stats_without_logit_sums(bias, n, c, d):
     """with_logit_sum=False: logit_sum is left as it was, and max / sum-exp / target logit are the bits the
     default call gives (the same arithmetic, whole tiles and the checked edge tiles alike), though its partials
     are (max, sum) pairs of 8 bytes where the default's are 16 (and merged by another kernel instance). Partial
@@ -238,17 +236,13 @@ STORE_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_logit_sum", [True, False])
 @pytest.mark.parametrize("n,c,d,class_start,bias", STORE_SHAPES)
-@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct"])
-def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, class_start, bias, stats_store,
-                                  monkeypatch):
+def test_stats_with_stored_logits(dtype, with_logit_sum, n, c, d, class_start, bias):
     """logits=z (a kept chunk, the rows plan's block): the statistics are bitwise those of the GEMM that stores
     nothing (the same mainloop and fold), z holds exactly the values they were folded from (chunk_stats_ on z
     gives the same max and target logit bitwise, the same sum up to its order), z is as close to float64
     x Wᵀ + b as cuBLAS's stored logits (at most one ulp from them), and z may be a strided view into a wider
-    buffer whose other columns stay untouched. HUGEHEAD_GEMM_STATS_STORE: "tma" (the default) stores them by TMA
-    from each schedule's own tile (128 x 192 too, where pingpong_cluster_192 applies: without logit sums),
-    "direct" from the 128 x 192 tile's registers there, "tma128" on 128 x 128 tiles in place of 128 x 192."""
-    monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
+    buffer whose other columns stay untouched. They are stored by TMA from each schedule's own tile (128 x 192
+    too, where pingpong_cluster_192 applies: without logit sums)."""
     seed = n + c + 17
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
     xc, wc, bc = x.cuda(), w.cuda(), None if b is None else b.cuda()
@@ -259,14 +253,8 @@ def test_stats_with_stored_logits(schedule, dtype, with_logit_sum, n, c, d, clas
     z = buf[:, 16:16 + c]
     ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *plain, with_logit_sum=with_logit_sum)
     ops.gemm_chunk_stats_(xc, wc, bc, target, class_start, 0.0, *stored, with_logit_sum=with_logit_sum, logits=z)
-    # With "tma128" the GEMM that stores runs no 128 x 192 tiles: without logit sums, pingpong_cluster_192's
-    # call without logits runs them, its sums of exps grouped by other tiles.
-    tiles_differ = schedule == "pingpong_cluster_192" and not with_logit_sum and stats_store == "tma128"
-    for k, (a, r) in enumerate(zip(stored, plain)):
-        if tiles_differ and k == 1:
-            torch.testing.assert_close(a, r, rtol=2e-6, atol=0)
-        else:
-            assert torch.equal(a, r)
+    for a, r in zip(stored, plain):
+        assert torch.equal(a, r)
     assert torch.isnan(buf[:, :16]).all() and torch.isnan(buf[:, 16 + c:]).all()
     assert not torch.isnan(z).any()
     ref = xc.double() @ wc.double().t() + (0.0 if bc is None else bc.double())
@@ -360,9 +348,9 @@ def test_stats_against_a_reference(dtype, n, c, d, class_start, probs, stored):
 
 
 @requires_fused
-def test_reference_applies_only_where_it_can(monkeypatch):
+def test_reference_applies_only_where_it_can():
     """A reference with a bias, with logit sums, without stored logits on a schedule other than
-    pingpong_cluster_192 (fold_ref's only one), or with HUGEHEAD_GEMM_STATS_REF=0 runs the ordinary fold:
+    pingpong_cluster_192 (fold_ref's only one: a depth of 2048 takes cooperative) runs the ordinary fold:
     bitwise the call without it; probs=True where that happens (or in fp16, or without a reference) raises,
     naming the problem."""
     n, c, d = 300, 1000, 128
@@ -370,32 +358,24 @@ def test_reference_applies_only_where_it_can(monkeypatch):
     xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
     target = _targets(n, c, 0, c, 31).cuda()
     cases = [dict(bias=bc, with_logit_sum=False, store=True), dict(bias=None, with_logit_sum=True, store=True),
-             dict(bias=None, with_logit_sum=False, store=False, schedule="pingpong_cluster"),
-             dict(bias=None, with_logit_sum=False, store=False, schedule="cooperative"),
-             dict(bias=None, with_logit_sum=False, store=True, env=True),
-             dict(bias=None, with_logit_sum=False, store=False, env=True)]
+             dict(bias=None, with_logit_sum=False, store=False, deep=True)]
+    xd, wd, _ = _inputs(n, c, 2048, torch.bfloat16, bias=False, seed=32)
     for case in cases:
-        if case.get("env"):
-            monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
-        if case.get("schedule"):
-            monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", case["schedule"])
-        else:
-            monkeypatch.delenv("HUGEHEAD_GEMM_SCHEDULE", raising=False)
+        xs, ws = (xd.cuda(), wd.cuda()) if case.get("deep") else (xc, wc)
         out = {}
         for reference in (None, _start_state(n, 31)[0].cuda()):
             state = [t.cuda() for t in _start_state(n, 31)]
             z = torch.empty(n, c, dtype=torch.bfloat16, device="cuda") if case["store"] else None
-            ops.gemm_chunk_stats_(xc, wc, case["bias"], target, 0, 0.0, *state,
+            ops.gemm_chunk_stats_(xs, ws, case["bias"], target, 0, 0.0, *state,
                                   with_logit_sum=case["with_logit_sum"], logits=z, reference=reference)
             out[reference is None] = state + ([z] if z is not None else [])
             if reference is not None:
                 with pytest.raises(RuntimeError, match="probs"):
-                    ops.gemm_chunk_stats_(xc, wc, case["bias"], target, 0, 0.0, *state,
+                    ops.gemm_chunk_stats_(xs, ws, case["bias"], target, 0, 0.0, *state,
                                           with_logit_sum=case["with_logit_sum"], logits=z, reference=reference,
                                           probs=True)
         for a, r in zip(out[False], out[True]):
             assert torch.equal(a, r), case
-    monkeypatch.delenv("HUGEHEAD_GEMM_STATS_REF")
     state = [t.cuda() for t in _start_state(n, 31)]
     with pytest.raises(RuntimeError, match="probs"):
         ops.gemm_chunk_stats_(xc.half(), wc.half(), None, target, 0, 0.0, *state, with_logit_sum=False,
@@ -436,54 +416,6 @@ def test_stored_logits_refused_clearly():
     assert torch.equal(buf, torch.zeros_like(buf))
     ops.gemm_chunk_stats_(xc, wc, None, target, 0, 0.0, *state, logits=buf[:, :c])
     torch.cuda.synchronize()  # the context is still usable
-
-
-@requires_fused
-def test_schedules_agree():
-    x, w, b = _inputs(300, 5000, 768, torch.bfloat16, bias=True, seed=5)
-    target = _targets(300, 5000, 0, 5000, 5)
-    state = _start_state(300, 5)
-    results = {}
-    with pytest.MonkeyPatch.context() as mp:
-        for s in SCHEDULES:
-            mp.setenv("HUGEHEAD_GEMM_SCHEDULE", s)
-            results[s] = _run(_fused, x, w, b, target, 0, 0.0, state)
-    # The two schedules fold a row's column tiles in another order: float32 rounding apart (H200: 1 of 300
-    # values 2.3e-6 apart, relative).
-    for a, r in zip(results["pingpong"], results["cooperative"]):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
-    plain = {}
-    with pytest.MonkeyPatch.context() as mp:
-        for s in ("pingpong_cluster", "pingpong_cluster_192"):
-            mp.setenv("HUGEHEAD_GEMM_SCHEDULE", s)
-            plain[s] = _run(_fused_plain, x, w, b, target, 0, 0.0, state)
-    for a, r in zip(plain["pingpong_cluster"], plain["pingpong_cluster_192"]):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
-
-
-@requires_fused
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("n,c,d", [(5, 100, 64), (257, 128, 768), (300, 120, 768), (1000, 64, 768)])
-def test_pair_fold_writes_the_128_column_folds_bits(dtype, bias, n, c, d, monkeypatch):
-    """The 128 x 192 tiles' fold (logits packed two to a register) does fold()'s arithmetic in fold()'s order:
-    where a row's columns fit one tile of either width (C <= 128), pingpong_cluster_192 and pingpong_cluster
-    give the same bits (the mainloops' K order is the same), with a NaN row, a row of infinite logits,
-    ignored rows and targets inside and outside the chunk."""
-    x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=n + c)
-    x[3 % n, 0] = float("nan")
-    if n > 5:
-        x[5, :] = float("inf")
-    target = _targets(n, c, 0, c + 50, n + c)
-    state = _start_state(n, n + c)
-    got = {}
-    for s in ("pingpong_cluster", "pingpong_cluster_192"):
-        monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", s)
-        got[s] = _run(_fused_plain, x, w, b, target, 0, 0.0, state)
-    for a, r in zip(got["pingpong_cluster_192"], got["pingpong_cluster"]):
-        assert torch.equal(a.isnan(), r.isnan())
-        assert torch.equal(a.nan_to_num(), r.nan_to_num())
-    assert got["pingpong_cluster_192"][1].isnan().any()  # the NaN row reached the statistics
 
 
 @requires_fused
@@ -584,7 +516,7 @@ GRAD_CASES = [
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,d,class_start,bias,eps,z_loss,softcap,with_grad_lse,pad", GRAD_CASES)
-def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dtype, n, c, d, class_start, bias, eps, z_loss,
+def test_grad_matches_float64_and_the_cublas_path(dtype, n, c, d, class_start, bias, eps, z_loss,
                                                   softcap, with_grad_lse, pad):
     seed = n * 3 + c
     x, w, b = _inputs(n, c, d, dtype, bias=bias, seed=seed)
@@ -611,156 +543,18 @@ def test_grad_matches_float64_and_the_cublas_path(grad_schedule, grad_store, dty
     torch.testing.assert_close(got.float(), cublas.cpu().float(), rtol=0.1, atol=1e-3 * float(ref.abs().max()))
 
 
-def _grad_epi(monkeypatch, tma_schedule: str) -> str:
-    """A test's schedule name, with "_e64" asking the 64 x 64 epilogue subtiles (HUGEHEAD_GEMM_GRAD_EPI unset, the
-    default) and without it CUTLASS's 64 x 32 (HUGEHEAD_GEMM_GRAD_EPI=32)."""
-    if tma_schedule.endswith("_e64"):
-        monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI", raising=False)
-        return tma_schedule[: -len("_e64")]
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "32")
-    return tma_schedule
-
-
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,c,class_start,eps,pad", [(1024, 4096, 128, 0.1, 0), (1000, 3008, 0, 0.0, 8),
-                                                     (257, 1000, 500, 0.1, 0), (129, 136, 0, 0.0, 0)])
-@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192",
-                                          "pingpong_cluster_192_e64", "cooperative"])
-def test_grad_tma_store_writes_the_direct_stores_bits(tma_schedule, monkeypatch, dtype, n, c, class_start, eps,
-                                                       pad):
-    """The TMA-stored gradient (grad_tma_gemm.cuh) and the register epilogue's (grad_gemm.cuh) compute the same
-    arithmetic per element (with g * p: HUGEHEAD_GEMM_GRAD_FOLD=0): the same bits, ignored rows and the targets'
-    elements included, and nothing is written beside the chunk. "_e64": the 64 x 64 epilogue subtiles (the
-    default); the other 128 x 192 case CUTLASS's (HUGEHEAD_GEMM_GRAD_EPI=32)."""
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
-    tma_schedule = _grad_epi(monkeypatch, tma_schedule)
-    d, seed = 768, n + c
-    x, w, _ = (t.cuda() if t is not None else None for t in _inputs(n, c, d, dtype, bias=False, seed=seed))
-    num_classes = class_start + c + 100
-    target = _targets(n, c, class_start, num_classes, seed).cuda()
-    lse, grad_rows, _ = (t.cuda() if t is not None else None for t in _grad_inputs(n, c, seed, False))
-    outs = []
-    for store in ("tma", "direct"):  # "tma" raises where the TMA store does not apply: it ran
-        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", store)
-        # the direct stores have no cooperative instantiation (they take pingpong for it)
-        monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", tma_schedule)
-        wide = torch.full((n, c + pad), 7.0, dtype=dtype, device="cuda")
-        ops.gemm_chunk_grad_(x, w, None, target, class_start, num_classes, lse, grad_rows, eps, 0.0, 0.0, None,
-                             wide[:, :c])
-        assert torch.all(wide[:, c:] == 7.0), f"{store}: wrote outside the chunk"
-        outs.append(wide[:, :c])
-    assert torch.isfinite(outs[0].float()).all()
-    assert torch.equal(outs[0], outs[1])
-    assert torch.count_nonzero(outs[0]) > outs[0].numel() // 2  # a real gradient, not a zero chunk
-
-
-@requires_fused
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("tma_schedule", ["pingpong", "pingpong_cluster", "pingpong_cluster_192",
-                                          "pingpong_cluster_192_e64", "cooperative"])
-def test_grad_tma_store_without_ignored_rows_writes_the_direct_stores_bits(tma_schedule, eps, monkeypatch):
-    """No ignored row, and a target in the chunk for one row in eight: most warps' tiles then hold no target
-    and no row with g == 0, and take the TMA epilogue's path without the per-element compare and select. The
-    same bits as the direct stores (which always compare; g * p: HUGEHEAD_GEMM_GRAD_FOLD=0), and the float64
-    gradient. "_e64": the 64 x 64 epilogue subtiles (the default); the other 128 x 192 case CUTLASS's
-    (HUGEHEAD_GEMM_GRAD_EPI=32)."""
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", "0")
-    tma_schedule = _grad_epi(monkeypatch, tma_schedule)
-    n, c, d, class_start = 1024, 4096, 768, 128
-    x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=17)
-    num_classes = class_start + c + 100
-    g = torch.Generator().manual_seed(18)
-    target = torch.randint(class_start + c, num_classes, (n,), generator=g)  # beyond the chunk
-    target[::8] = torch.randint(class_start, class_start + c, (n,), generator=g)[::8]
-    lse = (torch.randn(n, generator=g) + 8.0).float()
-    grad_rows = (torch.rand(n, generator=g) + 0.5) / n  # no row ignored
-    xc, wc, tc, lc, gc = (t.cuda() for t in (x, w, target, lse, grad_rows))
-    outs = []
-    for store in ("tma", "direct"):
-        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", store)
-        monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", tma_schedule)
-        out = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
-        ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, out)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    ref = _float64_grad(x, w, None, target, class_start, num_classes, lse, grad_rows, eps, 0.0, 0.0, None)
-    cublas = xc @ wc.t()
-    ops.chunk_grad_(cublas, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None)
-    err, err_cublas = rel_err(outs[0].cpu(), ref), rel_err(cublas.cpu(), ref)
-    assert err <= 2 * err_cublas + torch.finfo(torch.bfloat16).eps, f"rel err {err:.3g}, cuBLAS path {err_cublas:.3g}"
-
-
-@requires_fused
-@pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("n,c,class_start", [(1024, 4096, 128), (1000, 3008, 0), (257, 1000, 500)])
-def test_grad_fold_matches_float64_and_g_times_p(monkeypatch, eps, n, c, class_start):
-    """The TMA-stored gradient with g folded into the exponent (the default, HUGEHEAD_GEMM_GRAD_FOLD unset):
-    within one bf16 rounding of g * p's gradient (HUGEHEAD_GEMM_GRAD_FOLD=0) element by element -- rows with
-    g > 0, ignored rows (exact zeros), rows with g < 0 and a NaN g (kept as g * p) and the targets' elements --
-    and float64's within 2x the cuBLAS path's error; bitwise repeatable (CUTLASS's 64 x 32 epilogue subtiles,
-    HUGEHEAD_GEMM_GRAD_EPI=32), and the same bits in the default's 64 x 64. With label smoothing the fold does
-    not apply: the bits of g * p."""
-    d = 768
-    x, w, _ = _inputs(n, c, d, torch.bfloat16, bias=False, seed=n + c + 41)
-    num_classes = class_start + c + 100
-    target = _targets(n, c, class_start, num_classes, n + c + 41)
-    lse, grad_rows, _ = _grad_inputs(n, c, n + c + 41, False)
-    grad_rows[2::11] *= -3.0  # a negative upstream gradient (a loss scaled by -1, say)
-    grad_rows[7] = float("nan")
-    xc, wc, tc, lc, gc = (t.cuda() for t in (x, w, target, lse, grad_rows))
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", "tma")  # (raises where it does not apply: it ran)
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_EPI", "32")  # CUTLASS's subtiles; the default's 64 x 64 below
-    outs = {}
-    for fold in ("1", "0", "1"):
-        monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_FOLD", fold)
-        out = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
-        ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, out)
-        if fold in outs:  # bitwise repeatable (the NaN row's NaNs where they were)
-            assert torch.equal(out.isnan(), outs[fold].isnan())
-            assert torch.equal(out.nan_to_num(), outs[fold].nan_to_num())
-        outs[fold] = out
-    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_EPI")
-    wide = torch.full((n, c), 7.0, dtype=torch.bfloat16, device="cuda")
-    ops.gemm_chunk_grad_(xc, wc, None, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None, wide)
-    assert torch.equal(wide.isnan(), outs["1"].isnan()) and torch.equal(wide.nan_to_num(), outs["1"].nan_to_num())
-    folded, plain = outs["1"].float().cpu(), outs["0"].float().cpu()
-    if eps > 0:
-        assert torch.equal(outs["1"].nan_to_num(), outs["0"].nan_to_num())
-        return
-    nan_row = torch.zeros(n, dtype=torch.bool)
-    nan_row[7] = True
-    assert torch.isnan(folded[nan_row]).all() and not torch.isnan(folded[~nan_row]).any()
-    assert torch.all(folded[grad_rows == 0] == 0), "ignored rows must be exact zeros"
-    assert torch.count_nonzero(folded[(grad_rows != 0) & ~nan_row]) > folded.numel() // 4
-    ok = ~nan_row
-    # one bf16 ulp apart at most (each is a float32 result rounded once; an ulp is up to 2^-7 of the value)
-    diff = (folded[ok] - plain[ok]).abs()
-    assert (diff <= 2 ** -7 * plain[ok].abs() + 1e-38).all(), float((diff / plain[ok].abs().clamp_min(1e-30)).max())
-    assert (folded[ok] != plain[ok]).float().mean() < 0.05
-    keep = grad_rows.isfinite()
-    ref = _float64_grad(x, w, None, target, class_start, num_classes, lse, grad_rows.nan_to_num(), eps, 0.0, 0.0,
-                        None)
-    cublas = xc @ wc.t()
-    ops.chunk_grad_(cublas, tc, class_start, num_classes, lc, gc, eps, 0.0, 0.0, None)
-    err, err_cublas = rel_err(folded[keep], ref[keep]), rel_err(cublas.cpu()[keep], ref[keep])
-    assert err <= 2 * err_cublas + torch.finfo(torch.bfloat16).eps, f"rel err {err:.3g}, cuBLAS path {err_cublas:.3g}"
-
-
-@requires_fused
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("schedule_name", ["pingpong_cluster_192", "cooperative"])
-@pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_exact_logits_fold_and_gradient_against_float64(monkeypatch, dtype, schedule_name, eps):
+def test_exact_logits_fold_and_gradient_against_float64(dtype, eps):
     """exact=True (gemm_chunk_stats_ / gemm_chunk_grad_): the float32 accumulator is the logit. The statistics
-    (on the 128 x 192 fold whatever HUGEHEAD_GEMM_SCHEDULE asks: the same bits; and folded against a reference;
+    (on the 128 x 192 fold; and folded against a reference;
     a row whose tile lies far above the fold's sampled max folded again exactly by the merge kernel)
     and the target logits are float64's on the unrounded logits within float32's sums' rounding -- far closer
     than the rounded fold, which is as far as a bf16 logit's rounding -- and the gradient from that lse is
     float64's within one rounding to the dtype (the TMA store, its g fold included without label smoothing,
     and the register epilogue a z-loss takes), no farther than the rounded logits' gradient; bitwise
     repeatable. exact with a bias, softcap, logit sums or stored logits raises."""
-    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", schedule_name)
     n, c, d, class_start = 1000, 3008, 768, 64
     x, w, _ = _inputs(n, c, d, dtype, bias=False, seed=61)
     # row 3's logit at column 100 ~70: against its tile's first eight columns' max (the exact fold's m) its sum
@@ -781,13 +575,8 @@ def test_exact_logits_fold_and_gradient_against_float64(monkeypatch, dtype, sche
     torch.testing.assert_close(lse, ref_lse, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(outs[0][2].double().cpu(), ref_t, rtol=1e-5, atol=1e-5)
     assert torch.equal(outs[0][3].cpu(), state[3])  # no logit sums: left as they were
-    monkeypatch.delenv("HUGEHEAD_GEMM_SCHEDULE")  # the default schedule's call: the same 128 x 192 fold, same bits
-    default = [t.cuda() for t in state]
-    ops.gemm_chunk_stats_(xc, wc, None, tc, class_start, 0.0, *default, with_logit_sum=False, exact=True)
-    assert all(torch.equal(a, r) for a, r in zip(default, outs[0]))
-    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", schedule_name)
     folded = outs[0]
-    if schedule_name == "pingpong_cluster_192" and eps == 0:  # against a reference (fold_ref), no row far above it
+    if eps == 0:  # against a reference (fold_ref), no row far above it
         ref_state = [t.cuda() for t in state]
         ref_state[0].copy_(torch.where(torch.isfinite(ref_state[0]), ref_state[0] + 3.0, 0.0))
         m0 = ref_state[0].clone()
@@ -834,25 +623,6 @@ def test_exact_logits_fold_and_gradient_against_float64(monkeypatch, dtype, sche
 
 
 @requires_fused
-def test_grad_tma_store_asked_where_it_does_not_apply_raises(monkeypatch):
-    n, c, d = 64, 300, 64  # 300 columns: rows of 600 bytes, not whole 16 bytes
-    x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=8))
-    target = _targets(n, c, 0, c, 8).cuda()
-    lse, grad_rows, _ = (t.cuda() if t is not None else None for t in _grad_inputs(n, c, 8, False))
-    out = torch.empty(n, c, dtype=torch.bfloat16, device="cuda")
-    monkeypatch.setenv("HUGEHEAD_GEMM_GRAD_STORE", "tma")
-    with pytest.raises(RuntimeError, match="TMA store does not apply"):
-        ops.gemm_chunk_grad_(x, w, None, target, 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None, out)
-    out8 = torch.empty(n, 296, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match="TMA store does not apply"):  # a bias
-        ops.gemm_chunk_grad_(x, w[:296], b[:296], target.clamp(max=295), 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None,
-                             out8)
-    monkeypatch.delenv("HUGEHEAD_GEMM_GRAD_STORE")
-    ops.gemm_chunk_grad_(x, w, None, target, 0, c, lse, grad_rows, 0.0, 0.0, 0.0, None, out)  # direct stores
-    torch.cuda.synchronize()
-
-
-@requires_fused
 def test_grad_repeated_runs_are_bitwise_identical():
     n, c, d = 1000, 5000, 768
     x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=4))
@@ -864,67 +634,6 @@ def test_grad_repeated_runs_are_bitwise_identical():
         ops.gemm_chunk_grad_(x, w, b, target, 0, c, lse, grad_rows, 0.1, 1e-4, 0.0, grad_lse, out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-@requires_fused
-@pytest.mark.parametrize("schedule_name", GRAD_SCHEDULES)
-@pytest.mark.parametrize("raster,swizzle", [("m", None), ("n", None), ("n", "4"), ("m", "8"), (None, "2")])
-def test_tile_order_gives_the_same_bits(monkeypatch, schedule_name, raster, swizzle):
-    """HUGEHEAD_GEMM_RASTER / HUGEHEAD_GEMM_SWIZZLE reorder the persistent tiles only: the statistics (with
-    and without logit sums) and the gradient (TMA store, and the direct stores a bias takes) are the bits
-    CUTLASS's default order gives. 8 row tiles x 63-94 column tiles: every order differs."""
-    n, c, d = 1000, 12000, 768
-    x, w, b = (t.cuda() for t in _inputs(n, c, d, torch.bfloat16, bias=True, seed=8))
-    target = _targets(n, c, 0, c, 8).cuda()
-    lse, grad_rows, grad_lse = (t.cuda() for t in _grad_inputs(n, c, 8, True))
-    state = _start_state(n, 8)
-    monkeypatch.setenv("HUGEHEAD_GEMM_SCHEDULE", schedule_name)
-
-    def run_all():
-        outs = []
-        for with_sum in (True, False):
-            st = [t.cuda() for t in state]
-            ops.gemm_chunk_stats_(x, w, None, target, 0, 0.0, *st, with_logit_sum=with_sum)
-            outs += st
-        for bias in (None, b):
-            out = torch.empty(n, c, dtype=torch.bfloat16, device="cuda")
-            ops.gemm_chunk_grad_(x, w, bias, target, 0, c, lse, grad_rows, 0.1, 1e-4, 0.0, grad_lse, out)
-            outs.append(out)
-        return outs
-
-    for var in ("HUGEHEAD_GEMM_RASTER", "HUGEHEAD_GEMM_SWIZZLE"):
-        monkeypatch.delenv(var, raising=False)
-    default = run_all()
-    if raster is not None:
-        monkeypatch.setenv("HUGEHEAD_GEMM_RASTER", raster)
-    if swizzle is not None:
-        monkeypatch.setenv("HUGEHEAD_GEMM_SWIZZLE", swizzle)
-    for got, ref in zip(run_all(), default):
-        assert torch.equal(got, ref)
-    assert torch.isfinite(default[-1].float()).all() and default[-1].abs().max() > 0
-
-
-@requires_fused
-@pytest.mark.parametrize("dense", ["cublas", "streamk"])
-@pytest.mark.parametrize("opts", [dict(chunk_size=4096), dict(chunk_size=3072, label_smoothing=0.1)])
-def test_pdl_gives_the_same_bits(monkeypatch, dense, opts):
-    """HUGEHEAD_GEMM_PDL=1 launches our GEMMs and the partials' merge early (programmatic dependent launch);
-    each waits for the kernel before it before touching memory, so the whole loss over many chunks (merges
-    reading the partials the GEMM before them wrote, gradient GEMMs reading the lse the forward made, reusing
-    the buffer dW read) is the same bits as without (test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64
-    holds those bits to float64)."""
-    n, d, v = 4096, 768, 40000
-    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=23)
-    x, w = x.cuda(), w.cuda()
-    target = _targets(n, v, 0, v, 23).cuda()
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", dense)
-    monkeypatch.delenv("HUGEHEAD_GEMM_PDL", raising=False)
-    plain = _lce_grads(x, w, None, target, **opts)
-    monkeypatch.setenv("HUGEHEAD_GEMM_PDL", "1")
-    for _ in range(3):
-        for got, ref in zip(_lce_grads(x, w, None, target, **opts), plain):
-            assert torch.equal(got, ref)
-    assert all(torch.isfinite(t).all() and t.abs().max() > 0 for t in plain)
 
 
 @requires_fused
@@ -989,7 +698,7 @@ def _lce_float64(x, w, b, target, **opts):
     dict(memory_budget=8 << 20),  # planned chunks, streamed (on a GPU, the overlapped loop for cuBLAS)
 ])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bias):
+def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, tuned, opts, bias):
     from hugehead import loop
 
     n, d, v = 1000, 768, 5000
@@ -1004,7 +713,7 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
     stored = plan.keep_logits and not opts.get("softcap") and d < loop.FUSED_STORE_MAX_DEPTH
     results = {}
     for path in ("cublas", "cutlass_forward", "cutlass"):
-        monkeypatch.setenv("HUGEHEAD_GEMM", path)
+        tuned(gemm=path)
         assert ops.gemm_path(x.device, x.dtype) == path
         calls = _count_fused_calls(monkeypatch)
         results[path] = _lce_grads(x, w, b, target, **opts)
@@ -1020,7 +729,7 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
             assert err <= 2 * err_cublas + torch.finfo(torch.bfloat16).eps, \
                 f"{path} {what}: {err:.3g} vs cublas {err_cublas:.3g}"
     # bitwise repeatable through the whole loss
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+    tuned(gemm="cutlass")
     again = _lce_grads(x, w, b, target, **opts)
     for a, r in zip(again, results["cutlass"]):
         assert torch.equal(a, r)
@@ -1028,27 +737,19 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, opts, bi
 
 @requires_fused
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("stats_store", ["tma", "tma128", "direct", "ref_off", "probs"])
-def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, label_smoothing, stats_store):
+@pytest.mark.parametrize("kept", ["logits", "probs"])
+def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch, tuned, label_smoothing, kept):
     """bf16 on the fused GEMMs with chunks kept in the weight gradient's buffer (the statistics GEMM stores them
     there; the backward's chunk_grad_ turns them into their gradient, and dW lands over consumed slots) and the
     rest recomputed by the gradient GEMM: loss, dX and dW within 2x the error of the same step keeping none there
-    (HUGEHEAD_KEEP_IN_GRAD=0) against float64, bitwise repeatable. Without label smoothing the kept chunks fold
-    against the row max of the others (the reference kernel), unless HUGEHEAD_GEMM_STATS_REF=0 ("ref_off"); with
-    HUGEHEAD_KEPT_PROBS=1 ("probs", the default; 0 in the others) they keep exp(z - ref) for the factored
-    backward."""
+    (planned with grad_store=False) against float64, bitwise repeatable. Without label smoothing the kept chunks
+    fold against the row max of the others (the reference kernel); "probs" (the planner's choice there) keeps
+    exp(z - ref) for the factored backward, "logits" the logits (the step planned and run without it)."""
     from hugehead.functional import loss_plan
 
-    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
-    if stats_store == "ref_off":
-        monkeypatch.setenv("HUGEHEAD_GEMM_STATS_REF", "0")
-    if stats_store == "probs":
-        monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "1")
-    else:
-        monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
-        if stats_store != "ref_off":
-            monkeypatch.setenv("HUGEHEAD_GEMM_STATS_STORE", stats_store)
+    tuned(rows=False, gemm="cutlass")
+    if kept == "logits":
+        _without_kept_probs(monkeypatch)
     n, d, v = 1024, 128, 40000
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
     x, w = x.cuda(), w.cuda()
@@ -1064,7 +765,7 @@ def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch,
     again = _lce_grads(x, w, None, target, **opts)
     for a, r in zip(again, ours):
         assert torch.equal(a, r)
-    monkeypatch.setenv("HUGEHEAD_KEEP_IN_GRAD", "0")
+    _without_grad_store(monkeypatch)
     plain = _lce_grads(x, w, None, target, **opts)
     ref = _lce_float64(x, w, None, target, **opts)
     for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
@@ -1073,7 +774,7 @@ def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch,
 
 
 @requires_fused
-def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
+def test_row_split_plan_takes_the_fused_gemm(monkeypatch, tuned):
     """Rows split into blocks (a tiny budget): each block's chunk goes through the fused GEMM."""
     from hugehead import loop
 
@@ -1086,7 +787,7 @@ def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
     assert plan.rows < n and plan.cols == cols
     results = {}
     for path in ("cublas", "cutlass"):
-        monkeypatch.setenv("HUGEHEAD_GEMM", path)
+        tuned(gemm=path)
         calls = _count_fused_calls(monkeypatch)
         results[path] = _lce_grads(x, w, b, target, **opts)
         for kind in ("stats", "grad"):
@@ -1102,16 +803,17 @@ def test_row_split_plan_takes_the_fused_gemm(monkeypatch):
 
 
 # -- everywhere (CI): the dispatch rules and the fake kernel ------------------------------------------------
-def test_gemm_path_rules(monkeypatch):
-    monkeypatch.setenv("HUGEHEAD_GEMM", "cutlass")
+def test_gemm_path_rules(tuned):
+    tuned(gemm="cutlass")
     assert ops.gemm_path(torch.device("cpu"), torch.bfloat16) == "cublas"  # no CUTLASS on the CPU
     assert not ops.has_fused_gemm(torch.device("cpu"), torch.bfloat16)
     if torch.cuda.is_available():
         assert not ops.has_fused_gemm(torch.device("cuda"), torch.float32)
-    for forced in ("cublas", "anything else"):
-        monkeypatch.setenv("HUGEHEAD_GEMM", forced)
-        if torch.cuda.is_available():
-            assert ops.gemm_path(torch.device("cuda"), torch.bfloat16) == "cublas"
+    tuned(gemm="cublas")
+    if torch.cuda.is_available():
+        assert ops.gemm_path(torch.device("cuda"), torch.bfloat16) == "cublas"
+    with pytest.raises(ValueError, match="Tuning.gemm must be one of"):
+        tuned(gemm="anything else")
     if not hugehead._C.cutlass_built():
         assert not hugehead.has_kernel("gemm_chunk_stats_", "CUDA")
 
@@ -1140,7 +842,7 @@ def _emulate_fused_ops(monkeypatch):
     the fused ops are emulated by addmm + chunk_stats_ / chunk_grad_ (the arithmetic of the cuBLAS path)."""
     from hugehead import loop
 
-    monkeypatch.setattr(loop, "fused_applies", lambda x, target, kind: isinstance(target, torch.Tensor))
+    monkeypatch.setattr(loop, "fused_applies", lambda x, target: isinstance(target, torch.Tensor))
 
     def matmul(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
@@ -1216,61 +918,15 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
         assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
 
 
-@pytest.mark.parametrize("env", ["1", "0", None])
-@pytest.mark.parametrize("memory", ["default", "rows"])
-def test_forward_folds_later_chunks_against_the_running_max(monkeypatch, env, memory):
-    """Every fused statistics call after the forward's first chunk gets reference = the running row max (the
-    rows' slice of it, the tensor the merge updates), the first chunk none, with HUGEHEAD_STATS_REF_ALL=1;
-    with 0 (the default) none. With the fold against a reference emulated on the CPU (no bias, no logit sums:
-    where the kernel takes it), loss and gradients match float64 as the cuBLAS path does."""
-    from hugehead import loop
-
-    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 2)
-    if env is None:
-        monkeypatch.delenv("HUGEHEAD_STATS_REF_ALL", raising=False)
-    else:
-        monkeypatch.setenv("HUGEHEAD_STATS_REF_ALL", env)
-    n, d, v, cols = 37, 16, 1000, 64
-    x, w, _ = _inputs(n, v, d, torch.float32, bias=False, seed=24)
-    target = _targets(n, v, 0, v, 24)
-    opts = dict(chunk_size=cols)
-    if memory == "rows":  # rows split into blocks of 8
-        opts["memory_budget"] = 8 * (cols * 4 + d * (4 + 4))
-    plain = _lce_grads(x, w, None, target, **opts)
-    _emulate_fused_ops(monkeypatch)
-    refs = []  # (rows, class_start, reference) of each call
-    emulated = ops.gemm_chunk_stats_
-
-    def recording(x_, w_, b_, t_, class_start, *a, reference=None, **kw):
-        refs.append((x_.shape[0], class_start, reference))
-        return emulated(x_, w_, b_, t_, class_start, *a, reference=reference, **kw)
-
-    monkeypatch.setattr(ops, "gemm_chunk_stats_", recording)
-    fused = _lce_grads(x, w, None, target, **opts)
-    assert refs
-    firsts = [r for r in refs if r[1] == 0]
-    assert firsts and all(r[2] is None for r in firsts), refs
-    later = [r for r in refs if r[1] > 0]
-    if env != "1":
-        assert all(r[2] is None for r in later), refs
-    else:
-        assert later and all(r[2] is not None and r[2].shape == (r[0],) and r[2].dtype == torch.float32
-                             for r in later), refs
-    ref = _lce_float64(x, w, None, target, **opts)
-    for ours, theirs, r in zip(fused, plain, ref):
-        assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + 1e-7
-
-
-@pytest.mark.parametrize("case", ["exact", "env_off", "bias", "softcap", "smoothing", "kept"])
+@pytest.mark.parametrize("case", ["exact", "bias", "softcap", "smoothing", "kept"])
 def test_exact_logits_asked_of_both_sides_alike(monkeypatch, case):
-    """HUGEHEAD_GEMM_EXACT_LOGITS=1: every fused statistics call of a chunk not kept and every fused gradient call
+    """Every fused statistics call of a chunk not kept and every fused gradient call
     get exact=True together, and only without bias, softcap or label smoothing (kept chunks' stored logits
     never); otherwise all False. With the ops emulated on the CPU, loss and gradients match float64 as the cuBLAS
     path does."""
     from hugehead import loop
 
     monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 2)
-    monkeypatch.setenv("HUGEHEAD_GEMM_EXACT_LOGITS", "0" if case == "env_off" else "1")
     n, d, v, cols = (256, 128, 40000, None) if case == "kept" else (37, 16, 1000, 64)
     x, w, b = _inputs(n, v, d, torch.float32, bias=case == "bias", seed=25)
     target = _targets(n, v, 0, v, 25)
@@ -1354,12 +1010,12 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", ["plain", "z_loss", "flagged", "far_target", "near_far", "no_ignored", "logits"])
-def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, case, device):
+def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, tuned, case, device):
     """bf16 with chunks kept in the weight gradient's buffer and the fused ops emulated on the CPU: the forward
     folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
     loop._probs_plan), and the backward takes them without a pass (loop._FactoredKept: dW = eᵀ (s x), dX = s (e
     W), the targets' gradients from the forward's target logits added apart). Loss, dX and dW within 2x the error
-    of the same step keeping the logits (HUGEHEAD_KEPT_PROBS=0) against float64, plus bf16's eps, and the rows of
+    of the same step keeping the logits (_without_kept_probs) against float64, plus bf16's eps, and the rows of
     dW at kept targets (most of dW's norm) within 1.5x that step's error there; "no_ignored": no ignored row, so
     g = 1/256 and the logits path's G_t = round(g (p_t - 1)) is ~exact, where G_t through the GEMMs as
     round(G_t / s) round(s x) erred 2.3x (5.3x at 200000 classes); "flagged": a kept
@@ -1368,13 +1024,13 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     have the rows far below their lse (s = 0 there: the targets' gradients go apart, _FactoredKept.finish);
     "near_far": two rows' lse ~61 above the first kept chunk's reference (their max in the last kept chunk) while
     that chunk holds a logit ~55 above it, not flagged (a probability ~e^-6 there, which the backward must keep:
-    FACTORED_DROP_GAP), those rows' dX checked on their own; "logits": HUGEHEAD_KEPT_PROBS=0 itself, bitwise. On
+    FACTORED_DROP_GAP), those rows' dX checked on their own; "logits": that step itself, bitwise. On
     "cuda" the fused ops themselves run (an H200)."""
     from hugehead import loop
     from hugehead.functional import loss_plan
 
-    _fused_gemms_or_skip(monkeypatch, device)
-    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    _fused_gemms_or_skip(tuned, device)
+    tuned(rows=False)
     n, d, v = 256, 128, 40000
     x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=41)
     target = _targets(n, v, 0, v, 41)
@@ -1428,11 +1084,13 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
     made = []
     real = loop._FactoredKept
     monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(1) or real(*a, **kw))
-    monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0" if case == "logits" else "1")
+    with pytest.MonkeyPatch.context() as logits_only:
+        _without_kept_probs(logits_only)
+        plain = _lce_grads(x, w, None, target, **opts)
+    if case == "logits":
+        _without_kept_probs(monkeypatch)
     ours = _lce_grads(x, w, None, target, **opts)
     assert len(made) == (case != "logits"), made
-    monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
-    plain = _lce_grads(x, w, None, target, **opts)
     if case == "logits":
         for a, r in zip(ours, plain):
             assert torch.equal(a, r)
@@ -1456,19 +1114,19 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, cas
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypatch, device):
+def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypatch, tuned, device):
     """Where the kept chunks hold probabilities (plan_chunks' kept_probs), the forward stores no logits outside
     them and the backward recomputes the streamed chunks into the kept tensor's memory (loop._spare), so the plan
     keeps one chunk more in the same budget than the streaming rule (which leaves a workspace chunk free) and
-    HUGEHEAD_KEPT_PROBS=0's plan. Loss, dX and dW within 2x that plan's error against float64 (plus bf16's eps),
+    the plan without kept probabilities. Loss, dX and dW within 2x that plan's error against float64 (plus bf16's eps),
     the streamed chunks' workspace taken from the kept tensor, and on "cuda" (the fused ops themselves) the step's
     peak memory beyond its inputs and gradients within the budget."""
     from hugehead import functional, loop
     from hugehead.functional import loss_plan
     from hugehead.plan import _MAX_COLS
 
-    _fused_gemms_or_skip(monkeypatch, device)
-    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    _fused_gemms_or_skip(tuned, device)
+    tuned(rows=False)
     cols = _MAX_COLS[device]
     n, d = (256, 128) if device == "cuda" else (64, 32)
     v = 4 * cols + 123  # five chunks
@@ -1516,134 +1174,13 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     cls = made[0].apart_cls
     assert 0 < int(inside.sum()) < n and torch.equal(cls[inside], target[inside]), cls
     assert cls[~inside].unique().numel() == int((~inside).sum()) and int(cls.max()) < kept_classes, cls
-    # the factored backward's s x by ops.row_scale (the default) and by ATen's mul (HUGEHEAD_ROW_SCALE=0): same bits
-    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")
-    for a, r in zip(_lce_grads(x, w, None, target, **opts), ours):
-        assert torch.equal(a, r)
-    monkeypatch.delenv("HUGEHEAD_ROW_SCALE")
-    monkeypatch.setenv("HUGEHEAD_KEPT_PROBS", "0")
+    _without_kept_probs(monkeypatch)
     assert plan_now().kept_chunks == streaming.kept_chunks
     plain = _lce_grads(x, w, None, target, **opts)
     ref = _lce_float64(x, w, None, target, **opts)
     for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
         err, err_plain = rel_err(a, r), rel_err(p, r)
         assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("case", ["plain", "z_loss", "no_ignored", "flagged", "dx_only", "deep"])
-def test_kept_tail_plan_takes_the_factored_backward(monkeypatch, case, device):
-    """bf16 logits that all fit the budget, the fused ops emulated on the CPU (on "cuda" they run): the plan keeps
-    all classes but a tail of ~1088 (Plan.scales_in_grad: one kept chunk 256-aligned, none in the weight
-    gradient's buffer, which holds the references), the forward folds the tail first and keeps exp(z - ref) of
-    the rest, and the backward is the factored one (once), with no pass over the kept chunk. Loss, dX and dW
-    within 2x the error of the plan that keeps every logit (HUGEHEAD_KEPT_TAIL=0, chunk_grad_'s pass) against
-    float64 plus bf16's eps, and dW's rows at the targets within 1.5x of that plan's error there. The backward is
-    loop._kept_tail_backward's (dX and dW in no memory beyond the kept chunk and dW's buffer). "flagged": a kept
-    class's logit ~95 above every other of rows 0 and 3 (their kept values rebased); "dx_only":
-    torch.autograd.grad for x alone; "deep": 2304 features, past the depth where kept logits take cuBLAS
-    (loop.FUSED_STORE_MAX_DEPTH), as gemma2's (CUDA only: its float64 reference is slow on the CPU)."""
-    from hugehead import loop
-    from hugehead.functional import loss_plan
-    _fused_gemms_or_skip(monkeypatch, device)
-    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "1")
-    if case == "deep" and device == "cpu":
-        pytest.skip("2304 features: the float64 reference takes too long on the CPU")
-    n, d, v = 256, 2304 if case == "deep" else 128, 40000
-    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=43)
-    target = _targets(n, v, 0, v, 43)
-    if case == "no_ignored":
-        target = torch.where(target < 0, torch.arange(n) * 7 + 3, target)
-    if case == "flagged":  # rows 0 and 3: a kept class's logit 100, ~95 above any other of theirs
-        w = w.clone()
-        for row, cls in ((0, 5), (3, 6)):
-            w[cls] = (100 * x[row].float() / x[row].float().square().sum()).to(w.dtype)
-    x, w, target = x.to(device), w.to(device), target.to(device)
-    if device == "cpu":
-        from hugehead import functional
-
-        _emulate_fused_ops(monkeypatch)
-        monkeypatch.setattr(functional, "fused_applies", loop.fused_applies)  # (the planner's name for it)
-    opts = dict(z_loss=1e-3 if case == "z_loss" else 0.0)
-    plan = loss_plan(x.requires_grad_(), w.requires_grad_(), target)
-    x, w = x.detach(), w.detach()
-    tail = v - plan.cols
-    assert (plan.scales_in_grad and plan.keep_logits and plan.kept_chunks == 1 and plan.kept_in_grad == 0
-            and plan.cols % 256 == 0 and 1024 <= tail < 1536), plan
-    made, lean = [], []
-    real, real_tail = loop._FactoredKept, loop._kept_tail_backward
-    monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(1) or real(*a, **kw))
-    monkeypatch.setattr(loop, "_kept_tail_backward", lambda *a: lean.append(real_tail(*a)) or lean[-1])
-
-    def grads():
-        if case != "dx_only":
-            return _lce_grads(x, w, None, target, **opts)
-        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = hugehead.linear_cross_entropy(xg, wg, target, **opts)
-        return [loss.detach(), torch.autograd.grad(loss, [xg])[0]]
-
-    ours = grads()
-    assert len(made) == 1 and len(lean) == 1 and lean[0] is not None, (made, lean)
-    assert lean[0][0] is not None and lean[0][1] is not None, lean
-    monkeypatch.setenv("HUGEHEAD_ROW_SCALE", "0")  # ATen's mul for s x: the same bits as ops.row_scale (default)
-    for a, r in zip(grads(), ours):
-        assert torch.equal(a, r)
-    monkeypatch.delenv("HUGEHEAD_ROW_SCALE")
-    del made[1:], lean[1:]
-    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "0")
-    whole = loss_plan(x.requires_grad_(), w.requires_grad_(), target)
-    x, w = x.detach(), w.detach()
-    assert not whole.scales_in_grad and whole.cols == v and whole.kept_chunks == 1, whole
-    plain = grads()
-    assert len(made) == 1 and len(lean) == 1, (made, lean)
-    ref = _lce_float64(x, w, None, target, **opts)
-    for what, a, p, r in zip(["loss", "dx", "dw"], ours, plain, ref):
-        err, err_plain = rel_err(a, r), rel_err(p, r)
-        assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps, f"{what}: {err:.3g} vs {err_plain:.3g}"
-    if case == "dx_only":
-        return
-    rows = torch.unique(target[target >= 0]).cpu()
-    dw_ref = ref[2].double()
-    err, err_plain = [float((g[2].double().cpu()[rows] - dw_ref[rows]).norm() / dw_ref.norm()) for g in (ours, plain)]
-    assert err <= 1.5 * err_plain + 1e-5, f"dW at the targets: {err:.3g} vs {err_plain:.3g}"
-
-
-def test_kept_tail_plan_rules(monkeypatch):
-    """plan_chunks' kept tail: only with ``kept_tail`` and ``grad_store`` where all logits would be kept as one
-    chunk; the tail is the fewest classes from KEPT_TAIL_COLS on that leave a 256-aligned kept chunk whose
-    logits' bytes cover that chunk's partials (so the plan never takes more than keeping every logit) and where
-    the backward has room (kept_tail_split); none below 8 tails' classes or with HUGEHEAD_KEPT_TAIL=0 (the
-    default: plan.KEPT_TAIL_DEFAULT); and the plan travels through the op's plan list."""
-    from hugehead.functional import _given_plan, _plan_list
-    from hugehead.plan import KEPT_TAIL_COLS, kept_tail_cols, kept_tail_split
-
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "1")
-
-    def plan(n, d, v, budget, **kw):
-        args = dict(direct_dx=True, grad_store=True, kept_tail=True)
-        args.update(kw)
-        return plan_chunks(n, d, v, bf16, cpu, None, budget, **args)
-
-    for n, d, v, want in ((4096, 4096, 128256, 2816), (8192, 2304, 256000, 5376), (256, 128, 40000, 1088)):
-        tail = kept_tail_cols(n, d, v, 2)
-        cols = v - tail
-        assert tail == want and cols % 256 == 0 and tail >= KEPT_TAIL_COLS
-        assert tail * 2 >= -(-cols // 192) * 8 and (tail - 256) * 2 < -(-(cols + 256) // 192) * 8 or tail < 1280
-        h = kept_tail_split(n, d, cols, tail, 2)
-        assert h >= d and cols - h >= n and h % 256 == 0
-        p = plan(n, d, v, n * v * 2)  # the budget of keeping every logit: the tail plan fits it
-        assert p.scales_in_grad and p.cols == cols and p.kept_chunks == 1 and p.kept_in_grad == 0, p
-        assert _given_plan(_plan_list(p)) == p and _given_plan(_plan_list(p)).scales_in_grad
-        for q in (plan(n, d, v, n * v * 2, kept_tail=False), plan(n, d, v, n * v * 2, grad_store=False)):
-            assert not q.scales_in_grad and q.cols == v and q.kept_chunks == 1, q
-        assert not plan(n, d, v, n * v * 2 - 1).scales_in_grad  # not all logits fit: no kept-all plan at all
-    assert kept_tail_cols(64, 64, 8 * KEPT_TAIL_COLS - 1, 2) == 0
-    assert kept_tail_cols(8192, 8192, 16384, 2) == 0  # no room for s x beside the first dW GEMM's rows
-    old = _plan_list(plan(4096, 4096, 128256, 4 << 30, kept_tail=False))
-    assert not _given_plan(old[:6]).scales_in_grad  # a list from before the flag
-    monkeypatch.setenv("HUGEHEAD_KEPT_TAIL", "0")
-    assert not plan(4096, 4096, 128256, 4 << 30).scales_in_grad
 
 
 def test_kept_logits_put_rows_writes_one_entry_a_row_in_either_storage():
@@ -1709,193 +1246,3 @@ def test_loop_fused_branches_with_emulated_ops(monkeypatch, budget):
     expected = (math.ceil(v / plan.cols) - kept) * blocks
     assert len(calls["stats"]) == expected, (plan, calls)
     assert len(calls["grad"]) == expected, (plan, calls)
-
-
-# -- the backward's dense GEMMs (gemm_dx_ / gemm_dw_) ------------------------------------------------------
-DENSE_SHAPES = [  # (rows, cols, depth): whole tiles, ragged edges on every dimension, one row, a narrow chunk
-    (4096, 8192, 768), (1000, 3000, 200), (1, 64, 8), (257, 8, 96), (300, 1000, 1032)]
-
-
-@pytest.fixture(params=["cutlass", "alternate", "pingpong", "streamk"])
-def dense_config(request, monkeypatch):
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", request.param)
-
-
-def _dense_operands(rows, cols, depth, dtype, seed, g_pad=0):
-    gen = torch.Generator().manual_seed(seed)
-    g = (torch.randn(rows, cols + g_pad, generator=gen) / 100).to(dtype)[:, :cols]  # a padded row stride: g_pad
-    w = torch.randn(cols, depth, generator=gen).to(dtype)
-    x = torch.randn(rows, depth, generator=gen).to(dtype)
-    return g.cuda(), w.cuda(), x.cuda()
-
-
-@requires_fused
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,cols,depth", DENSE_SHAPES)
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_dense_dx_matches_float64_and_cublas(dense_config, dtype, rows, cols, depth, accumulate):
-    g, w, _ = _dense_operands(rows, cols, depth, dtype, seed=rows + cols, g_pad=8 * (rows % 2))
-    start = torch.randn(rows, depth, device="cuda")
-    out = start.clone()
-    ops.gemm_dx_(out, g, w, accumulate)
-    ref = (start.double() if accumulate else 0) + g.double() @ w.double()
-    theirs = torch.addmm(start, g, w, beta=1 if accumulate else 0, out_dtype=torch.float32)
-    err, err_cublas = rel_err(out, ref), rel_err(theirs, ref)
-    assert err <= 2 * err_cublas + 1e-6, (err, err_cublas)
-    again = start.clone()
-    ops.gemm_dx_(again, g, w, accumulate)
-    assert torch.equal(again, out)  # bitwise repeatable
-
-
-@requires_fused
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,cols,depth", DENSE_SHAPES)
-@pytest.mark.parametrize("out_dtype,accumulate", [("same", False), (torch.float32, False), (torch.float32, True)])
-def test_dense_dw_matches_float64_and_cublas(dense_config, dtype, rows, cols, depth, out_dtype, accumulate):
-    g, _, x = _dense_operands(rows, cols, depth, dtype, seed=3 * rows + cols, g_pad=8 * (cols % 3 == 0))
-    out_dtype = dtype if out_dtype == "same" else out_dtype
-    start = torch.randn(cols, depth, device="cuda").to(out_dtype)
-    out = start.clone()
-    ops.gemm_dw_(out, g, x, accumulate)
-    ref = (start.double() if accumulate else 0) + g.double().t() @ x.double()
-    if out_dtype == torch.float32:
-        theirs = torch.addmm(start, g.t(), x, beta=1 if accumulate else 0, out_dtype=torch.float32)
-    else:
-        theirs = torch.mm(g.t(), x)
-    err, err_cublas = rel_err(out, ref), rel_err(theirs, ref)
-    assert err <= 2 * err_cublas + 1e-6, (err, err_cublas)
-    again = start.clone()
-    ops.gemm_dw_(again, g, x, accumulate)
-    assert torch.equal(again, out)
-
-
-@requires_fused
-def test_dense_bad_inputs_raise_and_leave_out_alone():
-    g, w, x = _dense_operands(64, 256, 128, torch.bfloat16, seed=5)
-    out = torch.randn(64, 128, device="cuda")
-    before = out.clone()
-    cases = [
-        (lambda: ops.gemm_dx_(out.bfloat16(), g, w, True), "float32 out"),
-        (lambda: ops.gemm_dx_(out, g, w.half(), True), "weight must be"),
-        (lambda: ops.gemm_dx_(out, g, w[:, :120].contiguous()[:, :100], True), "shapes do not match"),
-        (lambda: ops.gemm_dx_(out, g, w[:200], True), "shapes do not match"),
-        (lambda: ops.gemm_dx_(out, g[:, 1:], w[1:], True), "16-byte aligned"),
-        (lambda: ops.gemm_dx_(out.t().contiguous().t(), g, w, True), "unit column stride"),
-        (lambda: ops.gemm_dx_(out, g.float(), w.float(), True), "bfloat16 or float16"),
-        (lambda: ops.gemm_dx_(out, g[:, :252], w[:252], True), "multiple of 8 columns"),
-        (lambda: ops.gemm_dw_(torch.empty(252, 128, device="cuda"), g[:, :252], x, False), "multiple of 8 columns"),
-        (lambda: ops.gemm_dw_(torch.empty(256, 128, device="cuda", dtype=torch.bfloat16), g, x, True),
-         "accumulates into a float32 out only"),
-        (lambda: ops.gemm_dw_(torch.empty(256, 128, device="cuda", dtype=torch.half), g, x, False), "float32 or g's"),
-        (lambda: ops.gemm_dw_(out, g, x, False), "shapes do not match"),
-    ]
-    for call, message in cases:
-        with pytest.raises(RuntimeError, match=message):
-            call()
-        assert torch.equal(out, before)
-    torch.library.opcheck(torch.ops.hugehead.gemm_dx_.default, (out, g, w, True))
-    torch.library.opcheck(torch.ops.hugehead.gemm_dw_.default, (torch.empty(256, 128, device="cuda"), g, x, False))
-    torch.cuda.synchronize()  # the context is still usable
-
-
-@requires_fused
-@pytest.mark.parametrize("opts", [dict(chunk_size=1024), dict(chunk_size=512, memory_budget=64 << 10)])
-@pytest.mark.parametrize("config", ["cutlass", "streamk"])
-def test_linear_cross_entropy_dense_gemms_vs_cublas_vs_float64(monkeypatch, opts, config):
-    """The whole loss with the backward's dX / dW on our GEMMs (HUGEHEAD_GEMM_DENSE=cutlass / streamk) against
-    them on cuBLAS and float64; the second plan splits rows (dW accumulated in float32)."""
-    n, d, v = 1000, 768, 5000
-    x, w, b = _inputs(n, v, d, torch.bfloat16, bias=False, seed=17)
-    x, w = x.cuda(), w.cuda()
-    target = _targets(n, v, 0, v, 17).cuda()
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", config)
-    calls = _count_dense_calls(monkeypatch)
-    ours = _lce_grads(x, w, None, target, **opts)
-    assert calls["dx"] and calls["dw"], calls
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cublas")
-    calls["dx"].clear(), calls["dw"].clear()
-    theirs = _lce_grads(x, w, None, target, **opts)
-    assert not calls["dx"] and not calls["dw"]
-    ref = _lce_float64(x, w, None, target, **opts)
-    for a, t, r in zip(ours, theirs, ref):
-        assert rel_err(a, r) <= 2 * rel_err(t, r) + torch.finfo(torch.bfloat16).eps
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", config)
-    for a, r in zip(_lce_grads(x, w, None, target, **opts), ours):
-        assert torch.equal(a, r)
-
-
-def _count_dense_calls(monkeypatch):
-    calls = {"dx": [], "dw": []}
-    real_dx, real_dw = ops.gemm_dx_, ops.gemm_dw_
-    monkeypatch.setattr(ops, "gemm_dx_", lambda out, g, b, acc: calls["dx"].append(g.shape) or real_dx(out, g, b, acc))
-    monkeypatch.setattr(ops, "gemm_dw_", lambda out, g, b, acc: calls["dw"].append(g.shape) or real_dw(out, g, b, acc))
-    return calls
-
-
-@pytest.mark.parametrize("budget", ["default", "rows"])
-def test_loop_dense_branches_with_emulated_ops(monkeypatch, budget):
-    """The loop's dense-GEMM branches run on the CPU with gemm_dx_ / gemm_dw_ emulated by float32 sums of the
-    same bf16 products (what ours compute): every chunk's dX and dW takes them but the last, whose width TMA
-    cannot take, and the loss's gradients stay within 2x the plain path's error against float64."""
-    n, d, v, cols = 37, 16, 300, 64
-    x, w, _ = _inputs(n, v, d, torch.bfloat16, bias=False, seed=23)
-    target = _targets(n, v, 0, v, 23)
-    opts = dict(chunk_size=cols)
-    if budget == "rows":
-        opts["memory_budget"] = 8 * (cols * 2 + d * (2 + 4))
-    plan = plan_chunks(n, d, v, torch.bfloat16, x.device, opts["chunk_size"], opts.get("memory_budget"))
-    assert (budget == "rows") == (plan.rows < n)
-    plain = _lce_grads(x, w, None, target, **opts)
-
-    def dx(out, g, b, accumulate):
-        prod = g.float() @ b.float()
-        out.add_(prod) if accumulate else out.copy_(prod)
-
-    def dw(out, g, b, accumulate):
-        prod = g.float().t() @ b.float()
-        out.add_(prod) if accumulate else out.copy_(prod)
-
-    monkeypatch.setattr(ops, "dense_gemm_enabled", lambda device, dtype: True)
-    monkeypatch.setattr(ops, "gemm_dx_", dx)
-    monkeypatch.setattr(ops, "gemm_dw_", dw)
-    calls = _count_dense_calls(monkeypatch)
-    dense = _lce_grads(x, w, None, target, **opts)
-    # every (chunk, row block) pair but the last chunk's: 300 - 4 * 64 = 44 columns, a row stride TMA cannot take
-    pairs = (v // plan.cols) * math.ceil(n / plan.rows)
-    assert len(calls["dw"]) == pairs, (plan, calls)
-    assert len(calls["dx"]) == pairs, (plan, calls)
-    ref = _lce_float64(x, w, None, target, **opts)
-    for ours, theirs, r in zip(dense, plain, ref):
-        assert rel_err(ours, r) <= 2 * rel_err(theirs, r) + torch.finfo(torch.bfloat16).eps
-
-
-def test_dense_applies_only_to_tma_layouts(monkeypatch):
-    """The loop asks our dense GEMMs only for chunks TMA can take: a kept chunk's strided view of a ragged
-    width (a row stride of whole 16 bytes, but not its width) goes to cuBLAS."""
-    from hugehead import loop
-
-    monkeypatch.setattr(ops, "dense_gemm_enabled", lambda device, dtype: True)
-    kept = torch.zeros(2, 16, 64, dtype=torch.bfloat16)
-    w = torch.zeros(64, 32, dtype=torch.bfloat16)
-    out = torch.zeros(16, 32)
-    assert loop._dense_applies(kept[0], w, out)
-    assert not loop._dense_applies(kept[1, :, :60], w[:60], out)  # width 60
-    assert not loop._dense_applies(kept[0, :, 1:], w[1:], out)  # unaligned base
-    assert not loop._dense_applies(kept[0], w[:, :30], out[:, :30])  # 30 features
-    assert not loop._dense_applies(kept[0], w.half(), out)
-
-
-def test_dense_gemm_enabled_rules(monkeypatch):
-    monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", "cutlass")
-    assert not ops.dense_gemm_enabled(torch.device("cpu"), torch.bfloat16)  # no CUTLASS on the CPU
-    for unset_or_cublas in (None, "cublas", "anything else"):
-        if unset_or_cublas is None:
-            monkeypatch.delenv("HUGEHEAD_GEMM_DENSE")
-        else:
-            monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", unset_or_cublas)
-        if torch.cuda.is_available():
-            assert not ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)
-    if HAS_FUSED:
-        for ours in ("cutlass", "alternate", "pingpong"):
-            monkeypatch.setenv("HUGEHEAD_GEMM_DENSE", ours)
-            assert ops.dense_gemm_enabled(torch.device("cuda"), torch.bfloat16)

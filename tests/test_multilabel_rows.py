@@ -2,7 +2,7 @@
 (hugehead.plan.plan_rows, op hugehead::linear_softmax_csr_rows): loss, dX, dW and db against float64 dense
 PyTorch (F.cross_entropy with target.to_dense() / weight=) for "mean" and "sum" with every option, empty rows,
 a row with every label and ignored rows; 16-bit within 2x plain PyTorch's error; CPU autocast with the weight
-cast chunk by chunk; the plan is taken exactly where the class-id loss takes it (HUGEHEAD_ROWS=0, "none",
+cast chunk by chunk; the plan is taken exactly where the class-id loss takes it (Tuning(rows=False), "none",
 return_lse, a pinned chunk_size, no gradients, a head of several shards: not); the incoming gradient's
 scale; a second backward refused clearly; torch.compile; opcheck. Every test that claims the rows plan
 checks that the rows op ran with the planned blocks."""
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import hugehead
+from hugehead import tuning
 from conftest import DEVICES, rel_err, requires_cuda, rows_budget
 from hugehead import multilabel
 from hugehead import plan as planner
@@ -34,12 +35,12 @@ def _small_blocks(monkeypatch):
 
 @pytest.fixture
 def rows_calls(monkeypatch):
-    """The plans (``[rows, cols, budget]``) of every call of the rows op."""
+    """The plans (decoded from the op's plan argument) of every call of the rows op."""
     calls = []
     op = torch.ops.hugehead.linear_softmax_csr_rows
 
     def spy(*args):
-        calls.append(list(args[-1]))
+        calls.append(planner.Plan.decode(args[-1]))
         return op(*args)
 
     monkeypatch.setattr(torch.ops.hugehead, "linear_softmax_csr_rows", spy)
@@ -132,7 +133,7 @@ def _check(ours, ref, tol):
 
 def _assert_rows(calls, n, block_rows, plans=1):
     assert len(calls) == plans, calls
-    assert all(c[0] == block_rows for c in calls) and -(-n // block_rows) > 1, calls
+    assert all(c.kind == "rows" and c.rows == block_rows for c in calls) and -(-n // block_rows) > 1, calls
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,7 +249,7 @@ def test_cpu_bf16_autocast_casts_the_weight_chunk_by_chunk(api, rows_calls, monk
             loss = head(xg, t.to_sparse_csr())
         loss.backward()
         ours = (loss.detach(), xg.grad, head.shards[0].weight.grad, head.shards[0].bias.grad)
-    assert rows_calls == [[32, cols, budget]], rows_calls
+    assert [(c.kind, c.rows, c.cols, c.budget) for c in rows_calls] == [("rows", 32, cols, budget)], rows_calls
     assert widest and max(widest) <= cols
 
     def plain(x_, w_, b_):
@@ -286,20 +287,20 @@ def test_functional_uses_the_rows_plan_only_where_it_applies(rows_calls, monkeyp
     x, w, b = _inputs(n, d, v, torch.float64, "cpu", True)
     t = _dense_target(n, v)
     budget = rows_budget(n, d, v, torch.float64, 32)
-    for kwargs, grad, env, used in [
-        (dict(), True, "1", True),
-        (dict(reduction="sum"), True, "1", True),
-        (dict(), True, "0", False),  # HUGEHEAD_ROWS=0 turns it off
-        (dict(reduction="none"), True, "1", False),
-        (dict(return_lse=True), True, "1", False),
-        (dict(chunk_size=4), True, "1", False),
-        (dict(memory_budget=None), True, "1", False),  # the default budget keeps all logits: faster
-        (dict(), False, "1", False),
+    for kwargs, grad, allowed, used in [
+        (dict(), True, True, True),
+        (dict(reduction="sum"), True, True, True),
+        (dict(), True, False, False),  # Tuning(rows=False) turns it off
+        (dict(reduction="none"), True, True, False),
+        (dict(return_lse=True), True, True, False),
+        (dict(chunk_size=4), True, True, False),
+        (dict(memory_budget=None), True, True, False),  # the default budget keeps all logits: faster
+        (dict(), False, True, False),
     ]:
-        monkeypatch.setenv("HUGEHEAD_ROWS", env)
         rows_calls.clear()
         xg = x.clone().requires_grad_(grad)
-        out = hugehead.linear_cross_entropy(xg, w, t.to_sparse_csr(), b, **{"memory_budget": budget, **kwargs})
+        with tuning.override(rows=allowed):
+            out = hugehead.linear_cross_entropy(xg, w, t.to_sparse_csr(), b, **{"memory_budget": budget, **kwargs})
         loss = out[0] if isinstance(out, tuple) else out
         ref = _plain(x, w, b, t, reduction=kwargs.get("reduction", "mean"))
         assert rel_err(loss, ref) <= 1e-12, kwargs
@@ -412,7 +413,8 @@ def test_opcheck_rows_op(device, kind):
     s = chunk.stats
     for mean in (True, False):
         args = (x, w, b, s.crow, s.col, s.row, s.val, chunk.grad_val, chunk.mass, rows.row_weight, rows.weight_sum,
-                rows.valid, chunk.class_weight, 0.1, 1e-3, 3.0, mean, True, True, True, [4, v, 0])
+                rows.valid, chunk.class_weight, 0.1, 1e-3, 3.0, mean, True, True, True,
+                planner.Plan(rows=4, cols=v, grad_in_forward=True).encode())
         torch.library.opcheck(torch.ops.hugehead.linear_softmax_csr_rows.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 

@@ -418,14 +418,14 @@ def sample_inputs_lce(device, dtype=torch.float32):
         yield fwd, bwd, keep
 
 
-def test_opcheck_linear_cross_entropy_ops_keeping_logits_in_the_gradients_buffer(device, monkeypatch):
+def test_opcheck_linear_cross_entropy_ops_keeping_logits_in_the_gradients_buffer(device, tuned):
     """The ops with a plan that keeps a chunk in the weight gradient's buffer (the forward's fourth output, the
     backward's mutated ``store``): schema, autograd registration and fake tensors agree with the real ops, and
     the backward's dW is the store (its own dW output empty) and matches the plan without it."""
-    from hugehead.functional import _plan_list, loss_plan
+    from hugehead.functional import loss_plan
     from hugehead.loop import _MAX_COLS
 
-    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
+    tuned(rows=False)
     cols = _MAX_COLS[device.type]
     n, d, v = 12, 5, 4 * cols - 100
     budget = n * d * 12 + int(2.5 * n * cols * 8)
@@ -435,18 +435,18 @@ def test_opcheck_linear_cross_entropy_ops_keeping_logits_in_the_gradients_buffer
     plan = loss_plan(x, w, target, memory_budget=budget)
     assert plan.kept_in_grad == 1, plan
     opts = [-100, 0.0, 0.0, 0.0, 0, budget]
-    fwd = [x, w, None, target, *opts, True, _plan_list(plan)]
+    fwd = [x, w, None, target, *opts, True, plan.encode()]
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_forward.default, fwd, test_utils=utils)
     _, lse, kept, store = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
     assert store.shape == w.shape and store.dtype == w.dtype
     grad_loss = torch.rand(n, device=device, dtype=torch.float64)
     common = [grad_loss, None, x.detach(), w.detach(), None, target, lse.detach()]
-    bwd = [*common, kept, store, *opts, True, True, _plan_list(plan)]
+    bwd = [*common, kept, store, *opts, True, True, plan.encode()]
     torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_backward.default, bwd, test_utils=utils)
     _, lse, kept, store = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
     dx, dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, kept, store, *opts, True, True,
-                                                                  _plan_list(plan))
+                                                                  plan.encode())
     assert dw.shape == (0,)
     ref_dx, ref_dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, x.new_empty(0), w.new_empty(0),
                                                                           *opts, True, True, None)

@@ -147,10 +147,9 @@ def test_shards_on_one_device_share_its_budget_and_the_plan_records_it(monkeypat
     assert plan == planner.Plan(plan.rows, plan.cols, plan.keep_logits, plan.kept_chunks, plan.overlap)
 
 
-def test_fused_loop_spends_the_overlap_workspace_on_one_more_kept_chunk(monkeypatch):
+def test_fused_loop_spends_the_overlap_workspace_on_one_more_kept_chunk():
     """Where the fused GEMMs take the chunks (side_stream=False) there is nothing to overlap: the planner
     reserves no second workspace, and the same budget keeps one more chunk of logits (xc6M's shape, 4 GiB)."""
-    monkeypatch.setenv("HUGEHEAD_OVERLAP", "1")
     cuda = torch.device("cuda")  # planned only: no GPU is touched
     n, d, v, budget = 4096, 768, 6_000_000, 4 << 30
     both = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget)
@@ -182,10 +181,10 @@ def test_grad_store_layout_puts_each_dw_write_over_consumed_slots(n, d, v, cols,
         assert (i + 1) * cols * d * grad_itemsize <= offset + i * stride
 
 
-def test_plan_keeps_chunks_in_the_weight_gradients_buffer(monkeypatch):
+def test_plan_keeps_chunks_in_the_weight_gradients_buffer():
     """xc6M's shape at the default 4 GiB: the six chunks the budget keeps, and sixteen more in the 9.2 GB
     bf16 weight gradient (allocated at the forward instead of the backward); float32 master weights hold twice
-    as many; HUGEHEAD_KEEP_IN_GRAD=0 or grad_store=False keep none there; the plan's list carries them."""
+    as many; grad_store=False keeps none there; the encoded plan carries them."""
     cuda = torch.device("cuda")  # planned only: no GPU is touched
     n, d, v, budget = 4096, 768, 6_000_000, 4 << 30
     base = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, side_stream=False)
@@ -193,26 +192,21 @@ def test_plan_keeps_chunks_in_the_weight_gradients_buffer(monkeypatch):
     assert (base.kept_chunks, base.kept_in_grad) == (6, 0)
     assert (plan.cols, plan.kept_chunks, plan.kept_in_grad) == (65536, 22, 16)
     assert planner.kept_shape(plan, n) == (6, n, 65536)
-    assert planner.Plan.from_list(plan.as_list()) == plan
-    assert planner.Plan.from_list(plan.as_list()[:4]).kept_in_grad == 0  # a list from before kept_in_grad
+    assert planner.Plan.decode(plan.encode()) == plan
     fp32 = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, weight_dtype=torch.float32,
                                side_stream=False, grad_store=True)
     assert fp32.kept_in_grad == planner.grad_store_layout(n, d, v, fp32.cols, 2, 4)[2] > 2 * 16 - 2
-    monkeypatch.setenv("HUGEHEAD_KEEP_IN_GRAD", "0")
-    assert planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, side_stream=False,
-                               grad_store=True) == base
-    monkeypatch.delenv("HUGEHEAD_KEEP_IN_GRAD")
     # Fewer rows than features (a chunk's logits smaller than its dW): none there.
     assert planner.plan_chunks(512, 1024, v, torch.bfloat16, cuda, None, budget, side_stream=False,
                                grad_store=True).kept_in_grad == 0
 
 
-def test_kept_probabilities_plans_keep_the_workspaces_chunk(monkeypatch):
+def test_kept_probabilities_plans_keep_the_workspaces_chunk():
     """Where the kept chunks hold probabilities (kept_probs: the backward's workspace lives in the kept tensor),
     the budget keeps one chunk more at xc6M and xc6M_16k (7 against 6, beside 16 / 17 in the gradient's buffer),
     counting dX's float32 sums, the factored buffers and the widened forward's partials beside them; not with
-    HUGEHEAD_KEPT_PROBS=0 or HUGEHEAD_GEMM_STATS_REF=0, a weight in another dtype, no chunk in the gradient's
-    buffer, or a budget that holds no chunk beside those buffers."""
+    a weight in another dtype, no chunk in the gradient's buffer, or a budget that holds no chunk beside those
+    buffers."""
     cuda = torch.device("cuda")  # planned only: no GPU is touched
     args = dict(direct_dx=True, side_stream=False, grad_store=True)
     for n, cols, in_grad in ((4096, 65536, 16), (16384, 16384, 17)):
@@ -224,10 +218,6 @@ def test_kept_probabilities_plans_keep_the_workspaces_chunk(monkeypatch):
         chunk = n * cols * 2
         held = 2 * n * d * 6 + n * (cols * planner.FUSED_STATS_WIDEN // 128) * 8
         assert held + 7 * chunk <= budget < held + 8 * chunk
-        for var in ("HUGEHEAD_KEPT_PROBS", "HUGEHEAD_GEMM_STATS_REF"):
-            monkeypatch.setenv(var, "0")
-            assert planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, kept_probs=True, **args) == old
-            monkeypatch.delenv(var)
         fp32 = dict(args, weight_dtype=torch.float32)
         assert planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, kept_probs=True, **fp32) == \
             planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, **fp32)
@@ -239,23 +229,16 @@ def test_kept_probabilities_plans_keep_the_workspaces_chunk(monkeypatch):
     assert planner.probs_kept_chunks(4096, 768, 65536, 5, 4 << 30, 2, offset, slots) == 4  # all but one chunk
 
 
-def test_chunk_multiple_rounds_the_planned_width(monkeypatch):
-    """HUGEHEAD_CHUNK_MULTIPLE (an A/B knob): the planned width rounded down to its multiple instead of 256's;
-    a width pinned by chunk_size, or all the classes, is left alone; a bad value is a clear error."""
+def test_planned_width_is_a_multiple_of_256_columns():
+    """The planned width is rounded down to a multiple of 256 columns (aligned rows, whole 128-column tiles);
+    a width pinned by chunk_size, or all the classes, is left alone."""
     cuda = torch.device("cuda")  # planned only: no GPU is touched
-    monkeypatch.setenv("HUGEHEAD_CHUNK_MULTIPLE", "")
     assert planner.plan_chunks(16384, 768, 6_000_000, torch.bfloat16, cuda, None, 4 << 30).cols == 16384
-    monkeypatch.setenv("HUGEHEAD_CHUNK_MULTIPLE", "768")
-    for n, cols in ((16384, 16128), (4096, 65280), (8192, 32256)):
-        plan = planner.plan_chunks(n, 768, 6_000_000, torch.bfloat16, cuda, None, 4 << 30, side_stream=False)
-        assert plan.cols == cols and plan.cols % 768 == 0 and plan.rows == n, (n, plan)
-        assert plan.keep_logits and plan.kept_chunks >= 1
+    # (256 MiB - 3000 x 768 x 6 bytes of dX buffers) / (3000 rows x 2 bytes) = 42435 columns, rounded down
+    plan = planner.plan_chunks(3000, 768, 6_000_000, torch.bfloat16, cuda, None, 256 << 20, side_stream=False)
+    assert (plan.cols, plan.rows, plan.keep_logits) == (42240, 3000, False), plan
     assert planner.plan_chunks(16384, 768, 6_000_000, torch.bfloat16, cuda, 1000, 4 << 30).cols == 1000
     assert planner.plan_chunks(64, 8, 3000, torch.float32, cuda, None, 64 << 20).cols == 3000
-    for bad in ("0", "100", "-768", "x"):
-        monkeypatch.setenv("HUGEHEAD_CHUNK_MULTIPLE", bad)
-        with pytest.raises(ValueError, match="HUGEHEAD_CHUNK_MULTIPLE must be a positive multiple of 64"):
-            planner.plan_chunks(16384, 768, 6_000_000, torch.bfloat16, cuda, None, 4 << 30)
 
 
 def test_workspace_estimate_is_what_the_planner_plans():

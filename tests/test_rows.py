@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import hugehead
+from hugehead import tuning
 from conftest import DEVICES, rel_err, requires_cuda, rows_budget
 from hugehead import plan as planner
 from hugehead import reference
@@ -217,11 +218,11 @@ def test_planner_picks_the_cheapest_plan_that_fits(monkeypatch):
     amp = plan_loss(16384, 4096, 128256, bf16, cuda, None, 3 * gib, allow_rows=True, weight_dtype=torch.float32)
     assert (amp.kind, amp.rows, amp.cols) == ("rows", 2752, 65536), amp
     # Not a rows case: no gradients / reduction "none" / lse returned (the caller's allow_rows), a pinned
-    # chunk_size, or HUGEHEAD_ROWS=0.
+    # chunk_size, or Tuning(rows=False).
     assert kind(16384, 4096, 128256, 4 * gib, allow_rows=False).kind == "kept"
     assert plan_loss(16384, 4096, 128256, bf16, cuda, 8192, 4 * gib, allow_rows=True).kind == "recompute"
-    monkeypatch.setenv("HUGEHEAD_ROWS", "0")
-    assert kind(16384, 4096, 128256, 4 * gib).kind == "kept"
+    with tuning.override(rows=False):
+        assert kind(16384, 4096, 128256, 4 * gib).kind == "kept"
 
 
 def test_functional_uses_the_rows_plan_only_where_it_applies(monkeypatch):
@@ -229,9 +230,9 @@ def test_functional_uses_the_rows_plan_only_where_it_applies(monkeypatch):
     x, w, b, target = _inputs(n, d, v, torch.float32, "cpu", True, ignore=True)
     budget = rows_budget(n, d, v, torch.float32, 32)
     calls = []
-    # (the rows op's body reads its plan through rows_plan, eagerly (the op's eager twin) or through the op)
-    rows_plan = hugehead.functional.rows_plan
-    monkeypatch.setattr(hugehead.functional, "rows_plan", lambda plan: calls.append(plan) or rows_plan(plan))
+    # (the rows op's body executes its plan through rows_pass, eagerly (the op's eager twin) or through the op)
+    rows_pass = hugehead.functional.rows_pass
+    monkeypatch.setattr(hugehead.functional, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
     for kwargs, grad, used in [
         (dict(), True, True),
         (dict(reduction="sum"), True, True),
@@ -291,17 +292,12 @@ def test_second_backward_and_second_order_raise_clearly():
     assert rel_err(gx, ref[1]) <= 1e-5 and rel_err(gw, ref[2]) <= 1e-5
     with pytest.raises(RuntimeError, match="second-order gradients"):
         gx.sum().backward()
-    # With HUGEHEAD_ROWS=0 the same call keeps its logits and backpropagates twice.
-    import os
-
-    os.environ["HUGEHEAD_ROWS"] = "0"
-    try:
+    # With Tuning(rows=False) the same call keeps its logits and backpropagates twice.
+    with tuning.override(rows=False):
         loss = hugehead.linear_cross_entropy(x, w, target, memory_budget=budget)
         g1 = torch.autograd.grad(loss, w, retain_graph=True)[0]
         g2 = torch.autograd.grad(loss, w)[0]
         torch.testing.assert_close(g1, g2)
-    finally:
-        del os.environ["HUGEHEAD_ROWS"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,7 +348,8 @@ def test_opcheck_rows_op():
     n, d, v = 12, 5, 9
     x, w, b, target = _inputs(n, d, v, torch.float32, "cpu", True, ignore=True)
     for mean in (True, False):
-        args = (x, w, b, target, -100, 0.1, 1e-3, 3.0, mean, True, True, True, [4, v, 0])
+        args = (x, w, b, target, -100, 0.1, 1e-3, 3.0, mean, True, True, True,
+                planner.Plan(rows=4, cols=v, grad_in_forward=True).encode())
         torch.library.opcheck(torch.ops.hugehead.linear_cross_entropy_rows.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
@@ -397,8 +394,8 @@ def test_chunked_classifier_one_local_shard_uses_rows(devices, reduction, monkey
     head = hugehead.ChunkedClassifier(d, v, bias=True, devices=devices, memory_budget=budget, reduction=reduction,
                                       label_smoothing=0.1, softcap=5.0)
     calls = []
-    rows_plan = hugehead.functional.rows_plan  # (read by the rows op's body, eager twin or op)
-    monkeypatch.setattr(hugehead.functional, "rows_plan", lambda plan: calls.append(plan) or rows_plan(plan))
+    rows_pass = hugehead.functional.rows_pass  # (read by the rows op's body, eager twin or op)
+    monkeypatch.setattr(hugehead.functional, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
     x = torch.randn(n, d, requires_grad=True)
     target = torch.randint(0, v, (n,))
     target[::9] = -100

@@ -110,11 +110,11 @@ def test_causal_lm_rows_plan_loss_and_every_gradient_float64(name, num_items, mo
     monkeypatch.setattr(hh_plan, "ROWS_MIN_SPLIT_ROWS", {"cpu": 1, "cuda": 1})
     patch(model, memory_budget=rows_per_block * V * 8 + ids.numel() * D * 8)
     calls = []
-    rows_plan = hh_functional.rows_plan  # (read by the rows op's body, eager twin or op)
-    monkeypatch.setattr(hh_functional, "rows_plan", lambda plan: calls.append(plan) or rows_plan(plan))
+    rows_pass = hh_functional.rows_pass  # (read by the rows op's body, eager twin or op)
+    monkeypatch.setattr(hh_functional, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
     n = None if num_items is None else torch.tensor(num_items)
     out = model(input_ids=ids, labels=labels, num_items_in_batch=n)
-    assert calls and -(-ids.numel() // calls[0][0]) == 4, calls  # the plan's [rows, cols, budget]: 4 blocks
+    assert calls and -(-ids.numel() // calls[0].rows) == 4, calls  # the rows plan: 4 blocks
     expected = _hf_loss_float64(ref(input_ids=ids).logits, labels, n)
     torch.testing.assert_close(out.loss, expected, rtol=1e-12, atol=0)
     out.loss.backward()

@@ -79,22 +79,15 @@ chunk_grad_kernel(ChunkGradParams p, int64_t segments, int64_t seg_cols) {
   }
 }
 
-// Columns a block: a multiple of 8 (a segment starts 16-byte aligned where its row does). HUGEHEAD_GRAD_SEGMENT
-// overrides it (0: one block per whole row, the layout before; an A/B knob).
-int64_t segment_cols() {
-  static const int64_t cols = [] {
-    const char* env = std::getenv("HUGEHEAD_GRAD_SEGMENT");
-    const int64_t v = env == nullptr ? int64_t(16384) : std::atoll(env);
-    return v <= 0 ? int64_t(0) : (v + 7) / 8 * 8;
-  }();
-  return cols;
-}
+// Columns a block: a multiple of 8 (a segment starts 16-byte aligned where its row does), wide enough that a
+// block's row setup is amortized and narrow enough that a chunk of few rows still fills the GPU.
+constexpr int64_t kSegmentCols = 16384;
 
 template <typename scalar_t>
 void launch_chunk_grad(const ChunkGradParams& p, const at::Tensor& logits) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t width = std::max<int64_t>(p.cols, 1);
-  const int64_t seg = segment_cols() > 0 ? std::min(segment_cols(), width) : width;
+  const int64_t seg = std::min(kSegmentCols, width);
   const int64_t segments = (width + seg - 1) / seg;
   auto* kernel = chunk_grad_kernel<scalar_t, acc_t, false>;
   if constexpr (sizeof(scalar_t) == 2) {

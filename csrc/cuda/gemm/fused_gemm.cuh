@@ -40,15 +40,8 @@ namespace gemm {
 
 template <Schedule S>
 struct ScheduleConfig;
-// Pingpong: two consumer warpgroups on alternate tiles, so one's epilogue (the exps) runs while the
-// other's MMAs do.
-template <>
-struct ScheduleConfig<Schedule::kPingpong> {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-};
-// Pingpong in clusters of two CTAs along M: each W tile is loaded once (TMA multicast) for both CTAs,
+// Pingpong (two consumer warpgroups on alternate tiles, so one's epilogue, the exps, runs while the other's
+// MMAs do) in clusters of two CTAs along M: each W tile is loaded once (TMA multicast) for both CTAs,
 // a quarter less L2 traffic (a 128 x 128 tile at K = 768 reads ~0.4 MB from L2 for 25 MFLOP).
 template <>
 struct ScheduleConfig<Schedule::kPingpongCluster> {
@@ -58,7 +51,7 @@ struct ScheduleConfig<Schedule::kPingpongCluster> {
 };
 // 128 x 192 tiles in 2-CTA clusters: a sixth fewer L2 bytes a FLOP than 128 x 128, wgmma n192. The gradient
 // GEMM's TMA store, and the statistics GEMM with fold_pairs() without logit sums (192 fp32 accumulators a
-// thread leave its other folds too few registers: ptxas spilled ~1 KB a thread); A/B: HUGEHEAD_GEMM_SCHEDULE.
+// thread leave its other folds too few registers: ptxas spilled ~1 KB a thread).
 template <>
 struct ScheduleConfig<Schedule::kPingpongCluster192> {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
@@ -113,9 +106,9 @@ CUTLASS_DEVICE constexpr void check_fragment() {
 // on that reload (ncu at e45e006: ~6% of the statistics epilogue's time).
 CUTLASS_DEVICE void opaque_per_tile(int& v) { asm volatile("" : "+r"(v)); }
 
-// Whether the persistent scheduler handed out a tile wholly past the chunk's columns: with a swizzle
-// (HUGEHEAD_GEMM_SWIZZLE, tile_order_from_env) CUTLASS pads the tile grid to a multiple of it, and the
-// statistics epilogue would write such a tile's partial into the next row's slots. Epilogues skip it.
+// Whether the persistent scheduler handed out a tile wholly past the chunk's columns (a grid CUTLASS padded to
+// its swizzle): the statistics epilogue would write such a tile's partial into the next row's slots, so
+// epilogues skip it.
 template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL>
 CUTLASS_DEVICE bool tile_past_columns(ProblemShapeMNKL const& problem_shape_mnkl, BlockShapeMNK const&,
                                       BlockCoordMNKL const& blk_coord_mnkl) {
@@ -291,25 +284,10 @@ const char* launch(typename Device::Arguments const& args, void* workspace, cuda
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
     return "CUTLASS failed to initialize the fused GEMM";
   }
-#ifdef CUTLASS_ENABLE_GDC_FOR_SM90
-  const bool pdl = pdl_from_env();
-#else
-  const bool pdl = false;  // this kernel has no griddepcontrol.wait: it must not start before its inputs are done
-#endif
-  if (gemm.run(stream, nullptr, pdl) != cutlass::Status::kSuccess) {
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
     return "CUTLASS failed to launch the fused GEMM";
   }
   return nullptr;
-}
-
-// The persistent scheduler's tile order that gemm.h's tile_order_from_env() asks for (default: CUTLASS's).
-template <class Arguments>
-void with_tile_order(Arguments& args) {
-  const TileOrder order = tile_order_from_env();
-  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-  args.scheduler.raster_order =
-      order.raster == 1 ? Raster::AlongM : order.raster == 2 ? Raster::AlongN : Raster::Heuristic;
-  args.scheduler.max_swizzle_size = order.swizzle;
 }
 
 // The mainloop every fused GEMM runs (x [rows, depth] and W [cols, depth], both K-major, float32
@@ -344,7 +322,6 @@ struct FusedGemm {
         {static_cast<const Element*>(x), stride_a, static_cast<const Element*>(weight), stride_b},
         epi,
         hw};
-    with_tile_order(args);
     return args;
   }
 

@@ -46,15 +46,9 @@ void gemm_chunk_grad_cuda(const at::Tensor& x, const at::Tensor& weight, const s
                          grad_logits.stride(0), rows, cols, x.size(1), x.stride(0), weight.stride(0), class_start,
                          num_classes, static_cast<float>(label_smoothing), static_cast<float>(z_loss),
                          static_cast<float>(softcap), at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
-  p.mainloop_only = gemm::mainloop_only_from_env();
-  p.fold_g = gemm::grad_fold_from_env();
   p.exact = exact;
   const bool half = x.scalar_type() == at::kHalf;
-  TORCH_CHECK(gemm::grad_store_from_env() != gemm::GradStore::kTma || gemm::grad_gemm_tma_store_applies(p),
-              "hugehead: HUGEHEAD_GEMM_GRAD_STORE=tma, but the TMA store does not apply to this gemm_chunk_grad_ call "
-              "(it needs no bias, softcap, z-loss or grad_lse, and a grad_logits whose base and row stride are "
-              "16-byte aligned with a multiple of 8 columns)");
-  const gemm::Schedule schedule = gemm::schedule_from_env(gemm::default_grad_schedule(x.size(1)));
+  const gemm::Schedule schedule = gemm::default_grad_schedule(x.size(1));
   const size_t ws_bytes = gemm::grad_gemm_workspace_bytes(p, half, schedule);
   at::Tensor workspace;
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));

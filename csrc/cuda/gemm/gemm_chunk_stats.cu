@@ -102,10 +102,6 @@ __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t tiles, float* row_max,
                           float* row_sumexp, float* logit_sum, FixArgs<scalar_t> fix) {
   using Part = std::conditional_t<kSum, float4, float2>;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched with PDL (gemm.h's pdl_from_env): the GEMM before it may still be running; a no-op otherwise.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / cuda::kWarp;
   const int lane = threadIdx.x % cuda::kWarp;
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
@@ -202,14 +198,10 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   if (logits.has_value()) {
     p.logits = logits->data_ptr();
     p.logits_stride = logits->stride(0);
-  } else {
-    p.mainloop_only = gemm::mainloop_only_from_env();  // (benchmarks: the stored logits are always written)
   }
-  // The schedule asked for (the environment's, else the depth's default): where it is pingpong_cluster_192, a
-  // reference applies without stored logits too (fold_ref).
-  // exact: the 128 x 192 fold's, whatever HUGEHEAD_GEMM_SCHEDULE says (the only one with it).
-  const gemm::Schedule asked = exact ? gemm::Schedule::kPingpongCluster192
-                                     : gemm::schedule_from_env(gemm::default_stats_schedule(depth));
+  // The schedule asked for (the depth's): where it is pingpong_cluster_192, a reference applies without stored
+  // logits too (fold_ref). exact: the 128 x 192 fold's, whatever the depth (the only one with it).
+  const gemm::Schedule asked = exact ? gemm::Schedule::kPingpongCluster192 : gemm::default_stats_schedule(depth);
   if (reference.has_value()) {
     const at::Tensor& ref = *reference;
     TORCH_CHECK(ref.scalar_type() == at::kFloat && ref.device() == x.device() && ref.dim() == 1 &&
@@ -223,8 +215,8 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     p.reference = ref.data_ptr<float>();
     p.probs = probs;
     if (!gemm::stats_ref_applies(p, asked)) {
-      TORCH_CHECK(!probs, "hugehead: gemm_chunk_stats_ with probs=True needs the reference kernel "
-                  "(HUGEHEAD_GEMM_STATS_REF=0 turns it off)");
+      TORCH_CHECK(!probs, "hugehead: gemm_chunk_stats_ with probs=True needs the reference kernel, which does not "
+                  "apply to these arguments");
       p.reference = nullptr;
     }
   } else {
@@ -246,13 +238,6 @@ void gemm_chunk_stats_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   config.gridDim = dim3(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
   config.blockDim = dim3(kMergeThreads);
   config.stream = stream;
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  if (gemm::pdl_from_env()) {
-    config.attrs = &pdl;
-    config.numAttrs = 1;
-  }
   auto merge = [&](auto element) {
     using scalar_t = decltype(element);
     FixArgs<scalar_t> fix;

@@ -30,8 +30,7 @@ struct GradEpilogue : EpilogueBase<Element> {
     float target_weight = 1.f;  // 1 - label_smoothing
     float z_loss = 0.f;
     float softcap = 0.f;
-    float inv_softcap = 0.f;
-    bool mainloop_only = false;    // 1 / softcap, computed on the host
+    float inv_softcap = 0.f;  // 1 / softcap, computed on the host
     bool pairs = false;  // grad_logits rows 4-byte aligned: adjacent columns stored as one 32-bit word
     bool exact = false;  // the accumulator is the logit (GradGemmParams::exact: no bias or softcap)
   };
@@ -64,7 +63,7 @@ struct GradEpilogue : EpilogueBase<Element> {
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
-    if (params.mainloop_only || tile_past_columns(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl)) return;
+    if (tile_past_columns(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl)) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     const int M = static_cast<int>(get<0>(problem_shape_mnkl));
     const auto tCcD = tile_coordinates(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
@@ -215,7 +214,6 @@ struct GradGemm {
     epi.z_loss = p.z_loss;
     epi.softcap = p.softcap;
     epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
-    epi.mainloop_only = p.mainloop_only;
     epi.pairs = p.grad_stride % 2 == 0 && reinterpret_cast<uintptr_t>(p.grad_logits) % 4 == 0;
     epi.exact = p.exact;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.sm_count);

@@ -223,7 +223,7 @@ struct GradTmaGemm {
     // As grad_gemm.cuh computes them, so both paths write the same bits.
     cb.smooth = static_cast<float>(static_cast<double>(p.label_smoothing) / static_cast<double>(p.num_classes));
     cb.target_weight = 1.f - p.label_smoothing;
-    cb.fold_g = p.fold_g && cb.smooth == 0.f;
+    cb.fold_g = cb.smooth == 0.f;
     cb.exact = p.exact;
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, cb, p.grad_logits,
                            p.grad_stride, p.sm_count);

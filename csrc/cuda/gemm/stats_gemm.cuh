@@ -51,10 +51,9 @@ struct StatsEpilogue : EpilogueBase<Element> {
     int64_t num_col_tiles = 0;
     float softcap = 0.f;
     float inv_softcap = 0.f;  // 1 / softcap, computed on the host
-    bool mainloop_only = false;
     bool logit_sum = true;  // fold the logit sums (label smoothing needs them); false: (max, sum) partials
-    // z stored here as fold_pairs() packs it (the 128 x 192 tile's direct stores, HUGEHEAD_GEMM_STATS_STORE=direct:
-    // 4-byte aligned pairs), or nullptr; fold() ignores it (its stored logits go through stats_store_gemm.cuh).
+    // z stored here as fold_pairs() packs it (the 128 x 192 tile's direct stores of 4-byte aligned pairs), or
+    // nullptr; fold() ignores it (its stored logits go through stats_store_gemm.cuh).
     Element* logits = nullptr;
     int64_t logits_stride = 0;
     // [rows] each row's max over the chunks folded before, or nullptr: the 128 x 192 tile without bias then
@@ -95,7 +94,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
                                 TiledMma tiled_mma, int thread_idx) {
     using namespace cute;
     check_fragment<FrgLayout, TiledMma>();
-    if (params.mainloop_only || tile_past_columns(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl)) return;
+    if (tile_past_columns(problem_shape_mnkl, blk_shape_MNK, blk_coord_mnkl)) return;
     constexpr int kRows = 2 * size<1>(FrgLayout{});
     // The 128 x 192 tile has fold_pairs() only; its launches have no softcap and no logit sums
     // (stats_schedule_for picks another schedule for those).
@@ -585,7 +584,6 @@ typename StatsEpilogue<Element>::Arguments stats_epilogue_arguments(const StatsG
   epi.num_col_tiles = (p.cols + tile_cols - 1) / tile_cols;
   epi.softcap = p.softcap;
   epi.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
-  epi.mainloop_only = p.mainloop_only;
   epi.logit_sum = p.logit_sum;
   epi.logits = static_cast<Element*>(p.logits);
   epi.logits_stride = p.logits_stride;

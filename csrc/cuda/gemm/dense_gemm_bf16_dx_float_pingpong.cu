@@ -1,5 +1,0 @@
-// The dense backward GEMM dX += g W_c, float32 out, bf16 inputs, the pingpong tiles (see dense_gemm.cuh).
-#include "dense_gemm.cuh"
-
-HUGEHEAD_DENSE_GEMM_INSTANCE(dense_gemm_bf16_dx_float_pingpong, cutlass::bfloat16_t, hugehead::gemm::DenseKind::kDx, hugehead::gemm::DenseConfig::kPingpong,
-                             float, float)

@@ -1,5 +1,0 @@
-// The dense backward GEMM dW = g^T x, out in the inputs' dtype, fp16 inputs, the default tiles (see dense_gemm.cuh).
-#include "dense_gemm.cuh"
-
-HUGEHEAD_DENSE_GEMM_INSTANCE(dense_gemm_fp16_dw_store, cutlass::half_t, hugehead::gemm::DenseKind::kDw, hugehead::gemm::DenseConfig::kDefault,
-                             void, cutlass::half_t)

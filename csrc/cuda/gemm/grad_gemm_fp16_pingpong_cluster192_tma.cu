@@ -1,5 +1,0 @@
-// The gradient GEMM for fp16 inputs, pingpong on 128 x 192 tiles in 2-CTA clusters, gradient stored through shared
-// memory by TMA (grad_tma_gemm.cuh).
-#include "grad_tma_gemm.cuh"
-
-HUGEHEAD_GRAD_TMA_GEMM_INSTANCE(grad_gemm_fp16_pingpong_cluster192_tma, cutlass::half_t, hugehead::gemm::Schedule::kPingpongCluster192)

@@ -1,0 +1,110 @@
+"""hugehead.tuning's Tuning (read once, overridden for a block) and the plan that one step executes: the backward
+runs the forward's plan (no planner call), and a Tuning override changes the plan, which the loop then follows."""
+import dataclasses
+
+import pytest
+import torch
+
+import hugehead
+import hugehead.functional
+from hugehead import reference, tuning
+from hugehead.plan import Plan
+
+from conftest import rel_err, rows_budget
+
+
+def test_from_environment_reads_the_three_knobs_and_names_a_bad_value():
+    assert tuning.from_environment({}) == tuning.Tuning()
+    got = tuning.from_environment({"HUGEHEAD_GEMM": "CUBLAS", "HUGEHEAD_ROWS": "0", "HUGEHEAD_EAGER_OP": "0"})
+    assert got == tuning.Tuning(gemm="cublas", rows=False, eager_op=False)
+    with pytest.raises(ValueError, match="HUGEHEAD_ROWS must be 0 or 1"):
+        tuning.from_environment({"HUGEHEAD_ROWS": "yes"})
+    with pytest.raises(ValueError, match="Tuning.gemm must be one of"):
+        tuning.from_environment({"HUGEHEAD_GEMM": "cutlass_forward"})
+
+
+def test_override_applies_for_its_block_and_restores():
+    before = tuning.current()
+    with tuning.override(rows=False) as inside:
+        assert tuning.current() is inside and not inside.rows and inside.gemm == before.gemm
+        with tuning.override(gemm="cublas"):
+            assert tuning.current() == dataclasses.replace(before, rows=False, gemm="cublas")
+        assert tuning.current() is inside
+    assert tuning.current() is before
+    with pytest.raises(TypeError):
+        with tuning.override(chunk_multiple=768):
+            pass
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.rows = False
+    assert tuning.current() is before
+
+
+def test_plan_encode_decode_round_trip():
+    for plan in (Plan(rows=7, cols=256, keep_logits=True, kept_chunks=3, overlap=True, kept_in_grad=2, budget=99),
+                 Plan(rows=32, cols=21, grad_in_forward=True, budget=1 << 20), Plan(rows=5, cols=9)):
+        back = Plan.decode(plan.encode())
+        assert back == plan and back.budget == plan.budget and back.kind == plan.kind
+    assert Plan.decode([]) is None and Plan.decode(None) is None
+    with pytest.raises(ValueError, match="7 entries"):
+        Plan.decode([1, 2, 3])
+
+
+@pytest.mark.parametrize("budget", ["kept", "streamed"])
+def test_backward_executes_the_forwards_plan_without_asking_the_planner(monkeypatch, budget):
+    """The forward's plan travels through the op to the backward, which decodes it and runs it: the planner is not
+    called again (here it raises once the forward is done), and the backward's plan equals the forward's."""
+    torch.manual_seed(3)
+    n, d, v = 24, 8, 3000
+    x = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    memory_budget = None if budget == "kept" else n * d * 12 + 2 * n * 512 * 8
+    planned, executed = [], []
+    real_plan, real_backward = hugehead.functional.loss_plan, hugehead.functional.whole_head_backward
+    monkeypatch.setattr(hugehead.functional, "loss_plan",
+                        lambda *a, **k: planned.append(real_plan(*a, **k)) or planned[-1])
+    monkeypatch.setattr(hugehead.functional, "whole_head_backward",
+                        lambda *a, **k: executed.append(a[7]) or real_backward(*a, **k))
+    with tuning.override(rows=False):
+        loss = hugehead.linear_cross_entropy(x, w, target, memory_budget=memory_budget)
+
+    def refuse(*a, **k):
+        raise AssertionError("the backward asked the planner")
+    for name in ("loss_plan", "plan_chunks", "plan_loss", "_plan", "kept_plan"):
+        monkeypatch.setattr(hugehead.functional, name, refuse)
+    loss.backward()
+    assert len(planned) == 1 and executed == planned, (planned, executed)
+    assert planned[0].keep_logits == (budget == "kept") or planned[0].kept_chunks < -(-v // planned[0].cols)
+    x64, w64 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = reference.linear_cross_entropy(x64, w64, target)
+    ref.backward()
+    assert rel_err(loss.detach(), ref.detach()) <= 1e-12
+    assert rel_err(x.grad, x64.grad) <= 1e-12 and rel_err(w.grad, w64.grad) <= 1e-12
+
+
+def test_a_tuning_override_changes_the_plan_and_the_loop_follows_it(monkeypatch):
+    """Tuning(rows=False) turns a rows plan into the chunk loop's: the planner's answer changes, the loop runs the
+    strategy that answer names (the rows pass or not), and the loss and gradients are float64's either way."""
+    n, d, v = 96, 8, 21
+    torch.manual_seed(4)
+    x = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    budget = rows_budget(n, d, v, torch.float32, 32)
+    rows_runs = []
+    real_rows = hugehead.functional.rows_pass
+    monkeypatch.setattr(hugehead.functional, "rows_pass", lambda *a, **k: rows_runs.append(a[5]) or real_rows(*a, **k))
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = reference.linear_cross_entropy(x64, w64, target)
+    ref.backward()
+    for allowed in (True, False):
+        with tuning.override(rows=allowed):
+            plan = hugehead.functional.loss_plan(x, w, target, memory_budget=budget)
+            rows_runs.clear()
+            x.grad = w.grad = None
+            loss = hugehead.linear_cross_entropy(x, w, target, memory_budget=budget)
+            loss.backward()
+        assert (plan.kind == "rows") == allowed, plan
+        assert rows_runs == ([plan] if allowed else []), rows_runs
+        assert rel_err(loss.detach(), ref.detach()) <= 1e-5
+        assert rel_err(x.grad, x64.grad) <= 1e-4 and rel_err(w.grad, w64.grad) <= 1e-4
