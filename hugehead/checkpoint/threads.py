@@ -4,11 +4,14 @@ raised to the caller."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Dict, List
 
 import torch
 
-__all__ = ["writer", "reader"]
+from .verify import CheckpointCorruptError
+
+__all__ = ["writer", "reader", "load_planner"]
 
 
 def writer(path: str, threads: int):
@@ -61,15 +64,61 @@ def writer(path: str, threads: int):
     return ParallelWriter(path, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
 
 
-def reader(path: str, threads: int):
+def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bool = True):
     """A DCP ``FileSystemReader`` that reads its files in ``threads`` threads at once (DCP's own reads
-    them one after another): a checkpoint saved with several writer threads is several files."""
+    them one after another): a checkpoint saved with several writer threads is several files.
+
+    ``pinned`` (a :class:`~hugehead.checkpoint.verify.PinnedDir`): every file is read through its held
+    descriptors (one version); ``metadata``: DCP's ``Metadata`` already read from it. Without them, the
+    directory is pinned here. ``.metadata`` is unpickled through an allow-list unless ``weights_only=False``;
+    a missing or truncated file raises ``CheckpointCorruptError`` before anything is loaded."""
     from concurrent.futures import ThreadPoolExecutor, wait
+    from contextlib import contextmanager
     from dataclasses import replace
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from .verify import PinnedDir, check_extents, load_dcp_metadata
+
+    pinned = PinnedDir(str(path)) if pinned is None else pinned
+
+    class PinnedFiles(FileSystem):
+        @contextmanager
+        def create_stream(self, file_path, mode):
+            if "r" not in mode or "+" in mode:
+                raise ValueError(f"hugehead: a checkpoint is read only here, not opened with mode {mode!r}")
+            with pinned.stream(os.path.relpath(os.fspath(file_path), os.fspath(path))) as stream:
+                yield stream
 
     class ParallelReader(dcp.FileSystemReader):
+        def __init__(self):
+            super().__init__(path)
+            self.fs = PinnedFiles()
+
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            if metadata is not None and rank is None:
+                md = metadata
+            else:
+                try:
+                    data = pinned.read(name)
+                except FileNotFoundError:
+                    raise CheckpointCorruptError(os.path.join(pinned.path, name), "is missing (every DCP checkpoint "
+                                                 "has one)") from None
+                md = load_dcp_metadata(data, os.path.join(pinned.path, name), weights_only)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+        def set_up_storage_reader(self, md, is_coordinator, *args, **kwargs):
+            super().set_up_storage_reader(md, is_coordinator, *args, **kwargs)
+            check_extents(pinned, md)  # before read_data writes anything
+
         def read_data(self, plan, planner):
             per_file: Dict[str, list] = {}
             for item in plan.items:
@@ -84,4 +133,21 @@ def reader(path: str, threads: int):
                 future.result()  # re-raises the first failure
             return futures[-1].result()
 
-    return ParallelReader(path)
+    return ParallelReader()
+
+
+def load_planner(weights_only: bool = True):
+    """DCP's default load planner, but a non-tensor value (``BYTE_IO``) is unpickled by ``torch.load`` with
+    ``weights_only`` (DCP's own uses ``weights_only=False``: a checkpoint's bytes could run code)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            obj = torch.load(value, weights_only=weights_only)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner()
