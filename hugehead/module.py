@@ -685,17 +685,23 @@ class ChunkedClassifier(nn.Module):
 
         return sharded_state_dict(self, for_save=for_save)
 
-    def load_safetensors(self, path: str, strict: bool = True) -> None:
+    def load_safetensors(self, path: str, strict: bool = True, *, dtype: Optional[torch.dtype] = None) -> None:
         """Copy a checkpoint into the shards, reading only the rows each shard needs, a block of rows at
         a time (``safe_open(...).get_slice``).
 
         Reads files written by :meth:`save_safetensors` from any placement, and plain files holding the
         logical ``weight [V, D]`` (and ``bias [V]``), e.g. ``save_file(head.state_dict(), path)``.
 
+        The file is checked whole before any shard is written: its extents, its data's digest (files of
+        this release) and its dtypes. A dtype that would be cast lossily into the head's (integers into
+        floats, float32 into bfloat16) is refused unless ``dtype=`` names the file's dtype.
+
         Raises:
             ValueError: the file's classes or features differ from the head's, its pieces do not cover
                 ``[0, V)``, or (``strict``) it has a bias the head lacks or lacks one the head has.
+            TypeError: a lossy dtype cast not asked for. CheckpointCorruptError (``OSError``): truncated,
+                not a safetensors file, or failing its digest (the head is then unchanged).
         """
         from .checkpoint.head import load_safetensors
 
-        load_safetensors(self, path, strict)
+        load_safetensors(self, path, strict, dtype)

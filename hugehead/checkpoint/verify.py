@@ -29,14 +29,18 @@ class CheckpointCorruptError(OSError):
         super().__init__(errno.EIO, f"hugehead: checkpoint file {filename} {problem}")
         self.filename = filename
 
+    def __str__(self) -> str:  # the message names the file already
+        return self.strerror
 
-def _crc32_of(fd: int, size: int) -> "tuple[int, int]":
-    """``(crc32, bytes read)`` of the first ``size`` bytes of ``fd`` (positional reads: no shared offset)."""
+
+def _crc32_of(fd: int, size: int, start: int = 0) -> "tuple[int, int]":
+    """``(crc32, bytes read)`` of ``size`` bytes of ``fd`` from ``start`` (positional reads: no shared
+    offset, so threads may digest one file)."""
     crc, done = 0, 0
     buf = memoryview(bytearray(min(_READ_BLOCK, max(size, 1))))
     while done < size:
         want = buf[:min(len(buf), size - done)]
-        n = os.preadv(fd, [want], done) if hasattr(os, "preadv") else len(_pread_into(fd, want, done))
+        n = os.preadv(fd, [want], start + done) if hasattr(os, "preadv") else len(_pread_into(fd, want, start + done))
         if n == 0:
             break
         crc = zlib.crc32(want[:n], crc)
