@@ -88,6 +88,9 @@ class _Crc32Writer:
         self.crc = zlib.crc32(data, self.crc)
         return self.f.write(data)
 
+    def __getattr__(self, name: str):  # flush, fileno, ...: the file's own
+        return getattr(self.f, name)
+
 
 def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], metadata: Optional[Mapping[str, str]] = None,
                       *, block_bytes: int = BLOCK_BYTES, keep_previous: bool = True) -> None:
