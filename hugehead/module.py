@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ._extension import require_kernels
 from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
+from .engines.distributed import ranks_agree
 from .engines.local import LocalEngine
 from .functional import rows_loss
 from .init import hashed_uniform_
@@ -494,6 +495,7 @@ class ChunkedClassifier(nn.Module):
         return LossSpec(self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes,
                         self.loss_options())
 
+    @ranks_agree("forward")
     def forward(self, x: Tensor, target: Tensor, *, return_lse: bool = False):
         """Cross-entropy of ``x Wᵀ + b`` against ``target`` over all shards.
 
@@ -610,6 +612,7 @@ class ChunkedClassifier(nn.Module):
             self._loss_buffer_copies[key] = hit
         return hit[2]
 
+    @ranks_agree("topk")
     @torch.no_grad()
     def topk(self, x: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
         """The ``k`` largest logits (after softcap, if set) of each row over all classes, streamed chunk
@@ -631,6 +634,7 @@ class ChunkedClassifier(nn.Module):
         shards = spec.shards(self._shard_params())
         return _engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
 
+    @ranks_agree("log_prob")
     @torch.no_grad()
     def log_prob(self, x: Tensor, target: Tensor) -> Tensor:
         """Per-row ``log p(target | x)`` under the head's softmax (softcap included; no smoothing).
