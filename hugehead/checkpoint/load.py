@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 import pickle
+import zlib
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -19,7 +20,7 @@ from .dcp import (_FORMAT, _FORMATS_READ, _META_FILE, IO_THREADS, _group_rank, _
 from .optim import place_optimizer_state
 from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, optional_state_keys, sharded_state_dict
 from .threads import load_planner, reader as _reader
-from .verify import CheckpointCorruptError, PinnedDir, check_extents, check_files, load_dcp_metadata
+from .verify import DIGEST, CheckpointCorruptError, PinnedDir, check_extents, check_files, load_dcp_metadata
 
 __all__ = ["read_checkpoint", "load_checkpoint", "load_dcp"]
 
@@ -34,18 +35,26 @@ def _read_meta(pinned: PinnedDir, weights_only: bool) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(f"hugehead: {pinned.path} is not a checkpoint directory written by save_checkpoint "
                                 f"(no {_META_FILE})") from None
-    try:
-        meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError:
-        raise  # torch's own message: what weights_only refused, and how to allow it
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointCorruptError(meta_path, f"is not a readable torch.save file (truncated or of another "
-                                     f"kind: {type(exc).__name__}: {exc})") from None
+    meta = _torch_load(data, meta_path, weights_only)
+    if isinstance(meta, dict) and meta.get("format") == _FORMAT:  # the meta's bytes beside their digest
+        if not isinstance(meta.get("meta"), bytes) or zlib.crc32(meta["meta"]) != meta.get(DIGEST):
+            raise CheckpointCorruptError(meta_path, f"fails its {DIGEST} digest: its bytes changed since it was written")
+        meta = _torch_load(meta["meta"], meta_path, weights_only)
     if not isinstance(meta, dict) or meta.get("format") not in _FORMATS_READ:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointCorruptError(meta_path, f"has checkpoint format {found!r}, expected {_FORMAT!r} (or the "
                                      "older formats this release reads)")
     return meta
+
+
+def _torch_load(data: bytes, path: str, weights_only: bool) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError:
+        raise  # torch's own message: what weights_only refused, and how to allow it
+    except (RuntimeError, EOFError, ValueError, OSError, LookupError, TypeError, AttributeError) as exc:
+        raise CheckpointCorruptError(path, f"is not a readable torch.save file (truncated or of another kind: "
+                                     f"{type(exc).__name__}: {exc})") from None
 
 
 def _verified_metadata(pinned: PinnedDir, meta: dict, weights_only: bool, threads: int):
