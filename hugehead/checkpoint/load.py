@@ -48,6 +48,8 @@ def _read_meta(pinned: PinnedDir, weights_only: bool) -> dict:
 
 
 def _torch_load(data: bytes, path: str, weights_only: bool) -> Any:
+    if not data.startswith(b"PK\x03\x04"):  # every meta file is torch.save's zip format
+        raise CheckpointCorruptError(path, f"is not a torch.save file ({len(data)} bytes, starting {data[:8]!r})")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError:
@@ -287,7 +289,15 @@ def load_dcp(state_dict: Dict[str, Any], path: PathLike, *, process_group=None, 
 
     threads = IO_THREADS if io_threads is None else int(io_threads)
     with PinnedDir(os.fspath(path)) as pinned:
-        storage = _reader(os.fspath(path), threads, pinned, None, weights_only)
+        # Read and checked here, before dcp.load (which would fold its error into an AssertionError's text).
+        metadata_path = os.path.join(pinned.path, ".metadata")
+        try:
+            data = pinned.read(".metadata")
+        except FileNotFoundError:
+            raise CheckpointCorruptError(metadata_path, "is missing (every DCP checkpoint has one)") from None
+        metadata = load_dcp_metadata(data, metadata_path, weights_only)
+        check_extents(pinned, metadata)
+        storage = _reader(os.fspath(path), threads, pinned, metadata, weights_only)
         distributed = dist.is_available() and dist.is_initialized()
         dcp.load(state_dict, storage_reader=storage, planner=load_planner(weights_only),
                  process_group=process_group, no_dist=not distributed)

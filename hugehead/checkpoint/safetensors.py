@@ -17,8 +17,9 @@ from .atomic import PathLike, atomic_path
 
 # Bytes of a tensor handled at a time: the host staging of a streamed safetensors write.
 BLOCK_BYTES = 1 << 26
-# The metadata entry holding the CRC-32 (8 hex digits) of the file's data (everything after the header).
-DIGEST_KEY = "hugehead.data_crc32"
+# The metadata entry holding the CRC-32 (8 hex digits) of the whole file, computed with this entry's value
+# read as the placeholder.
+DIGEST_KEY = "hugehead.crc32"
 _PLACEHOLDER = "00000000"
 
 _SAFETENSORS_DTYPES = {
@@ -81,8 +82,8 @@ def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int, staged: Optional[bo
 class _Crc32Writer:
     """Writes through to ``f``, keeping the CRC-32 of every byte written."""
 
-    def __init__(self, f):
-        self.f, self.crc = f, 0
+    def __init__(self, f, crc: int = 0):
+        self.f, self.crc = f, crc
 
     def write(self, data) -> int:
         self.crc = zlib.crc32(data, self.crc)
@@ -97,7 +98,7 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
     """Write a safetensors file (readable by ``safetensors.safe_open`` / ``load_file``) without holding
     the tensors in host memory: the header first, then each tensor's bytes in blocks of at most
     ``block_bytes`` — host memory stays within two blocks whatever the size. The metadata also records
-    the CRC-32 of the data (``hugehead.data_crc32``, computed as it is written), which
+    the CRC-32 of the file (``hugehead.crc32``, computed as it is written), which
     :func:`check_safetensors` verifies. Written atomically
     (:func:`atomic_path`), after checking that the file system has room for the whole file beside the
     previous one.
@@ -143,7 +144,7 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            digesting = _Crc32Writer(f)
+            digesting = _Crc32Writer(f, zlib.crc32(struct.pack("<Q", len(raw)) + raw))
             for _, tensor in tensors:
                 _write_tensor_bytes(digesting, tensor, block_bytes)
             f.seek(digest_at)
@@ -160,7 +161,7 @@ def file_bytes(nbytes: int) -> int:
 def check_safetensors(f, path: str, verify: bool = True) -> dict:
     """The header of the safetensors file open as ``f`` (binary, positioned anywhere), after checking the
     file is one: a sane header, data extents that end exactly at the file's end, and (``verify``, when
-    the file records it) the CRC-32 of its data.
+    the file records it) the CRC-32 of the whole file.
 
     Raises:
         CheckpointCorruptError: naming ``path`` and what is wrong.
@@ -184,7 +185,10 @@ def check_safetensors(f, path: str, verify: bool = True) -> dict:
                                      f"({'truncated' if size < 8 + n + end else 'grown'})")
     stored = (header.get("__metadata__") or {}).get(DIGEST_KEY)
     if verify and stored is not None:
-        crc = _crc32_of(fd, end, 8 + n)[0]
+        raw = os.pread(fd, n, 8)
+        entry = json.dumps(DIGEST_KEY).encode() + b":" + json.dumps(stored).encode()
+        raw = raw.replace(entry, json.dumps(DIGEST_KEY).encode() + b":" + json.dumps(_PLACEHOLDER).encode(), 1)
+        crc = _crc32_of(fd, end, 8 + n, zlib.crc32(head + raw))[0]
         if f"{crc:08x}" != stored:
             raise CheckpointCorruptError(path, f"fails its crc32 digest (stored {stored}, read {crc:08x}): its bytes "
                                          "changed since it was written")

@@ -107,6 +107,8 @@ def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bo
                 try:
                     data = pinned.read(name)
                 except FileNotFoundError:
+                    if rank is not None:  # a rank's own metadata is optional: DCP falls back to the global one
+                        raise
                     raise CheckpointCorruptError(os.path.join(pinned.path, name), "is missing (every DCP checkpoint "
                                                  "has one)") from None
                 md = load_dcp_metadata(data, os.path.join(pinned.path, name), weights_only)

@@ -33,10 +33,10 @@ class CheckpointCorruptError(OSError):
         return self.strerror
 
 
-def _crc32_of(fd: int, size: int, start: int = 0) -> "tuple[int, int]":
-    """``(crc32, bytes read)`` of ``size`` bytes of ``fd`` from ``start`` (positional reads: no shared
-    offset, so threads may digest one file)."""
-    crc, done = 0, 0
+def _crc32_of(fd: int, size: int, start: int = 0, crc: int = 0) -> "tuple[int, int]":
+    """``(crc32, bytes read)`` of ``size`` bytes of ``fd`` from ``start``, continuing ``crc`` (positional
+    reads: no shared offset, so threads may digest one file)."""
+    done = 0
     buf = memoryview(bytearray(min(_READ_BLOCK, max(size, 1))))
     while done < size:
         want = buf[:min(len(buf), size - done)]
