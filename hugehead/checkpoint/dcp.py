@@ -113,15 +113,16 @@ def _remove_previous(paths: Sequence[str]) -> None:
         _fsync_dir(parent)
 
 
-def _write_meta(directory: str, meta: dict, threads: int) -> None:
+def _write_meta(directory: str, meta: dict, threads: int, known=None) -> None:
     """The meta file, last (a directory with it is complete: is_checkpoint_dir), with the size and digest
-    of every other file (read back from the page cache), which a load checks before using any."""
+    of every other file (``known``: those the writer computed as it wrote; others read back), which a
+    load checks before using any."""
     import io
 
     import zlib
 
     inner = io.BytesIO()
-    torch.save({**meta, "files": file_table(directory, skip=(_META_FILE,), threads=threads)}, inner)
+    torch.save({**meta, "files": file_table(directory, skip=(_META_FILE,), threads=threads, known=known or {})}, inner)
     # torch.load checks no digest of its own: the meta travels as bytes beside its CRC-32.
     data = io.BytesIO()
     torch.save({"format": _FORMAT, "meta": inner.getvalue(), DIGEST: zlib.crc32(inner.getbuffer())}, data)
@@ -241,10 +242,11 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
         # what this write had.
         with space.out_of_space_as_error(path, needed, what), atomic_path(path) as tmp:
             os.makedirs(tmp)
+            storage = _writer(tmp, threads)
             if tensors:
                 with _single_process_dcp():
-                    dcp.save(tensors, storage_writer=_writer(tmp, threads), no_dist=True)
-            _write_meta(tmp, meta, threads)
+                    dcp.save(tensors, storage_writer=storage, no_dist=True)
+            _write_meta(tmp, meta, threads, storage.fs.digests())
         return
     import torch.distributed as dist
 
@@ -264,9 +266,10 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
     # A rank whose write failed raises its own error, the others one naming it (_atomic_dir_across_ranks).
     with space.out_of_space_as_error(path, needed, what), \
             _atomic_dir_across_ranks(path, group, prepare=prepare) as tmp:
-        dcp.save(tensors, storage_writer=_writer(tmp, threads), process_group=group)
+        storage = _writer(tmp, threads)
+        dcp.save(tensors, storage_writer=storage, process_group=group)
         if rank == 0:  # every rank's files are complete once dcp.save returned on the coordinator
-            _write_meta(tmp, meta, threads)
+            _write_meta(tmp, meta, threads, storage.fs.digests())  # the other ranks' files read back
 
 
 def estimate_checkpoint_bytes(model: nn.Module, optimizers=(), *, block_bytes: int = DCP_BLOCK_BYTES) -> int:

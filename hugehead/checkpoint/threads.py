@@ -3,8 +3,11 @@ the files read back in parallel (a single thread leaves a fast disk half idle), 
 raised to the caller."""
 from __future__ import annotations
 
+import functools
 import math
 import os
+import threading
+import zlib
 from typing import Dict, List
 
 import torch
@@ -61,7 +64,73 @@ def writer(path: str, threads: int):
 
     # per_thread_copy_ahead=0: the serial loader (a GPU block is staged by ShardedRows when resolved; DCP's
     # overlapping loader would only add stream syncs per thread).
-    return ParallelWriter(path, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+    out = ParallelWriter(path, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+    out.fs = _digesting_files()()
+    return out
+
+
+class _DigestingStream:
+    """A file being written that keeps the CRC-32 and count of the bytes written to it (its digest while
+    nothing seeks in it: the writer threads compute the digests, no pass reads the files back)."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.count, self.in_order = f, 0, 0, True
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        n = self.f.write(view)
+        self.in_order = self.in_order and n == view.nbytes
+        self.crc = zlib.crc32(view, self.crc)
+        self.count += view.nbytes
+        return n
+
+    def seek(self, *args):
+        self.in_order = False
+        return self.f.seek(*args)
+
+    def __getattr__(self, name: str):  # tell, flush, fileno, close: the file's own
+        return getattr(self.f, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _digesting_files():
+    """The class (made once: DCP is imported when a checkpoint is first written)."""
+    from contextlib import contextmanager
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class DigestingFiles(FileSystem):
+        """DCP's file system whose written files report their sizes and digests (:meth:`digests`)."""
+
+        def __init__(self):
+            super().__init__()
+            self.streams: Dict[str, _DigestingStream] = {}
+            self.lock = threading.Lock()
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as f:
+                if "w" not in mode:
+                    yield f
+                    return
+                stream = _DigestingStream(f)
+                yield stream
+            with self.lock:
+                self.streams[Path(path).name] = stream
+
+        def rename(self, path, new_path) -> None:
+            super().rename(path, new_path)
+            with self.lock:
+                if Path(path).name in self.streams:
+                    self.streams[Path(new_path).name] = self.streams.pop(Path(path).name)
+
+        def digests(self) -> Dict[str, Dict[str, int]]:
+            """``{name: {"bytes", "crc32"}}`` of the files written in order (the others: none)."""
+            return {name: {"bytes": s.count, "crc32": s.crc} for name, s in self.streams.items() if s.in_order}
+
+    return DigestingFiles
+
 
 
 def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bool = True):

@@ -63,18 +63,26 @@ def _digest_all(jobs: Iterable, threads: int) -> list:
         return list(pool.map(lambda job: _crc32_of(*job), jobs))
 
 
-def file_table(directory: str, skip: Iterable[str] = (), threads: int = 8) -> Dict[str, Dict[str, int]]:
-    """``{name: {"bytes": n, "crc32": c}}`` of every file of ``directory`` but ``skip`` (just written:
-    read back from the page cache)."""
-    names = sorted(n for n in os.listdir(directory) if n not in set(skip))
-    fds = [os.open(os.path.join(directory, n), os.O_RDONLY) for n in names]
+def file_table(directory: str, skip: Iterable[str] = (), threads: int = 8,
+               known: Mapping[str, Mapping[str, int]] = {}) -> Dict[str, Dict[str, int]]:
+    """``{name: {"bytes": n, "crc32": c}}`` of every file of ``directory`` but ``skip``: from ``known`` (the
+    digests the writer computed) where its size matches the file's, else read back (page cache)."""
+    table: Dict[str, Dict[str, int]] = {}
+    todo = []
+    for name in sorted(n for n in os.listdir(directory) if n not in set(skip)):
+        size = os.stat(os.path.join(directory, name)).st_size
+        if name in known and known[name]["bytes"] == size:
+            table[name] = {"bytes": size, DIGEST: known[name][DIGEST]}
+        else:
+            todo.append((name, size))
+    fds = [os.open(os.path.join(directory, n), os.O_RDONLY) for n, _ in todo]
     try:
-        sizes = [os.fstat(fd).st_size for fd in fds]
-        digests = _digest_all(zip(fds, sizes), threads)
+        digests = _digest_all(zip(fds, [size for _, size in todo]), threads)
     finally:
         for fd in fds:
             os.close(fd)
-    return {n: {"bytes": s, DIGEST: d[0]} for n, s, d in zip(names, sizes, digests)}
+    table.update({n: {"bytes": size, DIGEST: d[0]} for (n, size), d in zip(todo, digests)})
+    return dict(sorted(table.items()))
 
 
 class PinnedDir:
