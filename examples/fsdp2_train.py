@@ -21,7 +21,8 @@ prints its step time. ``--accumulate M`` splits each rank's batch into M micro-b
 sync off for all but the last (``set_requires_gradient_sync``): the same gradients as one batch.
 ``--ckpt DIR`` writes the model and optimizer (``torch.distributed.checkpoint``) at the end (of the
 sharded mode with ``--head both``);
-``--resume DIR`` loads such a directory first, from any world size.
+``--resume DIR`` loads such a directory first, from any world size, through
+:func:`hugehead.checkpoint.load_dcp` (no code runs from it; one version of it is read).
 
 The data: Zipf-distributed classes with a prototype each (see examples/ddp_train.py). On GPUs the step
 runs under bf16 autocast with float32 master weights (hugehead casts the weight chunk by chunk).
@@ -131,7 +132,8 @@ def train(args, device: torch.device, head: str) -> Dict[str, float]:
     if args.resume:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=args.resume)
+        # Not dcp.load: it unpickles .metadata and non-tensor values with the plain unpickler (code could run).
+        hugehead.checkpoint.load_dcp(state, args.resume)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own data

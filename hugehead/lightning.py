@@ -153,6 +153,8 @@ class _ShardedCheckpoints:
                        f"{time.perf_counter() - t0:.1f} s")
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        # Nothing read runs code unless the caller passes weights_only=False (None, Lightning's default, is True).
+        weights_only = True if weights_only is None else weights_only
         if not is_checkpoint_dir(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ._extension import require_kernels
 from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
+from .engines.distributed import ranks_agree
 from .engines.local import LocalEngine
 from .functional import rows_loss
 from .init import hashed_uniform_
@@ -494,6 +495,7 @@ class ChunkedClassifier(nn.Module):
         return LossSpec(self.engine, [s.start for s in self.shards], self.has_bias, self.num_classes,
                         self.loss_options())
 
+    @ranks_agree("forward")
     def forward(self, x: Tensor, target: Tensor, *, return_lse: bool = False):
         """Cross-entropy of ``x Wᵀ + b`` against ``target`` over all shards.
 
@@ -610,6 +612,7 @@ class ChunkedClassifier(nn.Module):
             self._loss_buffer_copies[key] = hit
         return hit[2]
 
+    @ranks_agree("topk")
     @torch.no_grad()
     def topk(self, x: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
         """The ``k`` largest logits (after softcap, if set) of each row over all classes, streamed chunk
@@ -644,6 +647,7 @@ class ChunkedClassifier(nn.Module):
         shards = spec.shards(self._shard_params())
         return _engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
 
+    @ranks_agree("log_prob")
     @torch.no_grad()
     def log_prob(self, x: Tensor, target: Tensor) -> Tensor:
         """Per-row ``log p(target | x)`` under the head's softmax (softcap included; no smoothing).
@@ -698,17 +702,23 @@ class ChunkedClassifier(nn.Module):
 
         return sharded_state_dict(self, for_save=for_save)
 
-    def load_safetensors(self, path: str, strict: bool = True) -> None:
+    def load_safetensors(self, path: str, strict: bool = True, *, dtype: Optional[torch.dtype] = None) -> None:
         """Copy a checkpoint into the shards, reading only the rows each shard needs, a block of rows at
         a time (``safe_open(...).get_slice``).
 
         Reads files written by :meth:`save_safetensors` from any placement, and plain files holding the
         logical ``weight [V, D]`` (and ``bias [V]``), e.g. ``save_file(head.state_dict(), path)``.
 
+        The file is checked whole before any shard is written: its extents, its data's digest (files of
+        this release) and its dtypes. A dtype that would be cast lossily into the head's (integers into
+        floats, float32 into bfloat16) is refused unless ``dtype=`` names the file's dtype.
+
         Raises:
             ValueError: the file's classes or features differ from the head's, its pieces do not cover
                 ``[0, V)``, or (``strict``) it has a bias the head lacks or lacks one the head has.
+            TypeError: a lossy dtype cast not asked for. CheckpointCorruptError (``OSError``): truncated,
+                not a safetensors file, or failing its digest (the head is then unchanged).
         """
         from .checkpoint.head import load_safetensors
 
-        load_safetensors(self, path, strict)
+        load_safetensors(self, path, strict, dtype)

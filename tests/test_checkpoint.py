@@ -972,5 +972,7 @@ def test_bench_checkpoint_cpu_smoke(tmp_path):
     doc = json.loads((out / "checkpoint.json").read_text())
     assert [(r["io_threads"], r["files"]) for r in doc["rows"]] == [(1, 1), (4, 4)]  # a file per writer thread
     assert all(r["exact"] and r["bytes"] > 3 * 20_000 * 64 * 4 for r in doc["rows"])
+    assert all(r["digests"] and r["plain_write_gbps"] > 0 and r["load_warm_vs_plain"] > 0 and r["load_cold_vs_plain"] > 0
+               for r in doc["rows"])
     assert doc["disk"]["write_gbps"] > 0 and doc["meta"]["smoke"] and not work.exists()
     assert (out / "checkpoint.md").read_text().startswith("# Checkpoint save and load speed")

@@ -69,16 +69,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# Any temporary of hugehead's naming: ".<name>.hugehead-tmp.<pid>.<hex>", whatever <name> is.
+_STALE = re.compile(r"^\..+" + re.escape(_TMP_TAG) + r"(\d+)\.[0-9a-f]+$")
+
+
 def _clean_stale_temps(path: str) -> None:
-    """Remove temporaries a killed writer left next to ``path`` (their pid is gone)."""
-    parent, base = os.path.split(path)
-    pattern = re.compile(re.escape(f".{base}{_TMP_TAG}") + r"(\d+)\.[0-9a-f]+$")
+    """Remove every temporary a killed writer left in ``path``'s directory, whatever checkpoint it was
+    writing (step-named checkpoints would otherwise pile up full-size temporaries): those of hugehead's
+    naming whose writer's pid is gone."""
+    parent = os.path.dirname(path)
     try:
         names = os.listdir(parent or ".")
     except OSError:
         return
     for name in names:
-        match = pattern.match(name)
+        match = _STALE.match(name)
         if match and not _pid_alive(int(match.group(1))):
             _remove_path(os.path.join(parent, name))
 
@@ -173,8 +178,16 @@ def _atomic_dir_across_ranks(path: PathLike, group, prepare: Optional[Callable[[
     except BaseException as exc:  # reported to every rank below, then re-raised
         error = _as_rank_error(exc, rank)
     reports: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
-                           group=group)
+    try:
+        dist.all_gather_object(reports, None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+                               group=group)
+    except BaseException:
+        # A peer is gone (its connection closed): no rank can commit, and any rank still alive may be the
+        # one left to remove the temporary (rank 0 may be the one that died).
+        _remove_path(tmp)
+        if error is not None:
+            raise error
+        raise
     failures = [r for r in reports if r is not None]
     if rank == 0:
         if not failures:
@@ -186,7 +199,11 @@ def _atomic_dir_across_ranks(path: PathLike, group, prepare: Optional[Callable[[
         if failures:
             _remove_path(tmp)
     outcome = [failures]
-    dist.broadcast_object_list(outcome, src=src, group=group)
+    try:
+        dist.broadcast_object_list(outcome, src=src, group=group)
+    except BaseException:  # rank 0 is gone: after its commit, tmp is gone or names the previous checkpoint
+        _remove_path(tmp)
+        raise
     if error is not None:
         raise error
     if outcome[0]:

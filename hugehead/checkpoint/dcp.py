@@ -12,12 +12,15 @@ import torch
 from torch import Tensor, nn
 
 from . import space
-from .atomic import PathLike, _as_rank_error, _atomic_dir_across_ranks, _fsync_dir, _remove_path, atomic_path
+from .atomic import PathLike, _atomic_dir_across_ranks, _fsync_dir, _remove_path, atomic_path
 from .optim import place_optimizer_state, state_bytes
 from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, optional_state_keys, sharded_state_dict
-from .threads import reader as _reader, writer as _writer
+from .threads import writer as _writer
+from .verify import DIGEST, file_table
 
-_FORMAT = "hugehead.checkpoint/1"
+# /2 adds "files" (each file's size and digest); /1 (hugehead 0.1.0) still loads, unverified.
+_FORMAT = "hugehead.checkpoint/2"
+_FORMATS_READ = ("hugehead.checkpoint/1", _FORMAT)
 _META_FILE = "hugehead_checkpoint.pt"
 # DCP writer threads per process (one file each) and reader threads on load: a single thread leaves a fast
 # disk half idle (measured: 0.67-0.80 GB/s of a 1.52 GB/s disk with one writer).
@@ -108,6 +111,25 @@ def _remove_previous(paths: Sequence[str]) -> None:
             _remove_path(previous)
     for parent in {os.path.dirname(p) or "." for p in paths}:
         _fsync_dir(parent)
+
+
+def _write_meta(directory: str, meta: dict, threads: int, known=None) -> None:
+    """The meta file, last (a directory with it is complete: is_checkpoint_dir), with the size and digest
+    of every other file (``known``: those the writer computed as it wrote; others read back), which a
+    load checks before using any."""
+    import io
+
+    import zlib
+
+    inner = io.BytesIO()
+    torch.save({**meta, "files": file_table(directory, skip=(_META_FILE,), threads=threads, known=known or {})}, inner)
+    # torch.load checks no digest of its own: the meta travels as bytes beside its CRC-32.
+    data = io.BytesIO()
+    torch.save({"format": _FORMAT, "meta": inner.getvalue(), DIGEST: zlib.crc32(inner.getbuffer())}, data)
+    with open(os.path.join(directory, _META_FILE), "wb") as f:
+        f.write(data.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], optimizers=None,
@@ -220,12 +242,11 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
         # what this write had.
         with space.out_of_space_as_error(path, needed, what), atomic_path(path) as tmp:
             os.makedirs(tmp)
+            storage = _writer(tmp, threads)
             if tensors:
                 with _single_process_dcp():
-                    dcp.save(tensors, storage_writer=_writer(tmp, threads), no_dist=True)
-            # The metadata file goes last: a directory with it is complete (is_checkpoint_dir).
-            with open(os.path.join(tmp, _META_FILE), "wb") as f:
-                f.write(meta_bytes.getbuffer())
+                    dcp.save(tensors, storage_writer=storage, no_dist=True)
+            _write_meta(tmp, meta, threads, storage.fs.digests())
         return
     import torch.distributed as dist
 
@@ -245,10 +266,10 @@ def save_checkpoint(path: PathLike, model: Union[nn.Module, Mapping[str, Any]], 
     # A rank whose write failed raises its own error, the others one naming it (_atomic_dir_across_ranks).
     with space.out_of_space_as_error(path, needed, what), \
             _atomic_dir_across_ranks(path, group, prepare=prepare) as tmp:
-        dcp.save(tensors, storage_writer=_writer(tmp, threads), process_group=group)
-        if rank == 0:
-            with open(os.path.join(tmp, _META_FILE), "wb") as f:
-                f.write(meta_bytes.getbuffer())
+        storage = _writer(tmp, threads)
+        dcp.save(tensors, storage_writer=storage, process_group=group)
+        if rank == 0:  # every rank's files are complete once dcp.save returned on the coordinator
+            _write_meta(tmp, meta, threads, storage.fs.digests())  # the other ranks' files read back
 
 
 def estimate_checkpoint_bytes(model: nn.Module, optimizers=(), *, block_bytes: int = DCP_BLOCK_BYTES) -> int:
@@ -267,167 +288,3 @@ def estimate_checkpoint_bytes(model: nn.Module, optimizers=(), *, block_bytes: i
         data_bytes += nbytes
         items += sum(len(g["params"]) for g in optimizer.param_groups) * 2 + nbytes // block_bytes
     return space.estimate(data_bytes, items)
-
-
-def _read_meta(path: str, weights_only: Optional[bool]) -> dict:
-    meta_path = os.path.join(path, _META_FILE)
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"hugehead: {path} is not a checkpoint directory written by save_checkpoint "
-                                f"(no {_META_FILE})")
-    meta = torch.load(meta_path, map_location="cpu", weights_only=weights_only)
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"hugehead: {path} has checkpoint format {meta.get('format')!r}, expected {_FORMAT!r}")
-    return meta
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def read_checkpoint(path: PathLike, model_state: Mapping[str, Any],
-                    optimizers: Optional[Sequence[torch.optim.Optimizer]] = None, *, strict: bool = True, weights_only: Optional[bool] = None,
-                    block_bytes: int = DCP_BLOCK_BYTES, process_group=None, io_threads: Optional[int] = None,
-                    optional_keys: Sequence[str] = ()) -> Tuple[Dict[str, Any], List[dict], Any]:
-    """The loading half of :func:`load_checkpoint`, for callers that apply the states themselves
-    (``hugehead.lightning``): loads in place into ``model_state`` (a :func:`sharded_state_dict`) and into
-    optimizer state tensors allocated on each parameter's device.
-
-    Returns:
-        ``(model_state, optimizer_state_dicts, extra)``; ``optimizer_state_dicts`` is None when
-        ``optimizers`` is None or the checkpoint holds no optimizer state (nothing of it is read then).
-    With ``process_group`` (a model whose heads span its ranks): collective; each rank reads its rows
-    and, from a checkpoint saved by the same world size, its own optimizer state. ``io_threads``: files
-    read at once (None: :data:`IO_THREADS`). ``optional_keys``: keys of ``model_state`` the checkpoint may
-    lack even when ``strict`` (:func:`hugehead.checkpoint.optional_state_keys`); they keep their values.
-
-    Raises:
-        FileNotFoundError, ValueError: not a checkpoint; different shapes; optimizer state saved for other
-            parameters (another placement, another optimizer, another world size). RuntimeError:
-            (``strict``) other keys.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    pg = _resolve_group(process_group)
-    rank, world = _group_rank(pg)
-    threads = IO_THREADS if io_threads is None else int(io_threads)
-    path = os.fspath(path)
-    meta = _read_meta(path, weights_only)
-    if pg is None and any(isinstance(v, ShardedRows) and v._partial for v in model_state.values()):
-        raise ValueError("hugehead: the model holds a head that spans ranks: pass its process_group to "
-                         "read_checkpoint/load_checkpoint (every rank reads its rows)")
-    model_state = dict(model_state)
-    saved_shapes = meta["model_shapes"]
-    if strict:
-        missing = [k for k in model_state if k not in meta["model_keys"] and k not in set(optional_keys)]
-        unexpected = [k for k in meta["model_keys"] if k not in model_state]
-        if missing or unexpected:
-            raise RuntimeError(f"hugehead: {path} does not match the model: missing keys {missing}, "
-                               f"unexpected keys {unexpected} (pass strict=False to load the common keys)")
-    targets: Dict[str, Any] = {}
-    for key, value in model_state.items():
-        if not isinstance(value, Tensor) or key not in saved_shapes:
-            continue
-        if tuple(value.shape) != tuple(saved_shapes[key]):
-            raise ValueError(
-                f"hugehead: {path}: {key} was saved with shape {tuple(saved_shapes[key])}, the model has "
-                f"{tuple(value.shape)}"
-            )
-        targets[f"model.{key}"] = _for_dcp(value, block_bytes)
-    for key, value in meta["model_other"].items():
-        if key in model_state:
-            model_state[key] = value
-
-    optimizer_states: Optional[List[dict]] = None
-    saved_optimizers = meta["optimizers"]
-    saved_world = meta.get("world_size", 1)
-    if optimizers is not None and saved_optimizers is not None:
-        if saved_world != world:
-            raise ValueError(
-                f"hugehead: {path} holds the optimizer state of {saved_world} rank(s); this is {world}. Optimizer "
-                "state resumes into the same world size and placement only; load the weights alone with "
-                "optimizers=None"
-            )
-        if saved_world > 1:
-            saved_optimizers = saved_optimizers[rank]  # this rank's own lists
-        optimizer_states = []
-        if len(optimizers) != len(saved_optimizers):
-            raise ValueError(f"hugehead: {path} holds state of {len(saved_optimizers)} optimizer(s), "
-                             f"got {len(optimizers)}")
-        for i, (optimizer, saved) in enumerate(zip(optimizers, saved_optimizers)):
-            params = _optimizer_params(optimizer)
-            groups = optimizer.param_groups
-            saved_counts = [len(g["params"]) for g in saved["param_groups"]]
-            if saved_counts != [len(g["params"]) for g in groups]:
-                raise ValueError(
-                    f"hugehead: {path}: optimizer {i} was saved with parameter groups of sizes {saved_counts}, this "
-                    f"optimizer has {[len(g['params']) for g in groups]} (another model or head placement?). "
-                    "Optimizer state resumes into the same placement only; load the weights alone with optimizers=None"
-                )
-            group_of = {id(p): group for group in groups for p in group["params"]}
-            state = {}
-            for pid, entry in saved["state"].items():
-                param = params[int(pid)]
-                group = group_of[id(param)]
-                param_state = {}
-                for key, value in entry.items():
-                    if not isinstance(value, _TensorRef):
-                        param_state[key] = value
-                        continue
-                    # A moment of another shard size: same trailing shape, other row count.
-                    if len(value.shape) == param.dim() >= 1 and value.shape[1:] == tuple(param.shape[1:]) \
-                            and value.shape[0] != param.shape[0]:
-                        raise ValueError(
-                            f"hugehead: {path}: optimizer {i} state {key!r} of parameter {pid} has shape "
-                            f"{value.shape}, the parameter has {tuple(param.shape)} (another head placement?). "
-                            "Optimizer state resumes into the same placement only; load the weights alone "
-                            "with optimizers=()"
-                        )
-                    on_param_device = key != "step" or group.get("fused") or group.get("capturable")
-                    tensor = torch.empty(value.shape, dtype=value.dtype,
-                                         device=param.device if on_param_device else "cpu")
-                    targets[value.key] = _for_dcp(tensor, block_bytes)
-                    param_state[key] = tensor
-                state[pid] = param_state
-            optimizer_states.append({**{k: v for k, v in saved.items() if k != "state"}, "state": state})
-
-    if pg is not None:
-        try:
-            dcp.load(targets, storage_reader=_reader(path, threads), process_group=pg)
-        except BaseException as exc:
-            raise _as_rank_error(exc, rank) from None
-    elif targets:
-        with _single_process_dcp():
-            dcp.load(targets, storage_reader=_reader(path, threads), no_dist=True)
-    return model_state, optimizer_states, meta["extra"]
-
-
-def load_checkpoint(path: PathLike, model: nn.Module, optimizers=None, *, strict: bool = True,
-                    weights_only: Optional[bool] = None, process_group=None, io_threads: Optional[int] = None) -> Any:
-    """Load a directory written by :func:`save_checkpoint` into ``model`` (any placement and shard count
-    of its heads: each shard reads only its rows, block by block, straight into its Parameters) and into
-    ``optimizers`` (same placement; each state tensor is read onto its parameter's device).
-
-    Args:
-        strict: passed to ``model.load_state_dict``. weights_only: for the small ``torch.save`` part
-            (None: torch's default). process_group: as for :func:`save_checkpoint` (collective).
-        io_threads: files read at once (None: :data:`IO_THREADS`).
-    Returns:
-        The ``extra`` object that was saved.
-    Raises:
-        FileNotFoundError, ValueError: see :func:`read_checkpoint`; RuntimeError from ``load_state_dict``.
-    """
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = [optimizers]
-    optimizers = None if optimizers is None else list(optimizers)
-    state, optimizer_states, extra = read_checkpoint(path, sharded_state_dict(model), optimizers,
-                                                     strict=strict, weights_only=weights_only,
-                                                     process_group=process_group, io_threads=io_threads,
-                                                     optional_keys=optional_state_keys(model))
-    if optimizers and optimizer_states is None:
-        raise ValueError(f"hugehead: {os.fspath(path)} holds no optimizer state (it was saved without optimizers)")
-    model.load_state_dict(state, strict=strict)
-    for optimizer, opt_state in zip(optimizers or [], optimizer_states or []):
-        optimizer.load_state_dict(opt_state)
-        place_optimizer_state(optimizer)
-    return extra
-

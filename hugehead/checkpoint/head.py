@@ -93,65 +93,106 @@ def save_safetensors(head, path: str, *, keep_previous: bool = True) -> None:
     on_rank_zero(lambda: write_safetensors(path, tensors, metadata, keep_previous=keep_previous))
 
 
+_FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}
+
+
+def _lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every value of ``src`` is a value of ``dst`` (float16 -> float32, float32 -> float64; never an
+    integer into a float, nor float16 <-> bfloat16)."""
+    return src == dst or (src.is_floating_point and dst.is_floating_point
+                          and torch.promote_types(src, dst) == dst and torch.finfo(src).bits < torch.finfo(dst).bits)
+
+
+def _check_dtypes(header: dict, path: str, head_dtype: torch.dtype, dtype: Optional[torch.dtype]) -> None:
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        src = _FILE_DTYPES.get(entry.get("dtype"))
+        if src is None:
+            raise TypeError(f"hugehead: {path}: {name} has dtype {entry.get('dtype')!r}, which a head cannot load")
+        if dtype is not None:
+            if src != dtype:
+                raise TypeError(f"hugehead: {path}: {name} is {src}, not the dtype={dtype} asked for")
+        elif not _lossless(src, head_dtype):
+            raise TypeError(
+                f"hugehead: {path}: {name} is {src}; loading it into this {head_dtype} head would cast it "
+                f"lossily. Pass dtype={src} to cast it anyway, or build the head in {src}")
+
+
 @torch.no_grad()
-def load_safetensors(head, path: str, strict: bool = True) -> None:
-    """Copy a safetensors file into ``head``'s shards; see :meth:`hugehead.ChunkedClassifier.load_safetensors`."""
+def load_safetensors(head, path: str, strict: bool = True, dtype: Optional[torch.dtype] = None) -> None:
+    """Copy a safetensors file into ``head``'s shards; see :meth:`hugehead.ChunkedClassifier.load_safetensors`.
+    The file is opened once (a save replacing it meanwhile is not mixed in), checked whole (extents,
+    digest, dtypes) before any shard is written."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt", device="cpu") as f:
-        names = set(f.keys())
-        if "weight" in names:
-            pieces = [(0, None, "weight", "bias")]
-        else:
-            ranges = json.loads((f.metadata() or {}).get("hugehead.class_ranges", "null"))
-            if ranges is None:
-                raise ValueError(
-                    f"hugehead: {path} has neither a 'weight' tensor nor hugehead shard metadata "
-                    f"(tensors: {sorted(names)})"
-                )
-            pieces = [(start, stop, f"weight.{k}", f"bias.{k}") for k, (start, stop) in enumerate(ranges)]
-        stop = 0
-        for i, (start, _, weight_name, bias_name) in enumerate(pieces):
-            if weight_name not in names:
-                raise ValueError(f"hugehead: {path} lacks tensor {weight_name!r}")
-            shape = f.get_slice(weight_name).get_shape()
-            if len(shape) != 2 or shape[1] != head.in_features:
-                raise ValueError(
-                    f"hugehead: {path}: {weight_name} has shape {list(shape)}, but the head has "
-                    f"in_features={head.in_features} (expected [rows, {head.in_features}])"
-                )
-            if start != stop:
-                raise ValueError(f"hugehead: {path}: {weight_name} starts at class {start}, expected {stop}")
-            stop = start + shape[0]
-            pieces[i] = (start, stop, weight_name, bias_name)
-            if bias_name in names:
-                bias_shape = f.get_slice(bias_name).get_shape()
-                if list(bias_shape) != [shape[0]]:
-                    raise ValueError(
-                        f"hugehead: {path}: {bias_name} has shape {list(bias_shape)}, expected [{shape[0]}]"
-                    )
-        if stop != head.num_classes:
+    from .safetensors import check_safetensors
+
+    with open(path, "rb") as pinned:
+        header = check_safetensors(pinned, os.fspath(path))
+        _check_dtypes(header, os.fspath(path), head.shards[0].weight.dtype, dtype)
+        # safe_open reads the file this handle holds (the same inode, even if the path was replaced).
+        same_file = f"/proc/self/fd/{pinned.fileno()}" if os.path.isdir("/proc/self/fd") else path
+        with safe_open(same_file, framework="pt", device="cpu") as f:
+            _copy_into(head, f, path, strict)
+
+
+def _copy_into(head, f, path, strict: bool) -> None:
+    names = set(f.keys())
+    if "weight" in names:
+        pieces = [(0, None, "weight", "bias")]
+    else:
+        ranges = json.loads((f.metadata() or {}).get("hugehead.class_ranges", "null"))
+        if ranges is None:
             raise ValueError(
-                f"hugehead: {path} holds {stop} classes but the head has num_classes={head.num_classes}"
+                f"hugehead: {path} has neither a 'weight' tensor nor hugehead shard metadata "
+                f"(tensors: {sorted(names)})"
             )
-        file_has_bias = all(p[3] in names for p in pieces)
-        if strict and file_has_bias != head.has_bias:
+        pieces = [(start, stop, f"weight.{k}", f"bias.{k}") for k, (start, stop) in enumerate(ranges)]
+    stop = 0
+    for i, (start, _, weight_name, bias_name) in enumerate(pieces):
+        if weight_name not in names:
+            raise ValueError(f"hugehead: {path} lacks tensor {weight_name!r}")
+        shape = f.get_slice(weight_name).get_shape()
+        if len(shape) != 2 or shape[1] != head.in_features:
             raise ValueError(
-                f"hugehead: {path} {'has' if file_has_bias else 'has no'} bias but the head "
-                f"{'has' if head.has_bias else 'has no'} bias (pass strict=False to ignore it)"
+                f"hugehead: {path}: {weight_name} has shape {list(shape)}, but the head has "
+                f"in_features={head.in_features} (expected [rows, {head.in_features}])"
             )
-        rows = max(1, _ROW_BLOCK_ELEMENTS // head.in_features)
-        for shard in head.shards:
-            for start, stop, weight_name, bias_name in pieces:
-                lo, hi = max(start, shard.start), min(stop, shard.stop)
-                destinations = [(weight_name, shard.weight)]
-                if head.has_bias and file_has_bias:
-                    destinations.append((bias_name, shard.bias))
-                for name, param in destinations:
-                    source = f.get_slice(name)
-                    for r0 in range(lo, hi, rows):
-                        r1 = min(r0 + rows, hi)
-                        param[r0 - shard.start:r1 - shard.start].copy_(source[r0 - start:r1 - start])
+        if start != stop:
+            raise ValueError(f"hugehead: {path}: {weight_name} starts at class {start}, expected {stop}")
+        stop = start + shape[0]
+        pieces[i] = (start, stop, weight_name, bias_name)
+        if bias_name in names:
+            bias_shape = f.get_slice(bias_name).get_shape()
+            if list(bias_shape) != [shape[0]]:
+                raise ValueError(
+                    f"hugehead: {path}: {bias_name} has shape {list(bias_shape)}, expected [{shape[0]}]"
+                )
+    if stop != head.num_classes:
+        raise ValueError(
+            f"hugehead: {path} holds {stop} classes but the head has num_classes={head.num_classes}"
+        )
+    file_has_bias = all(p[3] in names for p in pieces)
+    if strict and file_has_bias != head.has_bias:
+        raise ValueError(
+            f"hugehead: {path} {'has' if file_has_bias else 'has no'} bias but the head "
+            f"{'has' if head.has_bias else 'has no'} bias (pass strict=False to ignore it)"
+        )
+    rows = max(1, _ROW_BLOCK_ELEMENTS // head.in_features)
+    for shard in head.shards:
+        for start, stop, weight_name, bias_name in pieces:
+            lo, hi = max(start, shard.start), min(stop, shard.stop)
+            destinations = [(weight_name, shard.weight)]
+            if head.has_bias and file_has_bias:
+                destinations.append((bias_name, shard.bias))
+            for name, param in destinations:
+                source = f.get_slice(name)
+                for r0 in range(lo, hi, rows):
+                    r1 = min(r0 + rows, hi)
+                    param[r0 - shard.start:r1 - shard.start].copy_(source[r0 - start:r1 - start])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import struct
+import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -16,6 +17,10 @@ from .atomic import PathLike, atomic_path
 
 # Bytes of a tensor handled at a time: the host staging of a streamed safetensors write.
 BLOCK_BYTES = 1 << 26
+# The metadata entry holding the CRC-32 (8 hex digits) of the whole file, computed with this entry's value
+# read as the placeholder.
+DIGEST_KEY = "hugehead.crc32"
+_PLACEHOLDER = "00000000"
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -74,11 +79,27 @@ def _write_tensor_bytes(f, tensor: Tensor, block_bytes: int, staged: Optional[bo
             write_oldest()
 
 
+class _Crc32Writer:
+    """Writes through to ``f``, keeping the CRC-32 of every byte written."""
+
+    def __init__(self, f, crc: int = 0):
+        self.f, self.crc = f, crc
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self.f.write(data)
+
+    def __getattr__(self, name: str):  # flush, fileno, ...: the file's own
+        return getattr(self.f, name)
+
+
 def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], metadata: Optional[Mapping[str, str]] = None,
                       *, block_bytes: int = BLOCK_BYTES, keep_previous: bool = True) -> None:
     """Write a safetensors file (readable by ``safetensors.safe_open`` / ``load_file``) without holding
     the tensors in host memory: the header first, then each tensor's bytes in blocks of at most
-    ``block_bytes`` — host memory stays within two blocks whatever the size. Written atomically
+    ``block_bytes`` — host memory stays within two blocks whatever the size. The metadata also records
+    the CRC-32 of the file (``hugehead.crc32``, computed as it is written), which
+    :func:`check_safetensors` verifies. Written atomically
     (:func:`atomic_path`), after checking that the file system has room for the whole file beside the
     previous one.
 
@@ -104,11 +125,12 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
         header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    if metadata:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise TypeError("hugehead: safetensors metadata must map strings to strings")
-        header["__metadata__"] = dict(metadata)
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError("hugehead: safetensors metadata must map strings to strings")
+    # The data's digest, a fixed-width placeholder patched in once the data is written (no second pass).
+    header["__metadata__"] = {**(metadata or {}), DIGEST_KEY: _PLACEHOLDER}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    digest_at = 8 + raw.index(json.dumps(_PLACEHOLDER).encode()) + 1
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
     path = os.path.abspath(os.fspath(path))
     what = f"safetensors file {os.path.basename(path)}"
@@ -122,8 +144,11 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
+            digesting = _Crc32Writer(f, zlib.crc32(struct.pack("<Q", len(raw)) + raw))
             for _, tensor in tensors:
-                _write_tensor_bytes(f, tensor, block_bytes)
+                _write_tensor_bytes(digesting, tensor, block_bytes)
+            f.seek(digest_at)
+            f.write(f"{digesting.crc:08x}".encode())
             f.flush()
             os.fsync(f.fileno())
 
@@ -131,3 +156,40 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
 def file_bytes(nbytes: int) -> int:
     """What a file of ``nbytes`` takes on disk, rounded up to the file system's blocks (generously)."""
     return int(nbytes) + space.ITEM_OVERHEAD_BYTES
+
+
+def check_safetensors(f, path: str, verify: bool = True) -> dict:
+    """The header of the safetensors file open as ``f`` (binary, positioned anywhere), after checking the
+    file is one: a sane header, data extents that end exactly at the file's end, and (``verify``, when
+    the file records it) the CRC-32 of the whole file.
+
+    Raises:
+        CheckpointCorruptError: naming ``path`` and what is wrong.
+    """
+    from .verify import CheckpointCorruptError, _crc32_of
+
+    fd = f.fileno()
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    if n < 2 or 8 + n > size or n > 100 << 20:
+        raise CheckpointCorruptError(path, f"is not a safetensors file ({size} bytes; header length "
+                                     f"{n if n >= 0 else 'missing'})")
+    try:
+        header = json.loads(os.pread(fd, n, 8))
+        end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"], default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointCorruptError(path, f"has an unreadable safetensors header ({type(exc).__name__}: {exc})") from None
+    if size != 8 + n + end:
+        raise CheckpointCorruptError(path, f"is {size} bytes, its header says {8 + n + end} "
+                                     f"({'truncated' if size < 8 + n + end else 'grown'})")
+    stored = (header.get("__metadata__") or {}).get(DIGEST_KEY)
+    if verify and stored is not None:
+        raw = os.pread(fd, n, 8)
+        entry = json.dumps(DIGEST_KEY).encode() + b":" + json.dumps(stored).encode()
+        raw = raw.replace(entry, json.dumps(DIGEST_KEY).encode() + b":" + json.dumps(_PLACEHOLDER).encode(), 1)
+        crc = _crc32_of(fd, end, 8 + n, zlib.crc32(head + raw))[0]
+        if f"{crc:08x}" != stored:
+            raise CheckpointCorruptError(path, f"fails its crc32 digest (stored {stored}, read {crc:08x}): its bytes "
+                                         "changed since it was written")
+    return header

@@ -22,9 +22,11 @@ gathered from all ranks); the DDP helpers live in :mod:`hugehead.ddp`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,11 +37,34 @@ from ..topk import merge_topk
 from ..targets import gather_chunk_target
 from .local import LocalEngine, PlacedInputs, ShardTensors
 
-__all__ = ["DistributedEngine", "rank_class_ranges", "resolve_group"]
+__all__ = ["DistributedEngine", "rank_class_ranges", "resolve_group", "ranks_agree"]
 
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; 2.11 has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# The calls whose first collective is the row-count all-gather, as exchanged there (0: any other caller).
+_OPS = {"forward": 1, "topk": 2, "log_prob": 3}
+_OP_NAMES = {v: k for k, v in _OPS.items()}
+_OP_NAMES[0] = "another call"
+
+
+def ranks_agree(op: str):
+    """Decorate a head method whose first collective is the row-count all-gather: with a distributed
+    engine, an error the method raises before that collective (a bad input on this rank) is handed to
+    every rank through it, and every rank raises the same error, instead of the other ranks waiting in it
+    (see :meth:`DistributedEngine.agreed`). Other engines: the method as it is."""
+    def wrap(method):
+        @functools.wraps(method)
+        def agreed_method(self, *args, **kwargs):
+            agreed = getattr(self.engine, "agreed", None)
+            if agreed is None:
+                return method(self, *args, **kwargs)
+            with agreed(op):
+                return method(self, *args, **kwargs)
+        return agreed_method
+    return wrap
+
 
 # Bytes of the logical weight moved per collective when a checkpoint gathers it.
 GATHER_BLOCK_BYTES = 1 << 26
@@ -144,6 +169,11 @@ class DistributedEngine:
         self.class_ranges = [tuple(r) for r in class_ranges]
         self.num_classes = self.class_ranges[-1][1]
         self._device_types = _backend_device_types(group)
+        # Agreement (see agreed): calls that made the row-count exchange, the call now running and
+        # whether it made it yet.
+        self._calls = 0
+        self._op: Optional[str] = None
+        self._exchanged = False
 
     def __deepcopy__(self, memo):
         # A copied head (an EMA model, say) spans the same group; only the local engine is copied.
@@ -169,12 +199,61 @@ class DistributedEngine:
         return torch.device("cuda", torch.cuda.current_device())
 
     # Collectives --------------------------------------------------------------------------------------
-    def row_counts(self, n: int, device: torch.device) -> List[int]:
-        """``N_r`` of every rank (one tiny all-gather and a host read)."""
-        mine = torch.tensor([n], dtype=torch.int64).to(device)
-        counts = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        _all_gather_single(counts, mine, group=self.group)
-        return counts.tolist()
+    def row_counts(self, n: int, device: torch.device, error: Optional[BaseException] = None) -> List[int]:
+        """``N_r`` of every rank: one tiny all-gather and a host read, the first collective of a step. It
+        also carries each rank's input-error flag, call counter and op (:meth:`agreed`), so the ranks
+        fail together and a call-order mismatch is named instead of pairing unrelated collectives.
+
+        Raises:
+            ValueError / TypeError: some rank's input error (``error`` on this rank), the same on every rank.
+            RuntimeError: the ranks are at different calls (every rank raises it).
+        """
+        mine = torch.tensor([n, int(error is not None), self._calls, _OPS.get(self._op or "", 0)],
+                            dtype=torch.int64).to(device)
+        every = torch.empty(self.world_size * 4, dtype=torch.int64, device=device)
+        _all_gather_single(every, mine, group=self.group)
+        self._calls += 1
+        self._exchanged = True
+        table = every.view(self.world_size, 4).tolist()
+        if any(row[1] for row in table):
+            self._raise_shared_error(table, error)
+        if len({(row[2], row[3]) for row in table}) > 1:
+            where = ", ".join(f"rank {r} at call {row[2]} ({_OP_NAMES.get(row[3], row[3])})" for r, row in enumerate(table))
+            raise RuntimeError(
+                f"hugehead: the ranks of a process_group head are out of step: {where}. Every rank must make the "
+                "same calls (forward, topk, log_prob, ...) in the same order; one that skipped a step after an "
+                "error of its own (caught and carried on) is the usual cause")
+        return [row[0] for row in table]
+
+    def _raise_shared_error(self, table: List[List[int]], error: Optional[BaseException]) -> None:
+        """Every rank raises the first failing rank's error (its type if ValueError or TypeError)."""
+        messages: List[Optional[str]] = [None] * self.world_size
+        mine = None if error is None else (type(error).__name__, str(error))
+        dist.all_gather_object(messages, mine, group=self.group)
+        first = next(r for r, row in enumerate(table) if row[1])
+        kind, text = messages[first] or ("RuntimeError", "an error")
+        cls = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+        raise cls(f"{text} [raised by rank {first} of {self.world_size}; every rank of the head's process "
+                  f"group raises it]") from error
+
+    @contextlib.contextmanager
+    def agreed(self, op: str) -> Iterator[None]:
+        """Run one head call (``op``: forward, topk, log_prob) so that the ranks fail together: an
+        exception raised on this rank before the call's row-count exchange is sent through it (the
+        other ranks are waiting there), and every rank raises it (:meth:`row_counts`). Nested calls
+        belong to the outer one."""
+        if self._op is not None:
+            yield
+            return
+        self._op, self._exchanged = op, False
+        try:
+            yield
+        except Exception as exc:
+            if not self._exchanged:
+                self.row_counts(0, self.comm_device(torch.device("cpu")), error=exc)
+            raise
+        finally:
+            self._op = None
 
     def gather_rows(self, t: Tensor, rows: int, fill) -> Tensor:
         """``t [N_r, ...]`` of every rank, each padded to ``rows`` with ``fill``: ``[W·rows, ...]``."""
