@@ -145,7 +145,7 @@ class _DeferredCheck:
     for before it queues the backward). The kernels queued before the check read the targets only as class ids
     compared with column ranges (as those queued before it finishes always did), and :meth:`finish` runs before
     the op's outputs are returned: a target out of range still raises the same ValueError, and nothing is
-    corrupted. Measured in bench/NOTES.md (session 29; bench/bench_prologue.py --timeline)."""
+    corrupted."""
 
     __slots__ = ("target", "num_classes", "ignore_index", "ready", "finisher")
 
@@ -309,8 +309,7 @@ def eager_twin(name: str, impl, setup_context, backward) -> type:
     eager call runs in place of the op (:func:`eager_dispatch`). Same body, same kernels, same bits; without
     the dispatcher's Python layers around a custom op (its autograd wrapper, redispatch, the alias check,
     dynamo's disable wrapper, the ADInplaceOrView step), which an eager step pays before its first kernel
-    while the GPU waits: one H100 at llama3_4k (bench/profile_step.py, 2026-12-05) had hugehead expose
-    2.40 ms of host latency a step against torch.compile's 1.16."""
+    while the GPU waits (``tools/profile_step.py --trace`` shows that host time between launches)."""
     # The old form (forward takes ctx): a Function with a setup_context staticmethod binds its arguments
     # through inspect.signature at every apply (~75 us on a 2-core VM).
     def forward(ctx, *inputs):

@@ -893,8 +893,8 @@ class _FactoredKept:
     :meth:`finish`: ``dX += G_t W_t`` and ``dW_t += G_t x`` in float32, after the kept chunks' ``dW`` are written.
     The target's entry is most of a row's gradient (``G_t ~ -g`` where the softmax is wide), and through the
     GEMMs it would be ``round(G_t / s) round(s x)``: two roundings to x's dtype where the logits path has at most
-    one (``round(G_t)``, exact when g is a power of two: a mean over 2^k rows), ~1e-3 relative in ``dW`` (xc6M on
-    an H200 at c402b58: 1.3e-3 against the logits path's 7.3e-5).
+    one (``round(G_t)``, exact when g is a power of two: a mean over 2^k rows), ~1e-3 relative in ``dW``, over an
+    order of magnitude more than the logits path's error.
 
     Everything that is not a chunk's two GEMMs is done once for all kept chunks, here: the ``[kept_chunks, N]``
     scales, and the targets' entries zeroed by one scatter per storage region (:meth:`KeptLogits.regions`), so
@@ -923,9 +923,9 @@ class _FactoredKept:
         local = target - class_start
         inside = (local >= 0) & (local < kept_classes)
         # Rows whose target is not kept (most of them) take a kept class of their own, their row index modulo the
-        # kept classes, where they add exact zeros: clamped to the last kept class, thousands of rows shared one
-        # class, whose rows index_put_'s kernel sums one after another (targets_dw: 15.8 ms of an xc6M_16k step
-        # and 2.3 ms of an xc6M one on an H100 at 73167d1, against ~0.1 ms spread).
+        # kept classes, where they add exact zeros: clamped to the last kept class, thousands of rows would share
+        # one class, whose rows index_put_'s kernel sums one after another (milliseconds of a step where spread
+        # rows take a fraction of one).
         spread = torch.remainder(torch.arange(local.shape[0], device=local.device), kept_classes)
         cls = torch.where(inside, local, spread)
         k_t = torch.div(cls, cols, rounding_mode="floor")

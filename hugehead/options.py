@@ -217,7 +217,7 @@ def check_target_range(target: Tensor, num_classes: int, ignore_index: Optional[
     ``ignore_index`` (None: none exempt). One reduction and one device-to-host read (the call's one
     synchronization). For code that runs eagerly inside a registered op, which needs no checked copy;
     elsewhere use :func:`check_targets`."""
-    # -- host syncs (issue 21): where(ignored, 0) and aminmax, 3 kernels before the read, where a mask of the
+    # -- host syncs: where(ignored, 0) and aminmax, 3 kernels before the read, where a mask of the
     # bad rows took 6 (the mask is made only on the error path).
     if target.numel() == 0:
         return

@@ -58,9 +58,8 @@ _FREE_FRACTION = 4
 _MAX_COLS = {"cuda": 65536, "cpu": 8192}
 _MIN_COLS = 256
 # CUDA: a streamed chunk of about 2**28 logits (512 MiB in bf16), i.e. 65536 / 32768 / 16384 classes at
-# N = 4096 / 8192 / 16384 rows. Measured for the four GEMMs of a chunk at D = 768 on an H200 (three
-# bench/split_lce.py runs, bench/NOTES.md): 65536 beat 32768 by 3-6% at N = 4096 and 32768 was best at
-# N = 8192 in every run; at N = 16384 the three widths were within 5% with no consistent winner.
+# N = 4096 / 8192 / 16384 rows: wide enough that a chunk's four GEMMs run near their peak, narrow enough
+# that its logits stay a small part of the memory budget (tools/split_lce.py --widths sweeps the widths).
 _CHUNK_ELEMS = {"cuda": 1 << 28}
 
 # Offload: bytes of one weight slot of the ring at most (a chunk of 256 MiB still copies at full PCIe
@@ -95,7 +94,7 @@ def _host_available() -> int:
     return -1 if available is None else int(available)
 
 
-# -- host work (issue 21): cudaMemGetInfo is a driver call in every default-budget loss call, seen taking
+# -- host work: cudaMemGetInfo is a driver call in every default-budget loss call, seen taking
 # ~8 ms a call on a CUDA 13.0 / driver 580 machine (sglang#25225; ~5-10 us elsewhere). The default budget
 # reads it only below 4 x 4 GiB free, so a CUDA answer of at least exact_below bytes is reused for up to
 # _FREE_REUSE_S seconds; a smaller one is asked again every call.

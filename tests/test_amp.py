@@ -926,7 +926,7 @@ def test_multigpu_autocast_matches_float64(dtype):
 def test_multigpu_fp16_grad_scaler_adamw_matches_plain(inject):
     """Shards on two GPUs: GradScaler finds the overflow per device and the (foreach) AdamW skips the step
     on both. Not fused=True: with an overflow on two devices, GradScaler passes the fused kernels
-    found_inf = 2.0 and they skip only on == 1 (a PyTorch bug, bench/diag_fused_adamw.py; README)."""
+    found_inf = 2.0 and they skip only on == 1 (a PyTorch bug; README)."""
     amp_training_case("module", inject, "cuda:0", FP16, devices=["cuda:0", "cuda:1"], fused=False, n=64, d=32,
                       sizes=(300, 700), chunk=128)
 

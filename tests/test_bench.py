@@ -690,8 +690,8 @@ def test_profile_step_stage_split_attributes_kernels_to_loop_stages():
         assert st["ms"] == pytest.approx(ms) and st["calls"] == calls and st["flops"] == pytest.approx(flops), name
         assert st["tflops"] == (pytest.approx(flops / ms / 1e9) if flops else None)
     assert list(stages)[0] == "dX GEMM (cuBLAS)"  # largest first
-    assert is_gemm_stage("dW GEMM (ours)") and not is_gemm_stage("partials' merge")
-    assert gemm_flops("hugehead::gemm_dw_", [[c, d], [n, c], [n, d], []]) == f
+    assert is_gemm_stage("dW GEMM (cuBLAS)") and not is_gemm_stage("partials' merge")
+    assert gemm_flops("hugehead::gemm_chunk_grad_", [[n, d], [c, d], [], [n]]) == f
     assert gemm_flops("aten::addmm_", [[c, d], [c, n], [n, d]]) == f
     assert gemm_flops("aten::mm", []) == 0.0 and gemm_flops("aten::add_", [[n], [n]]) == 0.0
     table = stage_lines(stages, step_ms=1.0)

@@ -90,8 +90,6 @@ STEP_MARK = "profile_step.step"
 OP_STAGES = {
     "hugehead::gemm_chunk_stats_": "statistics GEMM (fused)",
     "hugehead::gemm_chunk_grad_": "gradient GEMM (fused)",
-    "hugehead::gemm_dx_": "dX GEMM (ours)",
-    "hugehead::gemm_dw_": "dW GEMM (ours)",
     "hugehead::chunk_stats_": "chunk_stats_ (kept logits)",
     "hugehead::chunk_grad_": "chunk_grad_ (kept logits)",
 }
@@ -119,9 +117,6 @@ def gemm_flops(op: str, shapes: Sequence[Sequence[int]]) -> float:
         if op in ("hugehead::gemm_chunk_stats_", "hugehead::gemm_chunk_grad_"):  # x [R, D], weight [C, D]
             (r, d), (c, _) = shapes[0], shapes[1]
             return 2.0 * r * d * c
-        if op in ("hugehead::gemm_dx_", "hugehead::gemm_dw_"):  # out, g [R, C], weight [C, D] / x [R, D]
-            (r, c), d = shapes[1], shapes[2][1]
-            return 2.0 * r * c * d
         mkn = _aten_gemm_mkn(op, shapes) if _aten_gemm(op) else None
         if mkn is not None:
             return 2.0 * mkn[0] * mkn[1] * mkn[2]

@@ -380,63 +380,60 @@ def row_scale_cases(device: torch.device) -> Iterator[Result]:
             yield f"{name}: canaries", canaries, torch.full_like(canaries, 1e3, dtype=torch.float64), 0.0
 
 
-# (label, N, C, D, class_start, bias, softcap): rows and columns off the GEMM's 128 x 128 / 128 x 256 tiles
+# (label, N, C, D, class_start, bias, softcap): rows and columns off the GEMM's tiles; the depth picks the
+# schedule (cooperative from 2048 on, kStatsCooperativeDepth in csrc/include/hugehead/gemm.h), so both are run
 GEMM_STATS_SHAPES = [
     ("one row", 1, 300, 64, 0, False, 0.0),
     ("tails, bias", 130, 257, 128, 1000, True, 0.0),
     ("softcap, bias", 200, 1000, 768, 64, True, 30.0),
+    ("deep (cooperative), tails", 130, 257, 2048, 0, False, 0.0),
 ]
 
 
 @kernel_case("gemm_chunk_stats_")
 def gemm_stats_cases(device: torch.device) -> Iterator[Result]:
-    """The CUTLASS statistics GEMM (CUDA builds with CUTLASS, sm_90 only), both schedules, from earlier
-    running statistics; the reference folds the float64 logits of the same bf16 inputs."""
-    import os
-
+    """The CUTLASS statistics GEMM (CUDA builds with CUTLASS, sm_90 only), on the schedule each depth picks,
+    from earlier running statistics; the reference folds the float64 logits of the same bf16 inputs."""
     from hugehead import ops
 
     if not ops.has_fused_gemm(device, torch.bfloat16):
         return
-    for schedule in ("pingpong", "cooperative"):
-        os.environ["HUGEHEAD_GEMM_SCHEDULE"] = schedule
-        for (label, n, c, d, c0, with_bias, softcap), sums in itertools.product(GEMM_STATS_SHAPES, (True, False)):
-            name = f"{label} {schedule}" + ("" if sums else " without logit sums (8-byte partials)")
-            g = _gen(name)
-            x = torch.randn(n, d, generator=g, dtype=torch.float64).to(torch.bfloat16)
-            w = (torch.randn(c, d, generator=g, dtype=torch.float64) * 3 / math.sqrt(d)).to(torch.bfloat16)
-            b = torch.randn(c, generator=g, dtype=torch.float64).to(torch.bfloat16) if with_bias else None
-            target = torch.randint(0, c0 + c + 50, (n,), generator=g)
-            target[::2] = torch.randint(c0, c0 + c, (n,), generator=g)[::2]
-            target[1::3] = IGNORE
-            row_max = torch.randn(n, generator=g, dtype=torch.float64).float()
-            row_max[0] = -math.inf
-            row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).float()
-            row_sumexp[0] = 0.0
-            target_logit = torch.randn(n, generator=g, dtype=torch.float64).float()
-            logit_sum = torch.randn(n, generator=g, dtype=torch.float64).float()
-            state = [t.to(device, copy=True) for t in (row_max, row_sumexp, target_logit, logit_sum)]
-            torch.ops.hugehead.gemm_chunk_stats_.default(
-                x.to(device), w.to(device), None if b is None else b.to(device), target.to(device), c0, softcap,
-                *state, with_logit_sum=sums)
-            # the kernel rounds each logit once to bf16 (as a stored GEMM output), then softcaps in float32
-            z = (x.double() @ w.double().t() + (0 if b is None else b.double())).to(torch.bfloat16).double()
-            z = _softcapped(z, softcap)
-            m_old, s_old = row_max.double(), row_sumexp.double()
-            m_new = torch.maximum(m_old, z.max(dim=1).values)
-            s_new = s_old * torch.exp(m_old - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
-            inside = (target >= c0) & (target < c0 + c)
-            picked = z.gather(1, (target - c0).clamp(0, c - 1)[:, None]).squeeze(1)
-            got = [t.cpu() for t in state]
-            tol = 1e-3  # float32 accumulation vs float64: now and then a logit rounds to the other bf16
-            yield f"{name}: row_max", got[0], m_new, tol
-            yield f"{name}: lse", got[0].double() + got[1].double().log(), m_new + s_new.log(), tol
-            yield f"{name}: target_logit", got[2], torch.where(inside, picked, target_logit.double()), tol
-            if sums:
-                yield f"{name}: logit_sum", got[3], logit_sum.double() + z.sum(dim=1), 10 * tol
-            else:  # left as it was, exactly
-                yield f"{name}: logit_sum untouched", got[3], logit_sum.double(), 0.0
-    os.environ.pop("HUGEHEAD_GEMM_SCHEDULE", None)
+    for (label, n, c, d, c0, with_bias, softcap), sums in itertools.product(GEMM_STATS_SHAPES, (True, False)):
+        name = label + ("" if sums else " without logit sums (8-byte partials)")
+        g = _gen(name)
+        x = torch.randn(n, d, generator=g, dtype=torch.float64).to(torch.bfloat16)
+        w = (torch.randn(c, d, generator=g, dtype=torch.float64) * 3 / math.sqrt(d)).to(torch.bfloat16)
+        b = torch.randn(c, generator=g, dtype=torch.float64).to(torch.bfloat16) if with_bias else None
+        target = torch.randint(0, c0 + c + 50, (n,), generator=g)
+        target[::2] = torch.randint(c0, c0 + c, (n,), generator=g)[::2]
+        target[1::3] = IGNORE
+        row_max = torch.randn(n, generator=g, dtype=torch.float64).float()
+        row_max[0] = -math.inf
+        row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).float()
+        row_sumexp[0] = 0.0
+        target_logit = torch.randn(n, generator=g, dtype=torch.float64).float()
+        logit_sum = torch.randn(n, generator=g, dtype=torch.float64).float()
+        state = [t.to(device, copy=True) for t in (row_max, row_sumexp, target_logit, logit_sum)]
+        torch.ops.hugehead.gemm_chunk_stats_.default(
+            x.to(device), w.to(device), None if b is None else b.to(device), target.to(device), c0, softcap,
+            *state, with_logit_sum=sums)
+        # the kernel rounds each logit once to bf16 (as a stored GEMM output), then softcaps in float32
+        z = (x.double() @ w.double().t() + (0 if b is None else b.double())).to(torch.bfloat16).double()
+        z = _softcapped(z, softcap)
+        m_old, s_old = row_max.double(), row_sumexp.double()
+        m_new = torch.maximum(m_old, z.max(dim=1).values)
+        s_new = s_old * torch.exp(m_old - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+        inside = (target >= c0) & (target < c0 + c)
+        picked = z.gather(1, (target - c0).clamp(0, c - 1)[:, None]).squeeze(1)
+        got = [t.cpu() for t in state]
+        tol = 1e-3  # float32 accumulation vs float64: now and then a logit rounds to the other bf16
+        yield f"{name}: row_max", got[0], m_new, tol
+        yield f"{name}: lse", got[0].double() + got[1].double().log(), m_new + s_new.log(), tol
+        yield f"{name}: target_logit", got[2], torch.where(inside, picked, target_logit.double()), tol
+        if sums:
+            yield f"{name}: logit_sum", got[3], logit_sum.double() + z.sum(dim=1), 10 * tol
+        else:  # left as it was, exactly
+            yield f"{name}: logit_sum untouched", got[3], logit_sum.double(), 0.0
 
 
 @kernel_case("gemm_chunk_grad_")
@@ -483,57 +480,6 @@ def gemm_grad_cases(device: torch.device) -> Iterator[Result]:
         if grad_lse is not None:
             expected = expected + grad_lse.double()[:, None] * p
         yield f"gemm grad {label}", out.cpu(), expected * dcdz, TOLERANCE[torch.bfloat16]
-
-
-def _padded(device, full: torch.Tensor, pad: int):
-    """``(view, wide)``: ``full`` on ``device`` as the first columns of a wider buffer ``wide`` whose other
-    ``pad`` columns are canaries (1024, exact in every dtype), so a write beside a result can be seen."""
-    n, c = full.shape
-    wide = torch.full((n, c + pad), 1024.0, dtype=full.dtype)
-    wide[:, :c] = full
-    wide = wide.to(device)
-    return wide[:, :c], wide
-
-
-def _dense_cases(device: torch.device, op: str) -> Iterator[Result]:
-    """Our dX / dW GEMMs (CUDA builds with CUTLASS, sm_90 only; taken under HUGEHEAD_GEMM_DENSE=cutlass):
-    g a column slice of a wider buffer, ragged M / N / K, written and accumulated; each out checked with its
-    canary columns against float64 products of the same rounded operands."""
-    from hugehead import ops
-
-    if not ops.has_fused_gemm(device, torch.bfloat16):
-        return
-    # (label, rows, cols, depth, out dtype, accumulate, g's row padding, out's row padding)
-    for label, n, c, d, out_dtype, accumulate, g_pad, out_pad in [
-        ("written", 130, 304, 64, None, False, 8, 8),
-        ("accumulated, ragged", 257, 1000, 200, torch.float32, True, 16, 4),
-    ]:
-        gen = _gen(f"{op} {label}")
-        g = (torch.randn(n, c, generator=gen, dtype=torch.float64) / 100).to(torch.bfloat16)
-        if op == "gemm_dx_":
-            b = torch.randn(c, d, generator=gen, dtype=torch.float64).to(torch.bfloat16)
-            out_dtype, ref = torch.float32, g.double() @ b.double()
-        else:
-            b = torch.randn(n, d, generator=gen, dtype=torch.float64).to(torch.bfloat16)
-            out_dtype, ref = out_dtype or torch.bfloat16, g.double().t() @ b.double()
-        start = torch.randn(ref.shape, generator=gen, dtype=torch.float64).to(out_dtype)
-        g_dev, _ = _padded(device, g, g_pad)
-        out, wide = _padded(device, start, out_pad)
-        getattr(ops, op)(out, g_dev, b.to(device), accumulate)
-        tol = ACC_TOLERANCE[torch.float32] if out_dtype == torch.float32 else TOLERANCE[torch.bfloat16]
-        wide = wide.cpu()
-        yield f"{op} {label}", wide[:, :d], ref + (start.double() if accumulate else 0), tol
-        yield f"{op} {label}: canaries", wide[:, d:], torch.full((ref.shape[0], out_pad), 1024.0, dtype=torch.float64), 0.0
-
-
-@kernel_case("gemm_dx_")
-def gemm_dx_cases(device: torch.device) -> Iterator[Result]:
-    return _dense_cases(device, "gemm_dx_")
-
-
-@kernel_case("gemm_dw_")
-def gemm_dw_cases(device: torch.device) -> Iterator[Result]:
-    return _dense_cases(device, "gemm_dw_")
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

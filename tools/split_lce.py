@@ -1,8 +1,8 @@
 """Where hugehead's forward+backward time goes on one GPU: the real step (``linear_cross_entropy`` forward
 + backward at the plan it chooses) under torch.profiler, its kernels summed by stage of the chunk loop with
 each GEMM stage's achieved TFLOP/s (from the shapes of the ops that launched them: the fused statistics and
-gradient GEMMs, cuBLAS's or our dX / dW, the kept chunks' logits GEMMs and memory-bound passes, the
-partials' merges), beside the step with the side-stream overlap on and off and with ``memory_budget=256 MiB``.
+gradient GEMMs, cuBLAS's dX / dW, the kept chunks' logits GEMMs and memory-bound passes, the
+partials' merges), beside the step with ``memory_budget=256 MiB``.
 
     python -m tools.split_lce [--shapes llama3_4k,xc6M] [--out DIR] [--widths 16384,32768,65536]
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
@@ -14,7 +14,6 @@ partials' merges), beside the step with the side-stream overlap on and off and w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -144,12 +143,8 @@ def split_shape(shape, reps: int, widths: List[int]) -> dict:
            "target_ms": TARGETS_MS.get(shape.name),
            "floor_6ndv_ms": 6.0 * n * d * v / PEAK_TFLOPS / 1e9, "floor_8ndv_ms": 8.0 * n * d * v / PEAK_TFLOPS / 1e9}
 
-    # The whole step: overlap on (the default), overlap off, and a 256 MiB budget.
-    os.environ.pop("HUGEHEAD_OVERLAP", None)
+    # The whole step at the planned default, and at a 256 MiB budget.
     out["step"] = _step_ms(x, w, t, reps)
-    os.environ["HUGEHEAD_OVERLAP"] = "0"
-    out["step_no_overlap"] = _step_ms(x, w, t, reps)
-    os.environ.pop("HUGEHEAD_OVERLAP", None)
     out["step_256mib"] = _step_ms(x, w, t, reps, memory_budget=256 << 20)
     out["plan_256mib"] = dict(vars(loss_plan(xg, wg, t, memory_budget=256 << 20)))
     torch.cuda.empty_cache()
@@ -217,16 +212,16 @@ def render(doc: dict) -> str:
     lines = [harness.header(f"Timing splits of hugehead's chunk loop: {m['machine']} (bfloat16, forward + backward)",
                             m),
              f"8192³ bf16 GEMM on this GPU now: {m['square_gemm_tflops']:.0f} TFLOP/s.", "",
-             "step = `linear_cross_entropy` forward + backward (CUDA events, median), with the side-stream overlap "
-             "on (default) and off. Stages: the same step under torch.profiler "
+             "step = `linear_cross_entropy` forward + backward (CUDA events, median), at the plan it chooses. "
+             "Stages: the same step under torch.profiler "
              f"({PROFILED_STEPS} steps), each kernel counted in the stage of the op that launched it; TFLOP/s "
              "from that op's shapes. gaps = step − every kernel's time.", "",
-             "| shape | plan | step ms | no overlap | GEMMs ms (TFLOP/s) | other kernels ms | gaps ms | target | "
+             "| shape | plan | step ms | GEMMs ms (TFLOP/s) | other kernels ms | gaps ms | target | "
              "6·NDV / 8·NDV at 790 |",
-             "|---|---|--:|--:|--:|--:|--:|--:|---|"]
+             "|---|---|--:|--:|--:|--:|--:|---|"]
     for r in doc["results"]:
         lines.append(
-            f"| {r['shape']} | {_plan_text(r['plan'], r['v'])} | {r['step']['ms']:.2f} | {r['step_no_overlap']['ms']:.2f} | "
+            f"| {r['shape']} | {_plan_text(r['plan'], r['v'])} | {r['step']['ms']:.2f} | "
             f"{r['gemm_sum_ms']:.2f} ({r['gemm_tflops'] or 0:.0f}) | {r['other_sum_ms']:.2f} | {r['gaps_ms']:.2f} | "
             f"{r['target_ms'] if r['target_ms'] else '-'} | {r['floor_6ndv_ms']:.1f} / {r['floor_8ndv_ms']:.1f} |")
     for r in doc["results"]:
@@ -303,7 +298,7 @@ def main(argv=None) -> int:
         r = split_shape(find_shape(name), opts.reps, widths)
         r["wall_s"] = round(time.perf_counter() - t0, 1)
         results.append(r)
-        print(f"{name:<9} step {r['step']['ms']:.2f} ms (no overlap {r['step_no_overlap']['ms']:.2f}, 256 MiB "
+        print(f"{name:<9} step {r['step']['ms']:.2f} ms (256 MiB "
               f"{r['step_256mib']['ms']:.2f}); GEMMs {r['gemm_sum_ms']:.2f}, other kernels "
               f"{r['other_sum_ms']:.2f}, gaps {r['gaps_ms']:.2f}; {r['wall_s']} s", flush=True)
         doc = {"meta": meta, "results": results}

@@ -1,9 +1,9 @@
 // CUDA kernel of hugehead::chunk_grad_: one block per (row, segment of 16384 columns) turns a logits
 // chunk into its gradient in place (16-byte loads and stores where the row allows, four in flight per
 // thread). Segments, not a block a row, and a row's segments side by side in the grid: with a block a
-// 1M-class row the ~1000 blocks resident at once each swept their own row, 2 MB apart, and the rows plan's
-// 2048-row chunks took two waves of ~1.2 ms blocks (3.50 TB/s on one H200 at 2048 x 1M bf16, bench_passes,
-// where torch's in-place passes reach 4.27; 64k-column segments with the rows fastest in the grid: 3.66).
+// row, a wide row (1M classes) is one long block and the blocks resident at once each sweep their own row,
+// megabytes apart, so a chunk of a few thousand rows runs in a couple of long waves; short segments adjacent
+// in memory keep the grid's concurrent reads close together and the waves short.
 // The result is elementwise: the same bits whatever the split. The plain loss of
 // 16-bit logits (no label smoothing, z-loss, softcap or returned lse: kPlain) takes g * exp(z - lse) with
 // the SFU's exponential (one FFMA and one MUFU.EX2, cuda::exp_minus, as the fused gradient GEMM): the general

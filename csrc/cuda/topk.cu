@@ -155,8 +155,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(ChunkTopkParams p,
   const auto* bias = static_cast<const scalar_t*>(p.bias);  // hugehead's loop lets the GEMM add it on CUDA
   auto value_of = [&](scalar_t raw, int64_t col) { return topk_value<scalar_t, acc_t, kSoftcap>(raw, bias, col, softcap); };
   auto key_of = [&](scalar_t raw, int64_t col) { return topk_key(value_of(raw, col)); };
-  // Lanes past a row's end (e >= n) must not call key_of: with a bias it reads bias[col] out of bounds
-  // (compute-sanitizer memcheck at ef5f33b).
+  // Lanes past a row's end (e >= n) must not call key_of: with a bias it would read bias[col] out of bounds.
 
   const key_t bar = topk_threshold(values, ids, p.k);
   if (bar == kNaN) return;  // the k-th is NaN: nothing can rank above it

@@ -103,7 +103,7 @@ CUTLASS_DEVICE constexpr void check_fragment() {
 // Makes v opaque to the compiler where this is called, once per tile: what an epilogue derives from the
 // thread index (its rows and columns) is then computed again for each tile instead of being hoisted out of
 // the persistent tile loop, where ptxas kept it in local memory and each tile's epilogue began by waiting
-// on that reload (ncu at e45e006: ~6% of the statistics epilogue's time).
+// on that reload.
 CUTLASS_DEVICE void opaque_per_tile(int& v) { asm volatile("" : "+r"(v)); }
 
 // Whether the persistent scheduler handed out a tile wholly past the chunk's columns (a grid CUTLASS padded to

@@ -108,13 +108,11 @@ __global__ void __launch_bounds__(kMergeThreads)
   float m = neg_inf<float>(), s = 0.f, sum = 0.f;
   bool flagged = false;
   // kLoads of a lane's partials in flight before it folds them (in the same order, j = lane, lane + 32, ...):
-  // at 16384 rows a chunk's 86 column tiles are three loads a lane, which one at a time left the merge
-  // latency-bound (~13 us a chunk against ~4 us for its 11 MB). The widened forward's chunks (89.5 MB of partials
-  // at xc6M and xc6M_16k) read at ~1.7-2.1 TB/s with 4 (H200, split.md at c402b58): 8 float2 loads a lane keep the
-  // 48 registers (sm_90a ptxas) and double the bytes in flight; the float4 instance keeps 4. The two instances are
-  // the same bits: the same merges in the same order, and lse_merge rounds each product (numerics.h; when nvcc
-  // contracted one of them into an FFMA, the two instances picked other ones and their sums of exps differed at
-  // 469 tiles a row: H100, s23).
+  // a wide chunk's column tiles are several loads a lane, which one at a time leave the merge latency-bound
+  // rather than bandwidth-bound. 8 float2 loads a lane keep the 48 registers (sm_90a ptxas) and double
+  // the bytes in flight; the float4 instance keeps 4. The two instances are the same bits: the same merges in
+  // the same order, and lse_merge rounds each product (numerics.h), so nvcc cannot contract one of them into an
+  // FFMA differently in the two instances and make their sums of exps differ.
   constexpr int kLoads = kSum ? 4 : 8;
   const Part* base = reinterpret_cast<const Part*>(partials) + row * tiles;
   for (int64_t j0 = lane; j0 < tiles; j0 += kLoads * cuda::kWarp) {

@@ -37,9 +37,8 @@ struct LogitPair {
 // Two folds with the same arithmetic in the same order (so the same bits): fold() rounds the accumulators to
 // z in place (what the GEMM that also stores z needs: stats_store_gemm.cuh), and fold_pairs(),
 // the 128 x 192 tile's, packs them two to a register first: its 192 accumulators a thread leave fold() too
-// few registers (ptxas spilled ~1 KB a thread; fold_pairs() none, without logit sums). On 128-column tiles
-// fold_pairs() ran slower than fold() (one H200, xc6M chunk under a 2.5 s soak at 096447b: 601 against 618
-// TFLOP/s; ptxas spilled 108 bytes a thread there against fold()'s 32), so they keep fold().
+// few registers (ptxas spills there; fold_pairs() does not, without logit sums). On 128-column tiles
+// fold_pairs() is the slower one (it spills more than fold() there), so they keep fold().
 template <class Element>
 struct StatsEpilogue : EpilogueBase<Element> {
   struct Arguments {
@@ -165,8 +164,7 @@ struct StatsEpilogue : EpilogueBase<Element> {
     // Each row's max over the quad's 128 columns first (two partial maxes per row, so the thread's rows
     // give eight independent chains; fmaxf is exact in any order), shared by the quad's four lanes by two
     // xor shuffles. Every exponent then subtracts the same max, so the quad's sums add with no rescale:
-    // no exp in the reduction (the per-lane (max, sum) merge took ~300 of the ~1400 instructions a warp
-    // spent per tile, ncu at e45e006).
+    // no exp in the reduction (a per-lane (max, sum) merge would be a large share of a tile's instructions).
     // kSplit: two partial maxes and sums per row where the thread has fewer than four rows.
     constexpr bool kSplit = kRows < 4;
     float m[kRows], mb[kRows], sum[kRows];

@@ -4,8 +4,7 @@
 // chunks folded before (row_max as the call finds it). No max is taken over the tile: each partial is (ref,
 // sum), which lse_merge folds into (row_max, row_sumexp) as any partial, leaving row_max at ref. The epilogue is
 // then one exponential and one add an element beside the store, where stats_store_gemm.cuh runs the whole fold
-// (max, then the exponentials) before its TMA store: 0.738-0.796 ms against 0.600 for the gradient GEMM's TMA
-// store at xc6M (split at 10cf2bb / 7ca83e7).
+// (max, then the exponentials) before its TMA store, which left it well behind the gradient GEMM's TMA store.
 //
 // A reference only works where no logit of the row is far above it: a partial whose sum passes kFlagSum (an
 // exponent of ~55, or +inf, e.g. for a row with no finite max yet; fused_gemm.cuh) flags the row, and

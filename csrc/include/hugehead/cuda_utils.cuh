@@ -174,8 +174,8 @@ __device__ __forceinline__ void fold_values(const acc_t (&v)[N], acc_t& m, acc_t
   } else if constexpr (std::is_same_v<acc_t, float>) {
     // exp(v - m) as (v - m) log2(e) into one MUFU.EX2 (exp2_ftz) instead of __expf's denormal-preserving ex2
     // (six instructions). The difference first, not exp_minus's FFMA against m log2(e) rounded: for float32
-    // logits that rounding (~3e-8 |m|) put the max's own term at 1 + 1e-7 and a one-class loss 3.7e-5 off its
-    // float64 value (the CUDA suite at 8553dda); v - m is exact near the max, so the max's term is exactly 1.
+    // logits that rounding (~3e-8 |m|) puts the max's own term at 1 + 1e-7 and a one-class loss visibly off its
+    // float64 value; v - m is exact near the max, so the max's term is exactly 1.
 #pragma unroll
     for (int k = 0; k < N; ++k) s += exp2_ftz((v[k] - m) * kLog2e);
   } else {
