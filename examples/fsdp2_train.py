@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import hugehead
@@ -73,12 +74,15 @@ def build_model(args, device: torch.device, head: str) -> Model:
     allocates and initializes only its shards (a 6M x 768 head is never whole on any rank)."""
     with torch.device("meta"):
         model = Model(args.in_dim, args.dim, args.classes)
+    # The mesh on the training device: FSDP2's default mesh takes CUDA whenever a GPU is visible, also
+    # when this run trains on the CPU over gloo.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model.backbone:
         if any(True for _ in layer.parameters()):
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
     if head == "sharded":
-        fully_shard(model.head)  # its own unit, never called: never gathered
-    fully_shard(model)  # the root (with head="gathered" it holds the head: gathered every forward)
+        fully_shard(model.head, mesh=mesh)  # its own unit, never called: never gathered
+    fully_shard(model, mesh=mesh)  # the root (with head="gathered" it holds the head: gathered every forward)
     model.to_empty(device=device)
     rank = dist.get_rank()
     with torch.no_grad():
