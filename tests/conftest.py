@@ -118,17 +118,15 @@ def tuned():
 
 
 @pytest.fixture
-def forced_plan(monkeypatch):
-    """``forced_plan(**changes)``: every later single-device loss call executes the plan its planner makes with
-    ``changes`` applied (``dataclasses.replace``), e.g. ``overlap=False``: the loop executes whatever plan it is
-    handed, so a test reaches a strategy without a switch in the library."""
-    import dataclasses
-
+def planned_with(monkeypatch):
+    """``planned_with(**args)``: every later single-device loss call plans with these keyword arguments of
+    :func:`hugehead.plan.plan_loss` in place of its own (``side_stream=False``: one workspace, no overlap;
+    ``grad_store=False``: no chunk kept in the weight gradient's buffer). The loop executes whatever plan it is
+    handed, so a test reaches a strategy without a switch in the library, and the plan stays one that fits."""
     import hugehead.functional
 
-    real = hugehead.functional.loss_plan
+    real = hugehead.functional.plan_loss
 
-    def force(**changes):
-        monkeypatch.setattr(hugehead.functional, "loss_plan",
-                            lambda *a, **k: dataclasses.replace(real(*a, **k), **changes))
-    return force
+    def plan_with(**args):
+        monkeypatch.setattr(hugehead.functional, "plan_loss", lambda *a, **k: real(*a, **{**k, **args}))
+    return plan_with

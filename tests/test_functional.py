@@ -747,19 +747,19 @@ def test_cuda_chunk_over_2_31_elements():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_partly_kept_logits_match_float64(device, bias, tuned, forced_plan):
+def test_partly_kept_logits_match_float64(device, bias, tuned, planned_with):
     """A budget that holds some but not all of the logits: the first chunks are kept (no recompute in the
     backward), the rest stream; loss and every gradient still match float64, and a second backward
     (retain_graph) recomputes what the first consumed."""
     from hugehead.loop import _MAX_COLS
 
-    forced_plan(overlap=False)  # one workspace (the overlap's second has its own test)
+    planned_with(side_stream=False)  # one workspace (the overlap's second has its own test)
     tuned(rows=False)  # the chunk loop's kept chunks (tests/test_rows.py: the rows plan)
     cols = _MAX_COLS[device.type]
     n, d, v = 6, 5, 3 * cols - 100
     itemsize = 8
     budget = n * d * (itemsize + 4) + int(2.5 * n * cols * itemsize)  # workspace + 1 kept chunk (+ slack)
-    plan = plan_chunks(n, d, v, torch.float64, device, None, budget)
+    plan = plan_chunks(n, d, v, torch.float64, device, None, budget, side_stream=False)
     assert plan.keep_logits and plan.kept_chunks == 1 and plan.cols == cols, plan
     torch.manual_seed(11)
     x = torch.randn(n, d, dtype=torch.float64, device=device, requires_grad=True)
@@ -785,7 +785,7 @@ def test_partly_kept_logits_match_float64(device, bias, tuned, forced_plan):
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, overlap, monkeypatch, tuned):
+def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, overlap, tuned, planned_with):
     """Chunks kept in the weight gradient's own buffer (allocated at the forward; Plan.kept_in_grad) beside one
     the budget keeps and two recomputed: the backward writes each chunk's dW over slots it consumed, so loss and
     every gradient match float64 and the plan without them; the buffer comes back as w.grad; a second backward
@@ -796,9 +796,7 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     from hugehead.plan import grad_store_layout
 
     tuned(rows=False)
-    real_plan = hugehead.functional.loss_plan
-    forced = {}  # the plan every loss call below executes once set (overlap: where the device has a side stream)
-    monkeypatch.setattr(hugehead.functional, "loss_plan", lambda *a, **k: forced.get("plan") or real_plan(*a, **k))
+    planned_with(side_stream=overlap)  # the overlapped loop where the device has a side stream
     cols = _MAX_COLS[device.type]
     n, d, v = 12, 5, 4 * cols - 100
     assert grad_store_layout(n, d, v, cols, 8, 8)[2] == 1  # one chunk's logits fit past the first chunk's dW
@@ -813,8 +811,7 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     leaves = [x, w] + ([b] if bias else [])
     opts = dict(label_smoothing=0.1, z_loss=1e-3, memory_budget=budget)
     plan = loss_plan(x, w, target, b, memory_budget=budget)
-    plan = dataclasses.replace(plan, overlap=overlap and device.type == "cuda")
-    forced["plan"] = plan
+    assert plan.overlap == (overlap and device.type == "cuda"), plan
     assert plan.kept_in_grad == 1 and plan.kept_chunks >= 2 and plan.kept_chunks * plan.cols < v, plan
 
     def grads(retain=False):
@@ -836,10 +833,9 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     loss.backward()  # the kept chunks were consumed: this one recomputes them all
     for a, t in zip(ours[1:], leaves):
         assert_rel(t.grad, a, 1e-12, "second backward")
-    off = plan_loss(n, d, v, x.dtype, x.device, None, budget, direct_dx=True, side_stream=plan.overlap,
-                    grad_store=False)
-    off = forced["plan"] = dataclasses.replace(off, overlap=plan.overlap)
-    assert off.kept_in_grad == 0 and off.kept_chunks == plan.kept_chunks - 1, off
+    planned_with(side_stream=overlap, grad_store=False)
+    off = loss_plan(x, w, target, b, memory_budget=budget)
+    assert off.overlap == plan.overlap and off.kept_in_grad == 0 and off.kept_chunks == plan.kept_chunks - 1, off
     _, plain = grads()
     for a, r in zip(ours, plain):
         assert_rel(a, r, 1e-13, "against the plan without them")
