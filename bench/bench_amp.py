@@ -1,4 +1,4 @@
-"""Mixed-precision benchmark (issue 9): float32 master weights under torch.autocast against an all-bfloat16
+"""Mixed-precision benchmark: float32 master weights under torch.autocast against an all-bfloat16
 head, a full AdamW training step of a float32 6M x 768 head under bf16 autocast, and float16 + GradScaler
 steps against plain PyTorch.
 

@@ -1,6 +1,6 @@
 """Linear cross-entropy benchmark: hugehead against plain PyTorch (eager and torch.compile), a pure-PyTorch
 vocabulary-chunked function, PyTorch's own F.linear_cross_entropy, Cut Cross-Entropy and Liger-Kernel on
-the DESIGN.md shapes (bf16 on a GPU; fp32 on the CPU shapes), loss + exact dL/dx and dL/dW.
+the shapes of bench.common.SHAPES (bf16 on a GPU; fp32 on the CPU shapes), loss + exact dL/dx and dL/dW.
 
 Cases run in child processes with a timeout each (``bench/lce_case.py``, ``bench/child.py``), because a
 peer that faults (an illegal memory access poisons the CUDA context) or hangs must not take the other
@@ -494,7 +494,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="results folder (default bench/results/<gpu or cpu>/; a temp folder for --cpu-smoke)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="cuda (default): the DESIGN.md shapes in bf16; cpu: the CPU shapes in fp32")
+                   help="cuda (default): the GPU shapes in bf16; cpu: the CPU shapes in fp32")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="input dtype (default bfloat16 on cuda and for --cpu-smoke, float32 for --device cpu)")
     p.add_argument("--shapes", help=f"comma list of shapes (default: the mode's: {','.join(SHAPES)} on cuda, "

@@ -1,4 +1,4 @@
-"""Multi-label heads beside the single-label step, in one run (issue 22): forward+backward of
+"""Multi-label heads beside the single-label step, in one run: forward+backward of
 
 - ``single``: ``hugehead.linear_cross_entropy(x, W, y)`` with class ids (the baseline),
 - ``multi``: ``hugehead.linear_cross_entropy(x, W, T)`` with a sparse probability target of ``k`` positives
@@ -34,7 +34,7 @@ import hugehead  # noqa: E402
 GPU_SHAPES = {"xc1M": dict(n=8192, d=768, v=1_000_000), "xc6M": dict(n=4096, d=768, v=6_000_000)}
 CPU_SHAPES = {"cpu_16k": dict(n=256, d=128, v=16384), "cpu_64k": dict(n=512, d=128, v=65536)}
 SMOKE_SHAPES = {"smoke": dict(n=64, d=32, v=4096)}
-TARGETS = {"multi": 1.10, "ova": 1.0}  # issue 22: step time at most this many single-label steps
+TARGETS = {"multi": 1.10, "ova": 1.0}  # step time at most this many single-label steps
 
 
 def sparse_target(n: int, v: int, k: int, value: float, device: torch.device, seed: int) -> torch.Tensor:
@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
     md = harness.header(f"Multi-label heads: {args.positives} positives per row, {str(dtype).replace('torch.', '')}, "
                         "forward + backward", meta)
     md += harness.md_table(cols, table)
-    md += (f"\n\nTargets (issue 22, H200): multi-label softmax <= {TARGETS['multi']:.2f}x and one-vs-all <= "
+    md += (f"\n\nTargets (H200): multi-label softmax <= {TARGETS['multi']:.2f}x and one-vs-all <= "
            f"{TARGETS['ova']:.2f}x the single-label step; on the CPU both faster than the dense PyTorch "
            "formulation. The 1-positive check is |multi - single| / single with one positive of value 1 per row.\n")
     md += harness.footer(meta)

@@ -38,7 +38,7 @@ from bench.common import Shape
 
 import torch
 
-H2D_CEILING = 55.4e9  # DESIGN.md, measured on the H200 machine
+H2D_CEILING = 55.4e9  # pinned host-to-device copies measured on an H200 host
 BOTH_CEILING = 101.6e9
 GPU_SHAPES = {
     "xc6M": Shape("xc6M", 4096, 768, 6_000_000, "the seed's BERT + 6M classes"),
@@ -253,7 +253,7 @@ def render_markdown(doc: dict) -> str:
         harness.header("ChunkedClassifier(offload=True): weights in pinned host memory", meta),
         f"Copy ceilings measured here: H2D {_fmt(ceil.get('h2d_gbps'), '.1f')} GB/s, D2H "
         f"{_fmt(ceil.get('d2h_gbps'), '.1f')} GB/s, both at once {_fmt(ceil.get('both_gbps'), '.1f')} GB/s "
-        "(DESIGN.md: 55.4 / 55.3 / 101.6).",
+        "(an H200 host: 55.4 / 55.3 / 101.6).",
         "",
         harness.md_table(["shape", "N", "V", "placement", "variant", "fwd+bwd ms", "fwd ms", "GB/s moved", "floor ms",
                           "x floor", "x resident", "host GiB", "GPU peak GiB", "status"], rows, "lrrllrrrrrrrrl"),

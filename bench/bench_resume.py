@@ -1,4 +1,4 @@
-"""Checkpoint and resume at the head's scale (issue 14): a 6,000,000 x 768 bf16 ChunkedClassifier with
+"""Checkpoint and resume at the head's scale: a 6,000,000 x 768 bf16 ChunkedClassifier with
 fused Adam over cuda:0 and cuda:1 — save and load times against the disk's own bandwidth, host memory.
 
     python -m bench.bench_resume --out bench/results/h200x2 --dir /tmp/hh_resume    # 2+ GPUs
@@ -18,7 +18,7 @@ Measured, all on the file system of --dir (emptied and removed at the end):
 
 Every load is cold (the checkpoint's pages dropped first) and checked bitwise against a copy of the
 state taken before saving. Host peak: VmHWM reset through /proc/self/clear_refs before each operation,
-reported as the peak minus the resident size at its start. The target (issue 14): host peak during a
+reported as the peak minus the resident size at its start. The target: host peak during a
 save <= one shard + 1 GiB. Writes resume.json and resume.md to --out (default
 bench/results/<gpu>x<count>/).
 """

@@ -5,7 +5,7 @@
     python -m bench.bench_topk --device cpu                 # float32 CPU shapes vs torch.topk (~3 min, 2 cores)
     python -m bench.bench_topk --cpu-smoke --out /tmp/topk  # the pipeline, tiny
 
-GPU (issue 20's targets): top-5 within 1.25x and top-100 within 1.5x of ``linear_cross_entropy``'s
+GPU targets: top-5 within 1.25x and top-100 within 1.5x of ``linear_cross_entropy``'s
 forward (no grad) at the same shape, measured in the same run (CUDA events, median of ``--reps``). Each
 row also checks its answer (``check``): the share of the first rows (16 GPU, 64 CPU) whose top-k ids
 equal those of a stable sort (ties to the lower class id) of their logits, computed by the same GEMMs

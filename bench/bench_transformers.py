@@ -1,4 +1,4 @@
-"""Hugging Face transformers models patched by ``hugehead.integrations.transformers.patch`` (issue 23).
+"""Hugging Face transformers models patched by ``hugehead.integrations.transformers.patch``.
 
     python -m bench.bench_transformers            # one H200, about 2 minutes: bench/results/h200/transformers.{json,md}
     python -m bench.bench_transformers --cpu-smoke --out /tmp/tf/transformers.json   # tiny, the same pipeline
@@ -292,7 +292,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--parts", default="llama,bert", help="comma list of llama, bert")
     p.add_argument("--budgets", default="1", help="comma list of GiB: a patched-Llama row at each memory_budget "
-                   "(1: the rows plan, issue 23's Liger-comparable setting)")
+                   "(1: the rows plan, the setting comparable with Liger's)")
     p.add_argument("--recompute-budgets", default="1.5",
                    help="comma list of GiB: a patched-Llama row at each memory_budget without the rows plan "
                         "(HUGEHEAD_ROWS=0: chunks recomputed, the low-memory setting before it)")

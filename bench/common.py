@@ -46,7 +46,7 @@ def _by_name(*shapes: Shape) -> Dict[str, Shape]:
     return {s.name: s for s in shapes}
 
 
-# DESIGN.md "Benchmark shapes", in the order they are run (cheapest first).
+# The benchmark shapes, in the order they are run (cheapest first).
 SHAPES = _by_name(
     Shape("llama3_4k", 4096, 4096, 128256, "LLM head"),
     Shape("llama3", 8192, 4096, 128256, "LLM head"),
@@ -63,7 +63,7 @@ SMOKE_SHAPES = _by_name(
 )
 
 
-# --device cpu: float32 problems a 2-core machine runs in seconds per step (issue 12's CPU table).
+# --device cpu: float32 problems a 2-core machine runs in seconds per step.
 CPU_SHAPES = _by_name(
     Shape("cpu_100k", 1024, 256, 100_000, "CPU"),
     Shape("cpu_200k", 4096, 128, 200_000, "CPU"),

@@ -188,7 +188,7 @@ def _measure_impl(case: _Case, loss_fn, shape: Shape, x, weight, target, dtype, 
             row["plan"] = impl.plan(shape.n, shape.d, shape.v, dtype, device, **given)
         except Exception as exc:  # noqa: BLE001  (a planner API change must not lose the measurement)
             row["plan_error"] = error_text(exc)
-    if impl.name.startswith("hugehead"):  # which logits GEMM its forward ran (HUGEHEAD_GEMM, issue 21)
+    if impl.name.startswith("hugehead"):  # which logits GEMM its forward ran (hugehead.tuning's gemm)
         from hugehead import ops
 
         row["gemm"] = ops.gemm_path(device, dtype)

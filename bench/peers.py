@@ -211,7 +211,7 @@ IMPLS: Dict[str, Impl] = {
     i.name: i
     for i in [
         Impl("hugehead", False, _load_hugehead, "hugehead.linear_cross_entropy (planned chunks)", plan=_hugehead_plan),
-        # issue 21: hugehead and torch.compile compared at equal memory
+        # hugehead and torch.compile compared at equal memory
         Impl("hugehead_eqmem", False, _load_hugehead,
              "hugehead.linear_cross_entropy with memory_budget = torch_compile's measured fwd+bwd peak extra "
              "memory at the same shape", plan=_hugehead_plan, budget_from="torch_compile"),

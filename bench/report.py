@@ -23,7 +23,7 @@ SUSPECT_REL_ERR = 2e-2  # bf16 results are ~1e-3 off the float32 reference; far 
 SUSPECT_REL_ERR_FP32 = 1e-4  # float32 inputs: ~1e-6 off the float32 reference
 IMPL_ORDER = ["hugehead", "torch", "torch_compile", "hugehead_eqmem", "torch_chunked", "torch_lce", "cce", "liger",
               "cce_filter", "liger_fp32acc"]
-# hugehead at torch.compile's measured memory (issue 21), compared with it in its own table
+# hugehead at torch.compile's measured memory, compared with it in its own table
 EQMEM, EQMEM_SOURCE = "hugehead_eqmem", "torch_compile"
 INEXACT = {"cce_filter"}
 CROWDED = 0.10  # CPU runs: others' share of the machine during a timing above which the table says so  # rows written before "impl_exact" existed
@@ -59,7 +59,7 @@ def _ordered(seen: List[str], preferred: List[str]) -> List[str]:
 
 
 def _shape_order(doc: dict) -> List[str]:
-    """Shapes in DESIGN.md order (cheapest first), then any others in the order they appear."""
+    """Shapes in bench.common.SHAPES order (cheapest first), then any others in the order they appear."""
     seen = list(dict.fromkeys(r["shape"] for r in doc["rows"]))
     return _ordered(seen, list(ALL_SHAPES))
 

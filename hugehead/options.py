@@ -6,7 +6,7 @@ passes it down; engines and the chunk loop read it, never loose scalars. Checks 
 and raise errors that name the option; the target-range check works under ``torch.compile``
 (``torch._check``), with the same message in eager mode.
 
-Mixed precision (DESIGN.md): under ``torch.autocast`` the head computes in the autocast dtype — ``x`` is
+Mixed precision: under ``torch.autocast`` the head computes in the autocast dtype — ``x`` is
 cast once, the weight and bias chunk by chunk inside the loop — with float32 accumulation; Parameters
 keep their dtype and get gradients in it. The loss is float32 for 16-bit inputs (float64 for float64).
 """

@@ -63,7 +63,7 @@ class IndexTarget:
 
 @dataclass(frozen=True)
 class SoftmaxCsrTarget:
-    """Softmax against a CSR target (DESIGN.md, "Sparse targets"; algebra in :mod:`hugehead.sparse`).
+    """Softmax against a CSR target (the algebra is in :mod:`hugehead.sparse`).
 
     Attributes:
         stats: entries whose values the forward dots with the logits (``target_logit += Σ v c``): the

@@ -1,11 +1,9 @@
 """hugehead at an older commit against this tree's installed build, in one device call, the runs taking turns.
 
-Issue 21 asks that the LLM shapes be "no slower than today (within 2%)", today being bf7c076's board. bf7c076's own
-code took 17.85 ms at llama3_4k on that board and 19.20-19.67 ms on another (session 5, by hand:
-``results/h200/ab_llama3_4k/ab.md``), so only the two commits measured on one board, in turns, tell the code's change
-apart from the board's. This does that.
+A step's time moves by a few percent between GPUs of one kind and between runs on one machine, so only two
+commits measured on one machine, in alternating runs, tell a code change apart from the machine's. This does that.
 
-    here:    git archive --format=tar -o .hh/old.tar bf7c076     # the commit id rides in the tar's pax header
+    here:    git archive --format=tar -o .hh/old.tar OLD_COMMIT  # the commit id rides in the tar's pax header
     device:  python3 -m tools.ab_commits --old-tar .hh/old.tar --out $OUT/ab [--shapes llama3_4k,gemma2] [--rounds 2]
              (after this tree's hugehead is installed)
 
@@ -56,7 +54,7 @@ def build_old(tar_path: Path, dest: Path, log: Path, timeout: float) -> int:
     with tarfile.open(tar_path) as tar:
         tar.extractall(dest, filter="data")
     # CUTLASS ON: a commit with the fused GEMMs fails to build without their headers instead of falling back to
-    # cuBLAS unnoticed (trees before them, such as bf7c076, do not read the variable).
+    # cuBLAS unnoticed (older trees ignore the variable).
     env = dict(os.environ, HUGEHEAD_CUDA=os.environ.get("HUGEHEAD_CUDA", "ON"),
                HUGEHEAD_CUTLASS=os.environ.get("HUGEHEAD_CUTLASS", "ON"))
     return run_logged([sys.executable, "setup.py", "build_ext", "--inplace"], dest, env, log, timeout)

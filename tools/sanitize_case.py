@@ -217,7 +217,7 @@ def topk_cases(device: torch.device) -> Iterator[Result]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Sparse targets (issue 22): CSR probability / binary targets
+# Sparse targets: CSR probability / binary targets
 # --------------------------------------------------------------------------------------------------
 SPARSE_CHUNKS = [(0, 211), (211, 212), (212, 530)]  # a one-class chunk in the middle
 SPARSE_N, SPARSE_V = 9, 530

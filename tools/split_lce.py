@@ -26,8 +26,8 @@ from bench.common import SHAPES, find_shape, make_inputs
 import torch  # noqa: E402
 
 BF16 = torch.bfloat16
-PEAK_TFLOPS = 790.0  # DESIGN.md: the bf16 dense GEMM ceiling measured on this H200
-TARGETS_MS = {"xc1M": 70.0, "xc6M": 215.0, "xc6M_16k": 900.0}  # issue 21 (default budget, exact gradients)
+PEAK_TFLOPS = 790.0  # an H200's 8192^3 bf16 GEMM (docs/performance.md, "The floors")
+TARGETS_MS = {"xc1M": 70.0, "xc6M": 215.0, "xc6M_16k": 900.0}  # the step targets (default budget, exact gradients)
 
 
 def _events_ms(fn: Callable[[], object], reps: int, warmup: int = 1, before: Callable[[], object] = None) -> float:
@@ -110,8 +110,7 @@ def _step_ms(x, w, t, reps: int, **kwargs) -> Dict[str, float]:
         return torch.autograd.grad(loss, (xg, wg))
 
     # beyond the inputs and the two returned gradients, as bench_lce counts it. (Without input_bytes the
-    # baseline is what was allocated when the timed calls began: the inputs and the last warm-up's gradients,
-    # still held then, so subtracting the gradients again left 0 in every split.md up to 29ce64b.)
+    # baseline would be what was allocated when the timed calls began, the last warm-up's gradients included.)
     timing = harness.measure(step, x.device, reps=reps, warmup=2, input_bytes=harness.tensor_bytes(x, w, t))
     grads = harness.tensor_bytes(x, w)
     return {"ms": timing.ms, "peak_extra_gib": max(0, timing.peak_extra_bytes - grads) / 2**30}

@@ -1,8 +1,8 @@
 """Each step of one bench_lce case on its own line: its time, how long the host took to queue it, what the CUDA
 caching allocator did in it, and the SM clock and power-cap flag nvidia-smi saw while it ran.
 
-bench_lce keeps only a case's median. Some steps stand out at fixed positions: xc6M's 5th of 10 timed steps is
-16-18 ms over its neighbours on every H200 run since 9771bd0, its 9th 6-13 ms (bench/NOTES.md, session 38). Either
+bench_lce keeps only a case's median. Some steps stand out at fixed positions (at xc6M on an H200,
+the 5th and the 9th of 10 timed steps, by several milliseconds). Either
 the power controller clamps the clock then, or the step waits on the host (a device synchronization, e.g. a
 cudaMalloc / cudaFree by the caching allocator, leaves the GPU idle while the host queues the rest). This tells
 them apart: a power clamp shows as a lower clock with the SW power-cap flag (0x4) and no allocator event; a host

@@ -4,7 +4,7 @@ Each shard runs the one chunk loop of :mod:`hugehead.loop` on its compute device
 current stream. ``x`` and the targets are copied to each device once; only per-row statistics (forward)
 and ``dX`` partials (backward) travel back to ``x``'s device.
 
-Ordering (DESIGN.md, local engine): a cross-device copy is queued on the *source* device's current
+Ordering: a cross-device copy is queued on the *source* device's current
 stream, so a copy issued after shard 0's chunk loop has been queued on ``x``'s device would wait for
 that whole loop and the GPUs would take turns. Every step therefore queues the inputs of every device
 first, then the shards' loops, then the small transfers back. The loops are generators that yield after
