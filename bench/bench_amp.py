@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hugehead  # noqa: E402
-from hugehead.loop import DEFAULT_MEMORY_BUDGET, plan_chunks  # noqa: E402
+from hugehead.plan import DEFAULT_MEMORY_BUDGET, plan_chunks  # noqa: E402
 
 GIB = float(1 << 30)
 RATIO_TARGET = 1.15

@@ -18,18 +18,11 @@ from torch import Tensor
 from . import ops, tuning
 from .sparse import is_sparse_target
 from .topk import merge_topk, shard_topk  # noqa: F401  (re-exported, as the loop's names below)
-from .loop import (  # noqa: F401  (re-exported: the loop's names were public here before loop.py)
-    ResidentChunks,
-    RowStats,
-    fused_applies,
-    merge_row_stats,
-    rows_steps,
-    run_steps,
-    shard_backward,
-    shard_forward_stats,
-    whole_head_backward,
-)
-from .loop import _side_stream, _tma_ready
+from .loop import rows_steps, shard_forward_stats, whole_head_backward
+from .loop.chunks import merge_row_stats, run_steps
+from .loop.fused import _tma_ready, fused_applies
+from .loop.overlapped import _side_stream
+from .loop.sources import ResidentChunks
 from .options import (  # noqa: F401  (re-exported: the loss's rules were public here before options.py)
     FLOAT_DTYPES,
     LossOptions,
@@ -137,7 +130,7 @@ _lce_forward = torch.library.custom_op("hugehead::linear_cross_entropy_forward",
 
 class _DeferredCheck:
     """:func:`hugehead.options.start_target_check` started late: by the chunk loop once its first chunk's work is
-    queued (:func:`hugehead.loop.run_steps`' ``after_first``), so that its host work (a pinned buffer, the copy,
+    queued (:func:`hugehead.loop.chunks.run_steps`' ``after_first``), so that its host work (a pinned buffer, the copy,
     an event) and its device-to-host copy no longer stand between an eager step's start and its first GEMM,
     while the GPU idles. On CUDA the copy runs on the loop's side stream after an event recorded at the op's
     start (the targets as the caller left them), beside the GEMMs: on the current stream it would wait for the
@@ -355,7 +348,7 @@ def rows_pass(x: Tensor, weight: Tensor, bias: Optional[Tensor], target, options
     """The body of every rows-plan op: :func:`hugehead.loop.rows_steps` of a weight on ``x``'s device
     under the no-autocast and out-of-memory guards: ``(loss_rows [N], dX, dW, db)``, a gradient not asked
     for (or db without bias) a fresh empty tensor each (custom op outputs may not alias each other).
-    ``after_first``: as :func:`hugehead.loop.run_steps`'."""
+    ``after_first``: as :func:`hugehead.loop.chunks.run_steps`'."""
     with _no_autocast(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, None):
         loss_rows, grad_x, grad_w, grad_b = run_steps(rows_steps(
             x, ResidentChunks(weight, bias, x.dtype), target, options, plan, grad_rows, need_x, need_weight,

@@ -236,7 +236,7 @@ def check_head_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Opti
 
 
 def _plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep: bool):
-    from .loop import plan_chunks
+    from .plan import plan_chunks
 
     return plan_chunks(
         x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size or None, memory_budget or None,
@@ -263,7 +263,8 @@ def _no_autocast(device: torch.device):
 def _backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, label_smoothing, z_loss, softcap,
                            chunk_size, memory_budget, need_x, need_weight, grad_lse):
     """``(dX, dW, db)`` of one device's loss, recomputing the logits chunk by chunk (or from ``kept``)."""
-    from .loop import kept_plan, whole_head_backward
+    from .loop import whole_head_backward
+    from .plan import kept_plan
     from .plan import shard_oom_guard
 
     plan = kept_plan(kept) if kept.numel() > 0 else _plan(x, weight, chunk_size, memory_budget, False)
@@ -274,7 +275,9 @@ def _backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, 
 
 def _forward_through_loop(x, weight, bias, chunk_target, softcap, chunk_size, memory_budget, keep_logits):
     """Merged row statistics ``(lse, target_logit, logit_sum)`` of one device and the kept logits."""
-    from .loop import ResidentChunks, merge_row_stats, shard_forward_stats
+    from .loop import shard_forward_stats
+    from .loop.chunks import merge_row_stats
+    from .loop.sources import ResidentChunks
     from .plan import shard_oom_guard
 
     v = weight.shape[0]
@@ -295,7 +298,7 @@ def _fake_backward(x, weight, bias, need_x, need_weight):
 
 
 def _fake_forward(x, weight, chunk_size, memory_budget, keep_logits):
-    from .loop import kept_shape
+    from .plan import kept_shape
 
     acc = ops.acc_dtype(x.dtype)
     plan = _plan(x, weight, chunk_size, memory_budget, keep_logits)
@@ -604,7 +607,8 @@ def _bce_fused(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``scale * Σ`` of the one-vs-all losses (0-d, accumulation dtype) and its gradients ``(dX [N, D] in the
     accumulation dtype, dW, db)`` for an incoming gradient of 1, in one streaming pass."""
-    from .loop import ResidentChunks, shard_backward
+    from .loop import shard_backward
+    from .loop.sources import ResidentChunks
     from .plan import shard_oom_guard
 
     acc = ops.acc_dtype(x.dtype)

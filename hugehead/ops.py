@@ -458,7 +458,7 @@ def row_scale(out: Tensor, x: Tensor, scale: Tensor) -> Tensor:
     dtype (the accumulation dtype: float32, float64 for float64 ``x``) and rounded once to ``out``'s dtype;
     ``torch.mul(x, scale[:, None], out=out)`` bit for bit, in one vectorized pass on CUDA, where ATen's kernel
     for that broadcast with a cast runs at ~0.7 TB/s (1.7 ms of an xc6M_16k step on an H100 for the factored
-    backward's ``s x``, :class:`hugehead.loop._FactoredKept`). Returns ``out``.
+    backward's ``s x``, :class:`hugehead.loop.probs._FactoredKept`). Returns ``out``.
 
     Args:
         out: ``[N, D]``, ``x``'s dtype, any row stride (written); may be ``x`` itself.

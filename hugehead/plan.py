@@ -255,7 +255,7 @@ def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
 
 def scale_area_bytes(kept_chunks: int, n: int) -> int:
     """Bytes of the references a plan of kept probabilities keeps ahead of the weight gradient buffer's first slot
-    (``hugehead.loop.KeptLogits.scale_area``): ``kept_chunks + 1`` float32 rows of ``N``."""
+    (``hugehead.loop.kept.KeptLogits.scale_area``): ``kept_chunks + 1`` float32 rows of ``N``."""
     return (kept_chunks + 1) * n * 4
 
 
@@ -264,7 +264,7 @@ def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget:
     """The chunks a plan whose kept chunks hold probabilities (:func:`plan_chunks`' ``kept_probs``) keeps in the
     budget, or 0 where that rule does not apply. Its forward stores no logits outside the kept chunks (the fused
     statistics GEMM writes partials only), and its backward takes the kept chunks first, then recomputes the
-    others into the kept tensor's memory (``hugehead.loop._spare``): no workspace chunk of its own, so the budget
+    others into the kept tensor's memory (``hugehead.loop.kept._spare``): no workspace chunk of its own, so the budget
     holds one kept chunk more than the streaming rule's. Counted beside them: ``dX``'s float32 sums and the
     factored backward's ``[N, D]`` buffers (twice :func:`plan_chunks`' ``dx_bytes``), and the widened forward's
     partials (8 bytes a row per 128 columns of :data:`FUSED_STATS_WIDEN` chunks: a quarter of a 16-bit chunk).
@@ -280,7 +280,7 @@ def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget:
 
 
 # The factor by which the fused statistics GEMM widens the chunks it folds without storing (their partials only:
-# ``hugehead.loop._fused_stats_cols``), here for the memory those partials take (:func:`probs_kept_chunks`).
+# ``hugehead.loop.fused._fused_stats_cols``), here for the memory those partials take (:func:`probs_kept_chunks`).
 FUSED_STATS_WIDEN = 8
 
 
@@ -348,13 +348,13 @@ def plan_chunks(
     ``direct_dx``: the caller computes the ``dX`` of a plan that keeps all logits in one chunk as one GEMM
     straight into the gradient (the single-device op), so that plan needs no ``dX`` buffers.
     ``side_stream``: the loop has memory-bound kernels to overlap with the GEMMs on a side stream. False where
-    the fused GEMMs fold them (the caller asks :func:`hugehead.loop.fused_applies`): a second workspace would
+    the fused GEMMs fold them (the caller asks :func:`hugehead.loop.fused.fused_applies`): a second workspace would
     buy nothing, so its memory keeps one more chunk of logits instead.
     ``grad_store``: the forward may hold kept logits in the weight gradient's buffer (``[V, D]`` in
     ``weight_dtype``, allocated at the forward; :func:`grad_store_layout`): the plan keeps the chunks that fit
     there as well (:attr:`Plan.kept_in_grad`, the leading ones), beyond those the budget holds.
     ``kept_probs``: the caller's kept chunks take the factored backward of kept probabilities (the fused
-    statistics GEMM storing ``exp(z - ref)``, :func:`hugehead.loop._probs_plan`, in the layouts of the fused GEMMs'
+    statistics GEMM storing ``exp(z - ref)``, :func:`hugehead.loop.probs._probs_plan`, in the layouts of the fused GEMMs'
     TMA loads): where only some chunks are kept, the streamed chunks'
     workspace lives in the kept tensor's memory, so the budget keeps one chunk more (:func:`probs_kept_chunks`).
     """

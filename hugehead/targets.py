@@ -4,7 +4,7 @@ The loop (:mod:`hugehead.loop`) hands every logits chunk to a *chunk target*: :c
 ids, ``chunk_stats_`` / ``chunk_grad_``), :class:`SoftmaxCsrTarget` (a sparse probability target, or
 index targets with class weights: ``sparse_chunk_stats_`` / ``sparse_chunk_grad_``) or
 :class:`BinaryCsrTarget` (one-vs-all BCE: ``bce_chunk_``). Each fills the same per-row statistics
-(:class:`hugehead.loop.RowStats`: max, sumexp, target_logit, logit_sum), so shards and ranks merge them
+(:class:`hugehead.loop.chunks.RowStats`: max, sumexp, target_logit, logit_sum), so shards and ranks merge them
 the same way whatever the loss: ``target_logit`` holds the row's target-weighted logit sum for the
 softmax kinds and the row's summed one-vs-all loss for BCE (max/sumexp stay ``-inf``/0 there); each is 0
 for classes outside the shard, so shards add it.

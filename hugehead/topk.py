@@ -20,7 +20,9 @@ from torch import Tensor
 
 from . import ops
 from ._extension import require_kernels
-from .loop import ResidentChunks, _logits_into, _Overlap, _workspace_view, run_steps
+from .loop.chunks import _logits_into, _workspace_view, run_steps
+from .loop.overlapped import _Overlap
+from .loop.sources import ResidentChunks
 from .options import FLOAT_DTYPES, autocast_dtype, check_chunk_size, check_memory_budget
 from .plan import Plan, plan_topk_chunks, shard_oom_guard
 

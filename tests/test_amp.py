@@ -14,7 +14,8 @@ from torch import nn
 
 import hugehead
 from hugehead import reference
-from hugehead.loop import ResidentChunks, plan_chunks
+from hugehead.loop.sources import ResidentChunks
+from hugehead.plan import plan_chunks
 
 from conftest import rel_err, requires_cuda, requires_multigpu
 from test_functional import plain_loss, run_with_grads

@@ -751,7 +751,7 @@ def test_partly_kept_logits_match_float64(device, bias, tuned, planned_with):
     """A budget that holds some but not all of the logits: the first chunks are kept (no recompute in the
     backward), the rest stream; loss and every gradient still match float64, and a second backward
     (retain_graph) recomputes what the first consumed."""
-    from hugehead.loop import _MAX_COLS
+    from hugehead.plan import _MAX_COLS
 
     planned_with(side_stream=False)  # one workspace (the overlap's second has its own test)
     tuned(rows=False)  # the chunk loop's kept chunks (tests/test_rows.py: the rows plan)
@@ -792,7 +792,7 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     (retain_graph) recomputes them; and the plan that keeps none there (plan_loss' grad_store=False) gives the
     same numbers."""
     from hugehead.functional import loss_plan
-    from hugehead.loop import _MAX_COLS
+    from hugehead.plan import _MAX_COLS
     from hugehead.plan import grad_store_layout
 
     tuned(rows=False)
@@ -880,7 +880,7 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, tu
     same data as the one-stream loop: loss and every gradient are bitwise equal, and the plan used it. (The
     side stream is the cuBLAS path's: the fused CUTLASS GEMMs have no separate kernels to overlap.)"""
     from hugehead.functional import loss_plan
-    from hugehead.loop import _MAX_COLS
+    from hugehead.plan import _MAX_COLS
 
     tuned(gemm="cublas")
     real_plan = hugehead.functional.loss_plan

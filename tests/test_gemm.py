@@ -31,7 +31,7 @@ def _without_kept_probs(monkeypatch):
 
     real = functional.plan_loss
     monkeypatch.setattr(functional, "plan_loss", lambda *a, **k: real(*a, **{**k, "kept_probs": False}))
-    monkeypatch.setattr(loop, "_probs_plan", lambda *a, **k: False)
+    monkeypatch.setattr(loop.streamed, "_probs_plan", lambda *a, **k: False)
 
 
 def _without_grad_store(monkeypatch):
@@ -710,7 +710,7 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, tuned, o
     # chunks the planner keeps as stored logits never take the fused gradient GEMM (planned here: all kept);
     # without softcap the statistics GEMM stores them as it folds them
     streamed = not plan.keep_logits or plan.kept_chunks * plan.cols < v
-    stored = plan.keep_logits and not opts.get("softcap") and d < loop.FUSED_STORE_MAX_DEPTH
+    stored = plan.keep_logits and not opts.get("softcap") and d < loop.fused.FUSED_STORE_MAX_DEPTH
     results = {}
     for path in ("cublas", "cutlass"):
         tuned(gemm=path)
@@ -793,8 +793,8 @@ def test_row_split_plan_takes_the_fused_gemm(monkeypatch, tuned):
         for kind in ("stats", "grad"):
             assert (len(calls[kind]) > 0) == (path == "cutlass")
             if path == "cutlass":  # every (chunk, row block) pair, no stored-logits chunk; the forward's
-                # chunks are loop.FUSED_STATS_WIDEN times wider (no logits workspace)
-                width = cols * (loop.FUSED_STATS_WIDEN if kind == "stats" else 1)
+                # chunks are loop.fused.FUSED_STATS_WIDEN times wider (no logits workspace)
+                width = cols * (loop.fused.FUSED_STATS_WIDEN if kind == "stats" else 1)
                 assert len(calls[kind]) == math.ceil(v / width) * math.ceil(n / plan.rows)
                 assert max(calls[kind]) <= plan.rows
     ref = _lce_float64(x, w, b, target, **opts)
@@ -896,7 +896,7 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     when label smoothing reads them."""
     from hugehead import loop
 
-    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", widen)
+    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", widen)
     n, d, v, cols = 37, 16, 1000, 64
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=22)
     target = _targets(n, v, 0, v, 22)
@@ -926,7 +926,7 @@ def test_exact_logits_asked_of_both_sides_alike(monkeypatch, case):
     path does."""
     from hugehead import loop
 
-    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 2)
+    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", 2)
     n, d, v, cols = (256, 128, 40000, None) if case == "kept" else (37, 16, 1000, 64)
     x, w, b = _inputs(n, v, d, torch.float32, bias=case == "bias", seed=25)
     target = _targets(n, v, 0, v, 25)
@@ -971,7 +971,7 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
     per kept chunk (and row block), and the logit sums asked for only with label smoothing."""
     from hugehead import loop
 
-    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 1)
+    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", 1)
     n, d, v = 96, 16, 296
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=23)
     target = _targets(n, v, 0, v, 23)
@@ -1001,7 +1001,7 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
     stores.clear()
     _lce_grads(x, w, b, target, softcap=20.0, **opts)
     assert not any(s[0] for s in stores), stores
-    monkeypatch.setattr(loop, "FUSED_STORE_MAX_DEPTH", d)
+    monkeypatch.setattr(loop.fused, "FUSED_STORE_MAX_DEPTH", d)
     again = _lce_grads(x, w, b, target, **opts)
     assert not any(s[0] for s in stores), stores
     for a, r in zip(again, plain):
@@ -1013,7 +1013,7 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
 def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, tuned, case, device):
     """bf16 with chunks kept in the weight gradient's buffer and the fused ops emulated on the CPU: the forward
     folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
-    loop._probs_plan), and the backward takes them without a pass (loop._FactoredKept: dW = eᵀ (s x), dX = s (e
+    loop.probs._probs_plan), and the backward takes them without a pass (loop.probs._FactoredKept: dW = eᵀ (s x), dX = s (e
     W), the targets' gradients from the forward's target logits added apart). Loss, dX and dW within 2x the error
     of the same step keeping the logits (_without_kept_probs) against float64, plus bf16's eps, and the rows of
     dW at kept targets (most of dW's norm) within 1.5x that step's error there; "no_ignored": no ignored row, so
@@ -1082,8 +1082,8 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, tun
     if device == "cpu":
         _emulate_fused_ops(monkeypatch)
     made = []
-    real = loop._FactoredKept
-    monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    real = loop.streamed._FactoredKept
+    monkeypatch.setattr(loop.streamed, "_FactoredKept", lambda *a, **kw: made.append(1) or real(*a, **kw))
     with pytest.MonkeyPatch.context() as logits_only:
         _without_kept_probs(logits_only)
         plain = _lce_grads(x, w, None, target, **opts)
@@ -1116,7 +1116,7 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, tun
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypatch, tuned, device):
     """Where the kept chunks hold probabilities (plan_chunks' kept_probs), the forward stores no logits outside
-    them and the backward recomputes the streamed chunks into the kept tensor's memory (loop._spare), so the plan
+    them and the backward recomputes the streamed chunks into the kept tensor's memory (loop.kept._spare), so the plan
     keeps one chunk more in the same budget than the streaming rule (which leaves a workspace chunk free) and
     the plan without kept probabilities. Loss, dX and dW within 2x that plan's error against float64 (plus bf16's eps),
     the streamed chunks' workspace taken from the kept tensor, and on "cuda" (the fused ops themselves) the step's
@@ -1150,10 +1150,11 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     assert plan.kept_chunks - plan.kept_in_grad == 2 and plan.kept_chunks == streaming.kept_chunks + 1, (plan,
                                                                                                          streaming)
     spares, made = [], []
-    real_spare, real_factored = loop._spare, loop._FactoredKept
-    monkeypatch.setattr(loop, "_spare", lambda kept, numel: spares.append(
-        (numel, real_spare(kept, numel) is not None)) or real_spare(kept, numel))
-    monkeypatch.setattr(loop, "_FactoredKept", lambda *a, **kw: made.append(real_factored(*a, **kw)) or made[-1])
+    real_spare, real_factored = loop.kept._spare, loop.streamed._FactoredKept
+    for where in (loop.streamed, loop.probs):  # the backward's workspace, the targets' temporaries
+        monkeypatch.setattr(where, "_spare", lambda kept, numel: spares.append(
+            (numel, real_spare(kept, numel) is not None)) or real_spare(kept, numel))
+    monkeypatch.setattr(loop.streamed, "_FactoredKept", lambda *a, **kw: made.append(real_factored(*a, **kw)) or made[-1])
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -1187,7 +1188,7 @@ def test_kept_logits_put_rows_writes_one_entry_a_row_in_either_storage():
     """KeptLogits.put_rows (the factored backward's one scatter of the targets' entries): entry (i, col[i]) of
     kept chunk chunk[i] gets values[i] where asked, in the weight gradient's buffer's slots and in the kept
     tensor alike, and nothing else of either changes (the store's bytes outside the slots included)."""
-    from hugehead.loop import KeptLogits
+    from hugehead.loop.kept import KeptLogits
     from hugehead.plan import Plan
 
     n, d, v, cols, kept_chunks, in_grad = 16, 8, 256, 32, 5, 3
@@ -1224,7 +1225,7 @@ def test_loop_fused_branches_with_emulated_ops(monkeypatch, budget):
     plan's width: the widened forward chunks fold in another order, test_fused_forward_takes_wider_chunks.)"""
     from hugehead import loop
 
-    monkeypatch.setattr(loop, "FUSED_STATS_WIDEN", 1)
+    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", 1)
     n, d, v, cols = 37, 16, 300, 64
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=21)
     target = _targets(n, v, 0, v, 21)

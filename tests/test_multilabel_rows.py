@@ -217,7 +217,7 @@ def test_16bit_within_2x_of_plain_pytorch(device, dtype, reduction, rows_calls):
 
 @pytest.mark.parametrize("api", ["functional", "module"])
 def test_cpu_bf16_autocast_casts_the_weight_chunk_by_chunk(api, rows_calls, monkeypatch):
-    from hugehead.loop import ResidentChunks
+    from hugehead.loop.sources import ResidentChunks
 
     n, d, v = 96, 16, 9000  # 2 chunks of 8192 classes (CPU) per block, 3 blocks of 32 rows
     x, w, b = _inputs(n, d, v, torch.float32, "cpu", True, seed=4, scale=3.0)

@@ -572,9 +572,11 @@ def test_target_check_starts_once_the_first_gemm_is_queued(case, monkeypatch):
     from hugehead import functional, loop
 
     calls = []
-    real_check, real_logits = functional.start_target_check, loop._logits_into
+    real_check, real_logits = functional.start_target_check, loop.chunks._logits_into
     monkeypatch.setattr(functional, "start_target_check", lambda *a: calls.append("check") or real_check(*a))
-    monkeypatch.setattr(loop, "_logits_into", lambda *a: calls.append("gemm") or real_logits(*a))
+    # where each path's logits GEMM is looked up: the streamed chunks', the rows plan's stored blocks'
+    where = {"chunks": loop.streamed, "rows": loop.fused}[case]
+    monkeypatch.setattr(where, "_logits_into", lambda *a: calls.append("gemm") or real_logits(*a))
     n, d, v = 64, 16, 700
     x = torch.randn(n, d, dtype=torch.float64, requires_grad=case == "rows")
     w = torch.randn(v, d, dtype=torch.float64, requires_grad=case == "rows")

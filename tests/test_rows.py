@@ -419,7 +419,7 @@ def test_chunked_classifier_one_local_shard_uses_rows(devices, reduction, monkey
 @pytest.mark.parametrize("api", ["functional", "module"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_bf16_autocast_within_2x_of_plain_autocast(api, reduction, monkeypatch):
-    from hugehead.loop import ResidentChunks
+    from hugehead.loop.sources import ResidentChunks
 
     n, d, v = 384, 32, 20_000  # 3 chunks of 8192 classes (CPU) per block, 3 blocks of 128 rows
     x, w, b, target = _inputs(n, d, v, torch.float32, "cpu", True, ignore=True, seed=4, scale=3.0)

@@ -36,7 +36,7 @@ def planned_chunk(name: str, cols=None):
     """A shape's bf16 inputs on the GPU and its first chunk as the loop plans it (``cols`` None: the planned
     width): ``(shape, x, w, t, cols, wc, tc)``, with every row's target clamped into the chunk so the
     target-logit path is exercised. """
-    from hugehead.loop import plan_chunks
+    from hugehead.plan import plan_chunks
 
     shape = find_shape(name)
     dev = torch.device("cuda")
@@ -47,7 +47,7 @@ def planned_chunk(name: str, cols=None):
 
 def bench_shape(name: str, reps: int, cols=None) -> dict:
     from hugehead import ops
-    from hugehead.loop import plan_chunks
+    from hugehead.plan import plan_chunks
 
     shape, x, w, t, cols, wc, tc = planned_chunk(name, cols)
     dev = torch.device("cuda")

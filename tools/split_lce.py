@@ -254,7 +254,7 @@ def render(doc: dict) -> str:
 
 def ncu_one(shape_name: str) -> None:
     """One chunk of every stage between cudaProfilerStart/Stop (after a warm-up), for ncu."""
-    from hugehead.loop import plan_chunks
+    from hugehead.plan import plan_chunks
 
     shape = find_shape(shape_name)
     dev = torch.device("cuda")

@@ -25,15 +25,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..loop import (
-    ResidentChunks,
-    RowStats,
-    backward_steps,
-    forward_stats_steps,
-    merge_row_stats,
-    run_steps,
-    step_result,
-)
+from ..loop import backward_steps, forward_stats_steps
+from ..loop.chunks import RowStats, merge_row_stats, run_steps, step_result
+from ..loop.sources import ResidentChunks
 from ..ops import acc_dtype
 from ..options import LossOptions
 from ..plan import Budget, Plan, device_budgets, plan_chunks, plan_topk_chunks, resolve_budget

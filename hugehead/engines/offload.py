@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import pinned
-from ..loop import WeightChunk
+from ..loop.sources import WeightChunk
 from ..plan import (  # noqa: F401  (SLOT_BYTES, STREAM_MAX_COLS, cap_plan: re-exported, they lived here)
     GRAD_RING_DEPTH,
     SLOT_BYTES,
@@ -243,7 +243,7 @@ class HostGradPool:
 # --------------------------------------------------------------------------------------------------
 class StreamedChunks:
     """The weight-chunk source (and gradient sink) of a shard in host memory computing on ``device``: the
-    interface of :class:`hugehead.loop.ResidentChunks`, with chunks copied in on the H2D stream into a
+    interface of :class:`hugehead.loop.sources.ResidentChunks`, with chunks copied in on the H2D stream into a
     ring of device buffers and ``dW``/``db`` chunks copied out on the D2H stream into host gradients.
 
     A yielded chunk's tensors stay valid until the chunk after the next one is requested (``lookahead``).
