@@ -45,7 +45,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hugehead  # noqa: E402
-from hugehead.plan import DEFAULT_MEMORY_BUDGET, plan_chunks  # noqa: E402
+from hugehead.budget import DEFAULT_MEMORY_BUDGET  # noqa: E402
+from hugehead.plan import plan_chunks  # noqa: E402
 
 GIB = float(1 << 30)
 RATIO_TARGET = 1.15

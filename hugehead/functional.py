@@ -41,7 +41,6 @@ from .options import (  # noqa: F401  (re-exported: the loss's rules were public
     validate_options,
 )
 from .plan import (  # noqa: F401  (re-exported: the planner's names were public here before plan.py)
-    DEFAULT_MEMORY_BUDGET,
     Plan,
     kept_plan,
     kept_shape,
@@ -105,7 +104,7 @@ def _lce_forward_impl(
     """Per-row losses ``[N]``, lse ``[N]`` (accumulation dtype), the kept logits
     ``[kept_chunks - kept_in_grad, N, cols]`` (empty unless ``keep_logits`` and the plan keeps some) and the
     weight gradient's buffer ``[V, D]`` holding the plan's ``kept_in_grad`` chunks (empty when none: see
-    :func:`hugehead.plan.grad_store_layout`), which the backward returns as ``dW``. ``x`` is in the
+    :func:`hugehead.grad_store.grad_store_layout`), which the backward returns as ``dW``. ``x`` is in the
     compute dtype; weight and bias may be stored in another float dtype (autocast), cast chunk by chunk.
     chunk_size/memory_budget 0: planned. ``plan``: ``[rows, cols, kept_chunks, overlap, kept_in_grad, budget]`` made by
     the caller (None: planned here from chunk_size/memory_budget)."""

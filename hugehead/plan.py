@@ -1,36 +1,27 @@
-"""Every workspace decision of a step: the memory budget (one rule, per device, offload included), the
-chunk shape of a shard's loop (:class:`Plan`), which logits are kept between forward and backward, the
-offload engine's caps on a streamed chunk, and the out-of-memory message that states what was chosen.
+"""Every workspace decision of a step within its memory budget (:mod:`hugehead.budget`): the chunk shape of a
+shard's loop (:class:`Plan`), which logits are kept between forward and backward (and which of them in the weight
+gradient's buffer, :mod:`hugehead.grad_store`), the offload engine's caps on a streamed chunk, and the
+out-of-memory message that states what was chosen.
 
 A plan is made once per step, in the forward, and travels with the saved inputs to the backward
 (DESIGN.md): the backward never asks the planner again, so the chunk widths — and with them the order
 of the ``dX`` sums — are those of the forward, whatever the free memory did in between.
-
-The budget rule (:func:`resolve_budget`): ``memory_budget`` when given, else 4 GiB bounded by what the
-device has: a quarter of a CUDA device's free memory, a quarter of the host's available memory
-(``MemAvailable``, capped by the memory cgroup) on the CPU. An offloaded shard that may keep its logits
-gets half its GPU's free memory instead (the weight is not there, and a copy-bound forward leaves time
-to spare). The budget is per device: the shards computing on one device share it.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from . import pinned, tuning
+from . import tuning
+from .budget import Budget, resolve_budget
+from .grad_store import grad_store_layout, scale_area_bytes
 
 __all__ = [
-    "DEFAULT_MEMORY_BUDGET",
-    "Budget",
     "Plan",
-    "free_memory",
-    "resolve_budget",
-    "device_budgets",
     "plan_chunks",
     "plan_rows",
     "plan_loss",
@@ -41,7 +32,6 @@ __all__ = [
     "plan_streamed",
     "kept_plan",
     "kept_shape",
-    "grad_store_layout",
     "stream_cols",
     "cap_plan",
     "SLOT_BYTES",
@@ -52,9 +42,6 @@ __all__ = [
     "shard_oom_guard",
 ]
 
-DEFAULT_MEMORY_BUDGET = 4 << 30
-# Fraction of a device's free (CUDA) or available (host) memory the default budget may take.
-_FREE_FRACTION = 4
 _MAX_COLS = {"cuda": 65536, "cpu": 8192}
 _MIN_COLS = 256
 # CUDA: a streamed chunk of about 2**28 logits (512 MiB in bf16), i.e. 65536 / 32768 / 16384 classes at
@@ -73,103 +60,6 @@ WEIGHT_RING_DEPTH = 4
 GRAD_RING_DEPTH = 3
 
 
-# --------------------------------------------------------------------------------------------------
-# The budget
-# --------------------------------------------------------------------------------------------------
-class Budget(NamedTuple):
-    """Bytes of workspace a shard's loop may use, and why (for the plan and the out-of-memory message)."""
-
-    bytes: int
-    reason: str
-
-
-@torch.compiler.assume_constant_result
-def _cuda_free(index: int) -> int:
-    return int(torch.cuda.mem_get_info(index)[0])
-
-
-@torch.compiler.assume_constant_result
-def _host_available() -> int:
-    available = pinned.available_host_memory()
-    return -1 if available is None else int(available)
-
-
-# -- host work: cudaMemGetInfo is a driver call in every default-budget loss call, seen taking
-# ~8 ms a call on a CUDA 13.0 / driver 580 machine (sglang#25225; ~5-10 us elsewhere). The default budget
-# reads it only below 4 x 4 GiB free, so a CUDA answer of at least exact_below bytes is reused for up to
-# _FREE_REUSE_S seconds; a smaller one is asked again every call.
-_FREE_REUSE_S = 1.0
-_FREE_SEEN: Dict[int, Tuple[float, int]] = {}  # CUDA device index -> (time.monotonic() of the query, bytes free)
-
-
-def free_memory(device: torch.device, exact_below: Optional[int] = None) -> Optional[int]:
-    """Bytes free on a CUDA device, or available to this process on the host; None when unknown (other
-    device types). The one memory query of the planner (tests replace it). Under ``torch.compile`` the
-    answer is taken once, at trace time, as a constant. ``exact_below``: the caller needs the figure exactly
-    only below this many bytes; a CUDA answer at least that large from the last :data:`_FREE_REUSE_S`
-    seconds is returned again instead of asking the driver."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if exact_below is None or torch.compiler.is_compiling():
-            return _cuda_free(index)
-        now = time.monotonic()
-        seen = _FREE_SEEN.get(index)
-        if seen is not None and seen[1] >= exact_below and now - seen[0] <= _FREE_REUSE_S:
-            return seen[1]
-        free = _cuda_free(index)
-        _FREE_SEEN[index] = (now, free)
-        return free
-    if device.type == "cpu":
-        available = _host_available()
-        return None if available < 0 else available
-    return None
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
-def resolve_budget(memory_budget: Optional[int], device: torch.device, *, shards_on_device: int = 1,
-                   streamed_keep: bool = False) -> Budget:
-    """The budget of one shard's loop on ``device`` (see the module docstring for the rule).
-
-    Args:
-        memory_budget: bytes for the device, or None for the default.
-        shards_on_device: shards computing on ``device`` in this step; they share its budget equally.
-        streamed_keep: the shard is offloaded (weight in host memory) and may keep its logits.
-    """
-    shards = max(1, int(shards_on_device))
-    share = "" if shards == 1 else f", shared by {shards} shards on {device}"
-    if memory_budget is not None:
-        total = int(memory_budget)
-        return Budget(max(1, total // shards), f"memory_budget={total} bytes (given){share}")
-    # The default is its 4 GiB cap from 4 x 4 GiB free on: the figure matters exactly only below (twice that,
-    # for what other processes may have taken since); the offload default halves any figure.
-    free = free_memory(device) if streamed_keep else free_memory(
-        device, exact_below=2 * _FREE_FRACTION * DEFAULT_MEMORY_BUDGET)
-    if free is None:
-        total, why = DEFAULT_MEMORY_BUDGET, f"the default {_gib(DEFAULT_MEMORY_BUDGET)}"
-    elif streamed_keep and device.type == "cuda":
-        total = free // 2
-        why = f"the offload default: half of {device}'s {_gib(free)} free"
-    else:
-        total = min(DEFAULT_MEMORY_BUDGET, free // _FREE_FRACTION)
-        what = "free" if device.type == "cuda" else "available"
-        why = f"the default: min(4 GiB, 1/{_FREE_FRACTION} of {device}'s {_gib(free)} {what})"
-    total = max(1, int(total))
-    return Budget(max(1, total // shards), f"memory_budget=None, {total} bytes ({why}){share}")
-
-
-def device_budgets(memory_budget: Optional[int], devices: Sequence[Hashable], *, streamed_keep: bool = False
-                   ) -> Dict[Hashable, Budget]:
-    """One :class:`Budget` per shard's compute device (``devices``: one entry per shard, repeats for shards
-    that share a device): each device's budget split among its shards. Asked once per step."""
-    counts: Dict[Hashable, int] = {}
-    for device in devices:
-        counts[device] = counts.get(device, 0) + 1
-    return {device: resolve_budget(memory_budget, device, shards_on_device=n, streamed_keep=streamed_keep)
-            for device, n in counts.items()}
-
 
 # --------------------------------------------------------------------------------------------------
 # The plan of one shard's chunk loop
@@ -182,8 +72,8 @@ class Plan:
     ``[kept_chunks, N, cols]`` tensor (:func:`kept_shape`) that the backward turns into their gradient in
     place, skipping their recompute (6·N·D·V FLOPs instead of 8 for the kept classes); the other chunks
     stream through the workspace as usual. ``kept_in_grad`` of those chunks (the first ones) live in the weight
-    gradient's own buffer instead (:func:`grad_store_layout`), allocated at the forward rather than the
-    backward: memory the backward takes anyway, so they cost nothing against the budget.
+    gradient's own buffer instead (:func:`hugehead.grad_store.grad_store_layout`), allocated at the forward
+    rather than the backward: memory the backward takes anyway, so they cost nothing against the budget.
 
     ``overlap`` (CUDA): two workspaces, and each chunk's memory-bound kernel (statistics, gradient) runs
     on a side stream while the main stream's GEMMs go on with the next chunk.
@@ -253,12 +143,6 @@ def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
     return (plan.kept_chunks - plan.kept_in_grad, n, plan.cols)
 
 
-def scale_area_bytes(kept_chunks: int, n: int) -> int:
-    """Bytes of the references a plan of kept probabilities keeps ahead of the weight gradient buffer's first slot
-    (``hugehead.loop.kept.KeptLogits.scale_area``): ``kept_chunks + 1`` float32 rows of ``N``."""
-    return (kept_chunks + 1) * n * 4
-
-
 def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget: int, itemsize: int,
                       grad_offset: int, grad_slots: int) -> int:
     """The chunks a plan whose kept chunks hold probabilities (:func:`plan_chunks`' ``kept_probs``) keeps in the
@@ -283,32 +167,6 @@ def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget:
 # ``hugehead.loop.fused._fused_stats_cols``), here for the memory those partials take (:func:`probs_kept_chunks`).
 FUSED_STATS_WIDEN = 8
 
-
-_STORE_ALIGN = 256  # bytes: a kept chunk's first row in the gradient's buffer (16 for the GEMMs' TMA loads)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def grad_store_layout(n: int, d: int, v: int, cols: int, itemsize: int, grad_itemsize: int) -> Tuple[int, int, int]:
-    """Where kept logits can live in the weight gradient's buffer ``[V, D]`` (``grad_itemsize`` bytes an
-    element) before the backward writes it: ``(offset, stride, slots)``, in bytes, a kept chunk ``[N, cols]``
-    (``itemsize`` bytes an element) ``i < slots`` at ``offset + i * stride``.
-
-    The backward takes the chunks in order and writes chunk ``i``'s ``dW`` (rows ``[i cols, (i + 1) cols)``,
-    bytes up to ``(i + 1) cols D grad_itemsize``) while it reads chunk ``i``'s gradient: the first slot starts
-    past one chunk's ``dW`` and a slot is at least as long as one, so that write ends at or before slot ``i``'s
-    start (``(i + 1) dW ≤ offset + i stride``), over slots already consumed. Where a chunk's logits are
-    smaller than its ``dW`` (``N itemsize < D grad_itemsize``) nothing lives there (0 slots)."""
-    chunk_bytes = n * cols * itemsize
-    dw_bytes = cols * d * grad_itemsize
-    if chunk_bytes < dw_bytes or cols <= 0 or n <= 0:
-        return 0, 0, 0
-    offset = _round_up(dw_bytes, _STORE_ALIGN)
-    stride = _round_up(chunk_bytes, _STORE_ALIGN)
-    total = v * d * grad_itemsize
-    return offset, stride, max(0, (total - offset) // stride)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -341,8 +199,8 @@ def plan_chunks(
 
     The workspace is one ``rows × cols`` logits chunk in ``dtype`` (the compute dtype) plus, in the
     backward, two ``rows × D`` buffers for ``dX``. ``chunk_size`` pins ``cols`` (and streams);
-    ``memory_budget`` (bytes, a :class:`Budget`, or None for :func:`resolve_budget`'s default) bounds the
-    rest. When all ``N × V`` logits fit the budget (and ``allow_keep``), they are kept
+    ``memory_budget`` (bytes, a :class:`Budget`, or None for :func:`hugehead.budget.resolve_budget`'s default)
+    bounds the rest. When all ``N × V`` logits fit the budget (and ``allow_keep``), they are kept
     (:attr:`Plan.keep_logits`); a weight stored in another dtype than ``dtype`` (autocast) is still cast
     a chunk at a time. Rows are split only when even a ``_MIN_COLS``-wide chunk of all rows would not fit.
     ``direct_dx``: the caller computes the ``dX`` of a plan that keeps all logits in one chunk as one GEMM

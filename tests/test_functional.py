@@ -793,7 +793,7 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     same numbers."""
     from hugehead.functional import loss_plan
     from hugehead.plan import _MAX_COLS
-    from hugehead.plan import grad_store_layout
+    from hugehead.grad_store import grad_store_layout
 
     tuned(rows=False)
     planned_with(side_stream=overlap)  # the overlapped loop where the device has a side stream

@@ -1013,8 +1013,8 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
 def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, tuned, case, device):
     """bf16 with chunks kept in the weight gradient's buffer and the fused ops emulated on the CPU: the forward
     folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
-    loop.probs._probs_plan), and the backward takes them without a pass (loop.probs._FactoredKept: dW = eᵀ (s x), dX = s (e
-    W), the targets' gradients from the forward's target logits added apart). Loss, dX and dW within 2x the error
+    loop.probs._probs_plan), and the backward takes them without a pass (loop.probs._FactoredKept:
+    dW = eᵀ (s x), dX = s (e W), the targets' gradients from the forward's target logits added apart). Loss, dX and dW within 2x the error
     of the same step keeping the logits (_without_kept_probs) against float64, plus bf16's eps, and the rows of
     dW at kept targets (most of dW's norm) within 1.5x that step's error there; "no_ignored": no ignored row, so
     g = 1/256 and the logits path's G_t = round(g (p_t - 1)) is ~exact, where G_t through the GEMMs as
@@ -1154,7 +1154,8 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     for where in (loop.streamed, loop.probs):  # the backward's workspace, the targets' temporaries
         monkeypatch.setattr(where, "_spare", lambda kept, numel: spares.append(
             (numel, real_spare(kept, numel) is not None)) or real_spare(kept, numel))
-    monkeypatch.setattr(loop.streamed, "_FactoredKept", lambda *a, **kw: made.append(real_factored(*a, **kw)) or made[-1])
+    monkeypatch.setattr(loop.streamed, "_FactoredKept",
+                        lambda *a, **kw: made.append(real_factored(*a, **kw)) or made[-1])
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     if device == "cuda":
         torch.cuda.synchronize()

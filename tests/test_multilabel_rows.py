@@ -15,6 +15,7 @@ from hugehead import tuning
 from conftest import DEVICES, rel_err, requires_cuda, rows_budget
 from hugehead import multilabel
 from hugehead import plan as planner
+from hugehead.budget import resolve_budget
 from hugehead.plan import ROWS_BLOCKS, plan_loss
 
 OPTION_SETS = [
@@ -456,7 +457,7 @@ def test_cuda_default_budget_at_xc1m_like_rows_takes_the_rows_plan_like_class_id
     ours = multilabel.plan_softmax(x, w, None, reduction="mean", return_lse=False, chunk_size=None,
                                    memory_budget=None)
     assert ours == ids
-    if planner.resolve_budget(None, torch.device("cuda")).bytes >= 4 << 30:
+    if resolve_budget(None, torch.device("cuda")).bytes >= 4 << 30:
         assert ours.kind == "rows", ours
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import hugehead
+from hugehead import budget as budget_rule
+from hugehead import grad_store
 from hugehead import plan as planner
 from hugehead.options import LossOptions
 
@@ -77,16 +79,16 @@ def test_integral_floats_are_accepted_and_options_are_normalized():
 # --------------------------------------------------------------------------------------------------
 def test_cpu_default_budget_is_bounded_by_available_host_memory(monkeypatch):
     monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: 64 << 20)
-    budget = planner.resolve_budget(None, torch.device("cpu"))
+    budget = budget_rule.resolve_budget(None, torch.device("cpu"))
     assert budget.bytes == 16 << 20 and "1/4" in budget.reason and "cpu" in budget.reason
     # 1024 x 64 x 1M classes (4 GiB of float32 logits) is no longer kept whole on a small host.
     plan = planner.plan_chunks(1024, 64, 1_000_000, torch.float32, torch.device("cpu"))
     assert not plan.keep_logits and plan.budget == 16 << 20
     assert 1024 * plan.cols * 4 + 1024 * 64 * 8 <= plan.budget
     monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: 1 << 40)
-    assert planner.resolve_budget(None, torch.device("cpu")).bytes == planner.DEFAULT_MEMORY_BUDGET
+    assert budget_rule.resolve_budget(None, torch.device("cpu")).bytes == budget_rule.DEFAULT_MEMORY_BUDGET
     monkeypatch.setattr(hugehead.pinned, "available_host_memory", lambda: None)  # unknown: the default
-    assert planner.resolve_budget(None, torch.device("cpu")).bytes == planner.DEFAULT_MEMORY_BUDGET
+    assert budget_rule.resolve_budget(None, torch.device("cpu")).bytes == budget_rule.DEFAULT_MEMORY_BUDGET
 
 
 def test_cuda_free_memory_of_the_default_budget_is_reused_only_where_it_cannot_change_it(monkeypatch):
@@ -100,33 +102,33 @@ def test_cuda_free_memory_of_the_default_budget_is_reused_only_where_it_cannot_c
         calls.append(index)
         return answers["free"]
 
-    monkeypatch.setattr(planner, "_cuda_free", driver_free)
-    monkeypatch.setattr(planner.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(planner, "_FREE_SEEN", {})
+    monkeypatch.setattr(budget_rule, "_cuda_free", driver_free)
+    monkeypatch.setattr(budget_rule.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(budget_rule, "_FREE_SEEN", {})
     cuda0 = torch.device("cuda", 0)
     for _ in range(3):
-        budget = planner.resolve_budget(None, cuda0)
-        assert budget.bytes == planner.DEFAULT_MEMORY_BUDGET and "100.00 GiB free" in budget.reason
+        budget = budget_rule.resolve_budget(None, cuda0)
+        assert budget.bytes == budget_rule.DEFAULT_MEMORY_BUDGET and "100.00 GiB free" in budget.reason
     assert calls == [0]
-    clock["now"] += planner._FREE_REUSE_S + 0.1  # stale: asked again, and the new answer is used
+    clock["now"] += budget_rule._FREE_REUSE_S + 0.1  # stale: asked again, and the new answer is used
     answers["free"] = 40 << 30
-    assert "40.00 GiB free" in planner.resolve_budget(None, cuda0).reason and calls == [0, 0]
+    assert "40.00 GiB free" in budget_rule.resolve_budget(None, cuda0).reason and calls == [0, 0]
     answers["free"] = 20 << 30  # not seen yet: the reused 40 GiB still stands within the window
-    assert "40.00 GiB free" in planner.resolve_budget(None, cuda0).reason and len(calls) == 2
-    clock["now"] += planner._FREE_REUSE_S + 0.1
-    assert planner.resolve_budget(None, cuda0).bytes == planner.DEFAULT_MEMORY_BUDGET and len(calls) == 3
+    assert "40.00 GiB free" in budget_rule.resolve_budget(None, cuda0).reason and len(calls) == 2
+    clock["now"] += budget_rule._FREE_REUSE_S + 0.1
+    assert budget_rule.resolve_budget(None, cuda0).bytes == budget_rule.DEFAULT_MEMORY_BUDGET and len(calls) == 3
     for _ in range(2):  # 20 GiB < 32 GiB: asked every call, so a drop below 16 GiB shows at once
-        planner.resolve_budget(None, cuda0)
+        budget_rule.resolve_budget(None, cuda0)
     assert len(calls) == 5
     answers["free"] = 8 << 30
-    assert planner.resolve_budget(None, cuda0).bytes == 2 << 30 and len(calls) == 6
+    assert budget_rule.resolve_budget(None, cuda0).bytes == 2 << 30 and len(calls) == 6
     # The offload default (half of any figure) and explicit budgets: asked every call / never.
     answers["free"] = 100 << 30
-    planner.resolve_budget(None, cuda0)
+    budget_rule.resolve_budget(None, cuda0)
     count = len(calls)
-    assert planner.resolve_budget(None, cuda0, streamed_keep=True).bytes == 50 << 30 and len(calls) == count + 1
-    assert planner.resolve_budget(1 << 30, cuda0).bytes == 1 << 30 and len(calls) == count + 1
-    assert planner.free_memory(cuda0) == 100 << 30 and len(calls) == count + 2
+    assert budget_rule.resolve_budget(None, cuda0, streamed_keep=True).bytes == 50 << 30 and len(calls) == count + 1
+    assert budget_rule.resolve_budget(1 << 30, cuda0).bytes == 1 << 30 and len(calls) == count + 1
+    assert budget_rule.free_memory(cuda0) == 100 << 30 and len(calls) == count + 2
 
 
 def test_shards_on_one_device_share_its_budget_and_the_plan_records_it(monkeypatch):
@@ -139,7 +141,7 @@ def test_shards_on_one_device_share_its_budget_and_the_plan_records_it(monkeypat
     assert budgets[torch.device("cpu")].bytes == 1 << 20
     assert "memory_budget=3145728 bytes (given), shared by 3 shards on cpu" == budgets[torch.device("cpu")].reason
     default = hugehead.ChunkedClassifier(8, 3000, devices=["cpu", "cpu"], dtype=torch.float32).engine
-    assert default.budgets(shards[:2], keep=True)[torch.device("cpu")].bytes == planner.DEFAULT_MEMORY_BUDGET // 2
+    assert default.budgets(shards[:2], keep=True)[torch.device("cpu")].bytes == budget_rule.DEFAULT_MEMORY_BUDGET // 2
     x = torch.randn(16, 8)
     plan = head.engine.plan(x, shards[0], True, budgets[torch.device("cpu")])
     assert plan.budget == 1 << 20 and "shared by 3 shards" in plan.budget_reason
@@ -171,7 +173,7 @@ def test_fused_loop_spends_the_overlap_workspace_on_one_more_kept_chunk():
 def test_grad_store_layout_puts_each_dw_write_over_consumed_slots(n, d, v, cols, itemsize, grad_itemsize):
     """grad_store_layout's slots fit in the weight gradient's buffer, are aligned, and the backward's write of
     chunk i's dW (taken in order, while it reads slot i) ends at or before slot i's start."""
-    offset, stride, slots = planner.grad_store_layout(n, d, v, cols, itemsize, grad_itemsize)
+    offset, stride, slots = grad_store.grad_store_layout(n, d, v, cols, itemsize, grad_itemsize)
     if slots == 0:
         return
     assert n * itemsize >= d * grad_itemsize  # only where a chunk's logits are at least its dW
@@ -195,7 +197,7 @@ def test_plan_keeps_chunks_in_the_weight_gradients_buffer():
     assert planner.Plan.decode(plan.encode()) == plan
     fp32 = planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, weight_dtype=torch.float32,
                                side_stream=False, grad_store=True)
-    assert fp32.kept_in_grad == planner.grad_store_layout(n, d, v, fp32.cols, 2, 4)[2] > 2 * 16 - 2
+    assert fp32.kept_in_grad == grad_store.grad_store_layout(n, d, v, fp32.cols, 2, 4)[2] > 2 * 16 - 2
     # Fewer rows than features (a chunk's logits smaller than its dW): none there.
     assert planner.plan_chunks(512, 1024, v, torch.bfloat16, cuda, None, budget, side_stream=False,
                                grad_store=True).kept_in_grad == 0
@@ -221,7 +223,7 @@ def test_kept_probabilities_plans_keep_the_workspaces_chunk():
         fp32 = dict(args, weight_dtype=torch.float32)
         assert planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, kept_probs=True, **fp32) == \
             planner.plan_chunks(n, d, v, torch.bfloat16, cuda, None, budget, **fp32)
-    offset, _, slots = planner.grad_store_layout(4096, 768, 6_000_000, 65536, 2, 2)
+    offset, _, slots = grad_store.grad_store_layout(4096, 768, 6_000_000, 65536, 2, 2)
     assert planner.probs_kept_chunks(4096, 768, 65536, 92, 4 << 30, 2, offset, slots) == 7
     assert planner.probs_kept_chunks(4096, 768, 65536, 92, 4 << 30, 2, offset, 0) == 0  # no gradient buffer slot
     assert planner.probs_kept_chunks(4096, 768, 65536, 92, 4 << 30, 2, 100, slots) == 0  # no room for references
@@ -246,7 +248,8 @@ def test_workspace_estimate_is_what_the_planner_plans():
     their own plans' workspaces; a budget that holds every logit keeps them all."""
     cpu = torch.device("cpu")
     n, d, budget = 64, 16, 1 << 20
-    plan = planner.plan_chunks(n, d, 3000, torch.float32, cpu, None, planner.resolve_budget(budget, cpu, shards_on_device=2))
+    plan = planner.plan_chunks(n, d, 3000, torch.float32, cpu, None,
+                               budget_rule.resolve_budget(budget, cpu, shards_on_device=2))
     assert not plan.keep_logits or plan.kept_chunks * plan.cols < 3000
     kept = (plan.kept_chunks if plan.keep_logits else 0) * n * plan.cols * 4
     want = n * d * 8 + 2 * (kept + plan.rows * plan.cols * 4)
@@ -306,7 +309,7 @@ def test_backward_follows_the_forward_plan_when_free_memory_changes_in_between(m
     """The free-memory query the planner sees changes between forward and backward (memory_budget=None):
     dX and dW are bitwise those of an undisturbed step."""
     free = {"bytes": 4 * (48 * 2048 * 4 + 48 * 24 * 8)}
-    monkeypatch.setattr(planner, "free_memory", lambda device, exact_below=None: free["bytes"])
+    monkeypatch.setattr(budget_rule, "free_memory", lambda device, exact_below=None: free["bytes"])
     results = []
     for disturb in (False, True):
         free["bytes"] = 4 * (48 * 2048 * 4 + 48 * 24 * 8)  # a quarter of it: 2048-wide chunks, nothing kept

@@ -12,6 +12,7 @@ from hugehead import tuning
 from conftest import DEVICES, rel_err, requires_cuda, rows_budget
 from hugehead import plan as planner
 from hugehead import reference
+from hugehead.budget import resolve_budget
 from hugehead.plan import ROWS_BLOCKS, plan_loss, plan_rows
 
 OPTION_SETS = [
@@ -375,7 +376,7 @@ def test_cuda_rows_plan_matches_float64(dtype):
 def test_cuda_plans_of_issue_23s_llama_head_kept_by_default_rows_at_1_gib():
     plan = plan_loss(16384, 4096, 128256, torch.bfloat16, torch.device("cuda"), None, None, allow_rows=True,
                      direct_dx=True)
-    if planner.resolve_budget(None, torch.device("cuda")).bytes >= 4 << 30:
+    if resolve_budget(None, torch.device("cuda")).bytes >= 4 << 30:
         assert plan.kind == "kept", plan
     plan = plan_loss(16384, 4096, 128256, torch.bfloat16, torch.device("cuda"), None, 1 << 30, allow_rows=True,
                      direct_dx=True)

@@ -30,7 +30,8 @@ from ..loop.chunks import RowStats, merge_row_stats, run_steps, step_result
 from ..loop.sources import ResidentChunks
 from ..ops import acc_dtype
 from ..options import LossOptions
-from ..plan import Budget, Plan, device_budgets, plan_chunks, plan_topk_chunks, resolve_budget
+from ..budget import Budget, device_budgets, resolve_budget
+from ..plan import Plan, plan_chunks, plan_topk_chunks
 from ..plan import shard_oom_guard  # noqa: F401  (re-exported: it lived here before plan.py)
 from ..topk import CUDA_MAX_K, merge_topk, topk_steps
 
@@ -80,7 +81,7 @@ class LocalEngine:
     Args:
         chunk_size: classes per chunk (None: planned per shard from the shapes and ``memory_budget``).
         memory_budget: bytes of workspace each compute device may use, shared by the shards computing
-            there (None: the planner's default, :func:`hugehead.plan.resolve_budget`).
+            there (None: the planner's default, :func:`hugehead.budget.resolve_budget`).
     """
 
     name = "local"

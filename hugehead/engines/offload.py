@@ -41,17 +41,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import pinned
 from ..loop.sources import WeightChunk
+from ..budget import Budget, device_budgets, resolve_budget
 from ..plan import (  # noqa: F401  (SLOT_BYTES, STREAM_MAX_COLS, cap_plan: re-exported, they lived here)
     GRAD_RING_DEPTH,
     SLOT_BYTES,
     STREAM_MAX_COLS,
     WEIGHT_RING_DEPTH,
-    Budget,
     Plan,
     cap_plan,
-    device_budgets,
     plan_streamed,
-    resolve_budget,
     stream_cols,
 )
 from .local import LocalEngine, ShardTensors

@@ -102,7 +102,8 @@ def _mm_dw(out: Tensor, g: Tensor, x: Tensor, accumulate: bool = False) -> None:
 
 def _add_dx(grad_x: Tensor, g: Tensor, weight: Tensor, dx_partial: Optional[Tensor]) -> None:
     """``grad_x += g @ weight``. When ``grad_x`` is in the accumulation dtype and ``g`` is not: on CUDA one
-    GEMM that sums in float32 into ``grad_x`` itself (cuBLAS's addmm with ``out_dtype``), elsewhere through a partial in the compute dtype, each chunk's partial rounded on its own
+    GEMM that sums in float32 into ``grad_x`` itself (cuBLAS's addmm with ``out_dtype``), elsewhere through a
+    partial in the compute dtype, each chunk's partial rounded on its own
     (as a single GEMM's would be): never a low-precision running sum."""
     if dx_partial is None:
         grad_x.addmm_(g, weight)

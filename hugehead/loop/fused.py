@@ -103,7 +103,8 @@ def _exact_logits(x: Tensor, source, softcap: float, smoothing: bool, fused: boo
     (:func:`ops.gemm_chunk_stats_` / :func:`ops.gemm_chunk_grad_` ``exact``): both fused (a chunk whose layout
     the fused GEMMs refuse takes cuBLAS on both sides alike), no bias, softcap or label smoothing (the forward's
     logit sums: the 128 x 192 fold has none) and a depth under :data:`FUSED_STORE_MAX_DEPTH` (the rounded
-    logits would cost a cvt a pair and two integer ops an element in both epilogues). The forward and the backward ask it of the same inputs and options: the same answer, so a confident row's
+    logits would cost a cvt a pair and two integer ops an element in both epilogues). The forward and the
+    backward ask it of the same inputs and options: the same answer, so a confident row's
     ``p - 1`` sees the forward's lse and the backward's logits as the same numbers. Kept chunks keep their
     rounded logits (stored, and read back by the backward)."""
     return fused and not softcap and not smoothing and source.bias is None and x.shape[1] < FUSED_STORE_MAX_DEPTH

@@ -8,7 +8,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..plan import Plan, grad_store_layout, scale_area_bytes
+from ..grad_store import grad_store_layout, scale_area_bytes
+from ..plan import Plan
 from .sources import ResidentChunks
 
 __all__ = ["KeptLogits"]
@@ -16,7 +17,7 @@ __all__ = ["KeptLogits"]
 
 class KeptLogits:
     """Where a plan's kept chunks live between forward and backward: the first ``plan.kept_in_grad`` in the
-    weight gradient's buffer ``store [V, D]`` (:func:`hugehead.plan.grad_store_layout`: laid out so that the
+    weight gradient's buffer ``store [V, D]`` (:func:`hugehead.grad_store.grad_store_layout`: laid out so that the
     backward, taking the chunks in order, writes each chunk's ``dW`` over slots it already consumed), the
     others in ``kept [kept_chunks - kept_in_grad, N, cols]``. :meth:`chunk` gives chunk ``i``'s ``[N, width]``
     view (unit column stride, row stride ``cols``), the same either way."""
