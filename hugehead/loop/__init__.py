@@ -60,7 +60,8 @@ def forward_stats_steps(
         options: the loss (its softcap).
         plan: the step's plan for this shard (its backward gets the same one).
         store: the weight gradient's buffer ``[V, D]``, allocated for the backward, where the plan's first
-            ``kept_in_grad`` chunks are kept (:class:`KeptLogits`); None where the plan keeps none there.
+            ``kept_in_grad`` chunks are kept (:class:`~hugehead.loop.kept.KeptLogits`); None where the plan keeps
+            none there.
     A generator that yields after queueing each weight chunk's work, so an engine can interleave the
     loops of several devices (:func:`run_steps` runs one alone).
 
@@ -119,8 +120,8 @@ def backward_steps(
         need_weight: compute ``dW`` (and ``db`` when the shard has a bias).
         kept: the kept logits ``[kept_chunks, N, cols]`` from :func:`forward_stats_steps` (None: a second
             backward, or nothing was kept: every chunk is recomputed); overwritten by their gradient.
-        store: the weight gradient's buffer holding the plan's ``kept_in_grad`` chunks (:class:`KeptLogits`;
-            the source writes ``dW`` into it), or None.
+        store: the weight gradient's buffer holding the plan's ``kept_in_grad`` chunks
+            (:class:`~hugehead.loop.kept.KeptLogits`; the source writes ``dW`` into it), or None.
         grad_x_zero: ``grad_x`` holds zeros (this shard's ``dX`` is all it will hold): the factored backward
             then writes its first kept chunk's ``dX`` into it rather than through a buffer of its own.
     Returns:
@@ -172,8 +173,8 @@ def whole_head_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], targe
     ops of :mod:`hugehead.functional` and :mod:`hugehead.multilabel`): ``(dX [N, D] in x's dtype, dW [V, D],
     db [V])``, a gradient not asked for (or db without bias) empty. Non-empty ``kept`` logits are turned
     into their gradient in place (no recompute); ``store``: the weight gradient's buffer from the forward, which
-    holds the plan's ``kept_in_grad`` chunks (:class:`KeptLogits`) and becomes ``dW`` (None: a fresh one). The
-    caller holds the no-autocast and out-of-memory guards."""
+    holds the plan's ``kept_in_grad`` chunks (:class:`~hugehead.loop.kept.KeptLogits`) and becomes ``dW`` (None: a
+    fresh one). The caller holds the no-autocast and out-of-memory guards."""
     keep = kept.numel() > 0 or (store is not None and plan.kept_in_grad > 0)
     # All logits kept as one chunk (plan_chunks(direct_dx=True)): dX is one GEMM of their gradient
     # straight into x's dtype, as F.linear's backward does; no accumulation buffers.

@@ -77,8 +77,9 @@ def _stored_stats(x: Tensor, chunk: WeightChunk, z: Tensor, target, r0: int, r1:
     cuBLAS path takes four passes over the chunk), one GEMM stores them as it folds
     them (:func:`ops.gemm_chunk_stats_` with ``logits``): no pass reads them back. Else cuBLAS's GEMM, then
     :func:`_chunk_stats` on what it stored. ``reference``: each row's max over the chunks the forward does not keep
-    (:func:`_forward_chunks`), which the GEMM folds against (no tile maxima); ``probs``: ``z`` then gets
-    ``exp(min(z - reference, 80))`` in place of the logits (:func:`_probs_plan`), on either path."""
+    (:func:`hugehead.loop.kept._forward_chunks`), which the GEMM folds against (no tile maxima); ``probs``: ``z``
+    then gets ``exp(min(z - reference, 80))`` in place of the logits (:func:`hugehead.loop.probs._probs_plan`), on
+    either path."""
     if (fused and not softcap and (x.shape[1] < FUSED_STORE_MAX_DEPTH or probs) and _fused_layout(x, chunk)
             and _tma_store_ready(z)):
         ops.gemm_chunk_stats_(x, chunk.weight, chunk.bias, target[r0:r1], class_start, 0.0, *stats,

@@ -64,7 +64,7 @@ class _Overlap:
 
 
 def _forward_overlapped(x, source, target, class_start, softcap, plan, store=None):
-    """:func:`forward_stats_steps` with the statistics kernel of chunk ``j`` on the side stream while the
+    """:func:`hugehead.loop.forward_stats_steps` with the statistics kernel of chunk ``j`` on the side stream while the
     main stream computes chunk ``j + 1``'s logits (rows whole)."""
     n = x.shape[0]
     stats = _new_stats(x)
@@ -89,7 +89,7 @@ def _forward_overlapped(x, source, target, class_start, softcap, plan, store=Non
 
 def _backward_overlapped(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
                          need_weight, kept, grad_lse, store=None):
-    """:func:`backward_steps` (rows whole) as a two-stage pipeline: chunk ``j``'s logits (main stream)
+    """:func:`hugehead.loop.backward_steps` (rows whole) as a two-stage pipeline: chunk ``j``'s logits (main stream)
     and gradient kernel (side stream) are queued before chunk ``j - 1``'s dX and dW GEMMs (main stream),
     so the gradient kernel runs beside those GEMMs. Needs a source whose chunk ``j - 1`` stays valid
     while chunk ``j`` is fetched (``source.lookahead``)."""

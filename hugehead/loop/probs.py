@@ -174,7 +174,7 @@ def _row_scaled(out: Tensor, x: Tensor, scale: Tensor) -> Tensor:
 
 def _mm_float(out: Tensor, a: Tensor, b: Tensor) -> None:
     """``out = a @ b`` into a float32 ``out`` from 16-bit ``a``, ``b``: summed in float32 on CUDA (cuBLAS's
-    ``out_dtype``), elsewhere through ``a``'s dtype (as :func:`_add_dx`'s partial)."""
+    ``out_dtype``), elsewhere through ``a``'s dtype (as :func:`hugehead.loop.chunks._add_dx`'s partial)."""
     if a.is_cuda:
         torch.mm(a, b, out_dtype=out.dtype, out=out)
     else:

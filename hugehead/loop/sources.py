@@ -62,7 +62,7 @@ class ResidentChunks:
     def chunks(self, cols: int, last: int = 0, lead_cols: Optional[int] = None) -> Iterator[WeightChunk]:
         """Chunks ``[0, cols), [cols, 2 cols), …`` of the shard in the compute dtype; with ``last`` (a multiple
         of ``cols``), those from ``last`` on first, ``lead_cols`` wide (default ``cols``), and then those before
-        it (:func:`_forward_chunks`)."""
+        it (:func:`hugehead.loop.kept._forward_chunks`)."""
         bounds = [(c0, min(c0 + cols, self.num_rows)) for c0 in range(0, self.num_rows, cols)]
         if 0 < last < self.num_rows:
             lead = lead_cols or cols
