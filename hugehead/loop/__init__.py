@@ -137,21 +137,11 @@ def backward_steps(
     return _backward_streamed(*args, fused=fused, grad_x_zero=grad_x_zero)
 
 
-def rows_steps(
-    x: Tensor,
-    source: ResidentChunks,
-    target: Tensor,
-    options: LossOptions,
-    plan: Plan,
-    grad_rows: Tensor,
-    need_x: bool,
-    need_weight: bool,
-    row_losses_of: Optional[Callable[[int, int, Tensor, Tensor, Tensor], Tensor]] = None,
-) -> Generator[None, None, Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]]:
-    """The ``"rows"`` plan's pass (:func:`hugehead.loop.rows.row_block_steps`, whose docstring gives the
-    arguments and results): per-row losses and every gradient of one shard holding all ``V`` classes."""
-    return row_block_steps(x, source, target, options, plan, grad_rows, need_x, need_weight, row_losses_of,
-                           fused=fused_applies(x, target))
+def rows_steps(x: Tensor, source: ResidentChunks, target, *args, **kwargs
+               ) -> Generator[None, None, Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]]:
+    """The ``"rows"`` plan's pass: :func:`hugehead.loop.rows.row_block_steps` (whose docstring gives the other
+    arguments and the results), per-row losses and every gradient of one shard holding all ``V`` classes."""
+    return row_block_steps(x, source, target, *args, fused=fused_applies(x, target), **kwargs)
 
 
 def shard_forward_stats(*args, after_first: Optional[Callable[[], None]] = None,
