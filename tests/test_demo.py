@@ -142,3 +142,57 @@ def test_memory_estimate_counts_weight_grad_and_adam_per_device():
     need = demo.estimate_bytes_per_device(args)
     assert list(need) == [torch.device("cpu")]  # repeated devices add up
     assert need[torch.device("cpu")] >= 1000 * 17 * 4 * 4
+
+
+def _capture_plot(monkeypatch):
+    """Keeps the figure the demo plots (matplotlib's close is the last thing plot_history calls)."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
+    return figures
+
+
+def _plot_labels(fig):
+    return {t.get_text() for ax in fig.axes for t in [ax.title, ax.yaxis.label] + ax.get_legend().get_texts()}
+
+
+def test_multilabel_run_reports_its_own_baseline_and_metric(tmp_path, capsys, monkeypatch):
+    figures = _capture_plot(monkeypatch)
+    argv = _without(_without(TINY, "--steps"), "--epochs") + ["--steps", "6", "--epochs", "1", "--labels", "3",
+                                                              "--multilabel-loss", "ova", "--out", str(tmp_path)]
+    assert demo.main(argv) == 0
+    out = capsys.readouterr().out
+    final = json.loads((tmp_path / "summary.json").read_text())["final"]
+    # Independent of the demo's data code: Zipf(1.1) over 2000 ranks, 3 independent draws per sample.
+    ranks = torch.arange(1, 2001, dtype=torch.float64)
+    p0 = float(1.0 / ranks.pow(-1.1).sum())
+    expected = 1 - (1 - p0) ** 3
+    assert final["chance_most_frequent_expected"] == pytest.approx(expected, rel=1e-12)
+    assert expected > 1.5 * p0  # the single-label figure would be far off
+    assert f"(expected {100 * expected:.2f}%)" in out
+    # The measured share over 512 samples lands near the expectation (binomial std ~ 0.02).
+    assert final["chance_most_frequent"] == pytest.approx(expected, abs=0.1)
+    assert "held-out precision@1" in out and "top-1" not in out
+    labels = _plot_labels(figures[0])
+    assert "held-out P@1" in labels and "P@1 (%)" in labels and not any("top-1" in t for t in labels)
+
+
+def test_single_label_plot_says_top1_accuracy(tmp_path, monkeypatch):
+    figures = _capture_plot(monkeypatch)
+    argv = _without(TINY, "--steps") + ["--steps", "2", "--out", str(tmp_path)]
+    assert demo.main(argv) == 0
+    final = json.loads((tmp_path / "summary.json").read_text())["final"]
+    ranks = torch.arange(1, 2001, dtype=torch.float64)
+    assert final["chance_most_frequent_expected"] == pytest.approx(float(1.0 / ranks.pow(-1.1).sum()), rel=1e-12)
+    assert "held-out top-1 accuracy" in _plot_labels(figures[0])
+
+
+def test_budget_spent_before_the_step_count_is_set_counts_the_planned_epochs(tmp_path, capsys):
+    # A budget shorter than the time kept for the report: the run stops after its first step, before the
+    # calibration that sets the step count and the epoch ends.
+    argv = _without(TINY, "--steps") + ["--steps", "auto", "--time-budget", "0.1", "--out", str(tmp_path)]
+    assert demo.main(argv) == 0
+    out = capsys.readouterr().out
+    epoch_lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert epoch_lines and epoch_lines[0].startswith("epoch 1/2 (step 1)")

@@ -46,6 +46,11 @@ class ZipfPrototypes:
     def most_frequent_class(self) -> int:
         return self.perm_add  # rank 0
 
+    def most_frequent_share(self, k: int = 1) -> float:
+        """The expected share of samples of ``k`` labels (``sample_labels``; ``k = 1``: ``sample``) whose
+        labels hold the most frequent class: ``1 - (1 - p_0)^k``, since the ``k`` draws are independent."""
+        return 1.0 - (1.0 - float(self.rank_probs[0])) ** k
+
     def prototypes(self, cls: Tensor) -> Tensor:
         """``[n, input_dim]`` float32 prototypes of class ids ``cls [n]``, recomputed from the ids."""
         h = (cls[:, None] * self.hash_mult + self.hash_add) & _MASK32

@@ -29,7 +29,8 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def plot_history(path: Path, history: dict, chance: float, majority: float) -> None:
+def plot_history(path: Path, history: dict, chance: float, majority: float, metric: str) -> None:
+    """Write the loss and held-out ``metric`` (e.g. ``"top-1 accuracy"``, ``"P@1"``) curves to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,14 +47,14 @@ def plot_history(path: Path, history: dict, chance: float, majority: float) -> N
     ax_loss.legend()
     ax_loss.set_title("loss")
     ax_acc.plot(history["eval_step"], [100 * a for a in history["eval_accuracy"]], "s-", color="C2",
-                label="held-out top-1")
+                label=f"held-out {metric}")
     ax_acc.axhline(100 * majority, color="C3", ls="--", label=f"always the most frequent class ({100 * majority:.1f}%)")
     ax_acc.axhline(100 * chance, color="gray", ls=":", label=f"uniform chance ({100 * chance:.2g}%)")
     ax_acc.set_xlabel("step")
-    ax_acc.set_ylabel("accuracy (%)")
+    ax_acc.set_ylabel(f"{metric} (%)")
     ax_acc.set_ylim(0, 100)
     ax_acc.legend(loc="upper left")
-    ax_acc.set_title("held-out accuracy")
+    ax_acc.set_title(f"held-out {metric}")
     fig.suptitle(f"hugehead demo: {history['num_classes']:,} classes")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

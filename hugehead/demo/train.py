@@ -78,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None, *, start: Optional[float] = None)
     majority = float((y_eval == data.most_frequent_class).double().mean())
     if multilabel:  # P@1 of always predicting the most frequent class
         majority = float((labels_eval == data.most_frequent_class).any(dim=1).double().mean())
-    expected_majority = float(data.rank_probs[0])
+    expected_majority = data.most_frequent_share(args.labels)
     steps_text = f"{args.steps} steps" if args.steps else f"steps to fit {args.time_budget:.0f} s"
     print(f"hugehead.demo: {args.classes:,} classes, D={args.dim}, {dtype_name(dtype)}, batch {args.batch}, "
           f"{steps_text}; head shards{' (offloaded: pinned host memory)' if args.offload else ''}: "
@@ -155,7 +155,8 @@ def main(argv: Optional[Sequence[str]] = None, *, start: Optional[float] = None)
             history["train_loss"].append(sum(losses) / len(losses))
             history["epoch_end_step"].append(step)
             history["epoch_seconds"].append(time.perf_counter() - t_epoch)
-            write(f"epoch {len(history['epoch_end_step'])}/{len(ends)} (step {step}): train loss "
+            planned = len(ends) or args.epochs  # no ends yet: the budget ran out before the step count was set
+            write(f"epoch {len(history['epoch_end_step'])}/{planned} (step {step}): train loss "
                   f"{history['train_loss'][-1]:.3f}  held-out loss {history['eval_loss'][-1]:.3f}  "
                   f"held-out {'P@1' if multilabel else 'accuracy'} {100 * history['eval_accuracy'][-1]:.2f}%")
             epoch_losses, t_epoch = [], time.perf_counter()
@@ -193,7 +194,7 @@ def main(argv: Optional[Sequence[str]] = None, *, start: Optional[float] = None)
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    plot_history(out / "training.png", history, chance, majority)
+    plot_history(out / "training.png", history, chance, majority, "P@1" if multilabel else "top-1 accuracy")
     summary = dict(
         hugehead_version=hugehead.__version__, torch_version=torch.__version__, python=platform.python_version(),
         argv=list(sys.argv[1:] if argv is None else argv),
