@@ -26,10 +26,13 @@ Conventions (those of the Extreme Classification Repository and its tools, e.g. 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .ranking import (Ks, Labels, accuracy_counts, check_indices, check_ks, make_label_set, multilabel_sums,
+                      result_for)
 
 __all__ = [
     "accuracy_at_k",
@@ -48,8 +51,6 @@ __all__ = [
     "PSNDCGAtK",
 ]
 
-Labels = Union[Tensor, Sequence[Tensor]]
-Ks = Union[int, Sequence[int]]
 
 # (A, B) of Jain et al. (2016), Sec. 3: 0.55, 1.5 by default; the paper's values for Amazon and Wikipedia.
 PROPENSITY_PARAMETERS: Dict[str, Tuple[float, float]] = {
@@ -57,183 +58,6 @@ PROPENSITY_PARAMETERS: Dict[str, Tuple[float, float]] = {
     "amazon": (0.6, 2.6),
     "wikipedia": (0.5, 0.4),
 }
-
-
-# --------------------------------------------------------------------------------------------------
-# Input checks and the label set
-# --------------------------------------------------------------------------------------------------
-def _check_ks(k: Ks, width: int) -> List[int]:
-    ks = [k] if isinstance(k, int) and not isinstance(k, bool) else list(k)
-    if not ks:
-        raise ValueError("hugehead.metrics: k must be a positive integer or a non-empty sequence of them")
-    for kk in ks:
-        if isinstance(kk, bool) or not isinstance(kk, int) or kk < 1:
-            raise ValueError(f"hugehead.metrics: k must be a positive integer, got {kk!r}")
-        if kk > width:
-            raise ValueError(f"hugehead.metrics: k={kk} but indices has only {width} columns per row; "
-                             f"ask the head for at least k={kk} (e.g. head.topk(x, {kk}))")
-    return ks
-
-
-def _check_indices(indices: Tensor) -> Tensor:
-    if not isinstance(indices, Tensor):
-        raise TypeError(f"hugehead.metrics: indices must be a tensor, got {type(indices).__name__}")
-    if indices.dim() != 2:
-        raise ValueError(f"hugehead.metrics: indices must be [N, k], got shape {tuple(indices.shape)}")
-    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-        raise TypeError(f"hugehead.metrics: indices must be an integer tensor, got {indices.dtype}")
-    if indices.numel() and int(indices.min()) < 0:
-        raise ValueError("hugehead.metrics: indices holds a negative class id")
-    return indices.long()
-
-
-def _result(values: Tensor, k: Ks) -> Tensor:
-    return values[0] if isinstance(k, int) else values
-
-
-class _LabelSet(NamedTuple):
-    """Multi-label targets of ``n`` rows as sorted unique keys ``row * stride + label`` (so membership of
-    any ``(row, class)`` pair is one binary search), with each key's row and label and each row's count."""
-
-    keys: Tensor    # [nnz] int64, ascending
-    rows: Tensor    # [nnz] int64
-    labels: Tensor  # [nnz] int64
-    counts: Tensor  # [n] int64: labels per row
-    stride: int
-
-
-def _label_pairs(labels: Labels, n: int, device: torch.device) -> Tuple[Tensor, Tensor]:
-    """``(rows, labels)`` int64 of every stored label of ``labels`` (see the module doc), on ``device``."""
-    if isinstance(labels, Tensor):
-        if labels.layout == torch.sparse_coo:
-            coo = labels.coalesce()
-            rows, cols = coo.indices()
-            keep = coo.values() != 0
-        elif labels.layout == torch.sparse_csr:
-            crow, cols = labels.crow_indices(), labels.col_indices()
-            rows = torch.repeat_interleave(torch.arange(labels.shape[0], device=crow.device), crow.diff())
-            keep = labels.values() != 0
-        else:
-            raise TypeError(
-                "hugehead.metrics: multi-label targets must be a sparse COO/CSR [N, V] tensor or a list of "
-                f"label-id tensors, got a {labels.layout} tensor (for single-label [N] targets use "
-                "accuracy_at_k)")
-        if labels.dim() != 2 or labels.shape[0] != n:
-            raise ValueError(f"hugehead.metrics: labels must be [N={n}, V], got shape {tuple(labels.shape)}")
-        rows, cols = rows[keep], cols[keep]
-    else:
-        labels = list(labels)
-        if len(labels) != n:
-            raise ValueError(f"hugehead.metrics: {len(labels)} label lists for {n} rows of indices")
-        for i, row in enumerate(labels):
-            if not isinstance(row, Tensor) or row.dim() != 1 or row.dtype.is_floating_point or row.dtype == torch.bool:
-                raise TypeError(f"hugehead.metrics: labels[{i}] must be a 1-D integer tensor of label ids")
-        lengths = torch.tensor([row.numel() for row in labels], dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(n), lengths)
-        cols = torch.cat([row.to("cpu", torch.int64) for row in labels] or [torch.zeros(0, dtype=torch.int64)])
-    rows, cols = rows.to(device, torch.int64), cols.to(device, torch.int64)
-    if cols.numel() and int(cols.min()) < 0:
-        raise ValueError("hugehead.metrics: labels holds a negative label id")
-    return rows, cols
-
-
-def _label_set(labels: Labels, n: int, device: torch.device, min_stride: int = 1) -> _LabelSet:
-    rows, cols = _label_pairs(labels, n, device)
-    stride = max(min_stride, 1 + int(cols.max()) if cols.numel() else 1)
-    keys = torch.unique(rows * stride + cols)  # sorted; duplicates count once
-    rows, cols = keys // stride, keys % stride
-    return _LabelSet(keys, rows, cols, torch.bincount(rows, minlength=n), stride)
-
-
-def _hits(indices: Tensor, label_set: _LabelSet) -> Tensor:
-    """``[N, K]`` bool: whether ``indices[i, j]`` is one of row i's labels."""
-    n = indices.shape[0]
-    query = torch.arange(n, device=indices.device)[:, None] * label_set.stride + indices
-    if label_set.keys.numel() == 0:
-        return torch.zeros_like(query, dtype=torch.bool)
-    pos = torch.searchsorted(label_set.keys, query).clamp_(max=label_set.keys.numel() - 1)
-    return label_set.keys[pos] == query
-
-
-def _discounts(k: int, device: torch.device) -> Tensor:
-    """``1 / log2(j + 2)`` for ranks ``j = 0 .. k-1`` (float64)."""
-    return 1.0 / torch.log2(torch.arange(k, device=device, dtype=torch.float64) + 2)
-
-
-def _best_weights(label_set: _LabelSet, weights: Tensor, n: int, kmax: int) -> Tensor:
-    """``[N, kmax]`` float64: each row's label weights sorted descending, zero-padded: the gains of the best
-    possible ranking, for the normalizers of the propensity-scored metrics."""
-    w = weights[label_set.labels]
-    order = torch.argsort(w, descending=True, stable=True)
-    order = order[torch.argsort(label_set.rows[order], stable=True)]  # grouped by row, heaviest first
-    rows, w = label_set.rows[order], w[order]
-    starts = torch.cumsum(label_set.counts, 0) - label_set.counts
-    rank = torch.arange(rows.numel(), device=rows.device) - starts[rows]
-    keep = rank < kmax
-    best = torch.zeros(n, kmax, dtype=torch.float64, device=weights.device)
-    best[rows[keep], rank[keep]] = w[keep]
-    return best
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-row sums (what the streaming metrics accumulate)
-# --------------------------------------------------------------------------------------------------
-def _accuracy_counts(indices: Tensor, target: Tensor, ks: List[int],
-                     ignore_index: Optional[int]) -> Tuple[Tensor, Tensor]:
-    """``(correct [len(ks)] int64, rows int64)``."""
-    indices = _check_indices(indices)
-    if (not isinstance(target, Tensor) or target.dim() != 1 or target.dtype.is_floating_point
-            or target.dtype == torch.bool):
-        raise TypeError("hugehead.metrics: accuracy_at_k needs target as a 1-D integer tensor [N] of class ids")
-    if target.shape[0] != indices.shape[0]:
-        raise ValueError(f"hugehead.metrics: target has {target.shape[0]} rows but indices has {indices.shape[0]} rows")
-    target = target.to(indices.device, torch.int64)
-    match = indices[:, : max(ks)] == target[:, None]
-    if ignore_index is not None:
-        match = match[target != ignore_index]
-    found = torch.cumsum(match, dim=1) > 0  # [i, j]: the target is within row i's first j + 1
-    correct = torch.stack([found[:, k - 1].sum() for k in ks]).to(torch.int64)
-    return correct, torch.tensor(match.shape[0], dtype=torch.int64, device=indices.device)
-
-
-def _multilabel_sums(indices: Tensor, labels: Labels, ks: List[int], weights: Optional[Tensor] = None,
-                     ) -> Dict[str, Tensor]:
-    """Per-batch sums over rows, each ``[len(ks)]`` float64: ``hits`` (labels in the top k),
-    ``ndcg`` (sum of per-row nDCG@k), and with ``weights [V]`` (inverse propensities) ``ps_gain`` /
-    ``ps_best`` (weighted hits and their best achievable value) and ``ps_dcg`` / ``ps_idcg``."""
-    indices = _check_indices(indices)
-    n, kmax = indices.shape[0], max(ks)
-    indices = indices[:, :kmax]
-    label_set = _label_set(labels, n, indices.device, 1 + int(indices.max()) if indices.numel() else 1)
-    hits = _hits(indices, label_set).double()
-    disc = _discounts(kmax, indices.device)
-    dcg = torch.cumsum(hits * disc, dim=1)
-    ideal = torch.cumsum(disc, 0)  # ideal[j]: IDCG of a row with >= j + 1 labels at k = j + 1
-    out = dict(hits=[], ndcg=[], ps_gain=[], ps_best=[], ps_dcg=[], ps_idcg=[])
-    if weights is not None:
-        if weights.dim() != 1:
-            raise ValueError(f"hugehead.metrics: inv_propensity must be [V], got shape {tuple(weights.shape)}")
-        top = max(int(label_set.labels.max()) if label_set.labels.numel() else -1,
-                  int(indices.max()) if indices.numel() else -1)
-        if top >= weights.shape[0]:
-            raise ValueError(f"hugehead.metrics: class id {top} has no inverse propensity (inv_propensity has "
-                             f"{weights.shape[0]} entries)")
-        weights = weights.to(indices.device, torch.float64)
-        gain = hits * weights[indices]
-        best = _best_weights(label_set, weights, n, kmax)
-        cum_gain, cum_best = torch.cumsum(gain, 1), torch.cumsum(best, 1)
-        cum_dcg, cum_idcg = torch.cumsum(gain * disc, 1), torch.cumsum(best * disc, 1)
-    for k in ks:
-        out["hits"].append(hits[:, :k].sum())
-        relevant = label_set.counts.clamp(max=k)
-        idcg = ideal[(relevant - 1).clamp(min=0)]
-        out["ndcg"].append(torch.where(relevant > 0, dcg[:, k - 1] / idcg, 0.0).sum())
-        if weights is not None:
-            out["ps_gain"].append(cum_gain[:, k - 1].sum())
-            out["ps_best"].append(cum_best[:, k - 1].sum())
-            out["ps_dcg"].append(cum_dcg[:, k - 1].sum())
-            out["ps_idcg"].append(cum_idcg[:, k - 1].sum())
-    return {name: torch.stack(v) for name, v in out.items() if v}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,9 +77,9 @@ def accuracy_at_k(indices: Tensor, target: Tensor, k: Ks = 1, *, ignore_index: O
     Raises:
         TypeError / ValueError: non-integer or mis-shaped inputs, ``k`` outside ``[1, K]``.
     """
-    ks = _check_ks(k, _check_indices(indices).shape[1])
-    correct, rows = _accuracy_counts(indices, target, ks, ignore_index)
-    return _result(correct.double() / rows.double(), k)
+    ks = check_ks(k, check_indices(indices).shape[1])
+    correct, rows = accuracy_counts(indices, target, ks, ignore_index)
+    return result_for(correct.double() / rows.double(), k)
 
 
 def precision_at_k(indices: Tensor, labels: Labels, k: Ks = 1) -> Tensor:
@@ -269,10 +93,10 @@ def precision_at_k(indices: Tensor, labels: Labels, k: Ks = 1) -> Tensor:
     Raises:
         TypeError / ValueError: bad layouts, shapes, negative ids, ``k`` outside ``[1, K]``.
     """
-    ks = _check_ks(k, _check_indices(indices).shape[1])
-    sums = _multilabel_sums(indices, labels, ks)
+    ks = check_ks(k, check_indices(indices).shape[1])
+    sums = multilabel_sums(indices, labels, ks)
     denom = torch.tensor(ks, dtype=torch.float64, device=sums["hits"].device) * indices.shape[0]
-    return _result(sums["hits"] / denom, k)
+    return result_for(sums["hits"] / denom, k)
 
 
 def ndcg_at_k(indices: Tensor, labels: Labels, k: Ks = 1) -> Tensor:
@@ -281,8 +105,8 @@ def ndcg_at_k(indices: Tensor, labels: Labels, k: Ks = 1) -> Tensor:
 
     Args, returns and raises: as :func:`precision_at_k`.
     """
-    ks = _check_ks(k, _check_indices(indices).shape[1])
-    return _result(_multilabel_sums(indices, labels, ks)["ndcg"] / indices.shape[0], k)
+    ks = check_ks(k, check_indices(indices).shape[1])
+    return result_for(multilabel_sums(indices, labels, ks)["ndcg"] / indices.shape[0], k)
 
 
 def psprecision_at_k(indices: Tensor, labels: Labels, inv_propensity: Tensor, k: Ks = 1, *,
@@ -304,12 +128,12 @@ def psprecision_at_k(indices: Tensor, labels: Labels, inv_propensity: Tensor, k:
     Raises:
         TypeError / ValueError: as :func:`precision_at_k`, and a class id outside ``inv_propensity``.
     """
-    ks = _check_ks(k, _check_indices(indices).shape[1])
-    sums = _multilabel_sums(indices, labels, ks, inv_propensity)
+    ks = check_ks(k, check_indices(indices).shape[1])
+    sums = multilabel_sums(indices, labels, ks, inv_propensity)
     if normalize:
-        return _result(sums["ps_gain"] / sums["ps_best"], k)
+        return result_for(sums["ps_gain"] / sums["ps_best"], k)
     denom = torch.tensor(ks, dtype=torch.float64, device=sums["ps_gain"].device) * indices.shape[0]
-    return _result(sums["ps_gain"] / denom, k)
+    return result_for(sums["ps_gain"] / denom, k)
 
 
 def psndcg_at_k(indices: Tensor, labels: Labels, inv_propensity: Tensor, k: Ks = 1) -> Tensor:
@@ -319,9 +143,9 @@ def psndcg_at_k(indices: Tensor, labels: Labels, inv_propensity: Tensor, k: Ks =
 
     Args, returns and raises: as :func:`psprecision_at_k` (always normalized).
     """
-    ks = _check_ks(k, _check_indices(indices).shape[1])
-    sums = _multilabel_sums(indices, labels, ks, inv_propensity)
-    return _result(sums["ps_dcg"] / sums["ps_idcg"], k)
+    ks = check_ks(k, check_indices(indices).shape[1])
+    sums = multilabel_sums(indices, labels, ks, inv_propensity)
+    return result_for(sums["ps_dcg"] / sums["ps_idcg"], k)
 
 
 def label_frequencies(labels: Labels, num_classes: int) -> Tensor:
@@ -339,7 +163,7 @@ def label_frequencies(labels: Labels, num_classes: int) -> Tensor:
     else:
         n = labels.shape[0] if isinstance(labels, Tensor) else len(labels)
         device = labels.device if isinstance(labels, Tensor) else torch.device("cpu")
-        cols = _label_set(labels, n, device).labels  # a label repeated in a row counts once
+        cols = make_label_set(labels, n, device).labels  # a label repeated in a row counts once
     if cols.numel() and int(cols.max()) >= num_classes:
         raise ValueError(f"hugehead.metrics: label id {int(cols.max())} >= num_classes={num_classes}")
     return torch.bincount(cols, minlength=num_classes)
@@ -394,64 +218,71 @@ except ImportError:  # pragma: no cover - exercised only without torchmetrics
 
 
 class _MetricBase(_Metric if _Metric is not None else object):
-    """A metric at one ``k`` whose states are sums (``dist_reduce_fx="sum"``): ``update`` per batch, in any
-    process, and ``compute`` gives the value over everything seen (torchmetrics syncs the sums across
-    ranks when a process group is up)."""
+    """A metric at ``k`` (an int, or a sequence of ints as the functions take) whose states are sums
+    (``dist_reduce_fx="sum"``), one per ``k``: ``update`` per batch, in any process, and ``compute`` gives
+    the value over everything seen, a scalar for an int ``k`` and ``[len(k)]`` for a sequence, as the
+    functions return (torchmetrics syncs the sums across ranks when a process group is up)."""
 
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
 
-    def __init__(self, k: int, **kwargs):
+    def __init__(self, k: Ks, **kwargs):
         if _Metric is None:
             raise ImportError(f"hugehead.metrics.{type(self).__name__} needs torchmetrics: pip install torchmetrics")
         super().__init__(**kwargs)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"hugehead.metrics: k must be a positive integer, got {k!r}")
-        self.k = k
+        self.ks = check_ks(k, math.inf)
+        self.k = k if isinstance(k, int) else tuple(self.ks)
 
     def _sum_state(self, name: str, dtype: torch.dtype) -> None:
-        self.add_state(name, torch.zeros((), dtype=dtype), dist_reduce_fx="sum")
+        self.add_state(name, torch.zeros(len(self.ks), dtype=dtype), dist_reduce_fx="sum")
+
+    def _ks_tensor(self) -> Tensor:
+        return torch.tensor(self.ks, dtype=torch.float64, device=self.rows.device)
+
+    def _result(self, values: Tensor) -> Tensor:
+        return result_for(values, self.k)
 
     def extra_repr(self) -> str:
         return f"k={self.k}"
 
 
 class AccuracyAtK(_MetricBase):
-    """Streaming :func:`accuracy_at_k`: ``update(indices [N, K], target [N])``, ``compute()`` -> float64
-    scalar (NaN before any counted row).
+    """Streaming :func:`accuracy_at_k`: ``AccuracyAtK(k)`` (an int or a sequence of them),
+    ``update(indices [N, K], target [N])``, ``compute()`` -> float64: a scalar for an int ``k``,
+    ``[len(k)]`` for a sequence (NaN before any counted row).
 
     In a LightningModule::
 
-        self.acc1, self.acc5 = AccuracyAtK(1), AccuracyAtK(5)        # in __init__
+        self.acc = AccuracyAtK((1, 5))                                # in __init__
         _, top = self.head.topk(features, 5)                          # in test_step
-        self.acc1.update(top, target); self.acc5.update(top, target)
-        self.log("test_acc@1", self.acc1); self.log("test_acc@5", self.acc5)
+        self.acc.update(top, target)
+        acc1, acc5 = self.acc.compute()                               # in on_test_epoch_end
     """
 
-    def __init__(self, k: int = 1, *, ignore_index: Optional[int] = None, **kwargs):
+    def __init__(self, k: Ks = 1, *, ignore_index: Optional[int] = None, **kwargs):
         super().__init__(k, **kwargs)
         self.ignore_index = ignore_index
         self._sum_state("correct", torch.int64)
-        self._sum_state("total", torch.int64)
+        self.add_state("total", torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, indices: Tensor, target: Tensor) -> None:
-        ks = _check_ks(self.k, _check_indices(indices).shape[1])
-        correct, rows = _accuracy_counts(indices, target, ks, self.ignore_index)
-        self.correct += correct[0].to(self.correct.device)
+        ks = check_ks(self.ks, check_indices(indices).shape[1])
+        correct, rows = accuracy_counts(indices, target, ks, self.ignore_index)
+        self.correct += correct.to(self.correct.device)
         self.total += rows.to(self.total.device)
 
     def compute(self) -> Tensor:
-        return self.correct.double() / self.total.double()
+        return self._result(self.correct.double() / self.total.double())
 
 
 class _MultiLabelMetric(_MetricBase):
-    """Shared ``update``: the batch's sums from :func:`_multilabel_sums` added to the states named by
+    """Shared ``update``: the batch's sums from :func:`multilabel_sums` added to the states named by
     ``_sums`` (state name -> sum name)."""
 
     _sums: Dict[str, str] = {}
 
-    def __init__(self, k: int, inv_propensity: Optional[Tensor] = None, **kwargs):
+    def __init__(self, k: Ks, inv_propensity: Optional[Tensor] = None, **kwargs):
         super().__init__(k, **kwargs)
         if inv_propensity is not None:
             if not isinstance(inv_propensity, Tensor) or inv_propensity.dim() != 1:
@@ -462,62 +293,67 @@ class _MultiLabelMetric(_MetricBase):
             self.inv_propensity = None
         for state in self._sums:
             self._sum_state(state, torch.float64)
-        self._sum_state("rows", torch.int64)
+        self.add_state("rows", torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, indices: Tensor, labels: Labels) -> None:
-        ks = _check_ks(self.k, _check_indices(indices).shape[1])
-        sums = _multilabel_sums(indices, labels, ks, self.inv_propensity)
+        ks = check_ks(self.ks, check_indices(indices).shape[1])
+        sums = multilabel_sums(indices, labels, ks, self.inv_propensity)
         for state, name in self._sums.items():
-            setattr(self, state, getattr(self, state) + sums[name][0].to(self.rows.device))
+            setattr(self, state, getattr(self, state) + sums[name].to(self.rows.device))
         self.rows += indices.shape[0]
 
 
 class PrecisionAtK(_MultiLabelMetric):
-    """Streaming :func:`precision_at_k`: ``update(indices [N, K], labels)``, ``compute()`` -> float64 scalar."""
+    """Streaming :func:`precision_at_k`: ``update(indices [N, K], labels)``, ``compute()`` -> float64, a
+    scalar for an int ``k``, ``[len(k)]`` for a sequence."""
 
     _sums = {"hits": "hits"}
 
-    def __init__(self, k: int = 1, **kwargs):
+    def __init__(self, k: Ks = 1, **kwargs):
         super().__init__(k, **kwargs)
 
     def compute(self) -> Tensor:
-        return self.hits / (self.rows.double() * self.k)
+        return self._result(self.hits / (self.rows.double() * self._ks_tensor()))
 
 
 class NDCGAtK(_MultiLabelMetric):
-    """Streaming :func:`ndcg_at_k`: ``update(indices [N, K], labels)``, ``compute()`` -> float64 scalar."""
+    """Streaming :func:`ndcg_at_k`: ``update(indices [N, K], labels)``, ``compute()`` -> float64, a scalar
+    for an int ``k``, ``[len(k)]`` for a sequence."""
 
     _sums = {"ndcg": "ndcg"}
 
-    def __init__(self, k: int = 1, **kwargs):
+    def __init__(self, k: Ks = 1, **kwargs):
         super().__init__(k, **kwargs)
 
     def compute(self) -> Tensor:
-        return self.ndcg / self.rows.double()
+        return self._result(self.ndcg / self.rows.double())
 
 
 class PSPrecisionAtK(_MultiLabelMetric):
     """Streaming :func:`psprecision_at_k` (``normalize`` as there): ``PSPrecisionAtK(k, inv_propensity)``,
-    ``update(indices [N, K], labels)``, ``compute()`` -> float64 scalar."""
+    ``update(indices [N, K], labels)``, ``compute()`` -> float64, a scalar for an int ``k``, ``[len(k)]``
+    for a sequence."""
 
     _sums = {"gain": "ps_gain", "best": "ps_best"}
 
-    def __init__(self, k: int, inv_propensity: Tensor, *, normalize: bool = False, **kwargs):
+    def __init__(self, k: Ks, inv_propensity: Tensor, *, normalize: bool = False, **kwargs):
         super().__init__(k, inv_propensity, **kwargs)
         self.normalize = normalize
 
     def compute(self) -> Tensor:
-        return self.gain / self.best if self.normalize else self.gain / (self.rows.double() * self.k)
+        if self.normalize:
+            return self._result(self.gain / self.best)
+        return self._result(self.gain / (self.rows.double() * self._ks_tensor()))
 
 
 class PSNDCGAtK(_MultiLabelMetric):
     """Streaming :func:`psndcg_at_k`: ``PSNDCGAtK(k, inv_propensity)``, ``update(indices [N, K], labels)``,
-    ``compute()`` -> float64 scalar."""
+    ``compute()`` -> float64, a scalar for an int ``k``, ``[len(k)]`` for a sequence."""
 
     _sums = {"dcg": "ps_dcg", "idcg": "ps_idcg"}
 
-    def __init__(self, k: int, inv_propensity: Tensor, **kwargs):
+    def __init__(self, k: Ks, inv_propensity: Tensor, **kwargs):
         super().__init__(k, inv_propensity, **kwargs)
 
     def compute(self) -> Tensor:
-        return self.dcg / self.idcg
+        return self._result(self.dcg / self.idcg)

@@ -296,6 +296,44 @@ def test_streaming_metrics_accumulate_to_the_whole_set():
     assert float(metric.compute()) == pytest.approx(ref_precision(ranking[:5], labels[:5], 3), abs=1e-12)
 
 
+def test_streaming_metrics_take_k_as_the_functions_do():
+    """An int k gives a scalar, a sequence of ks a [len(k)] vector, as from the functions; each entry
+    matches the textbook reference over unequal batches."""
+    ranking = dense_ranking(tied_scores(10), K)
+    idx = ranking_tensor(ranking)
+    labels = random_labels(10)
+    target = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(10))
+    target[:3] = -100
+    w = M.inverse_propensity(M.label_frequencies(as_coo(labels), V), N)
+    wl = w.tolist()
+    ks = (1, 3, 5)
+    made = {
+        "acc": (M.AccuracyAtK(ks, ignore_index=-100), [ref_accuracy(ranking, target.tolist(), k, -100) for k in ks]),
+        "p": (M.PrecisionAtK(list(ks)), [ref_precision(ranking, labels, k) for k in ks]),
+        "ndcg": (M.NDCGAtK(ks), [ref_ndcg(ranking, labels, k) for k in ks]),
+        "psp": (M.PSPrecisionAtK(ks, w), [ref_psp(ranking, labels, wl, k, False) for k in ks]),
+        "psp_norm": (M.PSPrecisionAtK(ks, w, normalize=True), [ref_psp(ranking, labels, wl, k, True) for k in ks]),
+        "psndcg": (M.PSNDCGAtK(ks, w), [ref_psndcg(ranking, labels, wl, k) for k in ks]),
+    }
+    for lo, hi in [(0, 11), (11, 12), (12, N)]:
+        for name, (metric, _) in made.items():
+            metric.update(idx[lo:hi], target[lo:hi] if name == "acc" else as_coo(labels[lo:hi]))
+    for name, (metric, expected) in made.items():
+        got = metric.compute()
+        assert got.dtype == torch.float64 and got.shape == (3,), name
+        assert got.tolist() == pytest.approx(expected, abs=1e-12), name
+    function = M.accuracy_at_k(idx, target, ks, ignore_index=-100)
+    assert torch.equal(made["acc"][0].compute(), function)
+    single = M.AccuracyAtK(3)
+    single.update(idx, target)
+    assert single.compute().shape == () and torch.equal(single.compute(), M.accuracy_at_k(idx, target, 3))
+    with pytest.raises(ValueError, match="only 3 columns"):
+        M.AccuracyAtK((1, 5)).update(idx[:, :3], target)
+    for bad in (0, (), (1, 0), 1.5, True, "5"):
+        with pytest.raises(ValueError, match="k must be"):
+            M.NDCGAtK(bad)
+
+
 def test_streaming_metrics_in_a_metric_collection():
     from torchmetrics import MetricCollection
 
