@@ -18,8 +18,9 @@ rows not ignored (:func:`index_target`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -147,19 +148,46 @@ def prepare(
         indices = target._indices()
         row, col, val = indices[0], indices[1], target._values()
     else:
-        crow_in, col, val = target.crow_indices(), target.col_indices(), target.values()
+        crow, col, val = target.crow_indices(), target.col_indices(), target.values()
         if val.dim() != 1:
             raise ValueError("hugehead: a CSR target must have scalar values (no dense dimensions)")
-        counts = crow_in[1:] - crow_in[:-1]
-        row = torch.repeat_interleave(torch.arange(num_rows, device=crow_in.device), counts,
-                                      output_size=col.shape[0])
+        # torch builds sparse CSR tensors without checking their invariants: the pointers are checked here.
+        crow = crow.to(torch.int64)
+        row, bad_crow = _rows_of(crow, num_rows, col.shape[0], "a CSR target's crow_indices")
+        return _to_csr(row, col, val, num_rows, num_classes, kind, dtype, device,
+                       pointers=(crow, bad_crow, "a CSR target's crow_indices"))
     return _to_csr(row, col, val, num_rows, num_classes, kind, dtype, device)
 
 
+def _rows_of(crow: Tensor, num_rows: int, nnz: int, what: str) -> Tuple[Tensor, Tensor]:
+    """``(row [nnz], bad)``: each entry's row from int64 row pointers ``crow [N + 1]``, and a 0-d flag of
+    pointers that do not delimit ``nnz`` entries. No host read (the flag is read with the entry checks);
+    the rows of bad pointers stay in range and are never used."""
+    if crow.dim() != 1 or crow.shape[0] != num_rows + 1:
+        raise ValueError(f"hugehead: {what} must be [N + 1]=[{num_rows + 1}], got {tuple(crow.shape)}")
+    bad = (crow[0] != 0) | (crow[-1] != nnz) | (crow[1:] < crow[:-1]).any()
+    row = torch.searchsorted(crow[1:], torch.arange(nnz, device=crow.device), right=True)
+    return row, bad
+
+
+def _crow_problem(crow: Tensor, nnz: int, what: str) -> str:
+    """What is wrong with row pointers ``crow`` that :func:`_rows_of` flagged (for the error)."""
+    rule = f"{what} must be [N + 1] non-decreasing offsets from 0 to its {nnz} entries"
+    first, last = int(crow[0]), int(crow[-1])
+    if first != 0:
+        return f"{rule}; it starts at {first}"
+    if last != nnz:
+        return f"{rule}; it ends at {last}"
+    i = int((crow[1:] < crow[:-1]).nonzero()[0, 0])
+    return f"{rule}; it falls from {int(crow[i])} to {int(crow[i + 1])} after row {i}"
+
+
 def _to_csr(row: Tensor, col: Tensor, val: Tensor, num_rows: int, num_classes: int, kind: Optional[str],
-            dtype: torch.dtype, device: torch.device, bad_crow: Optional[Tensor] = None) -> CsrTarget:
+            dtype: torch.dtype, device: torch.device,
+            pointers: Optional[Tuple[Tensor, Tensor, str]] = None) -> CsrTarget:
     """Entries ``(row, col, val)`` checked, sorted by ``(row, col)`` with duplicates summed, as CSR.
-    ``bad_crow``: a 0-d flag of a converted target's row pointers, read with the other checks."""
+    ``pointers``: a CSR input's ``(crow, bad flag from _rows_of, its name for errors)``, the flag read
+    with the other checks."""
     row, col = row.to(device=device, dtype=torch.int64), col.to(device=device, dtype=torch.int64)
     val = val.to(device=device, dtype=dtype)
     key = row * num_classes + col
@@ -168,12 +196,11 @@ def _to_csr(row: Tensor, col: Tensor, val: Tensor, num_rows: int, num_classes: i
     bad_index = (col < 0) | (col >= num_classes) | (row < 0) | (row >= num_rows)
     checks = [bad_index.any(), _bad_values(val, kind).any(),
               (key[1:] <= key[:-1]).any() if key.numel() > 1 else bad_index.new_zeros(())]
-    if bad_crow is not None:
-        checks.append(bad_crow.to(device))
+    if pointers is not None:
+        checks.append(pointers[1].to(device))
     flags = torch.stack(checks).tolist()
-    if bad_crow is not None and flags[3]:
-        raise ValueError(f"hugehead: a CsrTarget's crow must be [N + 1]=[{num_rows + 1}] non-decreasing offsets from "
-                         f"0 to its {col.shape[0]} entries")
+    if pointers is not None and flags[3]:  # before the entries: their rows come from the pointers
+        raise ValueError(f"hugehead: {_crow_problem(pointers[0], col.shape[0], pointers[2])}")
     if flags[0] or flags[1]:
         _check_entries(row, col, val, num_rows, num_classes, kind)
     # Columns sorted within rows, duplicates merged: one sort of the (row, col) keys when out of order.
@@ -183,9 +210,9 @@ def _to_csr(row: Tensor, col: Tensor, val: Tensor, num_rows: int, num_classes: i
         key, inverse = torch.unique_consecutive(key, return_inverse=True)
         if key.numel() != val.numel():  # duplicates: summed, as to_dense does
             val = torch.zeros(key.numel(), dtype=val.dtype, device=device).index_add_(0, inverse, val)
-            if kind == "binary":
-                _check_range(val, kind)
         row, col = key // num_classes, key % num_classes
+        if kind == "binary" and key.numel() != inverse.numel():  # a sum of duplicates may pass 1
+            _check_range(row, col, val, kind)
     # index_add, not bincount: no host read of the largest row id.
     counts = torch.zeros(num_rows, dtype=torch.int64, device=device).index_add_(0, row, torch.ones_like(row))
     crow = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
@@ -201,26 +228,33 @@ def _check_entries(row: Tensor, col: Tensor, val: Tensor, num_rows: int, num_cla
             f"hugehead: sparse target entry ({int(row[first])}, {int(col[first])}) is out of range for "
             f"[N, V]=[{num_rows}, {num_classes}] (class ids must be in 0..{num_classes - 1})"
         )
-    _check_range(val, kind)
+    _check_range(row, col, val, kind)
 
 
 def _bad_values(val: Tensor, kind: Optional[str]) -> Tensor:
     if kind is None:
         return torch.zeros(val.shape, dtype=torch.bool, device=val.device)
     if kind == "probability":
-        return val < 0
+        return ~torch.isfinite(val) | (val < 0)
     if kind == "binary":
-        return (val < 0) | (val > 1)
+        return ~torch.isfinite(val) | (val < 0) | (val > 1)
     raise ValueError(f"hugehead: unknown sparse target kind {kind!r}")
 
 
-def _check_range(val: Tensor, kind: str) -> None:
+def _check_range(row: Tensor, col: Tensor, val: Tensor, kind: str) -> None:
+    """Raises for the first entry whose value ``kind`` rejects, naming its ``(row, class)`` and value."""
     bad = _bad_values(val, kind)
-    what = "probability targets must be >= 0" if kind == "probability" else (
-        "binary cross-entropy targets must be in [0, 1]")
-    if bool(bad.any()):
-        first = int(bad.nonzero()[0, 0])
-        raise ValueError(f"hugehead: {what}; got {float(val[first])} (entry {first})")
+    if not bool(bad.any()):
+        return
+    first = int(bad.nonzero()[0, 0])
+    v, where = float(val[first]), f"(row {int(row[first])}, class {int(col[first])})"
+    if math.isnan(v):
+        raise ValueError(f"hugehead: sparse target value at {where} is NaN; target values must be finite")
+    if math.isinf(v):
+        raise ValueError(f"hugehead: sparse target value at {where} is {v}; target values must be finite")
+    what = ("probability targets must be >= 0" if kind == "probability"
+            else "binary cross-entropy targets must be in [0, 1]")
+    raise ValueError(f"hugehead: {what}; got {v} at {where}")
 
 
 def _prepare_converted(target: CsrTarget, num_rows: int, num_classes: int, kind: Optional[str], dtype: torch.dtype,
@@ -239,11 +273,9 @@ def _prepare_converted(target: CsrTarget, num_rows: int, num_classes: int, kind:
     if val.shape != col.shape:
         raise ValueError(f"hugehead: a CsrTarget's val {tuple(val.shape)} and col {tuple(col.shape)} differ in shape")
     crow = crow.to(device=col.device, dtype=torch.int64)
-    nnz = col.shape[0]
-    bad_crow = (crow[0] != 0) | (crow[-1] != nnz) | (crow[1:] < crow[:-1]).any()
-    # Each entry's row from the pointers (no size read from the data; wrong pointers are caught above).
-    row = torch.searchsorted(crow[1:], torch.arange(nnz, device=col.device), right=True)
-    return _to_csr(row, col, val, num_rows, num_classes, kind, dtype, device, bad_crow=bad_crow)
+    row, bad_crow = _rows_of(crow, num_rows, col.shape[0], "a CsrTarget's crow")
+    return _to_csr(row, col, val, num_rows, num_classes, kind, dtype, device,
+                   pointers=(crow, bad_crow, "a CsrTarget's crow"))
 
 
 def csr_target(target: Tensor, *, device: Optional[Union[str, torch.device]] = None) -> CsrTarget:

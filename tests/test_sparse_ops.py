@@ -366,6 +366,76 @@ def test_prepare_rejects_bad_targets(make, kind, error, match):
         sparse.prepare(make(), 3, 8, kind=kind, dtype=torch.float32, device=torch.device("cpu"))
 
 
+def _csr(crow, col, val):
+    return torch.sparse_csr_tensor(torch.tensor(crow), torch.tensor(col), torch.tensor(val), (3, 8),
+                                   check_invariants=False)
+
+
+def _coo(rows, cols, vals):
+    return torch.sparse_coo_tensor(torch.tensor([rows, cols]), torch.tensor(vals), (3, 8))
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kind", ["probability", "binary"])
+@pytest.mark.parametrize("make,message", [
+    # A value the loss cannot use, named by its (row, class) in the [N, V] target, not its storage slot.
+    (lambda: _coo([0, 2], [1, 6], [0.5, NAN]), "sparse target value at (row 2, class 6) is NaN; target values "
+                                               "must be finite"),
+    (lambda: _coo([0, 2], [1, 6], [INF, 0.5]), "sparse target value at (row 0, class 1) is inf; target values "
+                                               "must be finite"),
+    (lambda: _coo([1], [3], [-INF]), "sparse target value at (row 1, class 3) is -inf; target values must be finite"),
+    (lambda: _csr([0, 1, 1, 3], [2, 0, 7], [0.5, 0.5, NAN]), "sparse target value at (row 2, class 7) is NaN"),
+    (lambda: _coo([2, 0, 2], [7, 1, 4], [0.5, 0.5, -0.5]), "got -0.5 at (row 2, class 4)"),
+    # Row pointers that do not delimit the entries: said before anything reads them.
+    (lambda: _csr([0, 2, 1, 3], [0, 1, 2], [0.5, 0.5, 1.0]),
+     "a CSR target's crow_indices must be [N + 1] non-decreasing offsets from 0 to its 3 entries; "
+     "it falls from 2 to 1 after row 1"),
+    (lambda: _csr([0, 1, 2, 2], [0, 1, 2], [1.0, 1.0, 1.0]), "its 3 entries; it ends at 2"),
+    (lambda: _csr([1, 2, 3, 3], [0, 1, 2], [1.0, 1.0, 1.0]), "crow_indices must be [N + 1] non-decreasing offsets from 0 to its 3 entries; it starts at 1"),
+    (lambda: _csr([0, 1, 2, 3], [0, 8, 2], [1.0, 1.0, 1.0]),
+     "sparse target entry (1, 8) is out of range for [N, V]=[3, 8] (class ids must be in 0..7)"),
+])
+def test_prepare_names_the_bad_entry_or_pointer(make, message, kind):
+    with pytest.raises(ValueError) as info:
+        sparse.prepare(make(), 3, 8, kind=kind, dtype=torch.float32, device=torch.device("cpu"))
+    assert message in str(info.value)
+
+
+def test_binary_value_error_names_row_and_class_of_summed_duplicates():
+    # Two 0.75 entries at (1, 5) sum past 1; the stored order puts other entries first.
+    target = torch.sparse_coo_tensor(torch.tensor([[2, 1, 0, 1], [3, 5, 0, 5]]), torch.tensor([1.0, 0.75, 1.0, 0.75]),
+                                     (3, 8))
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\]; got 1\.5 at \(row 1, class 5\)"):
+        sparse.prepare(target, 3, 8, kind="binary", dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("crow,message", [
+    ([0, 2, 1, 3], "a CsrTarget's crow must be [N + 1] non-decreasing offsets from 0 to its 3 entries; it falls from 2 "
+                   "to 1 after row 1"),
+    ([0, 1, 2, 4], "a CsrTarget's crow must be [N + 1] non-decreasing offsets from 0 to its 3 entries; it ends at 4"),
+])
+def test_converted_target_with_bad_pointers_says_what_is_wrong(crow, message):
+    good = sparse.csr_target(torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 3]]), torch.ones(3), (3, 8)))
+    bad = sparse.CsrTarget(torch.tensor(crow), good.col, good.val, good.row, 8)
+    with pytest.raises(ValueError) as info:
+        sparse.prepare(bad, 3, 8, kind="probability", dtype=torch.float32, device=torch.device("cpu"))
+    assert message in str(info.value)
+
+
+def test_losses_reject_a_nan_sparse_target_and_stay_usable():
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    nan = _coo([0, 1], [2, 3], [0.5, NAN]).double()
+    with pytest.raises(ValueError, match=r"\(row 1, class 3\) is NaN"):
+        hugehead.linear_cross_entropy(x, w, nan)
+    with pytest.raises(ValueError, match=r"\(row 1, class 3\) is NaN"):
+        hugehead.linear_binary_cross_entropy(x, w, nan)
+    good = _coo([0, 1], [2, 3], [0.5, 1.0]).double()
+    expected = F.cross_entropy(x @ w.T, good.to_dense(), reduction="mean")
+    torch.testing.assert_close(hugehead.linear_cross_entropy(x, w, good), expected, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("weight,error,match", [
     (torch.ones(7), ValueError, r"\[V\]=\[8\]"),
     (torch.ones(8, dtype=torch.int64), TypeError, "floating point"),
