@@ -17,14 +17,9 @@ import hugehead
 from hugehead import pinned
 from hugehead.engines import offload
 from hugehead.engines.local import ShardTensors
-from hugehead.engines.offload import (
-    HostGradPool,
-    InlineStreams,
-    OffloadEngine,
-    StreamedChunks,
-    chunk_bounds,
-    stream_cols,
-)
+from hugehead.engines.offload import HostGradPool, OffloadEngine, StreamedChunks, chunk_bounds
+from hugehead.engines.streams import InlineStreams
+from hugehead.plan import SLOT_BYTES, cap_plan, stream_cols
 
 from conftest import host_syncs_of_step, requires_cuda, requires_multigpu
 
@@ -213,7 +208,7 @@ def test_chunk_bounds_cover_rows_once(rows, cols):
 def test_stream_cols_caps_slot_bytes():
     assert stream_cols(32768, 768, 2) == 32768  # 48 MiB slot: the plan's width
     capped = stream_cols(32768, 8192, 4)  # 1 GiB at the plan's width
-    assert capped * 8192 * 4 <= offload.SLOT_BYTES and capped % 256 == 0 and capped == 8192
+    assert capped * 8192 * 4 <= SLOT_BYTES and capped % 256 == 0 and capped == 8192
     # An enormous D: the cap would be under one row group; chunks stay 256 wide (or the plan's, if narrower).
     assert stream_cols(4096, 1 << 30, 4) == 256
     assert stream_cols(10, 1 << 30, 4) == 10
@@ -225,14 +220,14 @@ def test_plan_is_capped_to_stream_width_keeping_kept_classes():
     # The local planner keeps a whole same-dtype shard as one chunk; streamed, that becomes capped chunks,
     # all still kept.
     whole = Plan(rows=4096, cols=6_000_000, keep_logits=True, kept_chunks=1)
-    capped = offload.cap_plan(whole, 6_000_000, 32768)
+    capped = cap_plan(whole, 6_000_000, 32768)
     assert (capped.cols, capped.keep_logits, capped.kept_chunks) == (32768, True, 184)
     # Partly kept (a wide D made the cap bind): as many whole capped chunks as the kept classes hold.
     part = Plan(rows=64, cols=4096, keep_logits=True, kept_chunks=3, overlap=True)
-    capped = offload.cap_plan(part, 100_000, 1024)
+    capped = cap_plan(part, 100_000, 1024)
     assert (capped.cols, capped.kept_chunks, capped.overlap) == (1024, 12, True)
-    assert offload.cap_plan(Plan(rows=8, cols=512), 10_000, 1024) == Plan(rows=8, cols=512)
-    streaming = offload.cap_plan(Plan(rows=8, cols=4096), 10_000, 1024)
+    assert cap_plan(Plan(rows=8, cols=512), 10_000, 1024) == Plan(rows=8, cols=512)
+    streaming = cap_plan(Plan(rows=8, cols=4096), 10_000, 1024)
     assert (streaming.cols, streaming.keep_logits, streaming.kept_chunks) == (1024, False, 0)
 
 
