@@ -366,18 +366,18 @@ def test_second_backward_and_second_order_raise_clearly(rows_calls):
 
 
 def test_compiled_function_matches_eager(monkeypatch):
-    from hugehead import functional
+    from hugehead import lce_op
     from hugehead.targets import SoftmaxCsrTarget
 
     # A spy on the loop, not on torch.ops.hugehead (the compiler's decomposition tables read every op there).
     calls = []
-    steps = functional.rows_steps
+    steps = lce_op.rows_steps
 
     def spy(x, source, target, options, plan, *args):
         calls.append((type(target), plan.rows))
         return steps(x, source, target, options, plan, *args)
 
-    monkeypatch.setattr(functional, "rows_steps", spy)
+    monkeypatch.setattr(lce_op, "rows_steps", spy)
     torch._dynamo.reset()
     n, d, v = 96, 8, 21
     x, w, b = (t.requires_grad_() for t in _inputs(n, d, v, torch.float64, "cpu", True))
