@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import hugehead
 from hugehead import tuning
 from conftest import DEVICES, rel_err, requires_cuda, rows_budget
-from hugehead import multilabel
+from hugehead import multilabel, target_prep
 from hugehead import plan as planner
 from hugehead.plan import ROWS_BLOCKS, plan_loss
 
@@ -408,7 +408,7 @@ def test_opcheck_rows_op(device, kind):
         target = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(1)).to(device)
         target[::4] = -100
         cw = _class_weight(v).float().to(device)
-    chunk, rows = multilabel.softmax_target(target, n, v, class_weight=cw, label_smoothing=0.1, ignore_index=-100,
+    chunk, rows = target_prep.softmax_target(target, n, v, class_weight=cw, label_smoothing=0.1, ignore_index=-100,
                                             dtype=torch.float32, device=x.device)
     s = chunk.stats
     for mean in (True, False):
