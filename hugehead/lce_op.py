@@ -466,9 +466,10 @@ def _rows_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 def rows_loss(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], options: LossOptions,
               chunk_size: Optional[int] = None, memory_budget=None) -> Optional[Tensor]:
     """The scalar loss of checked inputs (``x [N, D]`` in the compute dtype, ``target [N]`` int64, all on
-    one device; the weight in x's dtype, or float32 under autocast) through the rows plan when :func:`hugehead.plan.plan_loss` picks it for them — a
-    ``"mean"``/``"sum"`` loss with gradients wanted — else None (the caller runs its own chunk loop).
-    ``ChunkedClassifier`` asks this for a head of one local shard."""
+    one device; the weight in x's dtype, or float32 under autocast) through the rows plan when
+    :func:`hugehead.plan.plan_loss` picks it for them — a ``"mean"``/``"sum"`` loss with gradients wanted —
+    else None (the caller runs its own chunk loop). ``ChunkedClassifier`` asks this for a head of one local
+    shard."""
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if not wants_grad or options.reduction == "none":

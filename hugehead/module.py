@@ -278,8 +278,7 @@ class ChunkedClassifier(nn.Module):
         return params
 
     def _check_x(self, x: Tensor) -> Tensor:
-        """Check ``x [N, D]`` (:func:`hugehead.head_config.head_compute_dtype`) and return it in the compute
-        dtype (a differentiable cast under ``torch.autocast``)."""
+        """``x [N, D]`` checked (:func:`hugehead.head_config.head_compute_dtype`), in the compute dtype."""
         compute = head_compute_dtype(x, self.in_features, self.dtype)
         return x if compute is None or x.dtype == compute else x.to(compute)
 
@@ -369,10 +368,11 @@ class ChunkedClassifier(nn.Module):
         x, target = inputs.x, inputs.target
         if inputs.sparse and target.device != x.device:
             target = target.to(x.device)
+        buffers = self._loss_buffer_copies
         prepared = prepare_target(
-            target, x.shape[0], self.num_classes, loss=self.loss,
-            class_weight=self._loss_buffer_copies.on(self.class_weight, "class_weight", x.device),
-            pos_weight=self._loss_buffer_copies.on(self.pos_weight, "pos_weight", x.device), label_smoothing=self.label_smoothing,
+            target, x.shape[0], self.num_classes, loss=self.loss, label_smoothing=self.label_smoothing,
+            class_weight=buffers.on(self.class_weight, "class_weight", x.device),
+            pos_weight=buffers.on(self.pos_weight, "pos_weight", x.device),
             ignore_index=self.ignore_index, dtype=acc_dtype(x.dtype), device=x.device)
         if not return_lse and self._one_local_shard_on(x.device):
             # A scalar softmax loss of one shard beside x: the rows plan when the planner picks it (as for ids).

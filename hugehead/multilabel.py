@@ -69,7 +69,8 @@ def backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, l
     plan = kept_plan(kept) if kept.numel() > 0 else op_plan(x, weight, chunk_size, memory_budget, False)
     with autocast_off(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, memory_budget or None):
         return whole_head_backward(x, weight, bias, chunk_target, lse, grad_rows,
-                                   _options(label_smoothing, z_loss, softcap), plan, need_x, need_weight, kept, grad_lse)
+                                   _options(label_smoothing, z_loss, softcap), plan, need_x, need_weight, kept,
+                                   grad_lse)
 
 
 def forward_through_loop(x, weight, bias, chunk_target, softcap, chunk_size, memory_budget, keep_logits):

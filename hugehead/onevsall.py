@@ -1,6 +1,6 @@
-"""One-vs-all binary cross-entropy on one device: :func:`linear_binary_cross_entropy`, ``F.binary_cross_entropy_with_logits(
-F.linear(x, weight, bias), target.to_dense(), pos_weight=...)`` without the ``[N, V]`` logits, as registered ops
-over the one chunk loop (:mod:`hugehead.loop`).
+"""One-vs-all binary cross-entropy on one device: :func:`linear_binary_cross_entropy`,
+``F.binary_cross_entropy_with_logits(F.linear(x, weight, bias), target.to_dense(), pos_weight=...)`` without the
+``[N, V]`` logits, as registered ops over the one chunk loop (:mod:`hugehead.loop`).
 
 Its gradient needs no global normalizer, so with a scalar reduction (and gradients wanted, outside
 ``torch.compile``) the forward produces it in the same pass as the loss (logits GEMM, one kernel, dX and dW
