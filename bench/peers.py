@@ -75,7 +75,10 @@ def _hugehead_plan(n, d, v, dtype, device, memory_budget: Optional[int] = None) 
     one without that through ``plan_chunks``."""
     import inspect
 
-    from hugehead import functional
+    try:  # where the single-device loss plans its step (in older trees: hugehead.functional)
+        from hugehead import lce_op as functional
+    except ImportError:
+        from hugehead import functional
 
     planner = getattr(functional, "plan_loss", None)
     if hasattr(functional, "loss_plan"):  # the plan of the call itself (it also asks whether the GEMMs are fused)

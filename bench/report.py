@@ -299,7 +299,7 @@ def render_markdown(doc: dict) -> str:
     lines += ["", f"Relative errors above {suspect_limit(meta.get('dtype')):g} (far beyond {meta.get('dtype', 'bfloat16')} "
                   "rounding) are in bold."]
     if plans:
-        lines += ["", "Chunking each planner chose (hugehead: `hugehead.functional.loss_plan` with the defaults, its `kind` "
+        lines += ["", "Chunking each planner chose (hugehead: `hugehead.lce_op.loss_plan` with the defaults, its `kind` "
                       "rows / kept / recompute; hugehead_eqmem: the same with its `memory_budget`; "
                       "torch_lce: the options `LinearCrossEntropyOptions()` resolves to; torch_chunked: its chunk width):",
                   *plans]

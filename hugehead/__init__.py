@@ -6,7 +6,7 @@ chunks with our own kernels; ``ChunkedClassifier`` keeps the weight as shards on
 from ._extension import cuda_built, has_kernel
 from . import ops
 from .functional import linear_cross_entropy
-from .multilabel import linear_binary_cross_entropy
+from .onevsall import linear_binary_cross_entropy
 from .sparse import CsrTarget, csr_target
 from .topk import linear_topk
 from .module import ChunkedClassifier

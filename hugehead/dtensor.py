@@ -34,7 +34,8 @@ from torch import Tensor
 
 from .engines.distributed import DistributedEngine, _all_gather_single
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
-from .options import LossOptions, check_targets
+from .lce_op import class_id_loss
+from .options import LossOptions, check_targets, reduce_loss
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
 
 __all__ = ["is_dtensor", "linear_cross_entropy", "shard_class_ranges", "TensorParallelEngine"]
@@ -231,21 +232,17 @@ def linear_cross_entropy(
         ValueError: a placement or mesh that is not supported (named in the message); a target out of
             range on any rank (raised on every rank). TypeError: a plain-tensor bias beside a DTensor weight.
     """
-    from .functional import linear_cross_entropy as local_linear_cross_entropy, reduce_loss
-
     if not is_dtensor(weight):
         raise TypeError("hugehead: x is a DTensor but weight is not; pass the weight as a DTensor on the same mesh "
                         "(or x.to_local() beside a plain weight)")
     mesh, kind = _weight_placement(weight, bias)
     x, target, replicated = _local_rows(x, target, mesh)
-    if kind == "replicate":
-        bias_local = None if bias is None else bias.to_local()
-        return local_linear_cross_entropy(
-            x, weight.to_local(), target, bias_local, ignore_index=options.ignore_index, reduction=options.reduction,
-            label_smoothing=options.label_smoothing, z_loss=options.z_loss, softcap=options.softcap,
-            chunk_size=chunk_size, memory_budget=memory_budget, return_lse=return_lse)
     if compute_dtype is not None and x.dtype != compute_dtype:
         x = x.to(compute_dtype)  # differentiable: x.grad comes back in x's own dtype
+    if kind == "replicate":  # the local computation on the local tensors
+        loss, lse = class_id_loss(x, weight.to_local(), target, None if bias is None else bias.to_local(), options,
+                                  chunk_size, memory_budget, return_lse)
+        return (loss, lse) if return_lse else loss
     target = target.long().contiguous()
     num_classes = weight.shape[0]
     group = mesh.get_group()

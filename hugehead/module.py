@@ -10,167 +10,25 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._extension import require_kernels
 from .checkpoint.head import load_state_dict_pre_hook, rename_missing_keys_hook, state_dict_hook
 from .engines.distributed import ranks_agree
 from .engines.local import LocalEngine
-from .functional import rows_loss
+from .head_config import (LOSS_BUFFERS, BufferCopies, ClassShard, build_placement, check_loss_kind, engine_topk,
+                          head_compute_dtype, missing_loss_buffers_hook, parse_devices)
 from .init import hashed_uniform_
-from .multilabel import prepare_target, prepared_rows_loss
+from .inputs import prepare_inputs
+from .lce_op import rows_loss
+from .multilabel import prepared_rows_loss
 from .ops import acc_dtype
-from .options import (
-    FLOAT_DTYPES,
-    LossOptions,
-    autocast_dtype,
-    check_chunk_size,
-    check_memory_budget,
-    check_target_tensor,
-    check_targets,
-    reduce_loss,
-)
+from .options import (FLOAT_DTYPES, LossOptions, check_chunk_size, check_memory_budget, check_target_tensor,
+                      check_targets, reduce_loss)
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
-from .sparse import check_class_weight, check_pos_weight, is_sparse_target
+from .sparse import is_sparse_target
+from .target_prep import prepare_target
 
 __all__ = ["ChunkedClassifier", "ClassShard"]
 
-_FLOAT_DTYPES = FLOAT_DTYPES
-
 DeviceLike = Union[str, int, torch.device]
-
-
-class ClassShard(nn.Module):
-    """Classes ``[start, stop)`` of a :class:`ChunkedClassifier`: ``weight [stop - start, D]`` and
-    ``bias [stop - start]`` (or None) on one device.
-
-    An offloaded shard lives in pinned host memory (``device`` is the CPU; ``empty`` allocates it) and
-    computes on ``compute_device``; otherwise ``compute_device`` is ``device``."""
-
-    def __init__(self, start: int, stop: int, in_features: int, bias: bool, device: torch.device,
-                 dtype: torch.dtype, *, compute_device: Optional[torch.device] = None, empty=None):
-        super().__init__()
-        self.start = start
-        self.stop = stop
-        self.compute_device = device if compute_device is None else compute_device
-        if empty is None:
-            def empty(shape, dtype, what):
-                return torch.empty(shape, device=device, dtype=dtype)
-        self.weight = nn.Parameter(empty((stop - start, in_features), dtype, what=f"shard [{start}, {stop}) weight"))
-        if bias:
-            self.bias = nn.Parameter(empty((stop - start,), dtype, what=f"shard [{start}, {stop}) bias"))
-        else:
-            self.register_parameter("bias", None)
-
-    @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    def extra_repr(self) -> str:
-        return f"classes=[{self.start}, {self.stop}), device={self.device}"
-
-
-def _parse_devices(devices) -> List[torch.device]:
-    if devices is None:
-        if torch.cuda.is_available():
-            return [torch.device("cuda", torch.cuda.current_device())]
-        return [torch.device("cpu")]
-    if isinstance(devices, (str, int, torch.device)):
-        devices = [devices]
-    if not isinstance(devices, (list, tuple)) or len(devices) == 0:
-        raise ValueError(f"hugehead: devices must be a non-empty list of devices, got {devices!r}")
-    parsed = []
-    for entry in devices:
-        try:
-            device = torch.device(entry)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"hugehead: devices entry {entry!r} is not a device: {exc}") from None
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"hugehead: devices entry {entry!r} asks for CUDA, which is not available here")
-            index = torch.cuda.current_device() if device.index is None else device.index
-            if not 0 <= index < torch.cuda.device_count():
-                raise ValueError(
-                    f"hugehead: devices entry {entry!r}: there are only {torch.cuda.device_count()} CUDA devices"
-                )
-            require_kernels(device)
-            device = torch.device("cuda", index)
-        elif device.type != "cpu":
-            raise ValueError(
-                f"hugehead: devices entry {entry!r}: shards can live on 'cpu' or 'cuda', not {device.type!r}"
-            )
-        parsed.append(device)
-    return parsed
-
-
-def _parse_shard_sizes(shard_sizes, num_classes: int, num_devices: int) -> List[int]:
-    if shard_sizes is None:
-        if num_classes < num_devices:
-            raise ValueError(
-                f"hugehead: {num_classes} classes cannot fill {num_devices} shards; pass fewer devices"
-            )
-        base, extra = divmod(num_classes, num_devices)
-        return [base + (i < extra) for i in range(num_devices)]
-    sizes = list(shard_sizes)
-    if len(sizes) != num_devices:
-        raise ValueError(f"hugehead: shard_sizes has {len(sizes)} entries but devices has {num_devices}")
-    if any(isinstance(s, bool) or int(s) != s or s <= 0 for s in sizes):
-        raise ValueError(f"hugehead: shard_sizes must be positive integers, got {sizes}")
-    sizes = [int(s) for s in sizes]
-    if sum(sizes) != num_classes:
-        raise ValueError(f"hugehead: shard_sizes {sizes} sum to {sum(sizes)}, not num_classes={num_classes}")
-    return sizes
-
-
-LOSS_KINDS = ("cross_entropy", "binary_cross_entropy")
-
-
-# The loss's per-class buffers: in state_dict() (placement-independent: the same [V] tensor whatever the
-# shards), but optional when loading (checkpoints written before they were buffers have neither).
-LOSS_BUFFERS = ("class_weight", "pos_weight")
-
-
-def _check_loss_kind(loss: str, class_weight: Optional[Tensor], pos_weight: Optional[Tensor], num_classes: int,
-                     label_smoothing: float, z_loss: float, softcap: Optional[float]) -> str:
-    """Check the head's ``loss`` against its options and per-class weights.
-
-    Raises:
-        ValueError: an unknown loss; options one-vs-all does not have (label smoothing, z-loss, softcap,
-            class weights) or softmax does not have (pos_weight). TypeError/ValueError: a class_weight
-            that is not a floating ``[V]`` tensor, a pos_weight that is not a floating ``[V]`` or
-            one-element tensor.
-    """
-    if loss not in LOSS_KINDS:
-        raise ValueError(f"hugehead: unknown loss {loss!r}; expected one of {LOSS_KINDS}")
-    if loss == "binary_cross_entropy":
-        extra = {"label_smoothing": label_smoothing, "z_loss": z_loss, "softcap": softcap}
-        given = [k for k, v in extra.items() if v not in (None, 0, 0.0)]
-        given += ["class_weight"] if class_weight is not None else []
-        if given:
-            raise ValueError(f"hugehead: loss='binary_cross_entropy' does not take {', '.join(given)}")
-    elif pos_weight is not None:
-        raise ValueError("hugehead: pos_weight is the positive term's weight of loss='binary_cross_entropy'; "
-                         "loss='cross_entropy' takes class_weight")
-    for name, value, check in (("class_weight", class_weight, check_class_weight),
-                               ("pos_weight", pos_weight, check_pos_weight)):
-        if value is not None:
-            check(value, num_classes, value.device if isinstance(value, Tensor) else torch.device("cpu"))
-    return loss
-
-
-def _missing_loss_buffers_hook(head, incompatible_keys) -> None:
-    """Load-state-dict post-hook: a checkpoint without ``class_weight`` / ``pos_weight`` (written before
-    they were buffers) loads, the head keeping its own (:func:`hugehead.checkpoint.optional_state_keys`
-    tells ``load_checkpoint`` the same)."""
-    prefix = getattr(head, "_load_prefix", "")
-    optional = {prefix + name for name in head.optional_state_keys}
-    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in optional]
-
-
-@torch.compiler.disable
-def _engine_topk(engine, x: Tensor, shards, softcap: float, k: int) -> Tuple[Tensor, Tensor]:
-    # The engines queue work on several devices and streams from Python: under torch.compile this runs
-    # eagerly (a graph break), as the loss's host-side target check does.
-    with no_autocast(x, shards):
-        return engine.topk(x, shards, softcap, k)
 
 
 class ChunkedClassifier(nn.Module):
@@ -280,16 +138,15 @@ class ChunkedClassifier(nn.Module):
         if int(num_classes) != num_classes or num_classes < 1:
             raise ValueError(f"hugehead: num_classes must be a positive integer, got {num_classes}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"hugehead: dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"hugehead: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
         chunk_size = check_chunk_size(chunk_size)
         memory_budget = check_memory_budget(memory_budget)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                               z_loss=z_loss, softcap=softcap)
-        self.loss = _check_loss_kind(loss, class_weight, pos_weight, int(num_classes), options.label_smoothing,
+        self.loss = check_loss_kind(loss, class_weight, pos_weight, int(num_classes), options.label_smoothing,
                                      options.z_loss, options.softcap)
-        # (buffer name, device) -> (buffer, its version, its copy on that device): see _loss_buffer_on.
-        self._loss_buffer_copies: Dict[Tuple[str, torch.device], Tuple[Tensor, int, Tensor]] = {}
+        self._loss_buffer_copies = BufferCopies()
 
         self.in_features = int(in_features)
         self.num_classes = int(num_classes)
@@ -306,44 +163,10 @@ class ChunkedClassifier(nn.Module):
         # always stay in host memory.
         self.offload = bool(offload)
         self.placement_pinned = devices is not None or self.offload
-        placement = _parse_devices(devices)
-        first_class, stop_class = 0, self.num_classes
-        if group is not None:  # this rank's classes [first_class, stop_class), split evenly over its devices
-            from .engines.distributed import rank_class_ranges
-
-            rank_ranges = rank_class_ranges(self.num_classes, group.size(), shard_sizes)
-            first_class, stop_class = rank_ranges[group.rank()]
-            shard_sizes = None
-        sizes = _parse_shard_sizes(shard_sizes, stop_class - first_class, len(placement))
-        empty, t0 = None, time.perf_counter()
-        if self.offload:
-            from .engines.offload import OffloadEngine, check_offload_devices
-            from .pinned import check_host_memory
-
-            placement = check_offload_devices(placement)
-            starts = [first_class + sum(sizes[:k]) for k in range(len(sizes))]
-            self.engine = OffloadEngine(dict(zip(starts, placement)), chunk_size, memory_budget)
-            empty = self.engine.allocate_host
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            host_bytes = sum(sizes) * (self.in_features + int(bool(bias))) * itemsize
-            check_host_memory(host_bytes, f"the offloaded head's parameters ({sum(sizes):,} x "
-                                          f"{self.in_features} {str(dtype).replace('torch.', '')})")
-        else:
-            self.engine = LocalEngine(chunk_size, memory_budget)
-        shards, start = [], first_class
-        for device, size in zip(placement, sizes):
-            if self.offload:
-                shards.append(ClassShard(start, start + size, self.in_features, bias, torch.device("cpu"), dtype,
-                                         compute_device=device, empty=empty))
-            else:
-                shards.append(ClassShard(start, start + size, self.in_features, bias, device, dtype))
-            start += size
+        t0 = time.perf_counter()
+        self.engine, shards = build_placement(parse_devices(devices), self.num_classes, self.in_features, bias, dtype,
+                                              shard_sizes, self.offload, group, chunk_size, memory_budget)
         self.shards = nn.ModuleList(shards)
-        if group is not None:
-            from .engines.distributed import DistributedEngine
-
-            self.engine = DistributedEngine(self.engine, group, rank_ranges)
-            self.engine.check_agreement(self.in_features, bias, dtype)
         self._pin_seconds = time.perf_counter() - t0
         self.reset_parameters()
         # Class weights and pos_weight are buffers: [V] (pos_weight: or one element) on the first shard's
@@ -359,7 +182,7 @@ class ChunkedClassifier(nn.Module):
         self.register_state_dict_post_hook(state_dict_hook)
         self.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(rename_missing_keys_hook)
-        self.register_load_state_dict_post_hook(_missing_loss_buffers_hook)
+        self.register_load_state_dict_post_hook(missing_loss_buffers_hook)
 
     def _apply(self, fn, recurse=True):
         if not self.placement_pinned:
@@ -454,32 +277,14 @@ class ChunkedClassifier(nn.Module):
             params += [s.bias for s in self.shards]
         return params
 
-    def _check_x(self, x: Tensor, leading_dims: bool = False) -> Tensor:
-        """Check ``x`` and return it in the compute dtype: the autocast dtype under ``torch.autocast`` on
-        ``x``'s device type (a differentiable cast), else ``x`` itself, which must match the head.
-        ``leading_dims``: ``x`` may be ``[..., D]``."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"hugehead: x must be a tensor, got {type(x).__name__}")
-        if x.dim() < 2 or (x.dim() > 2 and not leading_dims):
-            raise ValueError(f"hugehead: x must be [N, D] = [N, {self.in_features}], got shape {tuple(x.shape)}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"hugehead: x has D={x.shape[-1]} features but the head has in_features={self.in_features}"
-            )
-        if x.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"hugehead: x is on {x.device}; ChunkedClassifier takes x on 'cpu' or 'cuda' devices")
-        if x.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"hugehead: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
-        compute = autocast_dtype(x.device.type, x.dtype, self.dtype)
-        if compute is not None:
-            return x if x.dtype == compute else x.to(compute)
-        if x.dtype != self.dtype:
-            raise TypeError(
-                f"hugehead: x is {x.dtype} but the head's parameters are {self.dtype}; cast x, build (or "
-                f".to()) the head in {x.dtype}, or run under torch.autocast (float32 parameters, "
-                f"16-bit compute)"
-            )
-        return x
+    def _check_x(self, x: Tensor) -> Tensor:
+        """``x [N, D]`` checked (:func:`hugehead.head_config.head_compute_dtype`), in the compute dtype."""
+        compute = head_compute_dtype(x, self.in_features, self.dtype)
+        return x if compute is None or x.dtype == compute else x.to(compute)
+
+    def _compute_dtype(self, x: Tensor) -> Optional[torch.dtype]:
+        """The front door's check of ``x [..., D]`` (:func:`hugehead.inputs.prepare_inputs`)."""
+        return head_compute_dtype(x, self.in_features, self.dtype, leading_dims=True)
 
     def loss_options(self) -> LossOptions:
         """The head's loss options, checked (raises as :class:`~hugehead.options.LossOptions`)."""
@@ -530,14 +335,11 @@ class ChunkedClassifier(nn.Module):
         if (self.loss != "cross_entropy" or self.class_weight is not None or self.pos_weight is not None
                 or is_sparse_target(target)):
             return self._forward_prepared(x, target, return_lse)
-        x = self._check_x(x, leading_dims=True)
-        shape = tuple(x.shape[:-1])
-        target = check_target_tensor(target, x)
-        if x.dim() != 2:
-            x = x.reshape(-1, self.in_features)
         spec = self._spec()
         options = spec.options
-        target = check_targets(target, self.num_classes, options.ignore_index)  # the step's one host synchronization
+        # The class ids are range-checked here: the step's one host synchronization.
+        inputs = prepare_inputs(x, target, options, self._compute_dtype, self.num_classes)
+        x, target = inputs.x, inputs.target
         if not return_lse and self._one_local_shard_on(x.device):
             # A scalar loss of one shard beside x: the functional's rows plan when the planner picks it.
             shard = self.shards[0]
@@ -547,39 +349,30 @@ class ChunkedClassifier(nn.Module):
                 return loss
         loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *self._shard_params())
         loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
-        if options.reduction == "none":
-            loss = loss.view(shape)
-        lse = lse.view(shape)
-        return (loss, lse) if return_lse else loss
+        return inputs.restore(loss, lse, options.reduction, return_lse)
 
     @torch.compiler.disable
     def _forward_prepared(self, x: Tensor, target: Tensor, return_lse: bool):
         """:meth:`forward` for a sparse target, class weights or one-vs-all (:mod:`hugehead.multilabel`).
         Under torch.compile it runs eagerly (one graph break): preparing the target reads the data."""
-        shape = None
-        if is_sparse_target(target):
-            x = self._check_x(x)
-            if target.device != x.device:
-                target = target.to(x.device)
-        elif self.loss == "binary_cross_entropy":
-            raise TypeError("hugehead: a one-vs-all head (loss='binary_cross_entropy') takes a sparse [N, V] target "
-                            "(torch.sparse_csr or torch.sparse_coo)")
-        else:  # class ids with class weights: [...] targets of x [..., D], as without weights
-            x = self._check_x(x, leading_dims=True)
-            shape = tuple(x.shape[:-1])
-            target = check_target_tensor(target, x)
-            if x.dim() != 2:
-                x = x.reshape(-1, self.in_features)
-            target = check_targets(target, self.num_classes, self.ignore_index)
-        if return_lse and self.loss == "binary_cross_entropy":
-            raise ValueError("hugehead: return_lse needs a softmax head; one-vs-all has no log-sum-exp")
+        if self.loss == "binary_cross_entropy":
+            if not is_sparse_target(target):
+                raise TypeError("hugehead: a one-vs-all head (loss='binary_cross_entropy') takes a sparse [N, V] "
+                                "target (torch.sparse_csr or torch.sparse_coo)")
+            if return_lse:
+                raise ValueError("hugehead: return_lse needs a softmax head; one-vs-all has no log-sum-exp")
         # Buffers assigned after construction: the same rule as there.
-        _check_loss_kind(self.loss, self.class_weight, self.pos_weight, self.num_classes, self.label_smoothing,
-                         self.z_loss, self.softcap)
+        check_loss_kind(self.loss, self.class_weight, self.pos_weight, self.num_classes, self.label_smoothing,
+                        self.z_loss, self.softcap)
+        inputs = prepare_inputs(x, target, self.loss_options(), self._compute_dtype, self.num_classes)
+        x, target = inputs.x, inputs.target
+        if inputs.sparse and target.device != x.device:
+            target = target.to(x.device)
+        buffers = self._loss_buffer_copies
         prepared = prepare_target(
-            target, x.shape[0], self.num_classes, loss=self.loss,
-            class_weight=self._loss_buffer_on("class_weight", x.device),
-            pos_weight=self._loss_buffer_on("pos_weight", x.device), label_smoothing=self.label_smoothing,
+            target, x.shape[0], self.num_classes, loss=self.loss, label_smoothing=self.label_smoothing,
+            class_weight=buffers.on(self.class_weight, "class_weight", x.device),
+            pos_weight=buffers.on(self.pos_weight, "pos_weight", x.device),
             ignore_index=self.ignore_index, dtype=acc_dtype(x.dtype), device=x.device)
         if not return_lse and self._one_local_shard_on(x.device):
             # A scalar softmax loss of one shard beside x: the rows plan when the planner picks it (as for ids).
@@ -592,25 +385,7 @@ class ChunkedClassifier(nn.Module):
             if loss is not None:
                 return loss
         loss_rows, lse = ShardedLinearCrossEntropy.apply(self._spec(), x, prepared, *self._shard_params())
-        loss = prepared.reduce(loss_rows, self.reduction)
-        if shape is not None:
-            if self.reduction == "none":
-                loss = loss.view(shape)
-            lse = lse.view(shape)
-        return (loss, lse) if return_lse else loss
-
-    def _loss_buffer_on(self, name: str, device: torch.device) -> Optional[Tensor]:
-        """Buffer ``name`` (``class_weight`` / ``pos_weight``) on ``device``: itself, or a copy made once and
-        made again when the buffer is replaced or changed in place (``load_state_dict`` copies into it)."""
-        buffer = getattr(self, name)
-        if buffer is None or buffer.device == device:
-            return buffer
-        key = (name, device)
-        hit = self._loss_buffer_copies.get(key)
-        if hit is None or hit[0] is not buffer or hit[1] != buffer._version:
-            hit = (buffer, buffer._version, buffer.detach().to(device))
-            self._loss_buffer_copies[key] = hit
-        return hit[2]
+        return inputs.restore(prepared.reduce(loss_rows, self.reduction), lse, self.reduction, return_lse)
 
     @ranks_agree("topk")
     @torch.no_grad()
@@ -645,7 +420,7 @@ class ChunkedClassifier(nn.Module):
                                memory_budget=self.engine.memory_budget)
         spec = self._spec()
         shards = spec.shards(self._shard_params())
-        return _engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
+        return engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
 
     @ranks_agree("log_prob")
     @torch.no_grad()

@@ -304,9 +304,10 @@ def check_targets(target: Tensor, num_classes: int, ignore_index: Optional[int],
 # --------------------------------------------------------------------------------------------------
 # Dtypes
 # --------------------------------------------------------------------------------------------------
-def check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]) -> Optional[torch.dtype]:
-    """Check a loss's inputs ``x [..., D]``, ``weight [V, D]``, ``target [...]`` (x's leading shape) and
-    ``bias [V]`` or None: types, shapes, float dtypes, devices, and that this build has kernels for x's device.
+def check_inputs(x: Tensor, weight: Tensor, target: Optional[Tensor], bias: Optional[Tensor]) -> Optional[torch.dtype]:
+    """Check a loss's inputs ``x [..., D]``, ``weight [V, D]``, ``target [...]`` (x's leading shape; None: not
+    checked here) and ``bias [V]`` or None: types, shapes, float dtypes, devices, and that this build has kernels
+    for x's device.
     Returns the autocast compute dtype, or None when the inputs' dtype decides (they must then agree).
 
     Raises:
@@ -314,7 +315,7 @@ def check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tenso
         ValueError: a shape or device mismatch, no classes.
         RuntimeError: no hugehead kernels for x's device.
     """
-    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, (Tensor, type(None))):
         raise TypeError("hugehead: x, weight and target must be tensors")
     if x.dim() < 2:
         raise ValueError(f"hugehead: x must be [N, D] (or [..., D]), got shape {tuple(x.shape)}")
@@ -327,7 +328,8 @@ def check_inputs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tenso
         )
     if weight.shape[0] == 0:
         raise ValueError("hugehead: weight has no classes (V=0)")
-    _check_target_tensor(target, x)
+    if target is not None:
+        _check_target_tensor(target, x)
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"hugehead: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")

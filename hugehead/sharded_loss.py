@@ -44,7 +44,7 @@ class ShardedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: LossSpec, x: Tensor, target, *params: Tensor) -> Tuple[Tensor, Tensor]:
-        # target: [N] class ids, or a hugehead.multilabel.PreparedTarget (sparse / weighted / one-vs-all),
+        # target: [N] class ids, or a hugehead.target_prep.PreparedTarget (sparse / weighted / one-vs-all),
         # whose chunk target the engines place and whose rules give the row losses and row gradients.
         prepared = None if isinstance(target, Tensor) else target
         shards = spec.shards(params)

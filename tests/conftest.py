@@ -123,10 +123,10 @@ def planned_with(monkeypatch):
     :func:`hugehead.plan.plan_loss` in place of its own (``side_stream=False``: one workspace, no overlap;
     ``grad_store=False``: no chunk kept in the weight gradient's buffer). The loop executes whatever plan it is
     handed, so a test reaches a strategy without a switch in the library, and the plan stays one that fits."""
-    import hugehead.functional
+    import hugehead.lce_op
 
-    real = hugehead.functional.plan_loss
+    real = hugehead.lce_op.plan_loss
 
     def plan_with(**args):
-        monkeypatch.setattr(hugehead.functional, "plan_loss", lambda *a, **k: real(*a, **{**k, **args}))
+        monkeypatch.setattr(hugehead.lce_op, "plan_loss", lambda *a, **k: real(*a, **{**k, **args}))
     return plan_with

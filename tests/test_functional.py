@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import hugehead
 from hugehead import reference, tuning
-from hugehead.functional import loss_dtype, plan_chunks
+from hugehead.options import loss_dtype
+from hugehead.plan import plan_chunks
 from hugehead.plan import plan_loss
 
 from conftest import DEVICES, FLOAT_DTYPES, fail_next_mm, requires_cuda, rel_err, rows_budget
@@ -592,7 +593,7 @@ def test_eager_dispatch_takes_the_registered_op_under_modes_and_transforms():
     takes the twin."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hugehead.functional import eager_dispatch
+    from hugehead.eager import eager_dispatch
 
     x, w = torch.randn(5, 4), torch.randn(9, 4)
     t = torch.tensor([0, 3, 8, 2, 1])
@@ -791,7 +792,7 @@ def test_logits_kept_in_the_weight_gradients_buffer_match_float64(device, bias, 
     every gradient match float64 and the plan without them; the buffer comes back as w.grad; a second backward
     (retain_graph) recomputes them; and the plan that keeps none there (plan_loss' grad_store=False) gives the
     same numbers."""
-    from hugehead.functional import loss_plan
+    from hugehead.lce_op import loss_plan
     from hugehead.plan import _MAX_COLS
     from hugehead.grad_store import grad_store_layout
 
@@ -879,11 +880,11 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, tu
     """The overlapped loop (statistics and gradient kernels on a side stream) runs the same kernels on the
     same data as the one-stream loop: loss and every gradient are bitwise equal, and the plan used it. (The
     side stream is the cuBLAS path's: the fused CUTLASS GEMMs have no separate kernels to overlap.)"""
-    from hugehead.functional import loss_plan
+    from hugehead.lce_op import loss_plan
     from hugehead.plan import _MAX_COLS
 
     tuned(gemm="cublas")
-    real_plan = hugehead.functional.loss_plan
+    real_plan = hugehead.lce_op.loss_plan
 
     torch.manual_seed(12)
     cols = _MAX_COLS["cuda"]
@@ -902,7 +903,7 @@ def test_cuda_side_stream_overlap_is_bitwise_the_one_stream_loop(monkeypatch, tu
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         plan = real_plan(leaves[0], leaves[1], target, leaves[2], memory_budget=budget)
         plans[overlap] = plan = dataclasses.replace(plan, overlap=plan.overlap and overlap == "1")
-        monkeypatch.setattr(hugehead.functional, "loss_plan", lambda *a, _p=plan, **k: _p)
+        monkeypatch.setattr(hugehead.lce_op, "loss_plan", lambda *a, _p=plan, **k: _p)
         given = budget
         # (the weight gradient's buffer keeps a chunk either way; the budget one more with keep)
         assert plan.overlap == (overlap == "1") and plan.cols == cols and \

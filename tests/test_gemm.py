@@ -10,7 +10,7 @@ import torch
 import hugehead
 from hugehead import ops
 
-from hugehead.functional import plan_chunks
+from hugehead.plan import plan_chunks
 
 from conftest import HAS_CUDA_KERNELS, rel_err
 
@@ -27,19 +27,19 @@ IGNORE = -100
 def _without_kept_probs(monkeypatch):
     """The same step with its kept chunks holding logits, not probabilities: planned without kept_probs and the
     loop's _probs_plan answering no (what planner and loop decide where the factored backward does not apply)."""
-    from hugehead import functional, loop
+    from hugehead import lce_op, loop
 
-    real = functional.plan_loss
-    monkeypatch.setattr(functional, "plan_loss", lambda *a, **k: real(*a, **{**k, "kept_probs": False}))
+    real = lce_op.plan_loss
+    monkeypatch.setattr(lce_op, "plan_loss", lambda *a, **k: real(*a, **{**k, "kept_probs": False}))
     monkeypatch.setattr(loop.streamed, "_probs_plan", lambda *a, **k: False)
 
 
 def _without_grad_store(monkeypatch):
     """The same step keeping no chunk in the weight gradient's buffer (planned with grad_store=False)."""
-    from hugehead import functional
+    from hugehead import lce_op
 
-    real = functional.plan_loss
-    monkeypatch.setattr(functional, "plan_loss", lambda *a, **k: real(*a, **{**k, "grad_store": False}))
+    real = lce_op.plan_loss
+    monkeypatch.setattr(lce_op, "plan_loss", lambda *a, **k: real(*a, **{**k, "grad_store": False}))
 
 
 def _inputs(n, c, d, dtype, *, bias, seed, scale=1.0):
@@ -745,7 +745,7 @@ def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch,
     (planned with grad_store=False) against float64, bitwise repeatable. Without label smoothing the kept chunks
     fold against the row max of the others (the reference kernel); "probs" (the planner's choice there) keeps
     exp(z - ref) for the factored backward, "logits" the logits (the step planned and run without it)."""
-    from hugehead.functional import loss_plan
+    from hugehead.lce_op import loss_plan
 
     tuned(rows=False, gemm="cutlass")
     if kept == "logits":
@@ -1027,7 +1027,7 @@ def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, tun
     FACTORED_DROP_GAP), those rows' dX checked on their own; "logits": that step itself, bitwise. On
     "cuda" the fused ops themselves run (an H200)."""
     from hugehead import loop
-    from hugehead.functional import loss_plan
+    from hugehead.lce_op import loss_plan
 
     _fused_gemms_or_skip(tuned, device)
     tuned(rows=False)
@@ -1121,8 +1121,8 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     the plan without kept probabilities. Loss, dX and dW within 2x that plan's error against float64 (plus bf16's eps),
     the streamed chunks' workspace taken from the kept tensor, and on "cuda" (the fused ops themselves) the step's
     peak memory beyond its inputs and gradients within the budget."""
-    from hugehead import functional, loop
-    from hugehead.functional import loss_plan
+    from hugehead import lce_op, loop
+    from hugehead.lce_op import loss_plan
     from hugehead.plan import _MAX_COLS
 
     _fused_gemms_or_skip(tuned, device)
@@ -1136,7 +1136,7 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     x, w, target = x.to(device), w.to(device), target.to(device)
     if device == "cpu":
         _emulate_fused_ops(monkeypatch)
-        monkeypatch.setattr(functional, "fused_applies", loop.fused_applies)
+        monkeypatch.setattr(lce_op, "fused_applies", loop.fused_applies)
     opts = dict(memory_budget=budget, z_loss=1e-3)
 
     def plan_now():

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import hugehead
-from hugehead import multilabel
+from hugehead import target_prep
 
 from conftest import load_example, rel_err, requires_cuda, requires_multigpu
 
@@ -317,7 +317,7 @@ def test_torch_compile_sparse_and_binary(device):
 def test_opcheck_multilabel_ops(device):
     x, w, b = (p.detach().float() for p in make_inputs(device))
     t = make_target().float()
-    target, rows = multilabel.softmax_target(t.to_sparse_coo().to(device), N, V, class_weight=None,
+    target, rows = target_prep.softmax_target(t.to_sparse_coo().to(device), N, V, class_weight=None,
                                              label_smoothing=0.1, ignore_index=-100, dtype=torch.float32,
                                              device=x.device)
     s = target.stats
@@ -328,7 +328,7 @@ def test_opcheck_multilabel_ops(device):
     bwd = (torch.ones(N, device=device), None, x, w, b, s.crow, s.col, s.row, s.val, target.grad_val, target.mass,
            None, None, lse, kept, 0.1, 0.0, 0.0, 128, 0, True, True)
     torch.library.opcheck(torch.ops.hugehead.linear_softmax_csr_backward.default, bwd)
-    bt = multilabel.binary_target(t.clamp(max=1).to_sparse_coo().to(device), N, V, None, torch.float32, x.device)
+    bt = target_prep.binary_target(t.clamp(max=1).to_sparse_coo().to(device), N, V, None, torch.float32, x.device)
     c = bt.target
     args = (x, w, b, c.crow, c.col, c.row, c.val, None)
     torch.library.opcheck(torch.ops.hugehead.linear_bce_csr_forward.default, (*args, 128, 0, False))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import hugehead
 from hugehead import tuning
 from conftest import DEVICES, rel_err, requires_cuda, rows_budget
-from hugehead import multilabel
+from hugehead import multilabel, target_prep
 from hugehead import plan as planner
 from hugehead.budget import resolve_budget
 from hugehead.plan import ROWS_BLOCKS, plan_loss
@@ -367,18 +367,18 @@ def test_second_backward_and_second_order_raise_clearly(rows_calls):
 
 
 def test_compiled_function_matches_eager(monkeypatch):
-    from hugehead import functional
+    from hugehead import lce_op
     from hugehead.targets import SoftmaxCsrTarget
 
     # A spy on the loop, not on torch.ops.hugehead (the compiler's decomposition tables read every op there).
     calls = []
-    steps = functional.rows_steps
+    steps = lce_op.rows_steps
 
     def spy(x, source, target, options, plan, *args):
         calls.append((type(target), plan.rows))
         return steps(x, source, target, options, plan, *args)
 
-    monkeypatch.setattr(functional, "rows_steps", spy)
+    monkeypatch.setattr(lce_op, "rows_steps", spy)
     torch._dynamo.reset()
     n, d, v = 96, 8, 21
     x, w, b = (t.requires_grad_() for t in _inputs(n, d, v, torch.float64, "cpu", True))
@@ -409,7 +409,7 @@ def test_opcheck_rows_op(device, kind):
         target = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(1)).to(device)
         target[::4] = -100
         cw = _class_weight(v).float().to(device)
-    chunk, rows = multilabel.softmax_target(target, n, v, class_weight=cw, label_smoothing=0.1, ignore_index=-100,
+    chunk, rows = target_prep.softmax_target(target, n, v, class_weight=cw, label_smoothing=0.1, ignore_index=-100,
                                             dtype=torch.float32, device=x.device)
     s = chunk.stats
     for mean in (True, False):

@@ -422,7 +422,7 @@ def test_opcheck_linear_cross_entropy_ops_keeping_logits_in_the_gradients_buffer
     """The ops with a plan that keeps a chunk in the weight gradient's buffer (the forward's fourth output, the
     backward's mutated ``store``): schema, autograd registration and fake tensors agree with the real ops, and
     the backward's dW is the store (its own dW output empty) and matches the plan without it."""
-    from hugehead.functional import loss_plan
+    from hugehead.lce_op import loss_plan
     from hugehead.plan import _MAX_COLS
 
     tuned(rows=False)

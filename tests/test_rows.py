@@ -232,8 +232,8 @@ def test_functional_uses_the_rows_plan_only_where_it_applies(monkeypatch):
     budget = rows_budget(n, d, v, torch.float32, 32)
     calls = []
     # (the rows op's body executes its plan through rows_pass, eagerly (the op's eager twin) or through the op)
-    rows_pass = hugehead.functional.rows_pass
-    monkeypatch.setattr(hugehead.functional, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
+    rows_pass = hugehead.lce_op.rows_pass
+    monkeypatch.setattr(hugehead.lce_op, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
     for kwargs, grad, used in [
         (dict(), True, True),
         (dict(reduction="sum"), True, True),
@@ -395,8 +395,8 @@ def test_chunked_classifier_one_local_shard_uses_rows(devices, reduction, monkey
     head = hugehead.ChunkedClassifier(d, v, bias=True, devices=devices, memory_budget=budget, reduction=reduction,
                                       label_smoothing=0.1, softcap=5.0)
     calls = []
-    rows_pass = hugehead.functional.rows_pass  # (read by the rows op's body, eager twin or op)
-    monkeypatch.setattr(hugehead.functional, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
+    rows_pass = hugehead.lce_op.rows_pass  # (read by the rows op's body, eager twin or op)
+    monkeypatch.setattr(hugehead.lce_op, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
     x = torch.randn(n, d, requires_grad=True)
     target = torch.randint(0, v, (n,))
     target[::9] = -100

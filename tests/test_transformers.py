@@ -12,7 +12,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from conftest import NUM_GPUS, requires_cuda, requires_multigpu  # noqa: E402
-from hugehead import functional as hh_functional, plan as hh_plan  # noqa: E402
+from hugehead import lce_op as hh_lce_op, plan as hh_plan  # noqa: E402
 from hugehead.integrations import transformers as hh_tf  # noqa: E402
 from hugehead.integrations.transformers import ClassifierHead, head_inputs, patch  # noqa: E402
 
@@ -110,8 +110,8 @@ def test_causal_lm_rows_plan_loss_and_every_gradient_float64(name, num_items, mo
     monkeypatch.setattr(hh_plan, "ROWS_MIN_SPLIT_ROWS", {"cpu": 1, "cuda": 1})
     patch(model, memory_budget=rows_per_block * V * 8 + ids.numel() * D * 8)
     calls = []
-    rows_pass = hh_functional.rows_pass  # (read by the rows op's body, eager twin or op)
-    monkeypatch.setattr(hh_functional, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
+    rows_pass = hh_lce_op.rows_pass  # (read by the rows op's body, eager twin or op)
+    monkeypatch.setattr(hh_lce_op, "rows_pass", lambda *a, **k: calls.append(a[5]) or rows_pass(*a, **k))
     n = None if num_items is None else torch.tensor(num_items)
     out = model(input_ids=ids, labels=labels, num_items_in_batch=n)
     assert calls and -(-ids.numel() // calls[0].rows) == 4, calls  # the rows plan: 4 blocks

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hugehead
-import hugehead.functional
+import hugehead.lce_op
 from hugehead import reference, tuning
 from hugehead.plan import Plan
 
@@ -60,18 +60,18 @@ def test_backward_executes_the_forwards_plan_without_asking_the_planner(monkeypa
     target = torch.randint(0, v, (n,))
     memory_budget = None if budget == "kept" else n * d * 12 + 2 * n * 512 * 8
     planned, executed = [], []
-    real_plan, real_backward = hugehead.functional.loss_plan, hugehead.functional.whole_head_backward
-    monkeypatch.setattr(hugehead.functional, "loss_plan",
+    real_plan, real_backward = hugehead.lce_op.loss_plan, hugehead.lce_op.whole_head_backward
+    monkeypatch.setattr(hugehead.lce_op, "loss_plan",
                         lambda *a, **k: planned.append(real_plan(*a, **k)) or planned[-1])
-    monkeypatch.setattr(hugehead.functional, "whole_head_backward",
+    monkeypatch.setattr(hugehead.lce_op, "whole_head_backward",
                         lambda *a, **k: executed.append(a[7]) or real_backward(*a, **k))
     with tuning.override(rows=False):
         loss = hugehead.linear_cross_entropy(x, w, target, memory_budget=memory_budget)
 
     def refuse(*a, **k):
         raise AssertionError("the backward asked the planner")
-    for name in ("loss_plan", "plan_chunks", "plan_loss", "_plan", "kept_plan"):
-        monkeypatch.setattr(hugehead.functional, name, refuse)
+    for name in ("loss_plan", "plan_chunks", "plan_loss", "op_plan", "kept_plan"):
+        monkeypatch.setattr(hugehead.lce_op, name, refuse)
     loss.backward()
     assert len(planned) == 1 and executed == planned, (planned, executed)
     assert planned[0].keep_logits == (budget == "kept") or planned[0].kept_chunks < -(-v // planned[0].cols)
@@ -92,14 +92,14 @@ def test_a_tuning_override_changes_the_plan_and_the_loop_follows_it(monkeypatch)
     target = torch.randint(0, v, (n,))
     budget = rows_budget(n, d, v, torch.float32, 32)
     rows_runs = []
-    real_rows = hugehead.functional.rows_pass
-    monkeypatch.setattr(hugehead.functional, "rows_pass", lambda *a, **k: rows_runs.append(a[5]) or real_rows(*a, **k))
+    real_rows = hugehead.lce_op.rows_pass
+    monkeypatch.setattr(hugehead.lce_op, "rows_pass", lambda *a, **k: rows_runs.append(a[5]) or real_rows(*a, **k))
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = reference.linear_cross_entropy(x64, w64, target)
     ref.backward()
     for allowed in (True, False):
         with tuning.override(rows=allowed):
-            plan = hugehead.functional.loss_plan(x, w, target, memory_budget=budget)
+            plan = hugehead.lce_op.loss_plan(x, w, target, memory_budget=budget)
             rows_runs.clear()
             x.grad = w.grad = None
             loss = hugehead.linear_cross_entropy(x, w, target, memory_budget=budget)

@@ -131,7 +131,7 @@ def _profiled_step(x, w, t):
 
 
 def split_shape(shape, reps: int, widths: List[int]) -> dict:
-    from hugehead.functional import loss_plan
+    from hugehead.lce_op import loss_plan
 
     dev = torch.device("cuda")
     x, w, t = make_inputs(shape, dev, dtype=BF16, seed=0)
