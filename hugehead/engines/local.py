@@ -31,11 +31,10 @@ from ..loop.sources import ResidentChunks
 from ..ops import acc_dtype
 from ..options import LossOptions
 from ..budget import Budget, device_budgets, resolve_budget
-from ..plan import Plan, plan_chunks, plan_topk_chunks
-from ..plan import shard_oom_guard  # noqa: F401  (re-exported: it lived here before plan.py)
+from ..plan import Plan, plan_chunks, plan_topk_chunks, shard_oom_guard
 from ..topk import CUDA_MAX_K, merge_topk, topk_steps
 
-__all__ = ["ShardTensors", "PlacedInputs", "LocalEngine", "shard_oom_guard"]
+__all__ = ["ShardTensors", "PlacedInputs", "LocalEngine"]
 
 
 class ShardTensors(NamedTuple):
