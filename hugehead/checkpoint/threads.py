@@ -7,12 +7,11 @@ import functools
 import math
 import os
 import threading
-import zlib
 from typing import Dict, List
 
 import torch
 
-from .verify import CheckpointCorruptError
+from .verify import CheckpointCorruptError, crc32
 
 __all__ = ["writer", "reader", "load_planner"]
 
@@ -80,7 +79,7 @@ class _DigestingStream:
         view = memoryview(data)
         n = self.f.write(view)
         self.in_order = self.in_order and n == view.nbytes
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)
         self.count += view.nbytes
         return n
 
@@ -148,6 +147,8 @@ def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bo
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
 
+    from torch.distributed.checkpoint.planner import LoadItemType
+
     from .verify import PinnedDir, check_extents, load_dcp_metadata
 
     pinned = PinnedDir(str(path)) if pinned is None else pinned
@@ -190,21 +191,79 @@ def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bo
             super().set_up_storage_reader(md, is_coordinator, *args, **kwargs)
             check_extents(pinned, md)  # before read_data writes anything
 
+        def read_file(self, name: str, items: list, plan, planner) -> None:
+            """One file's items, in file order: a tensor straight from the file into its target
+            (:func:`_read_tensor_into`), any other item through DCP's own reader."""
+            items = sorted(items, key=lambda item: self.storage_data[item.storage_index].offset)
+            others = []
+            with pinned.stream(name) as stream:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                        others.append(item)
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    if _read_tensor_into(stream, info.offset, info.length, item, target):
+                        planner.commit_tensor(item, target)
+                    else:
+                        others.append(item)
+            if others:
+                super().read_data(replace(plan, items=others), planner)
+
         def read_data(self, plan, planner):
             per_file: Dict[str, list] = {}
             for item in plan.items:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            if threads <= 1 or len(per_file) <= 1:
-                return super().read_data(plan, planner)
-            read = super().read_data
-            with ThreadPoolExecutor(max_workers=min(threads, len(per_file)), thread_name_prefix="hugehead-read") as pool:
-                futures = [pool.submit(read, replace(plan, items=items), planner) for items in per_file.values()]
-                wait(futures)
-            for future in futures:
-                future.result()  # re-raises the first failure
-            return futures[-1].result()
+            jobs = [(name, items, plan, planner) for name, items in per_file.items()]
+            if threads <= 1 or len(jobs) <= 1:
+                for job in jobs:
+                    self.read_file(*job)
+            else:
+                with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="hugehead-read") as pool:
+                    futures = [pool.submit(self.read_file, *job) for job in jobs]
+                    wait(futures)
+                for future in futures:
+                    future.result()  # re-raises the first failure
+            out: torch.futures.Future = torch.futures.Future()
+            out.set_result(None)
+            return out
 
     return ParallelReader()
+
+
+def _read_tensor_into(stream, offset: int, length: int, item, target: torch.Tensor) -> bool:
+    """Read the stored tensor that DCP's ``torch.save`` wrote at ``[offset, offset + length)`` of
+    ``stream``'s file, narrowed to ``item``'s extent, straight into ``target`` with positional reads: one
+    copy from the page cache into the target's memory (DCP's reader makes a tensor of the whole record,
+    then copies it). The record's layout comes from its pickle alone (``map_location="meta"`` reads no
+    data). False, having read nothing into ``target``, where the bytes are not one contiguous run of
+    ``target``'s dtype and shape (the caller then reads it DCP's way)."""
+    import ctypes
+
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+        return False
+    meta = torch.load(_create_file_view(stream, offset, length), map_location="meta", weights_only=True)
+    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if not isinstance(meta, torch.Tensor) or record is None or meta.dtype != target.dtype:
+        return False
+    for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+        meta = meta.narrow(dim, start, size)
+    if tuple(meta.shape) != tuple(target.shape) or not meta.is_contiguous():
+        return False
+    nbytes = target.numel() * target.element_size()
+    start = offset + record + meta.storage_offset() * meta.element_size()
+    if start + nbytes > offset + length:
+        return False
+    view = memoryview((ctypes.c_char * nbytes).from_address(target.data_ptr())).cast("B")
+    fd, done = stream.fileno(), 0
+    while done < nbytes:  # preadv releases the GIL: the reader threads copy in parallel
+        n = os.preadv(fd, [view[done:]], start + done)
+        if n == 0:
+            raise CheckpointCorruptError(getattr(stream, "name", "?"), f"ends before byte {start + nbytes} (truncated)")
+        done += n
+    return True
 
 
 def load_planner(weights_only: bool = True):
