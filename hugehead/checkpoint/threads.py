@@ -3,6 +3,7 @@ the files read back in parallel (a single thread leaves a fast disk half idle), 
 raised to the caller."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -36,6 +37,10 @@ def writer(path: str, threads: int):
 
     class ParallelWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
+            with _without_zip_crc32():
+                return self.write_in_threads(plan, planner)
+
+        def write_in_threads(self, plan, planner):
             if threads <= 1 or len(plan.items) <= 1:
                 return super().write_data(plan, planner)
             buckets: List[list] = [[] for _ in range(min(threads, len(plan.items)))]
@@ -66,6 +71,30 @@ def writer(path: str, threads: int):
     out = ParallelWriter(path, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
     out.fs = _digesting_files()()
     return out
+
+
+_zip_crc32_lock = threading.Lock()
+_zip_crc32_off = [0, True]  # saves writing now, torch.save's CRC-32 option before the first of them
+
+
+@contextlib.contextmanager
+def _without_zip_crc32():
+    """``torch.save``'s CRC-32 of each zip record off while DCP writes: each file's own CRC-32, computed
+    as it is written, covers every byte, and a second CRC pass over the same bytes halves the write speed.
+    The option is process-wide, so overlapping saves count themselves and the last one restores it (a
+    ``torch.save`` in another thread meanwhile writes records without CRC, which ``torch.load`` reads)."""
+    with _zip_crc32_lock:
+        if _zip_crc32_off[0] == 0:
+            _zip_crc32_off[1] = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _zip_crc32_off[0] += 1
+    try:
+        yield
+    finally:
+        with _zip_crc32_lock:
+            _zip_crc32_off[0] -= 1
+            if _zip_crc32_off[0] == 0:
+                torch.serialization.set_crc32_options(_zip_crc32_off[1])
 
 
 class _DigestingStream:
