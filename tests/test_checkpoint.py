@@ -1022,3 +1022,17 @@ def test_load_dcp_reads_views_of_other_layouts_and_dtypes(tmp_path):
     ck.load_dcp(targets, tmp_path / "c", io_threads=1)
     for k, v in saved.items():
         assert torch.equal(targets[k], v), k
+
+
+def test_a_save_leaves_torch_saves_crc32_option_as_it_found_it(tmp_path):
+    head = hugehead.ChunkedClassifier(8, 50, devices=["cpu"])
+    for option in (True, False):
+        torch.serialization.set_crc32_options(option)
+        try:
+            ck.save_checkpoint(tmp_path / f"c{option}", head, io_threads=2)
+            assert torch.serialization.get_crc32_options() is option
+        finally:
+            torch.serialization.set_crc32_options(True)
+    loaded = hugehead.ChunkedClassifier(8, 50, devices=["cpu"])
+    ck.load_checkpoint(tmp_path / "cFalse", loaded)
+    assert torch.equal(loaded.shards[0].weight, head.shards[0].weight)
