@@ -16,7 +16,7 @@ Measured on the file system of --dir (emptied and removed at the end):
    where allowed), each into a scrambled head and optimizer and checked against float64 checksums of
    every tensor taken before the save; then a plain dd-style write of the same files' sizes (one thread,
    --block-bytes blocks through the page cache, fsync at each file's end) and its read warm and cold.
-Targets (issue 73): save >= 0.8 of the plain write; load >= 0.8 of the plain read warm, >= 0.45 cold.
+Targets: save >= 0.8 of the plain write; load >= 0.8 of the plain read warm, >= 0.45 cold.
 
 When --dir's file system cannot hold a checkpoint beside its plain copy, --classes is scaled down to what
 fits (recorded in the results) unless --no-fit-disk. Writes checkpoint.json and checkpoint.md to --out
@@ -157,6 +157,7 @@ def run(args, work: Path, doc: Dict[str, object]) -> None:
     rows: List[Dict[str, object]] = []
     doc["rows"] = rows
     doc["fs"] = file_system_of(work)
+    doc["crc32"] = ck.verify.crc32.__module__  # ISA-L's or zlib's (same digest, other speed)
 
     disk = disk_bandwidth(work, args.disk_gib)  # deletes its probe files
     disk["drop_caches"] = drop_all_caches()
@@ -237,13 +238,13 @@ def render_markdown(doc: Dict[str, object]) -> str:
           "yes" if r["exact"] else "**NO**"]
          for r in doc.get("rows", [])]))
     dropped = all(r.get("caches_dropped") for r in doc.get("rows", []))
-    lines.append("\nSave and load with CRC-32 digests on (a load checks every file's size and digest before it "
+    lines.append(f"\nSave and load with CRC-32 digests on (computed by `{doc.get('crc32', 'zlib')}`; a load checks every file's size and digest before it "
                  "writes the model, then loads: two reads). Beside them, in the same run on the same disk, a plain "
                  "dd-style write and read of the same bytes (same files' sizes, one thread, the block size above, "
                  "through the page cache, fsync at the end of each file). Warm: the files in the page cache (just "
                  "written); cold: their pages dropped first"
                  f"{'' if dropped else ' (per file with posix_fadvise only: /proc/sys/vm/drop_caches refused, so cold may be partly warm)'}. "
-                 "Targets (issue 73): save >= 0.8 of the plain write; load >= 0.8 of the plain read warm, >= 0.45 cold. "
+                 "Targets: save >= 0.8 of the plain write; load >= 0.8 of the plain read warm, >= 0.45 cold. "
                  "Each load is checked against float64 checksums of every tensor.\n")
     if doc.get("error"):
         lines.append(f"\n**Stopped by an error**: `{doc['error']}`\n")

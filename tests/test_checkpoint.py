@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -976,3 +977,62 @@ def test_bench_checkpoint_cpu_smoke(tmp_path):
                for r in doc["rows"])
     assert doc["disk"]["write_gbps"] > 0 and doc["meta"]["smoke"] and not work.exists()
     assert (out / "checkpoint.md").read_text().startswith("# Checkpoint save and load speed")
+
+
+def test_a_tensor_is_read_straight_into_its_target_only_when_its_bytes_are_one_run(tmp_path):
+    from types import SimpleNamespace
+
+    from hugehead.checkpoint.threads import _read_tensor_into
+
+    stored = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5)
+    path = tmp_path / "items"
+    with open(path, "wb") as f:
+        f.write(b"x" * 37)  # the record sits at an offset of its file, as in a DCP file
+        offset = f.tell()
+        torch.save(stored, f)
+        length = f.tell() - offset
+        torch.save(stored.t(), f)  # a transposed record: not one run in row order
+        t_length = f.tell() - offset - length
+
+    def read(target, starts, sizes, at=offset, n=length):
+        with open(path, "rb") as stream:
+            return _read_tensor_into(stream, at, n, SimpleNamespace(storage_offsets=starts, lengths=sizes), target)
+
+    whole = torch.full((6, 5), -1.0)
+    assert read(whole, (0, 0), (6, 5)) and torch.equal(whole, stored)
+    rows = torch.full((2, 5), -1.0)
+    assert read(rows, (3, 0), (2, 5)) and torch.equal(rows, stored[3:5])
+    for target, starts, sizes, where in [(torch.full((6, 2), -1.0), (0, 1), (6, 2), {}),            # columns
+                                         (torch.full((6, 5), -1.0, dtype=torch.float64), (0, 0), (6, 5), {}),
+                                         (torch.full((5, 6), -1.0), (0, 0), (5, 6), dict(at=offset + length, n=t_length))]:
+        assert not read(target, starts, sizes, **where)
+        assert bool((target == -1).all())  # nothing read into it: DCP's own reader takes it
+
+
+def test_load_dcp_reads_views_of_other_layouts_and_dtypes(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    saved = {"t": torch.randn(7, 3).t(), "bf16": torch.randn(5, 4).bfloat16(), "rows": torch.randn(9, 4),
+             "step": torch.tensor(3.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({k: v.clone() if k != "t" else v for k, v in saved.items()}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    targets = {k: torch.full_like(v.contiguous(), 7.0) for k, v in saved.items()}
+    ck.load_dcp(targets, tmp_path / "c", io_threads=1)
+    for k, v in saved.items():
+        assert torch.equal(targets[k], v), k
+
+
+def test_a_save_leaves_torch_saves_crc32_option_as_it_found_it(tmp_path):
+    head = hugehead.ChunkedClassifier(8, 50, devices=["cpu"])
+    for option in (True, False):
+        torch.serialization.set_crc32_options(option)
+        try:
+            ck.save_checkpoint(tmp_path / f"c{option}", head, io_threads=2)
+            assert torch.serialization.get_crc32_options() is option
+        finally:
+            torch.serialization.set_crc32_options(True)
+    loaded = hugehead.ChunkedClassifier(8, 50, devices=["cpu"])
+    ck.load_checkpoint(tmp_path / "cFalse", loaded)
+    assert torch.equal(loaded.shards[0].weight, head.shards[0].weight)

@@ -16,7 +16,7 @@ from .atomic import PathLike, _atomic_dir_across_ranks, _fsync_dir, _remove_path
 from .optim import place_optimizer_state, state_bytes
 from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, optional_state_keys, sharded_state_dict
 from .threads import writer as _writer
-from .verify import DIGEST, file_table
+from .verify import DIGEST, crc32, file_table
 
 # /2 adds "files" (each file's size and digest); /1 (hugehead 0.1.0) still loads, unverified.
 _FORMAT = "hugehead.checkpoint/2"
@@ -119,13 +119,12 @@ def _write_meta(directory: str, meta: dict, threads: int, known=None) -> None:
     load checks before using any."""
     import io
 
-    import zlib
-
+    
     inner = io.BytesIO()
     torch.save({**meta, "files": file_table(directory, skip=(_META_FILE,), threads=threads, known=known or {})}, inner)
     # torch.load checks no digest of its own: the meta travels as bytes beside its CRC-32.
     data = io.BytesIO()
-    torch.save({"format": _FORMAT, "meta": inner.getvalue(), DIGEST: zlib.crc32(inner.getbuffer())}, data)
+    torch.save({"format": _FORMAT, "meta": inner.getvalue(), DIGEST: crc32(inner.getbuffer())}, data)
     with open(os.path.join(directory, _META_FILE), "wb") as f:
         f.write(data.getbuffer())
         f.flush()

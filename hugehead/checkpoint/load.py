@@ -8,7 +8,6 @@ import contextlib
 import io
 import os
 import pickle
-import zlib
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -20,7 +19,7 @@ from .dcp import (_FORMAT, _FORMATS_READ, _META_FILE, IO_THREADS, _group_rank, _
 from .optim import place_optimizer_state
 from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, optional_state_keys, sharded_state_dict
 from .threads import load_planner, reader as _reader
-from .verify import DIGEST, CheckpointCorruptError, PinnedDir, check_extents, check_files, load_dcp_metadata
+from .verify import DIGEST, CheckpointCorruptError, PinnedDir, check_extents, check_files, crc32, load_dcp_metadata
 
 __all__ = ["read_checkpoint", "load_checkpoint", "load_dcp"]
 
@@ -37,7 +36,7 @@ def _read_meta(pinned: PinnedDir, weights_only: bool) -> dict:
                                 f"(no {_META_FILE})") from None
     meta = _torch_load(data, meta_path, weights_only)
     if isinstance(meta, dict) and meta.get("format") == _FORMAT:  # the meta's bytes beside their digest
-        if not isinstance(meta.get("meta"), bytes) or zlib.crc32(meta["meta"]) != meta.get(DIGEST):
+        if not isinstance(meta.get("meta"), bytes) or crc32(meta["meta"]) != meta.get(DIGEST):
             raise CheckpointCorruptError(meta_path, f"fails its {DIGEST} digest: its bytes changed since it was written")
         meta = _torch_load(meta["meta"], meta_path, weights_only)
     if not isinstance(meta, dict) or meta.get("format") not in _FORMATS_READ:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import struct
-import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -14,6 +13,7 @@ from torch import Tensor
 
 from . import space
 from .atomic import PathLike, atomic_path
+from .verify import crc32
 
 # Bytes of a tensor handled at a time: the host staging of a streamed safetensors write.
 BLOCK_BYTES = 1 << 26
@@ -86,7 +86,7 @@ class _Crc32Writer:
         self.f, self.crc = f, crc
 
     def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         return self.f.write(data)
 
     def __getattr__(self, name: str):  # flush, fileno, ...: the file's own
@@ -144,7 +144,7 @@ def write_safetensors(path: PathLike, tensors: Sequence[Tuple[str, Tensor]], met
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            digesting = _Crc32Writer(f, zlib.crc32(struct.pack("<Q", len(raw)) + raw))
+            digesting = _Crc32Writer(f, crc32(struct.pack("<Q", len(raw)) + raw))
             for _, tensor in tensors:
                 _write_tensor_bytes(digesting, tensor, block_bytes)
             f.seek(digest_at)
@@ -188,7 +188,7 @@ def check_safetensors(f, path: str, verify: bool = True) -> dict:
         raw = os.pread(fd, n, 8)
         entry = json.dumps(DIGEST_KEY).encode() + b":" + json.dumps(stored).encode()
         raw = raw.replace(entry, json.dumps(DIGEST_KEY).encode() + b":" + json.dumps(_PLACEHOLDER).encode(), 1)
-        crc = _crc32_of(fd, end, 8 + n, zlib.crc32(head + raw))[0]
+        crc = _crc32_of(fd, end, 8 + n, crc32(head + raw))[0]
         if f"{crc:08x}" != stored:
             raise CheckpointCorruptError(path, f"fails its crc32 digest (stored {stored}, read {crc:08x}): its bytes "
                                          "changed since it was written")

@@ -3,16 +3,16 @@ the files read back in parallel (a single thread leaves a fast disk half idle), 
 raised to the caller."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import threading
-import zlib
 from typing import Dict, List
 
 import torch
 
-from .verify import CheckpointCorruptError
+from .verify import CheckpointCorruptError, crc32
 
 __all__ = ["writer", "reader", "load_planner"]
 
@@ -37,6 +37,10 @@ def writer(path: str, threads: int):
 
     class ParallelWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
+            with _without_zip_crc32():
+                return self.write_in_threads(plan, planner)
+
+        def write_in_threads(self, plan, planner):
             if threads <= 1 or len(plan.items) <= 1:
                 return super().write_data(plan, planner)
             buckets: List[list] = [[] for _ in range(min(threads, len(plan.items)))]
@@ -69,6 +73,30 @@ def writer(path: str, threads: int):
     return out
 
 
+_zip_crc32_lock = threading.Lock()
+_zip_crc32_off = [0, True]  # saves writing now, torch.save's CRC-32 option before the first of them
+
+
+@contextlib.contextmanager
+def _without_zip_crc32():
+    """``torch.save``'s CRC-32 of each zip record off while DCP writes: each file's own CRC-32, computed
+    as it is written, covers every byte, and a second CRC pass over the same bytes halves the write speed.
+    The option is process-wide, so overlapping saves count themselves and the last one restores it (a
+    ``torch.save`` in another thread meanwhile writes records without CRC, which ``torch.load`` reads)."""
+    with _zip_crc32_lock:
+        if _zip_crc32_off[0] == 0:
+            _zip_crc32_off[1] = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _zip_crc32_off[0] += 1
+    try:
+        yield
+    finally:
+        with _zip_crc32_lock:
+            _zip_crc32_off[0] -= 1
+            if _zip_crc32_off[0] == 0:
+                torch.serialization.set_crc32_options(_zip_crc32_off[1])
+
+
 class _DigestingStream:
     """A file being written that keeps the CRC-32 and count of the bytes written to it (its digest while
     nothing seeks in it: the writer threads compute the digests, no pass reads the files back)."""
@@ -80,7 +108,7 @@ class _DigestingStream:
         view = memoryview(data)
         n = self.f.write(view)
         self.in_order = self.in_order and n == view.nbytes
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)
         self.count += view.nbytes
         return n
 
@@ -148,6 +176,8 @@ def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bo
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
 
+    from torch.distributed.checkpoint.planner import LoadItemType
+
     from .verify import PinnedDir, check_extents, load_dcp_metadata
 
     pinned = PinnedDir(str(path)) if pinned is None else pinned
@@ -190,21 +220,79 @@ def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bo
             super().set_up_storage_reader(md, is_coordinator, *args, **kwargs)
             check_extents(pinned, md)  # before read_data writes anything
 
+        def read_file(self, name: str, items: list, plan, planner) -> None:
+            """One file's items, in file order: a tensor straight from the file into its target
+            (:func:`_read_tensor_into`), any other item through DCP's own reader."""
+            items = sorted(items, key=lambda item: self.storage_data[item.storage_index].offset)
+            others = []
+            with pinned.stream(name) as stream:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                        others.append(item)
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    if _read_tensor_into(stream, info.offset, info.length, item, target):
+                        planner.commit_tensor(item, target)
+                    else:
+                        others.append(item)
+            if others:
+                super().read_data(replace(plan, items=others), planner)
+
         def read_data(self, plan, planner):
             per_file: Dict[str, list] = {}
             for item in plan.items:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            if threads <= 1 or len(per_file) <= 1:
-                return super().read_data(plan, planner)
-            read = super().read_data
-            with ThreadPoolExecutor(max_workers=min(threads, len(per_file)), thread_name_prefix="hugehead-read") as pool:
-                futures = [pool.submit(read, replace(plan, items=items), planner) for items in per_file.values()]
-                wait(futures)
-            for future in futures:
-                future.result()  # re-raises the first failure
-            return futures[-1].result()
+            jobs = [(name, items, plan, planner) for name, items in per_file.items()]
+            if threads <= 1 or len(jobs) <= 1:
+                for job in jobs:
+                    self.read_file(*job)
+            else:
+                with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="hugehead-read") as pool:
+                    futures = [pool.submit(self.read_file, *job) for job in jobs]
+                    wait(futures)
+                for future in futures:
+                    future.result()  # re-raises the first failure
+            out: torch.futures.Future = torch.futures.Future()
+            out.set_result(None)
+            return out
 
     return ParallelReader()
+
+
+def _read_tensor_into(stream, offset: int, length: int, item, target: torch.Tensor) -> bool:
+    """Read the stored tensor that DCP's ``torch.save`` wrote at ``[offset, offset + length)`` of
+    ``stream``'s file, narrowed to ``item``'s extent, straight into ``target`` with positional reads: one
+    copy from the page cache into the target's memory (DCP's reader makes a tensor of the whole record,
+    then copies it). The record's layout comes from its pickle alone (``map_location="meta"`` reads no
+    data). False, having read nothing into ``target``, where the bytes are not one contiguous run of
+    ``target``'s dtype and shape (the caller then reads it DCP's way)."""
+    import ctypes
+
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+        return False
+    meta = torch.load(_create_file_view(stream, offset, length), map_location="meta", weights_only=True)
+    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if not isinstance(meta, torch.Tensor) or record is None or meta.dtype != target.dtype:
+        return False
+    for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+        meta = meta.narrow(dim, start, size)
+    if tuple(meta.shape) != tuple(target.shape) or not meta.is_contiguous():
+        return False
+    nbytes = target.numel() * target.element_size()
+    start = offset + record + meta.storage_offset() * meta.element_size()
+    if start + nbytes > offset + length:
+        return False
+    view = memoryview((ctypes.c_char * nbytes).from_address(target.data_ptr())).cast("B")
+    fd, done = stream.fileno(), 0
+    while done < nbytes:  # preadv releases the GIL: the reader threads copy in parallel
+        n = os.preadv(fd, [view[done:]], start + done)
+        if n == 0:
+            raise CheckpointCorruptError(getattr(stream, "name", "?"), f"ends before byte {start + nbytes} (truncated)")
+        done += n
+    return True
 
 
 def load_planner(weights_only: bool = True):
