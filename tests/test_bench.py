@@ -301,6 +301,24 @@ def test_parent_reruns_after_a_crash_and_skips(tmp_path):
     assert md.count(harness.SMOKE_NOTE) == 1 and doc["meta"]["smoke"]  # a smoke run's table says so, once
 
 
+def _probe_in_this_process(monkeypatch):
+    """bench_lce's probe (the environment and which peers import; no case) runs in the test's process, through
+    the probe process's own entry point, instead of in a child of its own: a test of what --resume does with
+    the cases needs the probe's answers, not another interpreter's start-up. The probe as a child process:
+    test_parent_reruns_after_a_crash_and_skips."""
+    from bench import bench_lce
+
+    real = bench_lce.run_child
+
+    def run_child(args, log, timeout, watch=None):
+        if args[0] != "--probe":
+            return real(args, log, timeout, watch=watch)
+        log.write_text("$ bench_lce.main(" + " ".join(args) + ") in the test's process\n")
+        return bench_lce.main(args), False, 0.0
+
+    monkeypatch.setattr(bench_lce, "run_child", run_child)
+
+
 def test_resume_runs_only_what_the_earlier_part_left_out(tmp_path, monkeypatch, capsys):
     """--resume keeps the earlier part's rows as they are (ok, and skipped for a reason other than the
     budget), runs the cases its --budget left out or it has no row for, and records both parts; a file from
@@ -308,6 +326,7 @@ def test_resume_runs_only_what_the_earlier_part_left_out(tmp_path, monkeypatch, 
     from bench import bench_lce
 
     monkeypatch.setenv("HUGEHEAD_GIT_SHA", "0123456789ab")
+    _probe_in_this_process(monkeypatch)
     smoke = ["--cpu-smoke", "--shapes", "tiny", "--reps", "1", "--warmup", "1", "--out", str(tmp_path)]
     # part 1: the budget is used up before the first case (only the probe runs)
     assert bench_lce.main([*smoke, "--work", str(tmp_path / "work1"), "--budget", "0", "--skip", "tiny:selftest*",
@@ -499,6 +518,7 @@ def test_resume_runs_eqmem_at_the_earlier_parts_torch_compile_peak(tmp_path, mon
     from bench import bench_lce
 
     monkeypatch.setenv("HUGEHEAD_GIT_SHA", "0123456789ab")
+    _probe_in_this_process(monkeypatch)
     smoke = ["--cpu-smoke", "--shapes", "tiny,tiny_odd", "--reps", "1", "--warmup", "1", "--out", str(tmp_path)]
     peers_arg = ["--peers", "hugehead,torch_compile,hugehead_eqmem"]
     assert bench_lce.main([*smoke, "--work", str(tmp_path / "work1"), "--budget", "0", *peers_arg]) == 1

@@ -355,9 +355,12 @@ def _shard_sums(out):
 def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(tmp_path):
     """ShardedHeadDDPStrategy: 3 steps, checkpoint (every rank writes its rows and Adam state), a new fit
     resumed from it to step 6 ends bitwise where an uninterrupted 6-step fit does (epoch boundary at 3),
-    and the checkpoint directory loads into one process without gathering anything at save time."""
+    and the checkpoint directory loads into one process without gathering anything at save time. Launched
+    by torchrun, as the docstring's cluster launch is: both ranks start at once, where Lightning's own launcher
+    (run by the test above) starts rank 1 only once rank 0 has imported everything."""
     pytest.importorskip("lightning", reason="examples/lightning_ddp.py needs PyTorch Lightning")
-    example = [str(EXAMPLES / "lightning_ddp.py"), "--cpu", "--no-progress", "--epoch-steps", "3"]
+    example = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLES / "lightning_ddp.py"),
+               "--cpu", "--no-progress", "--epoch-steps", "3"]
     ckpt, other = tmp_path / "ckpt", tmp_path / "uninterrupted"
     first = _run_example(example + ["--steps", "3", "--ckpt-dir", str(ckpt)], tmp_path)
     assert "hugehead: saved sharded checkpoint" in first
