@@ -141,3 +141,12 @@ def planned_with(monkeypatch):
     def plan_with(**args):
         monkeypatch.setattr(hugehead.lce_op, "plan_loss", lambda *a, **k: real(*a, **{**k, **args}))
     return plan_with
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (the OS picks it), for a process group's rendezvous."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -15,6 +15,7 @@ import torch
 
 import hugehead
 from hugehead import checkpoint as ck
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "v0.1.0"
@@ -141,7 +142,7 @@ def test_a_malicious_checkpoint_runs_no_code(tmp_path, kind, loader):
 
 
 def test_the_fsdp2_example_resumes_without_running_code(tmp_path, monkeypatch):
-    monkeypatch.setenv("MASTER_PORT", "29547")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     marker = tmp_path / "marker"
     path = tmp_path / "evil"
     os.makedirs(path)
@@ -155,7 +156,7 @@ def test_the_fsdp2_example_resumes_without_running_code(tmp_path, monkeypatch):
 
 
 def test_the_fsdp2_example_resumes_from_its_own_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setenv("MASTER_PORT", "29548")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     sys.path.insert(0, str(REPO / "examples"))
     import torch.distributed as dist
 
