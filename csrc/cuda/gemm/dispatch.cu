@@ -1,5 +1,5 @@
-// Picks the fused GEMM instantiation for a dtype and schedule (each lives in its own .cu so they
-// compile in parallel; this file includes no CUTLASS header).
+// Picks the fused GEMM instantiation for a dtype and schedule (instances.def: each is a generated .cu of its own
+// so they compile in parallel; this file includes no CUTLASS header).
 #include "hugehead/gemm.h"
 
 #include <cstdint>
@@ -7,32 +7,12 @@
 namespace hugehead {
 namespace gemm {
 
-// The launchers of each instantiation (HUGEHEAD_FUSED_GEMM_INSTANCE in fused_gemm.cuh defines them).
-#define HUGEHEAD_DECLARE_GEMM(NAME, PARAMS)            \
+// The launchers of each instantiation in instances.def (HUGEHEAD_FUSED_GEMM_INSTANCE in fused_gemm.cuh defines them).
+#define HUGEHEAD_GEMM(NAME, HEADER, PARAMS, ...)       \
   size_t NAME##_workspace(const PARAMS& p);             \
   const char* NAME##_run(const PARAMS& p, void* workspace, cudaStream_t stream);
-HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_cooperative, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_cooperative, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_cooperative, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_cooperative, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_bf16_pingpong_cluster192, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_fp16_pingpong_cluster192, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_bf16_pingpong_cluster192, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_store_fp16_pingpong_cluster192, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_ref_bf16_pingpong_cluster192, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_ref_fp16_pingpong_cluster192, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(stats_gemm_probs_bf16_pingpong_cluster192, StatsGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster_tma, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster_tma, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_bf16_pingpong_cluster192_tma_e64, GradGemmParams)
-HUGEHEAD_DECLARE_GEMM(grad_gemm_fp16_pingpong_cluster192_tma_e64, GradGemmParams)
-#undef HUGEHEAD_DECLARE_GEMM
+#include "instances.def"
+#undef HUGEHEAD_GEMM
 
 Schedule default_stats_schedule(int64_t depth) {
   return depth >= kStatsCooperativeDepth ? Schedule::kCooperative : Schedule::kPingpongCluster192;

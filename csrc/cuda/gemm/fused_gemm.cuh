@@ -334,9 +334,9 @@ struct FusedGemm {
 }  // namespace gemm
 }  // namespace hugehead
 
-// One explicit instantiation per .cu: the launchers NAME_workspace / NAME_run that dispatch.cu calls, for a
-// GEMM struct (the variadic argument: its template arguments have commas) with static workspace_bytes(PARAMS)
-// and run(PARAMS, workspace, stream).
+// One explicit instantiation per generated .cu (instances.def): the launchers NAME_workspace / NAME_run that
+// dispatch.cu calls, for a GEMM struct (the variadic argument: its template arguments have commas) with static
+// workspace_bytes(PARAMS) and run(PARAMS, workspace, stream).
 #define HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, PARAMS, ...)                                                       \
   namespace hugehead {                                                                                     \
   namespace gemm {                                                                                         \

@@ -226,6 +226,3 @@ struct GradGemm {
 
 }  // namespace gemm
 }  // namespace hugehead
-
-#define HUGEHEAD_GRAD_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
-  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, GradGemmParams, GradGemm<ELEMENT, SCHEDULE>)

@@ -236,9 +236,3 @@ struct GradTmaGemm {
 
 }  // namespace gemm
 }  // namespace hugehead
-
-#define HUGEHEAD_GRAD_TMA_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
-  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, GradGemmParams, GradTmaGemm<ELEMENT, SCHEDULE>)
-// The same with the wide epilogue subtile (tma_store_gemm.cuh's WideEpiTile).
-#define HUGEHEAD_GRAD_TMA_GEMM_WIDE_INSTANCE(NAME, ELEMENT, SCHEDULE) \
-  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, GradGemmParams, GradTmaGemm<ELEMENT, SCHEDULE, hugehead::gemm::WideEpiTile>)

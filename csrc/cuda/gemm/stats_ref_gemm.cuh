@@ -232,6 +232,3 @@ struct StatsRefGemm {
 
 }  // namespace gemm
 }  // namespace hugehead
-
-#define HUGEHEAD_STATS_REF_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE, PROBS) \
-  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, StatsGemmParams, StatsRefGemm<ELEMENT, SCHEDULE, PROBS>)

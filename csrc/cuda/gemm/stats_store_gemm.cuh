@@ -85,7 +85,6 @@ struct StatsStoreGemm {
 
   static typename Device::Arguments arguments(const StatsGemmParams& p) {
     auto epi = stats_epilogue_arguments<Element>(p, Gemm::kTileCols);
-    epi.logits = nullptr;  // stored by TMA here, not by fold_pairs()'s direct stores
     return Gemm::arguments(p.x, p.x_stride, p.weight, p.weight_stride, p.rows, p.cols, p.depth, epi, p.logits,
                            p.logits_stride, p.sm_count);
   }
@@ -98,6 +97,3 @@ struct StatsStoreGemm {
 
 }  // namespace gemm
 }  // namespace hugehead
-
-#define HUGEHEAD_STATS_STORE_GEMM_INSTANCE(NAME, ELEMENT, SCHEDULE) \
-  HUGEHEAD_FUSED_GEMM_INSTANCE(NAME, StatsGemmParams, StatsStoreGemm<ELEMENT, SCHEDULE>)

@@ -1,4 +1,0 @@
-// The gradient GEMM for fp16 inputs, pingpong schedule in 2-CTA clusters (see grad_gemm.cuh).
-#include "grad_gemm.cuh"
-
-HUGEHEAD_GRAD_GEMM_INSTANCE(grad_gemm_fp16_pingpong_cluster, cutlass::half_t, hugehead::gemm::Schedule::kPingpongCluster)
