@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 
 from . import ops, sparse
-from .lce_op import autocast_off, op_plan, register_rows_autograd, rows_fake, rows_pass
+from .lce_op import autocast_off, register_rows_autograd, rows_fake, rows_pass
 from .loop import shard_forward_stats, whole_head_backward
 from .loop.chunks import merge_row_stats
 from .loop.sources import ResidentChunks
 from .options import LossOptions, check_inputs
-from .plan import Plan, kept_plan, kept_shape, plan_loss, shard_oom_guard
+from .plan import Plan, kept_shape, plan_loss, shard_oom_guard
 from .target_prep import PreparedTarget, SoftmaxRows, reduce_softmax, softmax_row_losses, softmax_target
 from .targets import SoftmaxCsrTarget
 
@@ -66,20 +66,22 @@ def _options(label_smoothing: float, z_loss: float, softcap: float) -> LossOptio
 
 
 def backward_through_loop(x, weight, bias, chunk_target, lse, grad_rows, kept, label_smoothing, z_loss, softcap,
-                          chunk_size, memory_budget, need_x, need_weight, grad_lse):
-    """``(dX, dW, db)`` of one device's loss, recomputing the logits chunk by chunk (or from ``kept``)."""
-    plan = kept_plan(kept) if kept.numel() > 0 else op_plan(x, weight, chunk_size, memory_budget, False)
-    with autocast_off(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan, memory_budget or None):
+                          plan: List[int], need_x, need_weight, grad_lse):
+    """``(dX, dW, db)`` of one device's loss, recomputing the logits chunk by chunk (or from ``kept``), in the
+    forward's ``plan`` (:meth:`Plan.encode`'s list: never planned again here)."""
+    plan = Plan.decode(plan)
+    with autocast_off(x.device), shard_oom_guard(0, 0, weight.shape[0], x.device, plan):
         return whole_head_backward(x, weight, bias, chunk_target, lse, grad_rows,
                                    _options(label_smoothing, z_loss, softcap), plan, need_x, need_weight, kept,
                                    grad_lse)
 
 
-def forward_through_loop(x, weight, bias, chunk_target, softcap, chunk_size, memory_budget, keep_logits):
-    """Merged row statistics ``(lse, target_logit, logit_sum)`` of one device and the kept logits."""
+def forward_through_loop(x, weight, bias, chunk_target, softcap, plan: List[int]):
+    """Merged row statistics ``(lse, target_logit, logit_sum)`` of one device and the kept logits, in ``plan``
+    (:meth:`Plan.encode`'s list, made by the caller: :func:`plan_softmax`, :func:`hugehead.lce_op.op_plan`)."""
     v = weight.shape[0]
-    plan = op_plan(x, weight, chunk_size, memory_budget, keep_logits)
-    with autocast_off(x.device), shard_oom_guard(0, 0, v, x.device, plan, memory_budget or None):
+    plan = Plan.decode(plan)
+    with autocast_off(x.device), shard_oom_guard(0, 0, v, x.device, plan):
         stats, kept = shard_forward_stats(x, ResidentChunks(weight, bias, x.dtype), chunk_target, 0,
                                           _options(0.0, 0.0, softcap), plan)
         lse, target_logit, logit_sum = merge_row_stats([stats])
@@ -95,10 +97,10 @@ def fake_backward(x, weight, bias, need_x, need_weight):
     )
 
 
-def fake_forward(x, weight, chunk_size, memory_budget, keep_logits):
-    """The fake ``(loss_rows [N], lse [N], kept)`` of a forward op over a chunk target."""
+def fake_forward(x, plan: List[int]):
+    """The fake ``(loss_rows [N], lse [N], kept)`` of a forward op over a chunk target in ``plan``."""
     acc = ops.acc_dtype(x.dtype)
-    plan = op_plan(x, weight, chunk_size, memory_budget, keep_logits)
+    plan = Plan.decode(plan)
     kept = x.new_empty(kept_shape(plan, x.shape[0])) if plan.keep_logits else x.new_empty(0)
     return x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc), kept
 
@@ -114,23 +116,22 @@ def _softmax_chunk_target(crow, col, row, stats_val, grad_val, mass, class_weigh
 def _softmax_forward(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], crow: Tensor, col: Tensor, row: Tensor, stats_val: Tensor,
     grad_val: Tensor, mass: Tensor, row_weight: Tensor, weight_sum: Tensor, valid: Optional[Tensor],
-    class_weight: Optional[Tensor], label_smoothing: float, z_loss: float, softcap: float, chunk_size: int,
-    memory_budget: int, keep_logits: bool,
+    class_weight: Optional[Tensor], label_smoothing: float, z_loss: float, softcap: float, plan: List[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Per-row losses ``[N]``, lse ``[N]`` (accumulation dtype) and the kept logits (or an empty tensor)
-    of the softmax against a CSR target (:func:`softmax_target`; ``valid`` given: index targets)."""
+    of the softmax against a CSR target (:func:`softmax_target`; ``valid`` given: index targets), in ``plan``
+    (:func:`plan_softmax`'s, encoded), which the backward op is given too."""
     v = weight.shape[0]
     target = _softmax_chunk_target(crow, col, row, stats_val, grad_val, mass, class_weight, v)
-    lse, target_dot, logit_sum, kept = forward_through_loop(x, weight, bias, target, softcap, chunk_size,
-                                                             memory_budget, keep_logits)
+    lse, target_dot, logit_sum, kept = forward_through_loop(x, weight, bias, target, softcap, plan)
     rows = SoftmaxRows(row_weight, weight_sum, valid, valid is not None)
     return softmax_row_losses(lse, target_dot, logit_sum, rows, v, label_smoothing, z_loss), lse, kept
 
 
 @_softmax_forward.register_fake
 def _(x, weight, bias, crow, col, row, stats_val, grad_val, mass, row_weight, weight_sum, valid, class_weight,
-      label_smoothing, z_loss, softcap, chunk_size, memory_budget, keep_logits):
-    return fake_forward(x, weight, chunk_size, memory_budget, keep_logits)
+      label_smoothing, z_loss, softcap, plan):
+    return fake_forward(x, plan)
 
 
 @torch.library.custom_op("hugehead::linear_softmax_csr_backward", mutates_args=("kept",))
@@ -138,7 +139,7 @@ def _softmax_backward(
     grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor], crow: Tensor,
     col: Tensor, row: Tensor, stats_val: Tensor, grad_val: Tensor, mass: Tensor, valid: Optional[Tensor],
     class_weight: Optional[Tensor], lse: Tensor, kept: Tensor, label_smoothing: float, z_loss: float,
-    softcap: float, chunk_size: int, memory_budget: int, need_x: bool, need_weight: bool,
+    softcap: float, plan: List[int], need_x: bool, need_weight: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dX, dW, db)`` of :func:`_softmax_forward` (empty where not asked for); non-empty ``kept``
     logits are overwritten by their gradient."""
@@ -148,25 +149,25 @@ def _softmax_backward(
         grad_rows = torch.where(valid, grad_rows, torch.zeros((), dtype=acc, device=x.device))
     target = _softmax_chunk_target(crow, col, row, stats_val, grad_val, mass, class_weight, weight.shape[0])
     return backward_through_loop(x, weight, bias, target, lse, grad_rows.contiguous(), kept, label_smoothing,
-                                  z_loss, softcap, chunk_size, memory_budget, need_x, need_weight,
+                                  z_loss, softcap, plan, need_x, need_weight,
                                   None if grad_lse is None else grad_lse.to(acc).contiguous())
 
 
 @_softmax_backward.register_fake
 def _(grad_loss, grad_lse, x, weight, bias, crow, col, row, stats_val, grad_val, mass, valid, class_weight, lse,
-      kept, label_smoothing, z_loss, softcap, chunk_size, memory_budget, need_x, need_weight):
+      kept, label_smoothing, z_loss, softcap, plan, need_x, need_weight):
     return fake_backward(x, weight, bias, need_x, need_weight)
 
 
 def _softmax_setup_context(ctx, inputs, output):
     (x, weight, bias, crow, col, row, stats_val, grad_val, mass, row_weight, weight_sum, valid, class_weight,
-     label_smoothing, z_loss, softcap, chunk_size, memory_budget, keep_logits) = inputs
+     label_smoothing, z_loss, softcap, plan) = inputs
     _, lse, kept = output
     ctx.save_for_backward(x, weight, bias, crow, col, row, stats_val, grad_val, mass, valid, class_weight, lse)
-    ctx.options = (label_smoothing, z_loss, softcap, chunk_size, memory_budget)
+    ctx.options = (label_smoothing, z_loss, softcap, plan)
     ctx.mark_non_differentiable(kept)
     # As for index targets: the kept logits ride on ctx, not saved, and are used once.
-    ctx.kept = kept if keep_logits else None
+    ctx.kept = kept if Plan.decode(plan).keep_logits else None
     ctx.set_materialize_grads(False)
 
 
@@ -184,7 +185,7 @@ def _softmax_backward_autograd(ctx, grad_loss, grad_lse, grad_kept):
         kept, *ctx.options, need_x, need_weight,
     )
     return (grad_x if need_x else None, grad_w if ctx.needs_input_grad[1] else None,
-            grad_b if (bias is not None and ctx.needs_input_grad[2]) else None) + (None,) * 16
+            grad_b if (bias is not None and ctx.needs_input_grad[2]) else None) + (None,) * 14
 
 
 _softmax_forward.register_autograd(_softmax_backward_autograd, setup_context=_softmax_setup_context)
@@ -295,12 +296,11 @@ def linear_softmax_csr(
     if plan.grad_in_forward:
         return softmax_rows_loss(x, weight, bias, chunk_target, rows, plan, reduction=reduction,
                                  label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
-    keep = wants_grad(x, weight, bias) and plan.keep_logits
     t = chunk_target.stats
     loss_rows, lse, _ = torch.ops.hugehead.linear_softmax_csr_forward(
         x, weight, bias, t.crow, t.col, t.row, t.val, chunk_target.grad_val, chunk_target.mass, rows.row_weight,
         rows.weight_sum, rows.valid, chunk_target.class_weight, float(label_smoothing), float(z_loss), float(softcap),
-        int(chunk_size or 0), int(memory_budget or 0), keep,
+        plan.encode(),
     )
     loss = reduce_softmax(loss_rows, rows, reduction)
     return (loss, lse) if return_lse else loss

@@ -9,7 +9,7 @@ lives from the forward to the backward (the size of ``weight.grad``, which the b
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from .loop.sources import ResidentChunks
 from .multilabel import (backward_through_loop, check_head_inputs, fake_backward, fake_forward, forward_through_loop,
                          wants_grad)
 from .options import LossOptions, check_chunk_size, check_memory_budget
-from .plan import shard_oom_guard
+from .plan import Plan, shard_oom_guard
 from .target_prep import binary_target, reduce_binary
 from .targets import BinaryCsrTarget
 
@@ -38,48 +38,46 @@ def _binary_chunk_target(crow, col, row, val, entry_weight, num_classes):
 @torch.library.custom_op("hugehead::linear_bce_csr_forward", mutates_args=())
 def _bce_forward(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], crow: Tensor, col: Tensor, row: Tensor, val: Tensor,
-    entry_weight: Optional[Tensor], chunk_size: int, memory_budget: int, keep_logits: bool,
+    entry_weight: Optional[Tensor], plan: List[int],
 ) -> Tuple[Tensor, Tensor]:
-    """Per-row sums ``[N]`` (accumulation dtype) of the one-vs-all losses, and the kept logits."""
+    """Per-row sums ``[N]`` (accumulation dtype) of the one-vs-all losses, and the kept logits, in ``plan``
+    (the caller's, encoded; the backward op is given it too)."""
     target = _binary_chunk_target(crow, col, row, val, entry_weight, weight.shape[0])
-    _, row_loss, _, kept = forward_through_loop(x, weight, bias, target, 0.0, chunk_size, memory_budget,
-                                                 keep_logits)
+    _, row_loss, _, kept = forward_through_loop(x, weight, bias, target, 0.0, plan)
     return row_loss, kept
 
 
 @_bce_forward.register_fake
-def _(x, weight, bias, crow, col, row, val, entry_weight, chunk_size, memory_budget, keep_logits):
-    loss, _, kept = fake_forward(x, weight, chunk_size, memory_budget, keep_logits)
+def _(x, weight, bias, crow, col, row, val, entry_weight, plan):
+    loss, _, kept = fake_forward(x, plan)
     return loss, kept
 
 
 @torch.library.custom_op("hugehead::linear_bce_csr_backward", mutates_args=("kept",))
 def _bce_backward(
     grad_loss: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], crow: Tensor, col: Tensor, row: Tensor,
-    val: Tensor, entry_weight: Optional[Tensor], kept: Tensor, chunk_size: int, memory_budget: int, need_x: bool,
-    need_weight: bool,
+    val: Tensor, entry_weight: Optional[Tensor], kept: Tensor, plan: List[int], need_x: bool, need_weight: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dX, dW, db)`` of :func:`_bce_forward`, recomputing the logits (or from ``kept``)."""
     acc = ops.acc_dtype(x.dtype)
     target = _binary_chunk_target(crow, col, row, val, entry_weight, weight.shape[0])
     no_lse = torch.zeros(x.shape[0], dtype=acc, device=x.device)
     return backward_through_loop(x, weight, bias, target, no_lse, grad_loss.to(acc).contiguous(), kept, 0.0, 0.0,
-                                  0.0, chunk_size, memory_budget, need_x, need_weight, None)
+                                  0.0, plan, need_x, need_weight, None)
 
 
 @_bce_backward.register_fake
-def _(grad_loss, x, weight, bias, crow, col, row, val, entry_weight, kept, chunk_size, memory_budget, need_x,
-      need_weight):
+def _(grad_loss, x, weight, bias, crow, col, row, val, entry_weight, kept, plan, need_x, need_weight):
     return fake_backward(x, weight, bias, need_x, need_weight)
 
 
 def _bce_setup_context(ctx, inputs, output):
-    x, weight, bias, crow, col, row, val, entry_weight, chunk_size, memory_budget, keep_logits = inputs
+    x, weight, bias, crow, col, row, val, entry_weight, plan = inputs
     _, kept = output
     ctx.save_for_backward(x, weight, bias, crow, col, row, val, entry_weight)
-    ctx.options = (chunk_size, memory_budget)
+    ctx.plan = plan
     ctx.mark_non_differentiable(kept)
-    ctx.kept = kept if keep_logits else None
+    ctx.kept = kept if Plan.decode(plan).keep_logits else None
     ctx.set_materialize_grads(False)
 
 
@@ -91,9 +89,9 @@ def _bce_backward_autograd(ctx, grad_loss, grad_kept):
     need_x = ctx.needs_input_grad[0]
     need_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     grad_x, grad_w, grad_b = torch.ops.hugehead.linear_bce_csr_backward(
-        grad_loss, x, weight, bias, crow, col, row, val, entry_weight, kept, *ctx.options, need_x, need_weight)
+        grad_loss, x, weight, bias, crow, col, row, val, entry_weight, kept, ctx.plan, need_x, need_weight)
     return (grad_x if need_x else None, grad_w if ctx.needs_input_grad[1] else None,
-            grad_b if (bias is not None and ctx.needs_input_grad[2]) else None) + (None,) * 8
+            grad_b if (bias is not None and ctx.needs_input_grad[2]) else None) + (None,) * 6
 
 
 _bce_forward.register_autograd(_bce_backward_autograd, setup_context=_bce_setup_context)
@@ -116,18 +114,18 @@ class _LossAndGrad:
 @torch.library.custom_op("hugehead::linear_bce_csr_fused", mutates_args=())
 def _bce_fused(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], crow: Tensor, col: Tensor, row: Tensor, val: Tensor,
-    entry_weight: Optional[Tensor], scale: float, chunk_size: int, memory_budget: int, need_x: bool,
-    need_weight: bool,
+    entry_weight: Optional[Tensor], scale: float, plan: List[int], need_x: bool, need_weight: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``scale * Σ`` of the one-vs-all losses (0-d, accumulation dtype) and its gradients ``(dX [N, D] in the
-    accumulation dtype, dW, db)`` for an incoming gradient of 1, in one streaming pass."""
+    accumulation dtype, dW, db)`` for an incoming gradient of 1, in one streaming pass of ``plan`` (the
+    caller's, encoded)."""
     acc = ops.acc_dtype(x.dtype)
     n, v = x.shape[0], weight.shape[0]
     target = _binary_chunk_target(crow, col, row, val, entry_weight, v)
     row_loss = torch.zeros(n, dtype=acc, device=x.device)
-    plan = op_plan(x, weight, chunk_size, memory_budget, False)
+    plan = Plan.decode(plan)
     grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_x else None
-    with autocast_off(x.device), shard_oom_guard(0, 0, v, x.device, plan, memory_budget or None):
+    with autocast_off(x.device), shard_oom_guard(0, 0, v, x.device, plan):
         grad_w, grad_b = shard_backward(
             x, ResidentChunks(weight, bias, x.dtype), _LossAndGrad(target, row_loss), 0, v,
             torch.zeros(n, dtype=acc, device=x.device), torch.full((n,), scale, dtype=acc, device=x.device),
@@ -142,7 +140,7 @@ def _bce_fused(
 
 
 @_bce_fused.register_fake
-def _(x, weight, bias, crow, col, row, val, entry_weight, scale, chunk_size, memory_budget, need_x, need_weight):
+def _(x, weight, bias, crow, col, row, val, entry_weight, scale, plan, need_x, need_weight):
     acc = ops.acc_dtype(x.dtype)
     grad_x, grad_w, grad_b = fake_backward(x, weight, bias, need_x, need_weight)
     return x.new_empty((), dtype=acc), grad_x.to(acc), grad_w, grad_b
@@ -166,13 +164,13 @@ def _bce_fused_backward(ctx, grad_loss, *unused):
     grad_x, grad_w, grad_b = ctx.grads
     ctx.grads = None
     if grad_loss is None:
-        return (None,) * 13
+        return (None,) * 12
     # In place through ops.scale_ (one vectorized pass on CUDA): the product in float32 with the whole
     # grad_loss, rounded once to each gradient's dtype.
     out_x = ops.scale_(grad_x, grad_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
     out_w = ops.scale_(grad_w, grad_loss) if ctx.needs_input_grad[1] else None
     out_b = ops.scale_(grad_b, grad_loss) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
-    return (out_x, out_w, out_b) + (None,) * 10
+    return (out_x, out_w, out_b) + (None,) * 9
 
 
 _bce_fused.register_autograd(_bce_fused_backward, setup_context=_bce_fused_setup_context)
@@ -229,7 +227,8 @@ def linear_binary_cross_entropy(
     chunk_target = binary_target(target, n, v, pos_weight, acc, x.device)
     t = chunk_target.target
     args = (x, weight, bias, t.crow, t.col, t.row, t.val, chunk_target.entry_weight)
-    sizes = (int(chunk_size or 0), int(memory_budget or 0))
+    # One plan of the chunk loop, never of kept logits (see below), for whichever op runs.
+    plan = op_plan(x, weight, chunk_size or 0, memory_budget or 0, False).encode()
     if reduction != "none" and wants_grad(x, weight, bias):
         # The forward produces the gradients: three GEMMs per chunk in one pass, a chunk's workspace. Keeping
         # logits for the backward costs the same three GEMMs and more memory, and keeping only some chunks
@@ -237,8 +236,7 @@ def linear_binary_cross_entropy(
         # 88.6 ms with a partial keep against 85.3 ms for the single-label step).
         scale = 1.0 / (n * v) if (reduction == "mean" and n) else 1.0
         need_weight = weight.requires_grad or (bias is not None and bias.requires_grad)
-        loss, _, _, _ = torch.ops.hugehead.linear_bce_csr_fused(*args, scale, *sizes, x.requires_grad,
-                                                                need_weight)
+        loss, _, _, _ = torch.ops.hugehead.linear_bce_csr_fused(*args, scale, plan, x.requires_grad, need_weight)
         return loss * float("nan") if (reduction == "mean" and not n) else loss
-    row_loss, _ = torch.ops.hugehead.linear_bce_csr_forward(*args, *sizes, False)
+    row_loss, _ = torch.ops.hugehead.linear_bce_csr_forward(*args, plan)
     return reduce_binary(row_loss, v, reduction)

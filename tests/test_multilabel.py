@@ -321,21 +321,25 @@ def test_opcheck_multilabel_ops(device):
                                              label_smoothing=0.1, ignore_index=-100, dtype=torch.float32,
                                              device=x.device)
     s = target.stats
+    plan = hugehead.lce_op.op_plan(x, w, 0, 0, True)
+    assert plan.keep_logits
     fwd = (x, w, b, s.crow, s.col, s.row, s.val, target.grad_val, target.mass, rows.row_weight, rows.weight_sum,
-           None, None, 0.1, 0.0, 0.0, 128, 0, False)
+           None, None, 0.1, 0.0, 0.0, plan.encode())
     torch.library.opcheck(torch.ops.hugehead.linear_softmax_csr_forward.default, fwd)
     _, lse, kept = torch.ops.hugehead.linear_softmax_csr_forward(*fwd)
+    assert kept.numel() > 0
     bwd = (torch.ones(N, device=device), None, x, w, b, s.crow, s.col, s.row, s.val, target.grad_val, target.mass,
-           None, None, lse, kept, 0.1, 0.0, 0.0, 128, 0, True, True)
+           None, None, lse, kept, 0.1, 0.0, 0.0, plan.encode(), True, True)
     torch.library.opcheck(torch.ops.hugehead.linear_softmax_csr_backward.default, bwd)
     bt = target_prep.binary_target(t.clamp(max=1).to_sparse_coo().to(device), N, V, None, torch.float32, x.device)
     c = bt.target
     args = (x, w, b, c.crow, c.col, c.row, c.val, None)
-    torch.library.opcheck(torch.ops.hugehead.linear_bce_csr_forward.default, (*args, 128, 0, False))
-    torch.library.opcheck(torch.ops.hugehead.linear_bce_csr_fused.default, (*args, 1.0 / (N * V), 128, 0, True, True))
-    row_loss, kept = torch.ops.hugehead.linear_bce_csr_forward(*args, 128, 0, False)
+    streamed = hugehead.lce_op.op_plan(x, w, 128, 0, False).encode()
+    torch.library.opcheck(torch.ops.hugehead.linear_bce_csr_forward.default, (*args, streamed))
+    torch.library.opcheck(torch.ops.hugehead.linear_bce_csr_fused.default, (*args, 1.0 / (N * V), streamed, True, True))
+    row_loss, kept = torch.ops.hugehead.linear_bce_csr_forward(*args, streamed)
     torch.library.opcheck(torch.ops.hugehead.linear_bce_csr_backward.default,
-                          (torch.ones(N, device=device), *args[:3], *args[3:], kept, 128, 0, True, True))
+                          (torch.ones(N, device=device), *args[:3], *args[3:], kept, streamed, True, True))
 
 
 # --------------------------------------------------------------------------------------------------

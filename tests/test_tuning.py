@@ -82,6 +82,50 @@ def test_backward_executes_the_forwards_plan_without_asking_the_planner(monkeypa
     assert rel_err(x.grad, x64.grad) <= 1e-12 and rel_err(w.grad, w64.grad) <= 1e-12
 
 
+@pytest.mark.parametrize("loss", ["sparse_softmax", "one_vs_all_rows"])
+def test_sparse_target_backwards_execute_the_forwards_plan(monkeypatch, loss):
+    """The ops over a CSR target (softmax against sparse probabilities; one-vs-all with per-row losses) take
+    the plan their caller made, encoded, in the forward and in the backward: after the forward every planner
+    raises, and the gradients are still float64's."""
+    import torch.nn.functional as F
+
+    import hugehead.multilabel
+    import hugehead.onevsall
+    import hugehead.plan
+
+    torch.manual_seed(5)
+    n, d, v = 12, 8, 700
+    x = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
+    dense = torch.rand(n, v, dtype=torch.float64) * (torch.rand(n, v) < 0.01)
+    dense[:, 0] += 0.5  # every row has a positive entry
+    if loss == "sparse_softmax":
+        dense = dense / dense.sum(dim=1, keepdim=True)
+    with tuning.override(rows=False):
+        if loss == "sparse_softmax":
+            out = hugehead.linear_cross_entropy(x, w, dense.to_sparse_csr(), chunk_size=128)  # streamed
+        else:
+            out = hugehead.linear_binary_cross_entropy(x, w, dense.to_sparse_csr(), reduction="none",
+                                                       chunk_size=128).sum()
+
+    def refuse(*a, **k):
+        raise AssertionError("the backward asked the planner")
+    for module, name in ((hugehead.plan, "plan_chunks"), (hugehead.plan, "plan_loss"), (hugehead.lce_op, "op_plan"),
+                         (hugehead.lce_op, "plan_chunks"), (hugehead.multilabel, "plan_loss"),
+                         (hugehead.multilabel, "plan_softmax"), (hugehead.onevsall, "op_plan")):
+        monkeypatch.setattr(module, name, refuse)
+    out.backward()
+    x64, w64 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    logits = x64 @ w64.T
+    if loss == "sparse_softmax":
+        ref = F.cross_entropy(logits, dense)
+    else:
+        ref = F.binary_cross_entropy_with_logits(logits, dense, reduction="sum")
+    ref.backward()
+    assert rel_err(out.detach(), ref.detach()) <= 1e-10
+    assert rel_err(x.grad, x64.grad) <= 1e-10 and rel_err(w.grad, w64.grad) <= 1e-10
+
+
 def test_a_tuning_override_changes_the_plan_and_the_loop_follows_it(monkeypatch):
     """Tuning(rows=False) turns a rows plan into the chunk loop's: the planner's answer changes, the loop runs the
     strategy that answer names (the rows pass or not), and the loss and gradients are float64's either way."""
