@@ -95,6 +95,7 @@ def test_write_report_json_markdown_plot_and_smoke_note(tmp_path):
         harness.md_table(["a", "b"], [[1, 2, 3]])
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_placement_benchmark_cpu_smoke(tmp_path):
     assert bench_placement.main(["--cpu-smoke", "--repeats", "2", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "placement.json").read_text())
@@ -259,6 +260,7 @@ def test_cases_share_a_process_and_one_reference(tmp_path):
         assert rows[3]["plan"]["batch_chunk_size"] >= 1 and rows[3]["warnings"] == []  # no fallback warning
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_case_torch_compile_reports_compile_time_apart(tmp_path):
@@ -278,6 +280,7 @@ def test_missing_torch_lce_is_skipped_with_the_reason(tmp_path, monkeypatch):
     assert row["status"] == "skipped" and "has no F.linear_cross_entropy" in row["error"]
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_parent_reruns_after_a_crash_and_skips(tmp_path):
     """The parent: a case that kills the process it shares is recorded as a crash and the cases after it run
     in a fresh process; --skip and an unavailable peer become skipped rows; lce.md has the headline."""
@@ -319,6 +322,7 @@ def _probe_in_this_process(monkeypatch):
     monkeypatch.setattr(bench_lce, "run_child", run_child)
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_resume_runs_only_what_the_earlier_part_left_out(tmp_path, monkeypatch, capsys):
     """--resume keeps the earlier part's rows as they are (ok, and skipped for a reason other than the
     budget), runs the cases its --budget left out or it has no row for, and records both parts; a file from

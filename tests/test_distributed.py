@@ -299,11 +299,28 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _run_example(args, cwd):
+    return _run_examples([args], cwd)[0]
+
+
+def _run_examples(runs, cwd):
+    """Each of ``runs`` (a script's arguments) in its own process, all at once (their worlds rendezvous on ports
+    of their own: torchrun --standalone), and the output of each; each must succeed within 240 s."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout + proc.stderr  # Lightning's rank-zero messages go to stderr
+    procs = [subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in runs]
+    outs = []
+    try:
+        for args, proc in zip(runs, procs):
+            stdout, stderr = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"{args} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            outs.append(stdout + stderr)  # Lightning's rank-zero messages go to stderr
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return outs
 
 
 def test_ddp_train_example_with_torchrun_on_gloo(tmp_path):
@@ -362,7 +379,9 @@ def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(tmp_p
     example = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLES / "lightning_ddp.py"),
                "--cpu", "--no-progress", "--epoch-steps", "3"]
     ckpt, other = tmp_path / "ckpt", tmp_path / "uninterrupted"
-    first = _run_example(example + ["--steps", "3", "--ckpt-dir", str(ckpt)], tmp_path)
+    # The interrupted fit's first half and the uninterrupted fit run side by side (they share nothing).
+    first, straight = _run_examples([example + ["--steps", "3", "--ckpt-dir", str(ckpt)],
+                                     example + ["--steps", "6", "--ckpt-dir", str(other)]], tmp_path)
     assert "hugehead: saved sharded checkpoint" in first
     last = ckpt / "last.ckpt"
     assert ck.is_checkpoint_dir(last) and sorted(os.listdir(ckpt)) == ["last.ckpt"]
@@ -376,7 +395,6 @@ def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(tmp_p
         assert float(weight[lo:hi].sum()) == saved[str(r)]
     resumed = _run_example(example + ["--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-path", str(last)], tmp_path)
     assert "(weights and optimizer state)" in resumed and re.search(r"fit: 6 steps", resumed), resumed
-    straight = _run_example(example + ["--steps", "6", "--ckpt-dir", str(other)], tmp_path)
     assert _shard_sums(resumed) == _shard_sums(straight) and len(_shard_sums(straight)) == 2, (resumed, straight)
     metrics = re.compile(r"test_loss=[\d.]+ test_acc@1=[\d.]+ test_acc@5=[\d.]+")
     assert metrics.search(resumed).group(0) == metrics.search(straight).group(0)
@@ -386,6 +404,7 @@ def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(tmp_p
         ck.read_checkpoint(last, state, [opt], strict=False)
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_bench_dist_smoke_writes_records(tmp_path):
     """bench/bench_dist.py's pipeline on gloo, tiny: one JSON file with the one-rank and the two-rank rows."""
     import json

@@ -40,6 +40,7 @@ def test_cpu_smoke_fit_then_test_with_accuracy_at_k():
         assert metrics[f"test_acc@{k}"] == pytest.approx(expected, abs=1e-6), k
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_bench_transformers_cpu_smoke(tmp_path):
     """bench/bench_transformers.py's pipeline on tiny shapes: every hugehead row measured, the patched and
     unpatched models' losses equal (same seed, same inputs), the JSON and markdown written."""

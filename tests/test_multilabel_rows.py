@@ -464,6 +464,7 @@ def test_cuda_default_budget_at_xc1m_like_rows_takes_the_rows_plan_like_class_id
 # --------------------------------------------------------------------------------------------------
 # bench/bench_multilabel.py records each softmax case's plan
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_bench_multilabel_smoke_records_the_plans(tmp_path):
     import json
     import sys

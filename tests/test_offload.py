@@ -830,6 +830,7 @@ def test_demo_offload_on_needs_gpus(monkeypatch):
         demo.check_fits(args)
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_bench_offload_cpu_smoke(tmp_path, monkeypatch):
     import json
     from pathlib import Path
