@@ -89,6 +89,22 @@ def build(classes: int, dim: int, device: torch.device, batch: int):
     return head, optimizer
 
 
+def build_without_grads(classes: int, dim: int, device: torch.device):
+    """The head and the AdamW state one step leaves (step 1, both moments; random values), made without a
+    backward: the weight's gradient would take another weight's memory, which the largest head that fits
+    the host's memory does not have."""
+    import hugehead
+
+    torch.manual_seed(0)
+    head = hugehead.ChunkedClassifier(dim, classes, devices=[device], dtype=torch.float32)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4, fused=device.type == "cuda")
+    for p in head.parameters():
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p) * 1e-3,
+                              "exp_avg_sq": torch.rand_like(p) * 1e-6}
+    harness.synchronize(device)
+    return head, optimizer
+
+
 def checksums(head, optimizer) -> Dict[str, float]:
     """float64 sum and sum of squares of every parameter and optimizer state tensor (on its device)."""
     out = {}
@@ -174,7 +190,8 @@ def run(args, work: Path, doc: Dict[str, object]) -> None:
         print(f"{work} has {free / 1e9:.1f} GB free: --classes {args.classes} -> {classes} to fit a checkpoint "
               "and its plain copy", flush=True)
     doc["classes"] = classes
-    head, optimizer = build(classes, args.dim, device, args.batch)
+    head, optimizer = (build_without_grads(classes, args.dim, device) if args.no_backward
+                       else build(classes, args.dim, device, args.batch))
     reference = checksums(head, optimizer)
     for threads in args.io_threads:
         path = work / f"ckpt_t{threads}"
@@ -217,7 +234,9 @@ def render_markdown(doc: Dict[str, object]) -> str:
     lines = [harness.header("Checkpoint save and load speed vs the disk", meta)]
     classes = doc.get("classes")
     lines.append(f"Head: {classes:,} x {meta['options'].get('dim')} float32 + bias on one "
-                 f"{meta.get('gpu_name') or 'device'}, AdamW state (one step); checkpoint = weights + 2 moments. "
+                 f"{meta.get('gpu_name') or 'device'}, AdamW state "
+                 f"({'made without a backward' if meta['options'].get('no_backward') else 'one step'}); "
+                 "checkpoint = weights + 2 moments. "
                  f"Directory {meta['options'].get('dir')} on {fs.get('device')} ({fs.get('type')}, "
                  f"{(fs.get('total_bytes') or 0) / 1e9:.1f} GB, {(fs.get('free_bytes') or 0) / 1e9:.1f} GB free at start).\n"
                  if classes else "")
@@ -258,6 +277,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="head rows (default 2M: a checkpoint and its plain copy fit a 64 GiB disk)")
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--no-backward", action="store_true",
+                        help="make the AdamW state without a backward (no gradient: a head of 2/3 of the memory)")
     parser.add_argument("--io-threads", type=lambda s: [int(v) for v in s.split(",")], default=[8],
                         help="comma-separated writer/reader thread counts, one save + load each (default 8)")
     parser.add_argument("--disk-gib", type=float, default=4.0, help="size of the disk probe file")

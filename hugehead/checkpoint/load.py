@@ -18,7 +18,7 @@ from .dcp import (_FORMAT, _FORMATS_READ, _META_FILE, IO_THREADS, _group_rank, _
                   _TensorRef)
 from .optim import place_optimizer_state
 from .sharded import DCP_BLOCK_BYTES, ShardedRows, _for_dcp, optional_state_keys, sharded_state_dict
-from .threads import load_planner, reader as _reader
+from .threads import empty_for_reading, load_planner, reader as _reader
 from .verify import DIGEST, CheckpointCorruptError, PinnedDir, check_extents, check_files, crc32, load_dcp_metadata
 
 __all__ = ["read_checkpoint", "load_checkpoint", "load_dcp"]
@@ -218,8 +218,7 @@ def _read_pinned(path, pinned, meta, metadata, model_state, optimizers, *, stric
                             "with optimizers=()"
                         )
                     on_param_device = key != "step" or group.get("fused") or group.get("capturable")
-                    tensor = torch.empty(value.shape, dtype=value.dtype,
-                                         device=param.device if on_param_device else "cpu")
+                    tensor = empty_for_reading(value.shape, value.dtype, param.device if on_param_device else "cpu")
                     targets[value.key] = _for_dcp(tensor, block_bytes)
                     param_state[key] = tensor
                 state[pid] = param_state

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import threading
 from typing import Dict, List
 
@@ -14,7 +15,7 @@ import torch
 
 from .verify import CheckpointCorruptError, crc32
 
-__all__ = ["writer", "reader", "load_planner"]
+__all__ = ["writer", "reader", "load_planner", "empty_for_reading"]
 
 
 def writer(path: str, threads: int):
@@ -258,6 +259,31 @@ def reader(path: str, threads: int, pinned=None, metadata=None, weights_only: bo
             return out
 
     return ParallelReader()
+
+
+_MADV_HUGEPAGE = 14  # Linux's madvise advice for transparent huge pages
+
+
+def empty_for_reading(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized tensor that a load reads into. On the host (Linux) its pages are advised as huge
+    pages before anything touches them: the read's first touch of fresh memory faults every page in (and
+    the kernel zeroes it), which at 4 KiB a page more than halves the copy's speed; 2 MiB pages fault 512
+    times less often. Elsewhere (no libc madvise, transparent huge pages off) the advice does nothing."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes < (4 << 20) or not sys.platform.startswith("linux"):
+        return tensor
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + nbytes) // page * page
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+    return tensor
 
 
 def _read_tensor_into(stream, offset: int, length: int, item, target: torch.Tensor) -> bool:
