@@ -8,14 +8,15 @@ to spare). The budget is per device: the shards computing on one device share it
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Hashable, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import pinned
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "Budget", "free_memory", "resolve_budget", "device_budgets"]
+__all__ = ["DEFAULT_MEMORY_BUDGET", "Budget", "free_memory", "resolve_budget", "device_budgets", "shard_oom_guard"]
 
 DEFAULT_MEMORY_BUDGET = 4 << 30
 # Fraction of a device's free (CUDA) or available (host) memory the default budget may take.
@@ -115,3 +116,35 @@ def device_budgets(memory_budget: Optional[int], devices: Sequence[Hashable], *,
         counts[device] = counts.get(device, 0) + 1
     return {device: resolve_budget(memory_budget, device, shards_on_device=n, streamed_keep=streamed_keep)
             for device, n in counts.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Out of memory
+# --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def shard_oom_guard(index: int, start: int, stop: int, device: torch.device, plan,
+                    memory_budget: Optional[int] = None) -> Iterator[None]:
+    """Turn an out-of-memory error inside a shard's chunk loop into one that names the shard, its device,
+    the plan and the budget it was made within, and suggests ``memory_budget``. The original exception
+    (and with it the frames that hold the loop's workspaces) is dropped before the new one is raised, so
+    the memory is free for the next step.
+
+    ``memory_budget``: what the caller passed, for a plan-less failure (None: the default)."""
+    message = None
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+    if message is not None:
+        if plan is not None and plan.budget_reason:
+            budget = plan.budget_reason
+        else:
+            budget = "None (the default)" if memory_budget is None else f"{memory_budget} bytes"
+            budget = f"memory_budget={budget}"
+        workspace = "" if plan is None else (
+            f" (workspace {plan.rows} rows x {plan.cols} classes{', logits kept' if plan.keep_logits else ''})")
+        raise torch.OutOfMemoryError(
+            f"hugehead: out of memory in shard {index} (classes [{start}, {stop})) on {device}{workspace} "
+            f"with {budget}; pass a smaller memory_budget= (or chunk_size=) to "
+            f"ChunkedClassifier / linear_cross_entropy, or free memory on {device}. Cause: {message}"
+        )

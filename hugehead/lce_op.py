@@ -17,15 +17,17 @@ from . import ops
 from .eager import eager_dispatch, eager_twin
 from .loop import rows_steps, shard_forward_stats, whole_head_backward
 from .loop.chunks import merge_row_stats, run_steps
-from .loop.fused import _tma_ready, fused_applies
+from .loop.fused import _tma_ready
 from .loop.overlapped import _side_stream
 from .loop.sources import ResidentChunks
 from .options import LossOptions, no_second_order, reduce_loss, row_losses, start_target_check
-from .plan import Plan, kept_plan, kept_shape, plan_chunks, plan_loss, shard_oom_guard
+from .budget import shard_oom_guard
+from .plan import Operands, Plan, kept_shape, plan_chunks, plan_loss
 
 __all__ = [
     "autocast_off",
     "op_plan",
+    "given_plan",
     "loss_plan",
     "class_id_loss",
     "rows_loss",
@@ -47,6 +49,15 @@ def op_plan(x: Tensor, weight: Tensor, chunk_size: int, memory_budget: int, keep
         x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size or None, memory_budget or None,
         weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
     )
+
+
+def given_plan(plan: Optional[List[int]]) -> Plan:
+    """The plan an op was handed (:meth:`Plan.decode`); ValueError where none was."""
+    decoded = Plan.decode(plan)
+    if decoded is None:
+        raise ValueError("hugehead: this op executes its caller's plan: pass plan=Plan.encode() (see "
+                         "hugehead.lce_op.loss_plan)")
+    return decoded
 
 
 def _options(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> LossOptions:
@@ -76,11 +87,11 @@ def _lce_forward_impl(
     weight gradient's buffer ``[V, D]`` holding the plan's ``kept_in_grad`` chunks (empty when none: see
     :func:`hugehead.plan.grad_store_layout`), which the backward returns as ``dW``. ``x`` is in the
     compute dtype; weight and bias may be stored in another float dtype (autocast), cast chunk by chunk.
-    chunk_size/memory_budget 0: planned. ``plan``: ``[rows, cols, kept_chunks, overlap, kept_in_grad, budget]`` made by
-    the caller (None: planned here from chunk_size/memory_budget)."""
+    ``plan``: the caller's (:func:`loss_plan`), encoded (:meth:`Plan.encode`); chunk_size/memory_budget (0: planned,
+    the default) are what the caller planned with, for the out-of-memory message."""
     v = weight.shape[0]
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
-    step_plan = Plan.decode(plan) or op_plan(x, weight, chunk_size, memory_budget, keep_logits)
+    step_plan = given_plan(plan)
     # The target check (inside the op: eager, and no checked copy needed) starts once the first chunk's GEMM is
     # queued, and is finished once the loop's kernels are: see _DeferredCheck.
     check = _DeferredCheck(target, v, ignore_index)
@@ -146,7 +157,7 @@ def _grad_store(weight: Tensor, plan: Plan, keep_logits: bool) -> Optional[Tenso
 def _(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, chunk_size, memory_budget,
       keep_logits, plan=None):
     acc = ops.acc_dtype(x.dtype)
-    step_plan = Plan.decode(plan) or op_plan(x, weight, chunk_size, memory_budget, keep_logits)
+    step_plan = given_plan(plan)
     kept = x.new_empty(kept_shape(step_plan, x.shape[0])) if step_plan.keep_logits else x.new_empty(0)
     store = _grad_store(weight, step_plan, keep_logits)
     return (x.new_empty(x.shape[0], dtype=acc), x.new_empty(x.shape[0], dtype=acc), kept,
@@ -174,15 +185,13 @@ def _lce_backward_impl(
     plan: Optional[List[int]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dX [N, D], dW [V, D], db [V])``; a gradient not asked for (or db without bias) is empty.
-    Non-empty ``kept`` logits are overwritten by their gradient (no recompute). ``plan``: the forward's
-    (None: derived from the kept logits, or planned again from chunk_size/memory_budget). A non-empty
+    Non-empty ``kept`` logits are overwritten by their gradient (no recompute). ``plan``: the forward's, encoded
+    (never planned again here: the chunk widths, and with them the order of the dX sums, are the forward's). A non-empty
     ``store`` (the forward's fourth output, holding kept chunks) receives dW, and dW comes back empty."""
     acc = ops.acc_dtype(x.dtype)
     options = _options(ignore_index, label_smoothing, z_loss, softcap)
     keep = kept.numel() > 0
-    step_plan = Plan.decode(plan)
-    if step_plan is None:
-        step_plan = kept_plan(kept) if keep else op_plan(x, weight, chunk_size, memory_budget, False)
+    step_plan = given_plan(plan)
     if store.numel() == 0:
         store = None
     if store is None and keep and step_plan.kept_in_grad:
@@ -419,15 +428,15 @@ def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] 
     # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
     keep = wants_grad and not torch.compiler.is_compiling()
     grad_store = keep and weight.requires_grad and weight.device == x.device
-    # (the loop's _probs_plan decides again from the same inputs and options: the forward and backward agree)
+    operands = Operands.of_class_ids(x, bias, label_smoothing, softcap)
     # (where every chunk's operands suit the fused GEMMs' loads, the forward stores no logits outside the kept
     # chunks, and the backward's workspace can live in theirs: plan_chunks' kept_probs)
-    kept_probs = (grad_store and bias is None and not label_smoothing and not softcap and x.dtype == torch.bfloat16
-                  and weight.dtype == x.dtype and fused_applies(x, target) and _tma_ready(x) and _tma_ready(weight))
+    kept_probs = (grad_store and operands.fused and bias is None and not label_smoothing and not softcap
+                  and x.dtype == torch.bfloat16 and weight.dtype == x.dtype and _tma_ready(x) and _tma_ready(weight))
     return plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=keep, direct_dx=True,
-                     allow_rows=wants_grad and not return_lse and reduction != "none",
-                     side_stream=not fused_applies(x, target), grad_store=grad_store, kept_probs=kept_probs)
+                     allow_rows=wants_grad and not return_lse and reduction != "none", grad_store=grad_store,
+                     kept_probs=kept_probs, operands=operands)
 
 
 def class_id_loss(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], options: LossOptions,
@@ -479,7 +488,8 @@ def rows_loss(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
         return None
     plan = plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=not torch.compiler.is_compiling(), direct_dx=True,
-                     allow_rows=True)
+                     allow_rows=True, operands=Operands.of_class_ids(x, bias, options.label_smoothing,
+                                                                 options.kernel_softcap))
     return _rows_op(x, weight, bias, target, options, plan) if plan.grad_in_forward else None
 
 

@@ -22,7 +22,8 @@ from .loop import shard_forward_stats, whole_head_backward
 from .loop.chunks import merge_row_stats
 from .loop.sources import ResidentChunks
 from .options import LossOptions, check_inputs
-from .plan import Plan, kept_shape, plan_loss, shard_oom_guard
+from .budget import shard_oom_guard
+from .plan import Plan, kept_shape, plan_loss
 from .target_prep import PreparedTarget, SoftmaxRows, reduce_softmax, softmax_row_losses, softmax_target
 from .targets import SoftmaxCsrTarget
 

@@ -21,7 +21,8 @@ from .loop.sources import ResidentChunks
 from .multilabel import (backward_through_loop, check_head_inputs, fake_backward, fake_forward, forward_through_loop,
                          wants_grad)
 from .options import LossOptions, check_chunk_size, check_memory_budget
-from .plan import Plan, shard_oom_guard
+from .budget import shard_oom_guard
+from .plan import Plan
 from .target_prep import binary_target, reduce_binary
 from .targets import BinaryCsrTarget
 

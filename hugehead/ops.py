@@ -5,6 +5,7 @@ Kernels: ``csrc/cpu/<op>.cpp`` and ``csrc/cuda/<op>.cu``; schemas: ``csrc/hugehe
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -171,31 +172,28 @@ def gemm_chunk_grad_(
     )
 
 
-_FUSED_GEMM_DEVICES = {}
-
-
 def has_fused_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :func:`gemm_chunk_stats_` can run for inputs of ``dtype`` on ``device``: a build with the
     CUTLASS GEMMs (asked of the dispatcher), a compute capability 9.0 GPU (the kernels are sm_90a machine
-    code only) and bfloat16/float16. Per-device answers are cached (a dict lookup that torch.compile traces
-    through)."""
+    code only) and bfloat16/float16."""
     if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
         return False
-    index = device.index
-    known = _FUSED_GEMM_DEVICES.get(index)  # (asked at every chunk step: the cached answer first)
-    if known is not None:
-        return known
+    return _fused_gemm_on(-1 if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_fused_gemm(index: int) -> bool:
+    return (torch._C._dispatch_has_kernel_for_dispatch_key("hugehead::gemm_chunk_stats_", "CUDA")
+            and torch.cuda.get_device_capability(index) == (9, 0))
+
+
+# Planned once a step, also while torch.compile traces the caller (hugehead.plan.fused_gemms): the answer is a
+# constant of the device, which the trace takes as it is.
+@torch.compiler.assume_constant_result
+def _fused_gemm_on(index: int) -> bool:
     if not torch.cuda.is_available():
         return False
-    if index is None:
-        index = torch.cuda.current_device()
-        if index in _FUSED_GEMM_DEVICES:
-            return _FUSED_GEMM_DEVICES[index]
-    _FUSED_GEMM_DEVICES[index] = (
-        torch._C._dispatch_has_kernel_for_dispatch_key("hugehead::gemm_chunk_stats_", "CUDA")
-        and torch.cuda.get_device_capability(index) == (9, 0)
-    )
-    return _FUSED_GEMM_DEVICES[index]
+    return _probe_fused_gemm(torch.cuda.current_device() if index < 0 else index)
 
 
 def gemm_path(device: torch.device, dtype: torch.dtype) -> str:

@@ -9,37 +9,21 @@ of the ``dX`` sums — are those of the forward, whatever the free memory did in
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from . import tuning
+from . import ops, tuning
 from .budget import Budget, resolve_budget
 from .grad_store import grad_store_layout, scale_area_bytes
 
 __all__ = [
-    "Plan",
-    "plan_chunks",
-    "plan_rows",
-    "plan_loss",
-    "ROWS_BLOCKS",
-    "ROWS_MIN_BLOCK_ROWS",
-    "ROWS_MIN_SPLIT_ROWS",
-    "plan_topk_chunks",
-    "plan_streamed",
-    "kept_plan",
-    "kept_shape",
-    "stream_cols",
-    "cap_plan",
-    "SLOT_BYTES",
-    "STREAM_MAX_COLS",
-    "WEIGHT_RING_DEPTH",
-    "GRAD_RING_DEPTH",
-    "workspace_bytes",
-    "shard_oom_guard",
+    "Plan", "Operands", "fused_gemms", "plan_chunks", "plan_rows", "plan_loss", "plan_topk_chunks", "plan_streamed",
+    "kept_shape", "stream_cols", "cap_plan",
+    "ROWS_BLOCKS", "ROWS_MIN_BLOCK_ROWS", "ROWS_MIN_SPLIT_ROWS", "SLOT_BYTES", "STREAM_MAX_COLS", "WEIGHT_RING_DEPTH",
+    "GRAD_RING_DEPTH", "FUSED_STATS_WIDEN", "FUSED_STORE_MAX_DEPTH",
 ]
 
 _MAX_COLS = {"cuda": 65536, "cpu": 8192}
@@ -60,13 +44,12 @@ WEIGHT_RING_DEPTH = 4
 GRAD_RING_DEPTH = 3
 
 
-
 # --------------------------------------------------------------------------------------------------
 # The plan of one shard's chunk loop
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
-    """Workspace shape of one shard's chunk loop: ``rows`` × ``cols`` logits at a time.
+    """Everything one shard's chunk loop executes: ``rows`` × ``cols`` logits at a time, and the path of each step.
 
     ``keep_logits``: the forward writes its first ``kept_chunks`` chunks into a kept
     ``[kept_chunks, N, cols]`` tensor (:func:`kept_shape`) that the backward turns into their gradient in
@@ -82,6 +65,12 @@ class Plan:
     every gradient, ``rows`` rows at a time over all classes (``cols`` classes a chunk), and whose backward
     only scales them; ``reason`` says why the planner chose it (and how ``dW`` accumulates).
 
+    The GEMM paths (:func:`_paths`): ``fused``, the chunks not kept take the fused CUTLASS GEMMs (a chunk whose
+    layout they refuse: cuBLAS and our kernels); ``fused_cols``, the width of the forward's chunks that only fold
+    statistics there; ``fused_store``, kept chunks and row blocks stored by the fused statistics GEMM as it folds
+    them; ``exact``, the chunks not kept take the float32 accumulator as each logit on both sides;
+    ``kept_probs``, the kept chunks hold ``exp(z - ref)`` for the factored backward (:mod:`hugehead.loop.probs`).
+
     ``budget``/``budget_reason``: the bytes the planner worked within and why (not part of equality).
     """
 
@@ -92,6 +81,11 @@ class Plan:
     overlap: bool = False
     grad_in_forward: bool = False
     kept_in_grad: int = 0
+    fused: bool = False
+    fused_cols: int = 0
+    fused_store: bool = False
+    exact: bool = False
+    kept_probs: bool = False
     budget: int = field(default=0, compare=False)
     budget_reason: str = field(default="", compare=False)
     reason: str = field(default="", compare=False)
@@ -105,13 +99,19 @@ class Plan:
             return "rows"
         return "kept" if self.keep_logits else "recompute"
 
+    @property
+    def stats_cols(self) -> int:
+        """The width of the forward's chunks that are not kept (:attr:`fused_cols` on the fused path)."""
+        return self.fused_cols if self.fused and self.fused_cols else self.cols
+
     def encode(self) -> List[int]:
-        """The plan as a custom op's ``int[]`` argument: ``[rows, cols, kept_chunks, overlap, kept_in_grad,
-        grad_in_forward, budget]`` (the kept fields 0 where nothing is kept). :meth:`decode` reverses it: the
-        backward executes the plan the forward was given, never a new one."""
+        """The plan as a custom op's ``int[]`` argument, its fields in order (the kept ones 0 where nothing is
+        kept, ``budget`` last). :meth:`decode` reverses it: the backward executes the plan the forward was
+        given, never a new one."""
         keep = self.keep_logits
         return [self.rows, self.cols, self.kept_chunks if keep else 0, int(self.overlap),
-                self.kept_in_grad if keep else 0, int(self.grad_in_forward), self.budget]
+                self.kept_in_grad if keep else 0, int(self.grad_in_forward), int(self.fused), self.fused_cols,
+                int(self.fused_store), int(self.exact), int(self.kept_probs and keep), self.budget]
 
     @staticmethod
     def decode(values: Optional[Sequence[int]]) -> Optional["Plan"]:
@@ -121,20 +121,85 @@ class Plan:
             return None
         if len(values) != _ENCODED_LEN:
             raise ValueError(f"hugehead: an encoded plan has {_ENCODED_LEN} entries, got {len(values)}")
-        rows, cols, kept_chunks, overlap, in_grad, rows_plan, budget = (int(v) for v in values)
+        rows, cols, kept_chunks, overlap, in_grad, rows_plan, fused, fused_cols, store, exact, probs, budget = (
+            int(v) for v in values)
         return Plan(rows=rows, cols=cols, keep_logits=kept_chunks > 0, kept_chunks=kept_chunks, overlap=bool(overlap),
-                    grad_in_forward=bool(rows_plan), kept_in_grad=in_grad, budget=budget,
+                    grad_in_forward=bool(rows_plan), kept_in_grad=in_grad, fused=bool(fused), fused_cols=fused_cols,
+                    fused_store=bool(store), exact=bool(exact), kept_probs=bool(probs), budget=budget,
                     budget_reason=f"a budget of {budget} bytes")
 
 
-_ENCODED_LEN = 7
+_ENCODED_LEN = 12
 
 
-def kept_plan(kept: Tensor) -> Plan:
-    """The plan of a backward over kept logits ``[kept_chunks, N, cols]`` when no plan travelled with
-    them (chunk widths must match the forward's, whatever the planner would choose now)."""
-    return Plan(rows=kept.shape[1], cols=kept.shape[2], keep_logits=True, kept_chunks=kept.shape[0],
-                overlap=kept.device.type == "cuda")
+# --------------------------------------------------------------------------------------------------
+# The GEMM paths of a step
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Operands:
+    """What a step's GEMM paths depend on beyond its shapes and dtypes: ``fused``, :func:`fused_gemms` of the step;
+    ``resident``, the chunks are slices of a weight on the compute device (not an offload ring's copies); ``bias``,
+    ``softcap``, ``smoothing``, the loss has them; ``traced``, the loop runs while torch.compile traces it."""
+
+    fused: bool = False
+    resident: bool = True
+    bias: bool = False
+    softcap: bool = False
+    smoothing: bool = False
+    traced: bool = False
+
+    @staticmethod
+    def of_class_ids(x: Tensor, bias: Optional[Tensor], label_smoothing: float, softcap: float,
+                     traced: bool = False) -> "Operands":
+        """A class-id loss on ``x`` (``softcap``: the kernels' cap, 0 for none)."""
+        return Operands(fused=fused_gemms(x.device, x.dtype, x.shape[1], True, traced), bias=bias is not None,
+                        softcap=bool(softcap), smoothing=bool(label_smoothing), traced=traced)
+
+
+def fused_gemms(device: torch.device, dtype: torch.dtype, d: int, class_ids: bool, traced: bool = False) -> bool:
+    """Whether the fused statistics and gradient GEMMs (:func:`hugehead.ops.gemm_chunk_stats_`,
+    :func:`hugehead.ops.gemm_chunk_grad_`) take a step's chunks: class-id targets, a bf16/fp16 ``x`` of a width
+    that is a multiple of 8 on an sm_90 GPU of a CUTLASS build, :func:`hugehead.ops.gemm_path` saying ``cutlass``,
+    and a loop that runs eagerly (``traced``: fake tensors have no data pointers for the chunks' layout checks)."""
+    return (class_ids and device.type == "cuda" and d > 0 and d % 8 == 0 and not traced
+            and ops.gemm_path(device, dtype) == "cutlass")
+
+
+# The fused statistics GEMM stores no logits: its one buffer is the partials, 16 bytes per row and 128 columns
+# (a sixteenth of a 16-bit logits chunk of the same width; 8 bytes without label smoothing's logit sums). So
+# where the weight is resident in the compute dtype (chunks are slices, never casts) its chunks are this many
+# times the plan's width: fewer launches, merges and tails, each of which costs time beside the GEMMs'.
+FUSED_STATS_WIDEN = 8
+# The statistics GEMM that stores its logits pays below this depth (D = K) only: deeper, chunk_stats_' pass is a
+# small part of a long GEMM, and the cooperative fused GEMM's store costs more than that pass. The exact
+# logits stop there too (the rounded logits cost a cvt a pair and two integer ops an element in both epilogues).
+FUSED_STORE_MAX_DEPTH = 2048
+
+
+def _paths(plan: Plan, n: int, d: int, v: int, dtype: torch.dtype, weight_dtype: torch.dtype,
+           operands: Operands) -> Plan:
+    """``plan`` with the GEMM paths of its steps (see :class:`Plan`), decided from the operands.
+
+    Exact logits need both sides fused and no bias, softcap or label smoothing (the forward's logit sums: the
+    128 x 192 fold has none), so that a confident row's ``p - 1`` sees the forward's lse and the backward's logits
+    as the same numbers; kept chunks keep their rounded logits (stored, and read back). Kept probabilities need
+    the fused statistics GEMM folding against each row's max over the chunks not kept, which come first (a
+    resident shard keeping some chunks, not all, rows whole), bf16 throughout, no bias, softcap or logit sums,
+    and room in the weight gradient's buffer ahead of its first slot for the references
+    (:func:`scale_area_bytes`). Stored logits are uncapped, so a softcap keeps them on cuBLAS."""
+    o = operands
+    if not o.fused or plan.rows <= 0:
+        return plan
+    kept_classes = plan.kept_chunks * plan.cols if plan.keep_logits else 0
+    plain = not (o.bias or o.softcap or o.smoothing)
+    in_grad_room = plan.keep_logits and plan.kept_in_grad > 0 and grad_store_layout(
+        n, d, v, plan.cols, dtype.itemsize, weight_dtype.itemsize)[0] >= scale_area_bytes(plan.kept_chunks, n)
+    probs = (plain and in_grad_room and o.resident and 0 < kept_classes < v and plan.rows >= n
+             and dtype == weight_dtype == torch.bfloat16)
+    widen = o.resident and weight_dtype == dtype and not plan.grad_in_forward
+    return replace(plan, fused=True, fused_cols=plan.cols * FUSED_STATS_WIDEN if widen else plan.cols,
+                   fused_store=not o.softcap and (d < FUSED_STORE_MAX_DEPTH or probs),
+                   exact=plain and d < FUSED_STORE_MAX_DEPTH and not plan.grad_in_forward, kept_probs=probs)
 
 
 def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
@@ -146,14 +211,12 @@ def kept_shape(plan: Plan, n: int) -> Tuple[int, int, int]:
 def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget: int, itemsize: int,
                       grad_offset: int, grad_slots: int) -> int:
     """The chunks a plan whose kept chunks hold probabilities (:func:`plan_chunks`' ``kept_probs``) keeps in the
-    budget, or 0 where that rule does not apply. Its forward stores no logits outside the kept chunks (the fused
-    statistics GEMM writes partials only), and its backward takes the kept chunks first, then recomputes the
-    others into the kept tensor's memory (``hugehead.loop.kept._spare``): no workspace chunk of its own, so the budget
-    holds one kept chunk more than the streaming rule's. Counted beside them: ``dX``'s float32 sums and the
-    factored backward's ``[N, D]`` buffers (twice :func:`plan_chunks`' ``dx_bytes``), and the widened forward's
-    partials (8 bytes a row per 128 columns of :data:`FUSED_STATS_WIDEN` chunks: a quarter of a 16-bit chunk).
-    It needs at least one chunk in the budget (the workspace's memory) and one in the weight gradient's buffer,
-    whose first bytes hold the references (:func:`scale_area_bytes`)."""
+    budget, or 0 where that rule does not apply. Its forward stores no logits outside the kept chunks, and its
+    backward recomputes the others into the kept tensor's memory (``hugehead.loop.kept._spare``): the budget holds
+    one kept chunk more than the streaming rule's, beside ``dX``'s float32 sums and the factored backward's
+    ``[N, D]`` buffers (twice ``dx_bytes``) and the widened forward's partials (8 bytes a row per 128 columns).
+    It needs one chunk in the budget and one in the weight gradient's buffer, ahead of which the references
+    live (:func:`scale_area_bytes`)."""
     chunk_bytes = n * cols * itemsize
     held = 2 * n * d * (itemsize + 4) + n * (-(-cols * FUSED_STATS_WIDEN // 128)) * 8
     kept = min((memory_budget - held) // chunk_bytes, num_chunks - 1)
@@ -163,14 +226,7 @@ def probs_kept_chunks(n: int, d: int, cols: int, num_chunks: int, memory_budget:
     return int(kept)
 
 
-# The factor by which the fused statistics GEMM widens the chunks it folds without storing (their partials only:
-# ``hugehead.loop.fused._fused_stats_cols``), here for the memory those partials take (:func:`probs_kept_chunks`).
-FUSED_STATS_WIDEN = 8
 
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def _as_budget(memory_budget, device: torch.device) -> Budget:
@@ -179,23 +235,12 @@ def _as_budget(memory_budget, device: torch.device) -> Budget:
     return resolve_budget(memory_budget, device)
 
 
-def plan_chunks(
-    n: int,
-    d: int,
-    v: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    chunk_size: Optional[int] = None,
-    memory_budget=None,
-    *,
-    weight_dtype: Optional[torch.dtype] = None,
-    allow_keep: bool = True,
-    direct_dx: bool = False,
-    side_stream: bool = True,
-    grad_store: bool = False,
-    kept_probs: bool = False,
-) -> Plan:
-    """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget.
+def plan_chunks(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
+                memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
+                direct_dx: bool = False, side_stream: bool = True, grad_store: bool = False, kept_probs: bool = False,
+                operands: Optional[Operands] = None) -> Plan:
+    """Choose the chunk shape for ``N`` rows, ``D`` features and ``V`` classes within a memory budget, and the
+    GEMM paths of its steps for ``operands`` (:class:`Operands`; None: no fused GEMMs).
 
     The workspace is one ``rows × cols`` logits chunk in ``dtype`` (the compute dtype) plus, in the
     backward, two ``rows × D`` buffers for ``dX``. ``chunk_size`` pins ``cols`` (and streams);
@@ -205,22 +250,29 @@ def plan_chunks(
     a chunk at a time. Rows are split only when even a ``_MIN_COLS``-wide chunk of all rows would not fit.
     ``direct_dx``: the caller computes the ``dX`` of a plan that keeps all logits in one chunk as one GEMM
     straight into the gradient (the single-device op), so that plan needs no ``dX`` buffers.
-    ``side_stream``: the loop has memory-bound kernels to overlap with the GEMMs on a side stream. False where
-    the fused GEMMs fold them (the caller asks :func:`hugehead.loop.fused.fused_applies`): a second workspace would
-    buy nothing, so its memory keeps one more chunk of logits instead.
+    ``side_stream``: the loop has memory-bound kernels to overlap with the GEMMs on a side stream (never where
+    the fused GEMMs fold them or the loop is traced: a second workspace would buy nothing, so its memory keeps
+    one more chunk of logits instead).
     ``grad_store``: the forward may hold kept logits in the weight gradient's buffer (``[V, D]`` in
     ``weight_dtype``, allocated at the forward; :func:`grad_store_layout`): the plan keeps the chunks that fit
     there as well (:attr:`Plan.kept_in_grad`, the leading ones), beyond those the budget holds.
-    ``kept_probs``: the caller's kept chunks take the factored backward of kept probabilities (the fused
-    statistics GEMM storing ``exp(z - ref)``, :func:`hugehead.loop.probs._probs_plan`, in the layouts of the fused GEMMs'
-    TMA loads): where only some chunks are kept, the streamed chunks'
-    workspace lives in the kept tensor's memory, so the budget keeps one chunk more (:func:`probs_kept_chunks`).
+    ``kept_probs``: the caller's kept chunks may hold probabilities (:attr:`Plan.kept_probs`, in the layouts of
+    the fused GEMMs' TMA loads): where only some chunks are kept, the streamed chunks' workspace lives in the
+    kept tensor's memory, so the budget keeps one chunk more (:func:`probs_kept_chunks`).
     """
+    o = Operands() if operands is None else operands
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    plan = _chunk_shape(n, d, v, dtype, device, chunk_size, memory_budget, weight_dtype, allow_keep, direct_dx,
+                        side_stream and not (o.fused or o.traced) and n > 0 and v > 0, grad_store, kept_probs)
+    return _paths(plan, n, d, v, dtype, weight_dtype, o)
+
+
+def _chunk_shape(n, d, v, dtype, device, chunk_size, memory_budget, weight_dtype, allow_keep, direct_dx, side_stream,
+                 grad_store, kept_probs) -> Plan:
     budget = _as_budget(memory_budget, device)
     chosen = dict(budget=budget.bytes, budget_reason=budget.reason)
     memory_budget = budget.bytes
-    itemsize = _itemsize(dtype)
-    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    itemsize = dtype.itemsize
     n, v = max(n, 1), max(v, 1)
     max_cols = _MAX_COLS.get(device.type, _MAX_COLS["cpu"])
     dx_bytes = n * d * (itemsize + 4)
@@ -260,7 +312,7 @@ def plan_chunks(
         kept_chunks = max(0, min(kept_chunks, num_chunks - 1))
         in_grad = 0
         if grad_store:
-            offset, _, slots = grad_store_layout(n, d, v, cols, itemsize, _itemsize(weight_dtype))
+            offset, _, slots = grad_store_layout(n, d, v, cols, itemsize, weight_dtype.itemsize)
             if kept_probs and not overlap and weight_dtype == dtype:
                 kept_chunks = max(kept_chunks, probs_kept_chunks(n, d, cols, num_chunks, memory_budget, itemsize,
                                                                  offset, slots))
@@ -312,7 +364,7 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     """
     weight_dtype = dtype if weight_dtype is None else weight_dtype
     budget = _as_budget(memory_budget, device)
-    itemsize = _itemsize(dtype)
+    itemsize = dtype.itemsize
     n, v = max(n, 1), max(v, 1)
     cols, extra, per_row = v, 0, v * itemsize
     if weight_dtype != dtype:
@@ -325,7 +377,7 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     fit = (budget.bytes - n * d * itemsize - extra) // per_row  # rows whose logits fit beside dX
     if fit < 1:
         return None
-    wide = _itemsize(weight_dtype) >= 4
+    wide = weight_dtype.itemsize >= 4
     blocks = max(-(-n // fit), min(ROWS_BLOCKS, n // ROWS_MIN_BLOCK_ROWS), 1)
     if not wide and blocks > ROWS_BLOCKS:
         return None
@@ -347,7 +399,7 @@ def plan_rows(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
 def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, chunk_size: Optional[int] = None,
               memory_budget=None, *, weight_dtype: Optional[torch.dtype] = None, allow_keep: bool = True,
               allow_rows: bool = False, direct_dx: bool = False, side_stream: bool = True,
-              grad_store: bool = False, kept_probs: bool = False) -> Plan:
+              grad_store: bool = False, kept_probs: bool = False, operands: Optional[Operands] = None) -> Plan:
     """The plan of one loss call: the cheapest that fits the budget.
 
     Cost first (GEMM passes over ``N × D × V``), then memory: kept logits and the rows plan take three
@@ -364,12 +416,13 @@ def plan_loss(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, 
     budget = _as_budget(memory_budget, device)
     plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype,
                        allow_keep=allow_keep, direct_dx=direct_dx, side_stream=side_stream, grad_store=grad_store,
-                       kept_probs=kept_probs)
+                       kept_probs=kept_probs, operands=operands)
     if not (allow_rows and chunk_size is None and tuning.current().rows):
         return plan
     rows = plan_rows(n, d, v, dtype, device, budget, weight_dtype=weight_dtype)
     if rows is None:
         return plan
+    rows = _paths(rows, n, d, v, dtype, weight_dtype, Operands() if operands is None else operands)
     # All logits kept beats the rows plan at the same three GEMMs: the rows plan's blocks run their statistics
     # and gradient kernels between the GEMMs (no side stream) and reread dW once a block. So the rows plan
     # replaces partial keeping and recomputing, not keeping all; a smaller memory_budget asks for it.
@@ -394,7 +447,7 @@ def plan_topk_chunks(
     plan = plan_chunks(n, 0, v, dtype, device, chunk_size, memory_budget, allow_keep=False)
     if chunk_size is None and device.type == "cpu" and plan.rows >= n and plan.cols < v:
         cols = max(plan.cols, _CPU_TOPK_CHUNK_ELEMS // max(n, 1) // _MIN_COLS * _MIN_COLS)
-        cols = min(v, cols, max(plan.cols, plan.budget // max(1, n * _itemsize(dtype))))
+        cols = min(v, cols, max(plan.cols, plan.budget // max(1, n * dtype.itemsize)))
         plan = replace(plan, cols=cols)
     return plan
 
@@ -433,63 +486,13 @@ def cap_plan(plan: Plan, num_rows: int, cap: int) -> Plan:
 
 
 def plan_streamed(n: int, d: int, v: int, dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device,
-                  chunk_size: Optional[int], budget: Budget, allow_keep: bool) -> Plan:
+                  chunk_size: Optional[int], budget: Budget, allow_keep: bool,
+                  operands: Optional[Operands] = None) -> Plan:
     """The plan of an offloaded shard: :func:`plan_chunks` within ``budget`` (from :func:`resolve_budget`
-    with ``streamed_keep``), its chunks capped to the streaming width (:func:`cap_plan`)."""
-    plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype, allow_keep=allow_keep)
-    return cap_plan(plan, v, stream_cols(STREAM_MAX_COLS, d, _itemsize(weight_dtype)))
-
-
-def workspace_bytes(n: int, d: int, shard_sizes: Sequence[int], dtype: torch.dtype, device: torch.device,
-                    chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, *,
-                    offload: bool = False, keep: bool = True) -> int:
-    """Bytes of ``device`` that one training step's loops use at their peak, for the shards of
-    ``shard_sizes`` classes computing there (sharing its budget) over ``N`` rows of ``D`` features: each
-    shard's plan's kept logits and workspace(s), one ``dX`` buffer pair, and, offloaded, each shard's
-    rings of weight and gradient slots. What :func:`plan_chunks` plans, for estimates made before a head
-    exists (``hugehead.demo``'s "will it fit")."""
-    itemsize = _itemsize(dtype)
-    budget = resolve_budget(memory_budget, device, shards_on_device=len(shard_sizes), streamed_keep=offload and keep)
-    total = n * d * (itemsize + 4) if shard_sizes else 0
-    for v in shard_sizes:
-        if offload:
-            plan = plan_streamed(n, d, v, dtype, dtype, device, chunk_size, budget, keep)
-            total += (WEIGHT_RING_DEPTH + GRAD_RING_DEPTH) * min(v, plan.cols) * (d + 1) * itemsize
-        else:
-            plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, allow_keep=keep)
-        streaming = 0 if plan.keep_logits and plan.kept_chunks * plan.cols >= v else 1 + int(plan.overlap)
-        total += (plan.kept_chunks if plan.keep_logits else 0) * n * plan.cols * itemsize
-        total += streaming * plan.rows * min(plan.cols, v) * itemsize
-    return total
-
-
-# --------------------------------------------------------------------------------------------------
-# Out of memory
-# --------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def shard_oom_guard(index: int, start: int, stop: int, device: torch.device, plan: Optional[Plan],
-                    memory_budget: Optional[int] = None) -> Iterator[None]:
-    """Turn an out-of-memory error inside a shard's chunk loop into one that names the shard, its device,
-    the plan and the budget it was made within, and suggests ``memory_budget``. The original exception
-    (and with it the frames that hold the loop's workspaces) is dropped before the new one is raised, so
-    the memory is free for the next step.
-
-    ``memory_budget``: what the caller passed, for a plan-less failure (None: the default)."""
-    message = None
-    try:
-        yield
-    except torch.OutOfMemoryError as exc:
-        message = str(exc).splitlines()[0] if str(exc) else "out of memory"
-    if message is not None:
-        if plan is not None and plan.budget_reason:
-            budget = plan.budget_reason
-        else:
-            budget = "None (the default)" if memory_budget is None else f"{memory_budget} bytes"
-            budget = f"memory_budget={budget}"
-        workspace = "" if plan is None else (
-            f" (workspace {plan.rows} rows x {plan.cols} classes{', logits kept' if plan.keep_logits else ''})")
-        raise torch.OutOfMemoryError(
-            f"hugehead: out of memory in shard {index} (classes [{start}, {stop})) on {device}{workspace} "
-            f"with {budget}; pass a smaller memory_budget= (or chunk_size=) to "
-            f"ChunkedClassifier / linear_cross_entropy, or free memory on {device}. Cause: {message}"
-        )
+    with ``streamed_keep``), its chunks capped to the streaming width (:func:`cap_plan`), then its paths (the
+    chunks are a ring's copies: ``operands.resident`` does not hold)."""
+    o = replace(Operands() if operands is None else operands, resident=False)
+    plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, weight_dtype=weight_dtype, allow_keep=allow_keep,
+                       operands=o)
+    capped = cap_plan(plan, v, stream_cols(STREAM_MAX_COLS, d, weight_dtype.itemsize))
+    return plan if capped is plan else _paths(capped, n, d, v, dtype, weight_dtype, o)

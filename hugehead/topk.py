@@ -24,7 +24,8 @@ from .loop.chunks import _logits_into, _workspace_view, run_steps
 from .loop.overlapped import _Overlap
 from .loop.sources import ResidentChunks
 from .options import FLOAT_DTYPES, autocast_dtype, check_chunk_size, check_memory_budget
-from .plan import Plan, plan_topk_chunks, shard_oom_guard
+from .budget import shard_oom_guard
+from .plan import Plan, plan_topk_chunks
 
 __all__ = ["linear_topk", "topk_state", "topk_steps", "shard_topk", "merge_topk", "check_k", "CUDA_MAX_K"]
 

@@ -25,13 +25,16 @@ IGNORE = -100
 
 
 def _without_kept_probs(monkeypatch):
-    """The same step with its kept chunks holding logits, not probabilities: planned without kept_probs and the
-    loop's _probs_plan answering no (what planner and loop decide where the factored backward does not apply)."""
-    from hugehead import lce_op, loop
+    """The same step with its kept chunks holding logits, not probabilities: planned without the kept_probs
+    budget rule and with Plan.kept_probs off (what the planner decides where the factored backward does not
+    apply); the loop follows the plan."""
+    import dataclasses
 
-    real = lce_op.plan_loss
+    from hugehead import lce_op, plan
+
+    real, paths = lce_op.plan_loss, plan._paths
     monkeypatch.setattr(lce_op, "plan_loss", lambda *a, **k: real(*a, **{**k, "kept_probs": False}))
-    monkeypatch.setattr(loop.streamed, "_probs_plan", lambda *a, **k: False)
+    monkeypatch.setattr(plan, "_paths", lambda *a, **k: dataclasses.replace(paths(*a, **k), kept_probs=False))
 
 
 def _without_grad_store(monkeypatch):
@@ -699,7 +702,7 @@ def _lce_float64(x, w, b, target, **opts):
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, tuned, opts, bias):
-    from hugehead import loop
+    import hugehead.plan
 
     n, d, v = 1000, 768, 5000
     x, w, b = _inputs(n, v, d, torch.bfloat16, bias=bias, seed=11)
@@ -710,7 +713,7 @@ def test_linear_cross_entropy_cutlass_vs_cublas_vs_float64(monkeypatch, tuned, o
     # chunks the planner keeps as stored logits never take the fused gradient GEMM (planned here: all kept);
     # without softcap the statistics GEMM stores them as it folds them
     streamed = not plan.keep_logits or plan.kept_chunks * plan.cols < v
-    stored = plan.keep_logits and not opts.get("softcap") and d < loop.fused.FUSED_STORE_MAX_DEPTH
+    stored = plan.keep_logits and not opts.get("softcap") and d < hugehead.plan.FUSED_STORE_MAX_DEPTH
     results = {}
     for path in ("cublas", "cutlass"):
         tuned(gemm=path)
@@ -776,7 +779,7 @@ def test_logits_kept_in_the_weight_gradient_through_the_fused_gemms(monkeypatch,
 @requires_fused
 def test_row_split_plan_takes_the_fused_gemm(monkeypatch, tuned):
     """Rows split into blocks (a tiny budget): each block's chunk goes through the fused GEMM."""
-    from hugehead import loop
+    import hugehead.plan
 
     n, d, v, cols, split = 700, 128, 3000, 512, 128
     x, w, b = _inputs(n, v, d, torch.bfloat16, bias=True, seed=13)
@@ -793,8 +796,8 @@ def test_row_split_plan_takes_the_fused_gemm(monkeypatch, tuned):
         for kind in ("stats", "grad"):
             assert (len(calls[kind]) > 0) == (path == "cutlass")
             if path == "cutlass":  # every (chunk, row block) pair, no stored-logits chunk; the forward's
-                # chunks are loop.fused.FUSED_STATS_WIDEN times wider (no logits workspace)
-                width = cols * (loop.fused.FUSED_STATS_WIDEN if kind == "stats" else 1)
+                # chunks are hugehead.plan.FUSED_STATS_WIDEN times wider (no logits workspace)
+                width = cols * (hugehead.plan.FUSED_STATS_WIDEN if kind == "stats" else 1)
                 assert len(calls[kind]) == math.ceil(v / width) * math.ceil(n / plan.rows)
                 assert max(calls[kind]) <= plan.rows
     ref = _lce_float64(x, w, b, target, **opts)
@@ -838,11 +841,12 @@ def test_fake_kernel_checks_shapes():
 
 
 def _emulate_fused_ops(monkeypatch):
-    """Run the chunk loop's fused branches on any device: fused_applies says yes for class-id targets and
-    the fused ops are emulated by addmm + chunk_stats_ / chunk_grad_ (the arithmetic of the cuBLAS path)."""
-    from hugehead import loop
+    """Run the chunk loop's fused branches on any device: the planner's fused_gemms says yes for class-id
+    targets (so the plans take the fused paths) and the fused ops are emulated by addmm + chunk_stats_ /
+    chunk_grad_ (the arithmetic of the cuBLAS path)."""
+    from hugehead import plan
 
-    monkeypatch.setattr(loop, "fused_applies", lambda x, target: isinstance(target, torch.Tensor))
+    monkeypatch.setattr(plan, "fused_gemms", lambda device, dtype, d, class_ids, traced=False: class_ids and not traced)
 
     def matmul(x, w, b):
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
@@ -894,9 +898,9 @@ def test_fused_forward_takes_wider_chunks(monkeypatch, widen, eps):
     times the plan's width -- the backward keeps the plan's -- and the loss and gradients still match
     float64 as the cuBLAS path does (emulated fused ops on the CPU); the logit sums are asked for exactly
     when label smoothing reads them."""
-    from hugehead import loop
+    import hugehead.plan
 
-    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", widen)
+    monkeypatch.setattr(hugehead.plan, "FUSED_STATS_WIDEN", widen)
     n, d, v, cols = 37, 16, 1000, 64
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=22)
     target = _targets(n, v, 0, v, 22)
@@ -924,9 +928,9 @@ def test_exact_logits_asked_of_both_sides_alike(monkeypatch, case):
     get exact=True together, and only without bias, softcap or label smoothing (kept chunks' stored logits
     never); otherwise all False. With the ops emulated on the CPU, loss and gradients match float64 as the cuBLAS
     path does."""
-    from hugehead import loop
+    import hugehead.plan
 
-    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", 2)
+    monkeypatch.setattr(hugehead.plan, "FUSED_STATS_WIDEN", 2)
     n, d, v, cols = (256, 128, 40000, None) if case == "kept" else (37, 16, 1000, 64)
     x, w, b = _inputs(n, v, d, torch.float32, bias=case == "bias", seed=25)
     target = _targets(n, v, 0, v, 25)
@@ -969,9 +973,9 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
     statistics GEMM with ``logits`` (no softcap), which stores them as it folds them: with emulated fused ops
     (cuBLAS's arithmetic, on the CPU) the loss and gradients are bitwise the cuBLAS path's, one such call
     per kept chunk (and row block), and the logit sums asked for only with label smoothing."""
-    from hugehead import loop
+    import hugehead.plan
 
-    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", 1)
+    monkeypatch.setattr(hugehead.plan, "FUSED_STATS_WIDEN", 1)
     n, d, v = 96, 16, 296
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=23)
     target = _targets(n, v, 0, v, 23)
@@ -1001,7 +1005,7 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
     stores.clear()
     _lce_grads(x, w, b, target, softcap=20.0, **opts)
     assert not any(s[0] for s in stores), stores
-    monkeypatch.setattr(loop.fused, "FUSED_STORE_MAX_DEPTH", d)
+    monkeypatch.setattr(hugehead.plan, "FUSED_STORE_MAX_DEPTH", d)
     again = _lce_grads(x, w, b, target, **opts)
     assert not any(s[0] for s in stores), stores
     for a, r in zip(again, plain):
@@ -1013,7 +1017,7 @@ def test_stored_logits_branches_with_emulated_ops(monkeypatch, case, eps):
 def test_kept_probabilities_factored_backward_with_emulated_ops(monkeypatch, tuned, case, device):
     """bf16 with chunks kept in the weight gradient's buffer and the fused ops emulated on the CPU: the forward
     folds the chunks it does not keep first, then keeps exp(z - ref) of the others (ref: each row's max so far;
-    loop.probs._probs_plan), and the backward takes them without a pass (loop.probs._FactoredKept:
+    Plan.kept_probs), and the backward takes them without a pass (loop.probs._FactoredKept:
     dW = eᵀ (s x), dX = s (e W), the targets' gradients from the forward's target logits added apart). Loss, dX and dW within 2x the error
     of the same step keeping the logits (_without_kept_probs) against float64, plus bf16's eps, and the rows of
     dW at kept targets (most of dW's norm) within 1.5x that step's error there; "no_ignored": no ignored row, so
@@ -1121,7 +1125,7 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     the plan without kept probabilities. Loss, dX and dW within 2x that plan's error against float64 (plus bf16's eps),
     the streamed chunks' workspace taken from the kept tensor, and on "cuda" (the fused ops themselves) the step's
     peak memory beyond its inputs and gradients within the budget."""
-    from hugehead import lce_op, loop
+    from hugehead import loop
     from hugehead.lce_op import loss_plan
     from hugehead.plan import _MAX_COLS
 
@@ -1136,7 +1140,6 @@ def test_kept_probabilities_plan_keeps_a_chunk_in_the_workspaces_memory(monkeypa
     x, w, target = x.to(device), w.to(device), target.to(device)
     if device == "cpu":
         _emulate_fused_ops(monkeypatch)
-        monkeypatch.setattr(lce_op, "fused_applies", loop.fused_applies)
     opts = dict(memory_budget=budget, z_loss=1e-3)
 
     def plan_now():
@@ -1224,9 +1227,9 @@ def test_loop_fused_branches_with_emulated_ops(monkeypatch, budget):
     """The loop's fused branches (forward and backward, row blocks, kept chunks) give bitwise the cuBLAS
     path's results when the fused ops compute what cuBLAS + our kernels do; they run on the CPU here. (At the
     plan's width: the widened forward chunks fold in another order, test_fused_forward_takes_wider_chunks.)"""
-    from hugehead import loop
+    import hugehead.plan
 
-    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", 1)
+    monkeypatch.setattr(hugehead.plan, "FUSED_STATS_WIDEN", 1)
     n, d, v, cols = 37, 16, 300, 64
     x, w, b = _inputs(n, v, d, torch.float32, bias=True, seed=21)
     target = _targets(n, v, 0, v, 21)

@@ -626,11 +626,11 @@ def run_steps(heads, x, target, steps, make_opt, autocast=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_offload_equals_resident_bitwise_step_by_step(monkeypatch, dtype):
     # One step at a time from the same weights: the same kernels in the same order give the same bits. The
-    # resident head's fused forward would take chunks loop.fused.FUSED_STATS_WIDEN times wider (a slice costs no
+    # resident head's fused forward would take chunks plan.FUSED_STATS_WIDEN times wider (a slice costs no
     # copy), folding the statistics in another order; here it keeps the offloaded head's width.
-    from hugehead import loop
+    from hugehead import plan
 
-    monkeypatch.setattr(loop.fused, "FUSED_STATS_WIDEN", 1)
+    monkeypatch.setattr(plan, "FUSED_STATS_WIDEN", 1)
     off, res = gpu_pair([3000, 1931], ["cuda:0", "cuda:0"], dtype, label_smoothing=0.1, z_loss=1e-4)
     assert all(p.device.type == "cpu" and p.is_pinned() for p in off.parameters())
     x, target = gpu_inputs(512, 4931, dtype)

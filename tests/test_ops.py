@@ -1,6 +1,7 @@
 """The op contract: torch.ops.hugehead.chunk_stats_ / chunk_grad_ against a hand-written float64
 computation (running statistics over two chunks, targets outside the chunk, softcap, strided chunks),
 their argument checks, and torch.library.opcheck on them and on the single-device forward/backward ops."""
+import dataclasses
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import hugehead  # noqa: F401  (registers torch.ops.hugehead.*)
 from hugehead import ops
+from hugehead.lce_op import op_plan
 
 from conftest import FLOAT_DTYPES, rel_err, requires_cuda
 
@@ -406,7 +408,8 @@ def sample_inputs_lce(device, dtype=torch.float32):
         target[2] = cfg["ignore_index"]
         opts = [cfg["ignore_index"], cfg["ls"], cfg["zl"], cfg["cap"], cfg["chunk"], cfg["budget"]]
         keep = cfg.get("keep", False)
-        fwd = [x, w, b, target, *opts, keep]
+        plan = op_plan(x, w, cfg["chunk"], cfg["budget"], keep).encode()  # the caller's plan, as loss_plan's
+        fwd = [x, w, b, target, *opts, keep, plan]
         _, lse, kept, store = torch.ops.hugehead.linear_cross_entropy_forward(*fwd)
         assert kept.dim() == 3 and kept.shape[1] == n if keep else kept.shape == (0,)
         assert store.shape == (0,)  # planned inside the op: nothing kept in the weight gradient's buffer
@@ -414,7 +417,7 @@ def sample_inputs_lce(device, dtype=torch.float32):
         grad_loss = torch.rand(n, device=device, dtype=acc)
         grad_lse = torch.rand(n, device=device, dtype=acc) if cfg.get("grad_lse") else None
         bwd = [grad_loss, grad_lse, x.detach(), w.detach(), None if b is None else b.detach(), target, lse.detach(),
-               kept.detach(), store, *opts, *cfg["need"]]
+               kept.detach(), store, *opts, *cfg["need"], plan]
         yield fwd, bwd, keep
 
 
@@ -448,8 +451,9 @@ def test_opcheck_linear_cross_entropy_ops_keeping_logits_in_the_gradients_buffer
     dx, dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, kept, store, *opts, True, True,
                                                                   plan.encode())
     assert dw.shape == (0,)
+    recompute = dataclasses.replace(plan, keep_logits=False, kept_chunks=0, kept_in_grad=0)  # nothing kept
     ref_dx, ref_dw, _ = torch.ops.hugehead.linear_cross_entropy_backward(*common, x.new_empty(0), w.new_empty(0),
-                                                                          *opts, True, True, None)
+                                                                          *opts, True, True, recompute.encode())
     torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=0)
     torch.testing.assert_close(store, ref_dw, rtol=1e-12, atol=1e-300)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import hugehead
 from hugehead import budget as budget_rule
 from hugehead import grad_store
+from hugehead.demo.fit import workspace_bytes
 from hugehead import plan as planner
 from hugehead.options import LossOptions
 
@@ -249,8 +250,8 @@ def test_workspace_estimate_is_what_the_planner_plans():
     assert not plan.keep_logits or plan.kept_chunks * plan.cols < 3000
     kept = (plan.kept_chunks if plan.keep_logits else 0) * n * plan.cols * 4
     want = n * d * 8 + 2 * (kept + plan.rows * plan.cols * 4)
-    assert planner.workspace_bytes(n, d, [3000, 3000], torch.float32, cpu, memory_budget=budget) == want
-    all_kept = planner.workspace_bytes(n, d, [3000], torch.float32, cpu, memory_budget=64 << 20)
+    assert workspace_bytes(n, d, [3000, 3000], torch.float32, cpu, memory_budget=budget) == want
+    all_kept = workspace_bytes(n, d, [3000], torch.float32, cpu, memory_budget=64 << 20)
     assert all_kept == n * d * 8 + n * 3000 * 4
 
 

@@ -41,11 +41,14 @@ def test_override_applies_for_its_block_and_restores():
 
 def test_plan_encode_decode_round_trip():
     for plan in (Plan(rows=7, cols=256, keep_logits=True, kept_chunks=3, overlap=True, kept_in_grad=2, budget=99),
-                 Plan(rows=32, cols=21, grad_in_forward=True, budget=1 << 20), Plan(rows=5, cols=9)):
+                 Plan(rows=32, cols=21, grad_in_forward=True, fused=True, fused_store=True, budget=1 << 20),
+                 Plan(rows=9, cols=512, keep_logits=True, kept_chunks=2, kept_in_grad=1, fused=True, fused_cols=4096,
+                      fused_store=True, exact=True, kept_probs=True),
+                 Plan(rows=5, cols=9)):
         back = Plan.decode(plan.encode())
         assert back == plan and back.budget == plan.budget and back.kind == plan.kind
     assert Plan.decode([]) is None and Plan.decode(None) is None
-    with pytest.raises(ValueError, match="7 entries"):
+    with pytest.raises(ValueError, match="12 entries"):
         Plan.decode([1, 2, 3])
 
 
@@ -70,8 +73,11 @@ def test_backward_executes_the_forwards_plan_without_asking_the_planner(monkeypa
 
     def refuse(*a, **k):
         raise AssertionError("the backward asked the planner")
-    for name in ("loss_plan", "plan_chunks", "plan_loss", "op_plan", "kept_plan"):
+    for name in ("loss_plan", "plan_chunks", "plan_loss", "op_plan"):
         monkeypatch.setattr(hugehead.lce_op, name, refuse)
+    for name in ("plan_chunks", "plan_loss", "plan_rows", "fused_gemms", "_paths"):
+        monkeypatch.setattr(hugehead.plan, name, refuse)
+    monkeypatch.setattr(hugehead.ops, "gemm_path", refuse)
     loss.backward()
     assert len(planned) == 1 and executed == planned, (planned, executed)
     assert planned[0].keep_logits == (budget == "kept") or planned[0].kept_chunks < -(-v // planned[0].cols)
@@ -152,3 +158,47 @@ def test_a_tuning_override_changes_the_plan_and_the_loop_follows_it(monkeypatch)
         assert rows_runs == ([plan] if allowed else []), rows_runs
         assert rel_err(loss.detach(), ref.detach()) <= 1e-5
         assert rel_err(x.grad, x64.grad) <= 1e-4 and rel_err(w.grad, w64.grad) <= 1e-4
+
+
+def test_the_gemm_paths_are_fields_of_the_plan(monkeypatch):
+    """Which GEMMs a step takes is the planner's answer, not the loop's: planned only (no GPU is touched) for
+    xc6M's shape on an sm_90 CUTLASS build, the plan holds the fused path, its widened statistics chunks, exact
+    logits, kept probabilities and no side stream; Tuning(gemm="cublas") turns them all off (and the side stream
+    on) in the plan; a softcap, a bias, label smoothing, a traced loop or an offloaded shard change the fields
+    that depend on them, and the encoded plan carries every field to the backward."""
+    import dataclasses
+
+    from hugehead import ops, plan as planner
+    from hugehead.budget import Budget
+
+    monkeypatch.setattr(ops, "has_fused_gemm", lambda device, dtype: device.type == "cuda" and dtype.itemsize == 2)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    n, d, v, budget = 4096, 768, 6_000_000, 4 << 30
+
+    def planned(**operands):
+        traced = operands.pop("traced", False)
+        o = dataclasses.replace(planner.Operands(fused=planner.fused_gemms(cuda, bf16, d, True, traced),
+                                                 traced=traced), **operands)
+        return planner.plan_chunks(n, d, v, bf16, cuda, None, budget, direct_dx=True, grad_store=True,
+                                   kept_probs=o.fused, operands=o)
+
+    fused = planned()
+    assert (fused.fused, fused.exact, fused.fused_store, fused.kept_probs, fused.overlap) == (
+        True, True, True, True, False), fused
+    assert fused.fused_cols == fused.cols * planner.FUSED_STATS_WIDEN and fused.stats_cols == fused.fused_cols
+    assert Plan.decode(fused.encode()) == fused
+    with tuning.override(gemm="cublas"):
+        plain = planned()
+    assert not (plain.fused or plain.exact or plain.fused_store or plain.kept_probs) and plain.overlap, plain
+    assert plain.stats_cols == plain.cols
+    capped = planned(softcap=True)
+    assert capped.fused and not (capped.exact or capped.fused_store or capped.kept_probs), capped
+    biased = planned(bias=True)
+    assert biased.fused_store and not (biased.exact or biased.kept_probs), biased
+    smooth = planned(smoothing=True)
+    assert smooth.fused_store and not (smooth.exact or smooth.kept_probs), smooth
+    traced = planned(traced=True)
+    assert not (traced.fused or traced.overlap), traced
+    streamed = planner.plan_streamed(n, d, v, bf16, bf16, cuda, None, Budget(budget, "4 GiB"), True,
+                                     planner.Operands(fused=True))
+    assert streamed.fused and streamed.fused_cols == streamed.cols and not streamed.kept_probs, streamed

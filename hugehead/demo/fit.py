@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..plan import workspace_bytes
+from ..budget import resolve_budget
+from ..plan import GRAD_RING_DEPTH, WEIGHT_RING_DEPTH, plan_chunks, plan_streamed
 from .cli import dtype_name
 
 _GiB = float(1 << 30)
@@ -17,6 +18,29 @@ _GiB = float(1 << 30)
 _COPIES_PER_PARAM = 4
 # The head's chunk-loop workspace budget when the demo plans it (bytes per device).
 WORKSPACE_BUDGET = 1 << 30
+
+
+def workspace_bytes(n: int, d: int, shard_sizes: Sequence[int], dtype: torch.dtype, device: torch.device,
+                    chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, *,
+                    offload: bool = False, keep: bool = True) -> int:
+    """Bytes of ``device`` that one training step's loops use at their peak, for the shards of
+    ``shard_sizes`` classes computing there (sharing its budget) over ``N`` rows of ``D`` features: each
+    shard's plan's kept logits and workspace(s), one ``dX`` buffer pair, and, offloaded, each shard's
+    rings of weight and gradient slots. What :func:`plan_chunks` plans, for estimates made before a head
+    exists (``hugehead.demo``'s "will it fit")."""
+    itemsize = dtype.itemsize
+    budget = resolve_budget(memory_budget, device, shards_on_device=len(shard_sizes), streamed_keep=offload and keep)
+    total = n * d * (itemsize + 4) if shard_sizes else 0
+    for v in shard_sizes:
+        if offload:
+            plan = plan_streamed(n, d, v, dtype, dtype, device, chunk_size, budget, keep)
+            total += (WEIGHT_RING_DEPTH + GRAD_RING_DEPTH) * min(v, plan.cols) * (d + 1) * itemsize
+        else:
+            plan = plan_chunks(n, d, v, dtype, device, chunk_size, budget, allow_keep=keep)
+        streaming = 0 if plan.keep_logits and plan.kept_chunks * plan.cols >= v else 1 + int(plan.overlap)
+        total += (plan.kept_chunks if plan.keep_logits else 0) * n * plan.cols * itemsize
+        total += streaming * plan.rows * min(plan.cols, v) * itemsize
+    return total
 
 
 def balanced_shard_sizes(num_classes: int, shards: int) -> List[int]:

@@ -30,8 +30,8 @@ from ..loop.chunks import RowStats, merge_row_stats, run_steps, step_result
 from ..loop.sources import ResidentChunks
 from ..ops import acc_dtype
 from ..options import LossOptions
-from ..budget import Budget, device_budgets, resolve_budget
-from ..plan import Plan, plan_chunks, plan_topk_chunks, shard_oom_guard
+from ..budget import Budget, device_budgets, resolve_budget, shard_oom_guard
+from ..plan import Operands, Plan, plan_chunks, plan_topk_chunks
 from ..topk import CUDA_MAX_K, merge_topk, topk_steps
 
 __all__ = ["ShardTensors", "PlacedInputs", "LocalEngine"]
@@ -126,16 +126,24 @@ class LocalEngine:
         """Each compute device's budget per shard for this step (shards on one device share it)."""
         return device_budgets(self.memory_budget, [self.compute_device(s) for s in shards])
 
-    def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None) -> Plan:
-        """The plan of ``shard``'s loop over ``x [N, D]`` (``budget``: from :meth:`budgets`; None: as if
-        the shard were alone on its device)."""
+    def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None,
+             options: Optional[LossOptions] = None) -> Plan:
+        """The plan of ``shard``'s loop over ``x [N, D]`` and class ids under ``options`` (None: the defaults;
+        ``budget``: from :meth:`budgets`; None: as if the shard were alone on its device)."""
         device = self.compute_device(shard)
         if budget is None:
             budget = resolve_budget(self.memory_budget, device)
         return plan_chunks(
             x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, device, self.chunk_size, budget,
-            weight_dtype=shard.weight.dtype, allow_keep=keep,
+            weight_dtype=shard.weight.dtype, allow_keep=keep, operands=self.operands(x, shard, options),
         )
+
+    def operands(self, x: Tensor, shard: ShardTensors, options: Optional[LossOptions]) -> Operands:
+        """What the shard's GEMM paths depend on (:class:`hugehead.plan.Operands`): its loop runs where the head
+        is called, so under torch.compile it is traced (one stream, no fused GEMMs)."""
+        options = LossOptions() if options is None else options
+        return Operands.of_class_ids(x, shard.bias, options.label_smoothing, options.kernel_softcap,
+                                     traced=torch.compiler.is_compiling())
 
     def topk_plan(self, x: Tensor, shard: ShardTensors, budget: Optional[Budget] = None) -> Plan:
         """The plan of ``shard``'s streaming top-k over ``x [N, D]``."""
@@ -226,7 +234,7 @@ class LocalEngine:
             shard = shards[i]
             device = self.compute_device(shard)
             xk, tk = by_device[device]
-            plans[i] = plan = self.plan(xk, shard, keep, budgets[device])
+            plans[i] = plan = self.plan(xk, shard, keep, budgets[device], options)
             tasks.append((i, shard, plan, forward_stats_steps(xk, self.source(shard, x.dtype), tk, shard.start,
                                                               options, plan)))
         results = self._interleave(tasks)

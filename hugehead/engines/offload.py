@@ -41,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import pinned
 from ..budget import Budget, device_budgets, resolve_budget
+from ..options import LossOptions
 from ..loop.sources import WeightChunk
 from ..plan import GRAD_RING_DEPTH, SLOT_BYTES, WEIGHT_RING_DEPTH, Plan, plan_streamed, stream_cols
 from .local import LocalEngine, ShardTensors
@@ -400,13 +401,15 @@ class OffloadEngine(LocalEngine):
         """The planner's budgets with the offload default for kept logits (see the class)."""
         return device_budgets(self.memory_budget, [self.compute_device(s) for s in shards], streamed_keep=keep)
 
-    def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None) -> Plan:
+    def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None,
+             options: Optional[LossOptions] = None) -> Plan:
         """The plan of a streamed shard (:func:`hugehead.plan.plan_streamed`: chunks capped to a ring slot)."""
         device = self.compute_device(shard)
         if budget is None:
             budget = resolve_budget(self.memory_budget, device, streamed_keep=keep)
         v, d = shard.weight.shape
-        return plan_streamed(x.shape[0], d, v, x.dtype, shard.weight.dtype, device, self.chunk_size, budget, keep)
+        return plan_streamed(x.shape[0], d, v, x.dtype, shard.weight.dtype, device, self.chunk_size, budget, keep,
+                             self.operands(x, shard, options))
 
     def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
                  grad_lse=None):

@@ -25,7 +25,6 @@ from .. import ops
 from ..options import LossOptions
 from ..plan import Plan
 from .chunks import RowStats, run_steps
-from .fused import fused_applies
 from .overlapped import _backward_overlapped, _forward_overlapped
 from .rows import row_block_steps
 from .sources import ResidentChunks
@@ -70,23 +69,11 @@ def forward_stats_steps(
         target is not in this shard, so shards merge by summing it), and the kept logits
         ``[kept_chunks, N, cols]`` when ``plan.keep_logits`` (else None), to pass to :func:`shard_backward`.
     """
-    # Asked once a call: the strategies take the answer, and the backward asks it of the same inputs.
-    fused = fused_applies(x, target)
-    # The fused GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
-    if _overlapped(plan, x, source) and not fused:
+    if plan.overlap:
         return _forward_overlapped(x, source, target, class_start, options.kernel_softcap, plan, store)
     # Only label smoothing reads the logit sums: without it the fused GEMM skips them.
-    return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan, fused,
+    return _forward_streamed(x, source, target, class_start, options.kernel_softcap, plan,
                              logit_sum=bool(options.label_smoothing), store=store)
-
-
-def _overlapped(plan: Plan, x: Tensor, source) -> bool:
-    """Whether the loop runs its side-stream variant: the plan has two workspaces, rows whole, and this is
-    not a graph being traced by torch.compile (a traced head runs one stream; inside the functional's
-    opaque op the loop runs eagerly and overlaps)."""
-    n = x.shape[0]
-    return (plan.overlap and x.is_cuda and plan.rows >= n and n > 0 and source.num_rows > 0
-            and not torch.compiler.is_compiling())
 
 
 def backward_steps(
@@ -130,18 +117,16 @@ def backward_steps(
     """
     args = (x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x, need_weight, kept,
             grad_lse, store)
-    fused = fused_applies(x, target)  # as the forward
-    # The fused gradient GEMM has no side-stream kernel to overlap: its chunks take the one-stream loop.
-    if _overlapped(plan, x, source) and getattr(source, "lookahead", False) and not fused:
+    if plan.overlap:
         return _backward_overlapped(*args)
-    return _backward_streamed(*args, fused=fused, grad_x_zero=grad_x_zero)
+    return _backward_streamed(*args, grad_x_zero=grad_x_zero)
 
 
 def rows_steps(x: Tensor, source: ResidentChunks, target, *args, **kwargs
                ) -> Generator[None, None, Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]]:
     """The ``"rows"`` plan's pass: :func:`hugehead.loop.rows.row_block_steps` (whose docstring gives the other
     arguments and the results), per-row losses and every gradient of one shard holding all ``V`` classes."""
-    return row_block_steps(x, source, target, *args, fused=fused_applies(x, target), **kwargs)
+    return row_block_steps(x, source, target, *args, **kwargs)
 
 
 def shard_forward_stats(*args, after_first: Optional[Callable[[], None]] = None,

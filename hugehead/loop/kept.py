@@ -40,7 +40,7 @@ class KeptLogits:
     def scale_area(self) -> Optional[Tensor]:
         """float32 ``[kept_chunks + 1, N]`` in the weight gradient's buffer ahead of its first slot (bytes the
         backward first writes with chunk 0's ``dW``, after it read them) where the kept chunks hold
-        probabilities (:func:`hugehead.loop.probs._probs_plan`): row ``k`` the reference kept chunk ``k``'s values
+        probabilities (:attr:`hugehead.plan.Plan.kept_probs`): row ``k`` the reference kept chunk ``k``'s values
         are relative to, the last row the forward's target logits. None where nothing is kept there or the gap is
         too small."""
         need = scale_area_bytes(self.plan.kept_chunks, self.n)

@@ -16,18 +16,16 @@ from .sources import WeightChunk
 __all__ = ["FACTORED_DROP_GAP"]
 
 
-def _probs_plan(x: Tensor, source, target, plan: Plan, slots: Optional[KeptLogits], kept_last: bool, fused: bool,
-                logit_sum: bool, softcap: float) -> bool:
-    """Whether the forward's kept chunks hold ``exp(z - ref)`` (``ref``: each row's max over the chunks not
-    kept) in place of their logits, for the factored backward (:class:`_FactoredKept`): the fused statistics
-    GEMM folding against that reference (bf16, no bias, softcap or logit sums, rows whole, the others first),
-    and room in the weight gradient's buffer to tell the backward the references (:meth:`KeptLogits.scale_area`).
-    The forward and the backward both ask it (the same inputs, options and plan: the same answer), so nothing
-    else tells the backward what its kept chunks hold. Elsewhere the kept chunks hold their logits and
-    chunk_grad_ turns them into their gradient."""
-    return (fused and kept_last and slots is not None and isinstance(target, Tensor) and plan.rows >= x.shape[0]
-            and x.dtype == torch.bfloat16 and source.weight.dtype == x.dtype and source.bias is None
-            and not logit_sum and not softcap and slots.scale_area() is not None)
+def _kept_probs(plan: Plan, slots: Optional[KeptLogits]) -> bool:
+    """Whether this step's kept chunks hold probabilities (:attr:`hugehead.plan.Plan.kept_probs`, and chunks are
+    kept: a second backward finds none). The planner left room for their references in the weight gradient's
+    buffer; a buffer without it is a caller's error, not a path."""
+    if not (plan.kept_probs and slots is not None):
+        return False
+    if slots.scale_area() is None:
+        raise RuntimeError("hugehead: the plan keeps probabilities, and the weight gradient's buffer it was given "
+                           "has no room for their references")
+    return True
 
 
 # How far above a kept chunk's reference a row's lse may lie before its scale s = g exp(ref - lse) is taken as 0
@@ -39,7 +37,7 @@ FACTORED_DROP_GAP = 144.0
 
 
 class _FactoredKept:
-    """The backward of kept chunks that hold ``e = exp(z - ref_k)`` (:func:`_probs_plan`; ``ref_k`` chunk
+    """The backward of kept chunks that hold ``e = exp(z - ref_k)`` (:attr:`hugehead.plan.Plan.kept_probs`; ``ref_k`` chunk
     ``k``'s references, :meth:`KeptLogits.scale_area`): their gradient is ``s_k e`` with one scale a row and
     chunk, ``s_k = (g (1 + 2 z_loss lse) + g_lse) exp(ref_k - lse)``, less ``g`` at the target. So no pass turns
     them into their gradient: ``dW_k = eᵀ (s_k x)`` (``s_k x`` rounded once to x's dtype) and ``dX += s_k (e W_k)``

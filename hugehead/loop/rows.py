@@ -28,8 +28,6 @@ def row_block_steps(
     need_x: bool,
     need_weight: bool,
     row_losses_of: Optional[Callable[[int, int, Tensor, Tensor, Tensor], Tensor]] = None,
-    *,
-    fused: bool,
 ) -> Generator[None, None, Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]]:
     """Per-row losses and every gradient of one shard holding all ``V`` classes, in one pass (the
     ``"rows"`` plan of :func:`hugehead.plan.plan_rows`); a generator that yields after each row block.
@@ -51,7 +49,6 @@ def row_block_steps(
         row_losses_of: for a chunk target, ``(r0, r1, lse, target_logit, logit_sum) -> [r1 - r0]`` losses of
             rows ``[r0, r1)`` from their merged statistics (its loss's rules, e.g.
             :func:`hugehead.multilabel.softmax_row_losses`); None: class ids under ``options``' rules.
-        fused: :func:`hugehead.loop.fused.fused_applies` of ``x`` and ``target`` (the driver asks it).
     Returns:
         ``(loss_rows [N] accumulation dtype (0 on ignored rows), dX [N, D] in x's (compute) dtype or None,
         dW [V, D] in the weight's stored dtype or None, db [V] in the bias's stored dtype or None)``.
@@ -88,7 +85,7 @@ def row_block_steps(
         # Two passes over the weight's chunks (slices, or casts made again: never a whole cast weight).
         for chunk in source.chunks(plan.cols):
             _stored_stats(xr, chunk, block[:, chunk.c0:chunk.c1], target, r0, r1, chunk.c0, options.kernel_softcap,
-                          stats, fused, fold_sums)
+                          stats, plan.fused_store, fold_sums)
         lse, target_logit, logit_sum = merge_row_stats([stats])
         if row_losses_of is None:
             loss_rows[r0:r1] = row_losses(lse, target_logit, logit_sum, valid[r0:r1], v, options)

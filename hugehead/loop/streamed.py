@@ -7,16 +7,15 @@ from .. import ops
 from ..plan import kept_shape
 from .chunks import RowStats, _WeightGradWriter, _add_dx, _chunk_grad, _chunk_stats, _logits_into, _mm_dw, _new_stats
 from .chunks import _workspace_view
-from .fused import _exact_logits, _fused_grad, _fused_stats, _fused_stats_cols, _stored_stats, _tma_ready
-from .kept import KeptLogits, _forward_chunks, _kept_last, _ptr, _spare
-from .probs import _FactoredKept, _probs_plan
+from .fused import _fused_grad, _fused_stats, _stored_stats, _tma_ready
+from .kept import KeptLogits, _forward_chunks, _ptr, _spare
+from .probs import _FactoredKept, _kept_probs
 
 __all__: list = []
 
 
-def _forward_streamed(x, source, target, class_start, softcap, plan, fused, logit_sum=True, store=None):
-    """:func:`hugehead.loop.forward_stats_steps` on one stream (any rows split); ``fused``: its
-    :func:`~hugehead.loop.fused.fused_applies`."""
+def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=True, store=None):
+    """:func:`hugehead.loop.forward_stats_steps` on one stream (any rows split), on the plan's GEMM paths."""
     n = x.shape[0]
     v = source.num_rows
     stats = _new_stats(x)
@@ -26,15 +25,14 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, fused, logi
         return stats, kept
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     workspace = None  # allocated at the first chunk that needs stored logits (none when every one is fused)
-    cols = _fused_stats_cols(plan, source) if (fused and kept is None) else plan.cols
+    fused, exact = plan.fused, plan.exact
+    cols = plan.stats_cols if kept is None else plan.cols
     # The chunks not kept, folded first, take the fused GEMM's wider chunks too (partials only, no workspace:
     # fewer GEMMs and merges), where x suits its loads (else each would need a workspace that wide).
     widen = fused and kept is not None and _tma_ready(x)
     # Chunks outer, rows inner: each weight chunk is fetched once, however many row blocks there are.
-    chunks, kept_last = _forward_chunks(source, cols, kept_classes,
-                                        _fused_stats_cols(plan, source) if widen else None)
-    probs = _probs_plan(x, source, target, plan, slots, kept_last, fused, logit_sum, softcap)
-    exact = _exact_logits(x, source, softcap, logit_sum, fused)
+    chunks, kept_last = _forward_chunks(source, cols, kept_classes, plan.stats_cols if widen else None)
+    probs = _kept_probs(plan, slots)
     for chunk in chunks:
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
@@ -55,7 +53,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, fused, logi
                 elif kept_last and plan.rows >= n:
                     chunk_ref = stats.max.clone()
                 z = slots.chunk(k, chunk.c1 - chunk.c0)
-                _stored_stats(xr, chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, fused,
+                _stored_stats(xr, chunk, z, target, r0, r1, class_start + chunk.c0, softcap, rows, plan.fused_store,
                               logit_sum, reference=chunk_ref, probs=probs)
                 continue
             if workspace is None or workspace.numel() < (r1 - r0) * (chunk.c1 - chunk.c0):
@@ -71,8 +69,8 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, fused, logi
 
 
 def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_rows, options, plan, grad_x,
-                       need_weight, kept, grad_lse, store=None, *, fused, grad_x_zero=False):
-    """:func:`hugehead.loop.backward_steps` on one stream (any rows split); ``fused``: as the forward's."""
+                       need_weight, kept, grad_lse, store=None, *, grad_x_zero=False):
+    """:func:`hugehead.loop.backward_steps` on one stream (any rows split), on the forward plan's GEMM paths."""
     n, d = x.shape
     v = source.num_rows
     acc = ops.acc_dtype(x.dtype)
@@ -87,12 +85,10 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
             return grad_w, grad_b
         return None, None
     rows_split = plan.rows < n
-    exact = _exact_logits(x, source, options.kernel_softcap, bool(options.label_smoothing), fused)  # as the forward
+    fused, exact = plan.fused, plan.exact
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
-    probs = kept_classes > 0 and _probs_plan(x, source, target, plan, slots, _kept_last(source, kept_classes),
-                                             fused, bool(options.label_smoothing),
-                                             options.kernel_softcap)
+    probs = kept_classes > 0 and _kept_probs(plan, slots)
     # The streamed chunks' workspace (one chunk at a time: the widest not kept). After a factored backward, which
     # takes the kept chunks first, the kept tensor's memory is free for it where large enough.
     width = min(plan.cols, v - kept_classes)
@@ -158,3 +154,4 @@ def _backward_streamed(x, source, target, class_start, num_classes, lse, grad_ro
     if need_weight:
         return source.finish_grads()
     return None, None
+
