@@ -3,6 +3,8 @@ dispatcher whether CUDA kernels were built, not guessing from the environment), 
 import gc
 import importlib.util
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -150,3 +152,67 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Example scripts run as their docstrings launch them, in processes of their own
+# --------------------------------------------------------------------------------------------------
+EXAMPLE_TIMEOUT_S = 300  # a hang guard, not a speed limit
+
+
+def start_example(args, cwd, nice: int = 0):
+    """``python *args`` in ``cwd`` (created), importing the hugehead these tests imported, with stdout and stderr
+    captured; ``nice``: its scheduling niceness (and its children's)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(hugehead.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    os.makedirs(cwd, exist_ok=True)
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+
+def finish_example(args, proc) -> str:
+    """The output (stdout, then stderr: Lightning's rank-zero messages go there) of a run that must succeed."""
+    try:
+        stdout, stderr = proc.communicate(timeout=EXAMPLE_TIMEOUT_S)
+    finally:
+        kill_examples([proc])
+    assert proc.returncode == 0, f"{args} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    return stdout + stderr
+
+
+def run_example(args, cwd) -> str:
+    return finish_example(args, start_example(args, cwd))
+
+
+def kill_examples(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="session")
+def examples(request, tmp_path_factory):
+    """The example runs that the selected tests check, by name (each test module that asks for this fixture
+    names its runs in ``example_runs(out)``), all started together once: ``examples(name)`` waits for one and
+    gives its output; their files lie under ``examples.out``. They run niced, on the cores the in-process
+    tests leave idle, and share nothing with each other."""
+    out = tmp_path_factory.mktemp("examples")
+    runs = {}
+    for module in {item.module for item in request.session.items if "examples" in item.fixturenames}:
+        runs.update(module.example_runs(out))
+    procs = {name: start_example(args, out / name, nice=10) for name, args in runs.items()}
+
+    def output(name):
+        return finish_example(runs[name], procs.pop(name))
+    output.out = out
+    yield output
+    kill_examples(procs.values())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _examples_from_the_start(request):
+    """Start the example runs when the session starts, where any selected test checks one."""
+    if any("examples" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("examples")

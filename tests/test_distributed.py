@@ -3,11 +3,10 @@ single-process float64 reference: every rank's loss and lse, every rank's dX, ev
 (of the mean over ranks of their losses), top-k and log_prob, checkpoints across world sizes, one DDP
 step. gloo with 2 and 3 spawned CPU processes (each world spawned once for all its jobs, see
 tests/dist_cases.py); the same jobs on NCCL with 2 GPUs where there are two."""
+import importlib.util
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from hugehead.engines.distributed import rank_class_ranges
 
 import dist_cases
 from dist_cases import D, LOSS_CASES, TOPK_V, case_inputs, case_weights, ddp_case, ddp_inputs
-from conftest import load_example, rel_err, requires_multigpu
+from conftest import load_example, rel_err, requires_multigpu, run_example
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -298,36 +297,28 @@ def test_checkpoints_load_into_other_world_sizes(gloo3, one_process_files):
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _run_example(args, cwd):
-    return _run_examples([args], cwd)[0]
+_LIGHTNING_TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       str(EXAMPLES / "lightning_ddp.py"), "--cpu", "--no-progress", "--epoch-steps", "3"]
 
 
-def _run_examples(runs, cwd):
-    """Each of ``runs`` (a script's arguments) in its own process, all at once (their worlds rendezvous on ports
-    of their own: torchrun --standalone), and the output of each; each must succeed within 240 s."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    procs = [subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in runs]
-    outs = []
-    try:
-        for args, proc in zip(runs, procs):
-            stdout, stderr = proc.communicate(timeout=240)
-            assert proc.returncode == 0, f"{args} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
-            outs.append(stdout + stderr)  # Lightning's rank-zero messages go to stderr
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return outs
+def example_runs(out: Path):
+    """The example runs the tests below check, by name: each a script's arguments, its outputs under ``out``."""
+    runs = {"ddp_train": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(EXAMPLES / "ddp_train.py"), "--backend", "gloo", "--uneven", "--steps", "30",
+                          "--save", str(out / "head.safetensors")]}
+    if importlib.util.find_spec("lightning") is not None:
+        runs.update({
+            "lightning_launcher": [str(EXAMPLES / "lightning_ddp.py"), "--cpu", "--no-progress", "--steps", "30",
+                                   "--checkpoint", str(out / "last.ckpt")],
+            "lightning_first_half": _LIGHTNING_TORCHRUN + ["--steps", "3", "--ckpt-dir", str(out / "ckpt")],
+            "lightning_uninterrupted": _LIGHTNING_TORCHRUN + ["--steps", "6", "--ckpt-dir", str(out / "straight")],
+        })
+    return runs
 
 
-def test_ddp_train_example_with_torchrun_on_gloo(tmp_path):
-    saved = tmp_path / "head.safetensors"
-    out = _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(EXAMPLES / "ddp_train.py"), "--backend", "gloo", "--uneven", "--steps", "30",
-                        "--save", str(saved)], tmp_path)
+def test_ddp_train_example_with_torchrun_on_gloo(examples):
+    saved = examples.out / "head.safetensors"
+    out = examples("ddp_train")
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     acc1, acc5, base1, base5 = map(float, re.search(
         r"held-out top-1 ([\d.]+), held-out top-5 ([\d.]+) \(always-most-frequent top-1 ([\d.]+), top-5 ([\d.]+)",
@@ -340,11 +331,10 @@ def test_ddp_train_example_with_torchrun_on_gloo(tmp_path):
     head.load_safetensors(str(saved))
 
 
-def test_lightning_ddp_example_fit_and_test_on_cpu(tmp_path):
+def test_lightning_ddp_example_fit_and_test_on_cpu(examples):
     pytest.importorskip("lightning", reason="examples/lightning_ddp.py needs PyTorch Lightning")
-    checkpoint = tmp_path / "last.ckpt"
-    out = _run_example([str(EXAMPLES / "lightning_ddp.py"), "--cpu", "--no-progress", "--steps", "30",
-                        "--checkpoint", str(checkpoint)], tmp_path)
+    checkpoint = examples.out / "last.ckpt"
+    out = examples("lightning_launcher")
     assert re.search(r"fit: 30 steps in [\d.]+ s on 2 ranks", out), out
     loss, acc1, acc5, base1, base5 = map(float, re.search(
         r"test_loss=([\d.]+) test_acc@1=([\d.]+) test_acc@5=([\d.]+) \(always-most-frequent @1 ([\d.]+) @5 ([\d.]+)",
@@ -369,19 +359,15 @@ def _shard_sums(out):
     return dict(re.findall(r"rank (\d): classes .*?; head shard sum (-?[\d.e+-]+)", out))
 
 
-def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(tmp_path):
+def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(examples):
     """ShardedHeadDDPStrategy: 3 steps, checkpoint (every rank writes its rows and Adam state), a new fit
     resumed from it to step 6 ends bitwise where an uninterrupted 6-step fit does (epoch boundary at 3),
     and the checkpoint directory loads into one process without gathering anything at save time. Launched
     by torchrun, as the docstring's cluster launch is: both ranks start at once, where Lightning's own launcher
     (run by the test above) starts rank 1 only once rank 0 has imported everything."""
     pytest.importorskip("lightning", reason="examples/lightning_ddp.py needs PyTorch Lightning")
-    example = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLES / "lightning_ddp.py"),
-               "--cpu", "--no-progress", "--epoch-steps", "3"]
-    ckpt, other = tmp_path / "ckpt", tmp_path / "uninterrupted"
-    # The interrupted fit's first half and the uninterrupted fit run side by side (they share nothing).
-    first, straight = _run_examples([example + ["--steps", "3", "--ckpt-dir", str(ckpt)],
-                                     example + ["--steps", "6", "--ckpt-dir", str(other)]], tmp_path)
+    ckpt = examples.out / "ckpt"
+    first, straight = examples("lightning_first_half"), examples("lightning_uninterrupted")
     assert "hugehead: saved sharded checkpoint" in first
     last = ckpt / "last.ckpt"
     assert ck.is_checkpoint_dir(last) and sorted(os.listdir(ckpt)) == ["last.ckpt"]
@@ -393,7 +379,8 @@ def test_lightning_ddp_sharded_checkpoint_resume_matches_uninterrupted_fit(tmp_p
     weight = torch.cat([s.weight.detach() for s in one.shards]).double()
     for r, (lo, hi) in enumerate([(0, 1000), (1000, 2000)]):
         assert float(weight[lo:hi].sum()) == saved[str(r)]
-    resumed = _run_example(example + ["--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-path", str(last)], tmp_path)
+    resumed = run_example(_LIGHTNING_TORCHRUN + ["--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-path", str(last)],
+                           examples.out / "resumed")
     assert "(weights and optimizer state)" in resumed and re.search(r"fit: 6 steps", resumed), resumed
     assert _shard_sums(resumed) == _shard_sums(straight) and len(_shard_sums(straight)) == 2, (resumed, straight)
     metrics = re.compile(r"test_loss=[\d.]+ test_acc@1=[\d.]+ test_acc@5=[\d.]+")
@@ -409,7 +396,7 @@ def test_bench_dist_smoke_writes_records(tmp_path):
     """bench/bench_dist.py's pipeline on gloo, tiny: one JSON file with the one-rank and the two-rank rows."""
     import json
 
-    _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "bench.bench_dist",
+    run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "bench.bench_dist",
                   "--cpu-smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "out")],
                  Path(__file__).resolve().parents[1])
     doc = json.loads((tmp_path / "out" / "dist.json").read_text())

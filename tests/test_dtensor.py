@@ -4,21 +4,17 @@ for FSDP-style rows (Shard(0), rows per rank), tensor parallelism (Shard(0), rep
 Replicate(); the collectives moved nothing of the weight; and the FSDP2 recipe (fully_shard, optimizer
 steps, gradient accumulation, torch.distributed.checkpoint across world sizes). gloo, 2 and 3 spawned CPU
 processes, each world spawned once for all its jobs (tests/dtensor_cases.py), each bounded in time."""
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import hugehead
 from hugehead import reference
 from hugehead.dtensor import shard_class_ranges
 
 import dtensor_cases
-from conftest import rel_err
+from conftest import rel_err, run_example
 from dtensor_cases import LOSS_CASES, case_inputs, case_weights
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -256,20 +252,15 @@ def test_transformers_patch_on_an_fsdp2_model_matches_the_unpatched_model(gloo2,
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_train.py"
 
 
-def _run_example(args, cwd):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    # The example imports the hugehead this test imported (a worktree's, not an installed copy).
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(hugehead.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+def example_runs(out: Path):
+    """The example runs this module's tests check (the session's ``examples`` fixture starts them)."""
+    return {"fsdp2": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE),
+                      "--backend", "gloo", "--steps", "12", "--accumulate", "2", "--ckpt", str(out / "fsdp2_ckpt")]}
 
 
-def test_fsdp2_example_trains_both_head_modes_and_resumes_in_another_world_size(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    out = _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE),
-                        "--backend", "gloo", "--steps", "12", "--accumulate", "2", "--ckpt", str(ckpt)], tmp_path)
+def test_fsdp2_example_trains_both_head_modes_and_resumes_in_another_world_size(examples, tmp_path):
+    ckpt = examples.out / "fsdp2_ckpt"
+    out = examples("fsdp2")
     # (what hugehead got, up to "local rows": the ranks share stdout, so a line is matched by its own words)
     line = r"rank 0: head (\w+): step [\d.]+ ms .*?; loss ([\d.]+ -> [\d.]+); hugehead got a (\w+ with [\d,]+ local rows)"
     modes = {mode: (loss, seen) for mode, loss, seen in re.findall(line, out)}
@@ -283,7 +274,7 @@ def test_fsdp2_example_trains_both_head_modes_and_resumes_in_another_world_size(
     s, g = map(float, re.search(r"first-step loss ([\d.]+) vs ([\d.]+)", out).groups())
     assert abs(s - g) <= 1e-5 * g, out  # the same model, the same first batch: the same loss
     # The two-rank checkpoint loads into one process and continues from where it was.
-    resumed = _run_example([str(EXAMPLE), "--backend", "gloo", "--head", "sharded", "--steps", "2", "--warmup", "0",
+    resumed = run_example([str(EXAMPLE), "--backend", "gloo", "--head", "sharded", "--steps", "2", "--warmup", "0",
                             "--resume", str(ckpt)], tmp_path)
     first = float(re.search(r"rank 0: head sharded: .*?; loss ([\d.]+) ->", resumed).group(1))
     fresh = float(modes["sharded"][0].split(" -> ")[0])
