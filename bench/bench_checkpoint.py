@@ -290,6 +290,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="keep --classes even when one checkpoint does not fit --dir's free space")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny head on the CPU: the pipeline, no results")
+    harness.add_record_flag(parser)
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         args.classes, args.dim, args.batch, args.disk_gib, args.device = 20_000, 64, 64, 0.02, "cpu"
@@ -317,7 +318,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         meta["elapsed_s"] = time.perf_counter() - t0
-        harness.write_report(out, "checkpoint", doc, render_markdown)
+        # (the history gets a finished run only)
+        harness.write_report(out, "checkpoint", doc, render_markdown, record=False if "error" in doc else args.record)
         print(f"wrote {out / 'checkpoint.json'} and {out / 'checkpoint.md'}")
     return status
 

@@ -968,9 +968,11 @@ def test_lightning_checkpoint_that_does_not_fit_warns_at_fit_start_and_fails_bef
 def test_bench_checkpoint_cpu_smoke(tmp_path):
     from bench import bench_checkpoint
 
-    out, work = tmp_path / "out", tmp_path / "work"
-    assert bench_checkpoint.main(["--cpu-smoke", "--out", str(out), "--dir", str(work)]) == 0
+    out, work, history = tmp_path / "out", tmp_path / "work", tmp_path / "history.csv"
+    assert bench_checkpoint.main(["--cpu-smoke", "--out", str(out), "--dir", str(work), "--record", str(history)]) == 0
     doc = json.loads((out / "checkpoint.json").read_text())
+    rows = history.read_text().splitlines()  # the header, then a save and a load row per io_threads
+    assert len(rows) == 1 + 2 * 2 and all(",checkpoint,20000 classes," in r for r in rows[1:]), rows
     assert [(r["io_threads"], r["files"]) for r in doc["rows"]] == [(1, 1), (4, 4)]  # a file per writer thread
     assert all(r["exact"] and r["bytes"] > 3 * 20_000 * 64 * 4 for r in doc["rows"])
     assert all(r["digests"] and r["plain_write_gbps"] > 0 and r["load_warm_vs_plain"] > 0 and r["load_cold_vs_plain"] > 0
