@@ -6,6 +6,7 @@ chunks with our own kernels; ``ChunkedClassifier`` keeps the weight as shards on
 from ._extension import cuda_built, has_kernel
 from . import ops
 from .functional import linear_cross_entropy
+from .logprob import linear_log_prob
 from .onevsall import linear_binary_cross_entropy
 from .sparse import CsrTarget, csr_target
 from .topk import linear_topk
@@ -16,7 +17,7 @@ from .ddp import ignore_heads_in_ddp
 from .predict import predict_topk, predict_topk_chunks
 
 __version__ = "0.2.0"
-__all__ = ["linear_cross_entropy", "linear_topk", "linear_binary_cross_entropy", "csr_target", "CsrTarget", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
+__all__ = ["linear_cross_entropy", "linear_log_prob", "linear_topk", "linear_binary_cross_entropy", "csr_target", "CsrTarget", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
            "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "ignore_heads_in_ddp",
            "predict_topk", "predict_topk_chunks", "metrics"]
 

@@ -35,8 +35,10 @@ from torch import Tensor
 from .engines.distributed import DistributedEngine, _all_gather_single
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
 from .lce_op import class_id_loss
+from .loop.chunks import merge_parts
 from .options import LossOptions, check_targets, reduce_loss
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
+from .targets import EntropyTarget
 
 __all__ = ["is_dtensor", "linear_cross_entropy", "shard_class_ranges", "TensorParallelEngine"]
 
@@ -73,12 +75,13 @@ class TensorParallelEngine(DistributedEngine):
         every = mine.new_empty(self.world_size * 3, mine.shape[1])
         _all_gather_single(every, mine, group=self.group)
         every = every.view(self.world_size, 3, -1).to(x.device)
-        return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(dim=0), every[:, 2].sum(dim=0), placed
+        return (*merge_parts(every, isinstance(target, EntropyTarget)), placed)
 
     def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
-                 grad_lse=None):
+                 grad_lse=None, entropy=None):
         grad_x, grad_w, grad_b = self.local.backward(
             placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like, grad_lse=grad_lse,
+            entropy=entropy,
         )
         if need_x:  # partials in the accumulation dtype, summed before the one rounding to x's dtype
             device = self.comm_device(x_like.device)

@@ -428,7 +428,7 @@ def loss_plan(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] 
     # Kept logits ride on the autograd ctx, outside the traced graph: eager only.
     keep = wants_grad and not torch.compiler.is_compiling()
     grad_store = keep and weight.requires_grad and weight.device == x.device
-    operands = Operands.of_class_ids(x, bias, label_smoothing, softcap)
+    operands = Operands.of_loss(x, bias, label_smoothing, softcap)
     # (where every chunk's operands suit the fused GEMMs' loads, the forward stores no logits outside the kept
     # chunks, and the backward's workspace can live in theirs: plan_chunks' kept_probs)
     kept_probs = (grad_store and operands.fused and bias is None and not label_smoothing and not softcap
@@ -488,7 +488,7 @@ def rows_loss(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
         return None
     plan = plan_loss(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, chunk_size, memory_budget,
                      weight_dtype=weight.dtype, allow_keep=not torch.compiler.is_compiling(), direct_dx=True,
-                     allow_rows=True, operands=Operands.of_class_ids(x, bias, options.label_smoothing,
+                     allow_rows=True, operands=Operands.of_loss(x, bias, options.label_smoothing,
                                                                  options.kernel_softcap))
     return _rows_op(x, weight, bias, target, options, plan) if plan.grad_in_forward else None
 

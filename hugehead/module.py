@@ -18,11 +18,11 @@ from .head_config import (LOSS_BUFFERS, BufferCopies, ClassShard, build_placemen
 from .init import hashed_uniform_
 from .inputs import prepare_inputs
 from .lce_op import rows_loss
+from .logprob import check_temperature, sharded_log_prob
 from .multilabel import prepared_rows_loss
 from .ops import acc_dtype
-from .options import (FLOAT_DTYPES, LossOptions, check_chunk_size, check_memory_budget, check_target_tensor,
-                      check_targets, reduce_loss)
-from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, no_autocast
+from .options import FLOAT_DTYPES, LossOptions, check_chunk_size, check_memory_budget, reduce_loss
+from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
 from .sparse import is_sparse_target
 from .target_prep import prepare_target
 
@@ -423,25 +423,24 @@ class ChunkedClassifier(nn.Module):
         return engine_topk(self.engine, x, shards, spec.options.kernel_softcap, int(k))
 
     @ranks_agree("log_prob")
-    @torch.no_grad()
-    def log_prob(self, x: Tensor, target: Tensor) -> Tensor:
-        """Per-row ``log p(target | x)`` under the head's softmax (softcap included; no smoothing).
+    def log_prob(self, x: Tensor, target: Tensor, *, temperature: float = 1.0, return_entropy: bool = False):
+        """Per-row ``log p(target | x)`` under ``softmax(softcap(x Wᵀ + b) / temperature)`` over every shard (no
+        smoothing), and with ``return_entropy`` the entropy of that distribution: :func:`hugehead.linear_log_prob`
+        for this head's placement, differentiable through both (first order).
 
         Args:
-            x: ``[N, D]``; target: ``[N]`` class ids in ``[0, V)`` (``ignore_index`` is not accepted).
+            x, target: as :meth:`forward` (class ids; ``ignore_index`` rows get 0 for both, and no gradient).
         Returns:
-            ``[N]`` float32 (float64 for a float64 computation) on ``x``'s device.
-        Raises:
-            ValueError: a target outside ``[0, V)``, or the checks of :meth:`forward`.
+            ``log p`` in target's shape, float32 (float64 for a float64 computation) on ``x``'s device; with
+            ``return_entropy``, ``(log p, entropy)``.
+        Raises: ValueError, TypeError: the checks of :meth:`forward`; a temperature not finite and positive.
         """
-        x = self._check_x(x)
-        target = check_target_tensor(target, x)
-        target = check_targets(target, self.num_classes, None, what="log_prob target")
+        t = check_temperature(temperature)
         spec = self._spec()
-        shards = spec.shards(self._shard_params())
-        with no_autocast(x, shards):
-            lse, target_logit, _, _ = self.engine.row_stats(x, target, shards, spec.options)
-        return target_logit - lse
+        inputs = prepare_inputs(x, target, spec.options, self._compute_dtype, self.num_classes)
+        out = sharded_log_prob(spec, inputs.x, inputs.target, [s.weight for s in self.shards],
+                               [s.bias if self.has_bias else None for s in self.shards], t, return_entropy)
+        return inputs.restore(*out, "none", True) if return_entropy else inputs.restore(out, None, "none", False)
 
     # ---------------------------------------------------------------------------------------------
     # Checkpoints (hugehead/checkpoint/head.py: one implementation for every placement)

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import tuning
 from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
-__all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
+__all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "entropy_chunk_stats_", "entropy_chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
            "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path", "scale_", "row_scale"]
 
 
@@ -237,6 +237,26 @@ def chunk_grad_(
     )
 
 
+def entropy_chunk_stats_(logits: Tensor, target: Tensor, class_start: int, softcap: float, row_max: Tensor,
+                         row_sumexp: Tensor, target_logit: Tensor, row_shifted: Tensor) -> None:
+    """:func:`chunk_stats_` for the log-probability with entropy (:mod:`hugehead.logprob`): ``row_shifted`` (in
+    place of the logit sums, starting from 0) accumulates ``Σ_j exp(c_j - row_max) (c_j - row_max)`` over the
+    softcapped logits ``c``, rescaled as ``row_max`` grows; a row's entropy is then
+    ``log(row_sumexp) - row_shifted / row_sumexp``. Raises ``RuntimeError`` as :func:`chunk_stats_`."""
+    torch.ops.hugehead.entropy_chunk_stats_.default(logits, target, class_start, softcap, row_max, row_sumexp,
+                                                    target_logit, row_shifted)
+
+
+def entropy_chunk_grad_(logits: Tensor, target: Tensor, class_start: int, softcap: float, lse: Tensor,
+                        grad_rows: Tensor, grad_entropy: Tensor, entropy: Tensor) -> None:
+    """Replace a logits chunk ``[N, C]`` by ``g (p - onehot) - g_H p (log p + H)`` through the softcap, in place:
+    ``p = exp(c - lse)``, ``grad_rows`` (``g``) ``= dL/d(-log p(target))``, ``grad_entropy`` (``g_H``) ``= dL/dH``
+    and ``entropy`` (``H``) over all classes, all ``[N]``; a row whose ``g`` and ``g_H`` are 0 becomes exact
+    zeros. Raises ``RuntimeError`` as :func:`chunk_grad_`."""
+    torch.ops.hugehead.entropy_chunk_grad_.default(logits, target, class_start, softcap, lse, grad_rows,
+                                                   grad_entropy, entropy)
+
+
 def sparse_chunk_stats_(
     logits: Tensor,
     crow: Tensor,
@@ -381,7 +401,10 @@ def chunk_topk_(logits: Tensor, bias: Optional[Tensor], class_start: int, softca
 
 
 @torch.library.register_fake("hugehead::chunk_stats_")
-def _chunk_stats_fake(logits, target, class_start, softcap, row_max, row_sumexp, target_logit, logit_sum):
+@torch.library.register_fake("hugehead::chunk_grad_")
+@torch.library.register_fake("hugehead::entropy_chunk_stats_")
+@torch.library.register_fake("hugehead::entropy_chunk_grad_")
+def _chunk_rows_fake(logits, target, *_):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
     return None
@@ -403,14 +426,6 @@ def _gemm_chunk_grad_fake(x, weight, bias, target, class_start, num_classes, lse
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight and x must have the same feature count")
     torch._check(grad_logits.shape == (x.shape[0], weight.shape[0]), lambda: "grad_logits must be [N, C]")
-    return None
-
-
-@torch.library.register_fake("hugehead::chunk_grad_")
-def _chunk_grad_fake(logits, target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap,
-                     grad_lse=None):
-    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
-    torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
     return None
 
 

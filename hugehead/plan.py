@@ -149,10 +149,11 @@ class Operands:
     traced: bool = False
 
     @staticmethod
-    def of_class_ids(x: Tensor, bias: Optional[Tensor], label_smoothing: float, softcap: float,
-                     traced: bool = False) -> "Operands":
-        """A class-id loss on ``x`` (``softcap``: the kernels' cap, 0 for none)."""
-        return Operands(fused=fused_gemms(x.device, x.dtype, x.shape[1], True, traced), bias=bias is not None,
+    def of_loss(x: Tensor, bias: Optional[Tensor], label_smoothing: float, softcap: float, traced: bool = False,
+                class_ids: bool = True) -> "Operands":
+        """A loss on ``x`` (``softcap``: the kernels' cap, 0 for none; ``class_ids``: plain class-id targets,
+        the only ones the fused GEMMs fold — a chunk target of :mod:`hugehead.targets` takes its own kernels)."""
+        return Operands(fused=fused_gemms(x.device, x.dtype, x.shape[1], class_ids, traced), bias=bias is not None,
                         softcap=bool(softcap), smoothing=bool(label_smoothing), traced=traced)
 
 

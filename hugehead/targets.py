@@ -1,11 +1,13 @@
 """What the chunk loop's kernels read of the target, per loss kind, and each kind's per-row loss.
 
 The loop (:mod:`hugehead.loop`) hands every logits chunk to a *chunk target*: :class:`IndexTarget` (class
-ids, ``chunk_stats_`` / ``chunk_grad_``), :class:`SoftmaxCsrTarget` (a sparse probability target, or
-index targets with class weights: ``sparse_chunk_stats_`` / ``sparse_chunk_grad_``) or
+ids, ``chunk_stats_`` / ``chunk_grad_``), :class:`EntropyTarget` (class ids, for the log-probability with the
+entropy: ``entropy_chunk_stats_`` / ``entropy_chunk_grad_``), :class:`SoftmaxCsrTarget` (a sparse probability
+target, or index targets with class weights: ``sparse_chunk_stats_`` / ``sparse_chunk_grad_``) or
 :class:`BinaryCsrTarget` (one-vs-all BCE: ``bce_chunk_``). Each fills the same per-row statistics
 (:class:`hugehead.loop.chunks.RowStats`: max, sumexp, target_logit, logit_sum), so shards and ranks merge them
-the same way whatever the loss: ``target_logit`` holds the row's target-weighted logit sum for the
+the same way whatever the loss (the entropy's slot by its own rule, :func:`hugehead.loop.chunks.merge_row_stats`):
+``target_logit`` holds the row's target-weighted logit sum for the
 softmax kinds and the row's summed one-vs-all loss for BCE (max/sumexp stay ``-inf``/0 there); each is 0
 for classes outside the shard, so shards add it.
 
@@ -23,8 +25,8 @@ from torch import Tensor
 from . import ops
 from .sparse import CsrTarget
 
-__all__ = ["IndexTarget", "SoftmaxCsrTarget", "BinaryCsrTarget", "ChunkTarget", "as_chunk_target", "gather_csr",
-           "gather_chunk_target"]
+__all__ = ["IndexTarget", "EntropyTarget", "SoftmaxCsrTarget", "BinaryCsrTarget", "ChunkTarget", "as_chunk_target",
+           "gather_csr", "gather_chunk_target"]
 
 
 def _to(t: Optional[Tensor], device: torch.device, non_blocking: bool = False) -> Optional[Tensor]:
@@ -59,6 +61,49 @@ class IndexTarget:
               label_smoothing: float, z_loss: float, softcap: float, grad_lse: Optional[Tensor]) -> None:
         ops.chunk_grad_(z, self.target, class_start, num_classes, lse, grad_rows, label_smoothing, z_loss, softcap,
                         grad_lse)
+
+
+@dataclass(frozen=True)
+class EntropyTarget:
+    """Class ids ``[N]`` for the log-probability with the entropy of each row's softmax (:mod:`hugehead.logprob`):
+    ``entropy_chunk_stats_`` fills ``logit_sum``'s slot with the running shifted sum the entropy needs (see
+    :func:`hugehead.loop.chunks.merge_row_stats`), ``entropy_chunk_grad_`` adds the entropy's gradient.
+
+    Attributes:
+        grad_entropy, entropy: ``[N]`` (the backward only): ``dL/dH`` (0 on ignored rows) and ``H`` per row.
+    """
+
+    target: Tensor
+    grad_entropy: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "EntropyTarget":
+        if self.device == device:
+            return self
+        return EntropyTarget(*(_to(t, device, non_blocking) for t in (self.target, self.grad_entropy, self.entropy)))
+
+    def columns(self, start: int, stop: int) -> "EntropyTarget":
+        return self
+
+    def rows(self, r0: int, r1: int) -> "EntropyTarget":
+        return EntropyTarget(*(None if t is None else t[r0:r1] for t in (self.target, self.grad_entropy, self.entropy)))
+
+    def with_grads(self, grad_entropy: Tensor, entropy: Tensor) -> "EntropyTarget":
+        """The target of the backward: ``grad_entropy`` and ``entropy`` ``[N]`` on its device."""
+        return EntropyTarget(self.target, grad_entropy, entropy)
+
+    def stats_(self, z: Tensor, class_start: int, softcap: float, stats) -> None:
+        ops.entropy_chunk_stats_(z, self.target, class_start, softcap, *stats)
+
+    def grad_(self, z: Tensor, class_start: int, num_classes: int, lse: Tensor, grad_rows: Tensor,
+              label_smoothing: float, z_loss: float, softcap: float, grad_lse: Optional[Tensor]) -> None:
+        if self.grad_entropy is None or self.entropy is None:
+            raise RuntimeError("hugehead: the entropy's backward needs EntropyTarget.with_grads")
+        ops.entropy_chunk_grad_(z, self.target, class_start, softcap, lse, grad_rows, self.grad_entropy, self.entropy)
 
 
 @dataclass(frozen=True)
@@ -159,7 +204,7 @@ class BinaryCsrTarget:
         ops.bce_chunk_(z, t.crow, t.col, t.val, self.entry_weight, class_start, None, grad_rows)
 
 
-ChunkTarget = Union[IndexTarget, SoftmaxCsrTarget, BinaryCsrTarget]
+ChunkTarget = Union[IndexTarget, EntropyTarget, SoftmaxCsrTarget, BinaryCsrTarget]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,6 +239,8 @@ def gather_chunk_target(engine, target: ChunkTarget, rows: int) -> ChunkTarget:
     """``target`` of this rank's rows -> the target of every rank's rows (see :func:`gather_csr`)."""
     if isinstance(target, IndexTarget):
         return IndexTarget(engine.gather_rows(target.target, rows, -1))
+    if isinstance(target, EntropyTarget):  # the forward's: its backward's rows are gathered by the engine
+        return EntropyTarget(engine.gather_rows(target.target, rows, -1))
     if isinstance(target, SoftmaxCsrTarget):
         stats, (grad_val,) = gather_csr(engine, target.stats, rows, target.grad_val)
         return SoftmaxCsrTarget(stats, grad_val, engine.gather_rows(target.mass, rows, 0), target.class_weight)

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..loop.chunks import merge_parts
 from ..options import LossOptions
 from ..topk import merge_topk
-from ..targets import gather_chunk_target
+from ..targets import EntropyTarget, gather_chunk_target
 from .local import LocalEngine, PlacedInputs, ShardTensors
 
 __all__ = ["DistributedEngine", "rank_class_ranges", "resolve_group", "ranks_agree"]
@@ -299,9 +300,7 @@ class DistributedEngine:
             return lse.to(x.device), target_logit.to(x.device), logit_sum.to(x.device), placed
         stats = torch.stack([lse, target_logit, logit_sum]).view(3, self.world_size, n).transpose(0, 1)
         parts = self.all_to_all(stats)[:, :, :n_own]  # [W, 3, N_r]: every rank's stats of my rows
-        lse = torch.logsumexp(parts[:, 0], dim=0)
-        target_logit = parts[:, 1].sum(dim=0)
-        logit_sum = parts[:, 2].sum(dim=0)
+        lse, target_logit, logit_sum = merge_parts(parts, isinstance(target, EntropyTarget))
         return lse.to(x.device), target_logit.to(x.device), logit_sum.to(x.device), placed
 
     def backward(
@@ -316,12 +315,14 @@ class DistributedEngine:
         need_weight: Sequence[bool],
         x_like: Tensor,
         grad_lse: Optional[Tensor] = None,
+        entropy: Optional[Tuple[Tensor, Tensor]] = None,
     ) -> Tuple[Optional[Tensor], List[Optional[Tensor]], List[Optional[Tensor]]]:
         """Gradients: ``dX`` of this rank's rows (``dL_r/dx_r``) and this rank's shard gradients (of the
         mean over ranks of their losses).
 
         Args:
-            placed: from :meth:`row_stats`. lse, grad_rows, grad_lse: ``[N_r]`` of this rank's rows.
+            placed: from :meth:`row_stats`. lse, grad_rows, grad_lse, entropy: ``[N_r]`` of this rank's rows
+                (every rank passes an entropy, or none does: the loss is the same on every rank).
             need_x: this rank wants ``dX``; the partials of all rows are computed when any rank does.
             Others: as :meth:`LocalEngine.backward`.
         Returns:
@@ -336,28 +337,35 @@ class DistributedEngine:
         if n == 0:  # no rank has rows: no collective
             _, grad_w, grad_b = self.local.backward(
                 placed, shards, num_classes, lse.to(device), grad_rows.to(device), options, False, need_weight,
-                x_comm,
+                x_comm, entropy=None if entropy is None else tuple(t.to(device) for t in entropy),
             )
             return (x_like.new_zeros(x_like.shape) if need_x else None), grad_w, grad_b
-        # One all-gather: lse, grad_rows and grad_lse of every rank's rows, and two flags per rank.
-        mine = torch.zeros(3 * n + 2, dtype=acc, device=device)
+        # One all-gather: lse, grad_rows, grad_lse (and the entropy's dL/dH and H) of every rank's rows, and two
+        # flags per rank.
+        vectors = 3 if entropy is None else 5
+        mine = torch.zeros(vectors * n + 2, dtype=acc, device=device)
         mine[:n_own] = lse
         mine[n:n + n_own] = grad_rows
         if grad_lse is not None:
             mine[2 * n:2 * n + n_own] = grad_lse
-        mine[3 * n] = float(need_x)
-        mine[3 * n + 1] = float(grad_lse is not None)
-        every = mine.new_empty(world, 3 * n + 2)
+        if entropy is not None:
+            mine[3 * n:3 * n + n_own] = entropy[0]
+            mine[4 * n:4 * n + n_own] = entropy[1]
+        mine[vectors * n] = float(need_x)
+        mine[vectors * n + 1] = float(grad_lse is not None)
+        every = mine.new_empty(world, vectors * n + 2)
         _all_gather_single(every, mine.view(1, -1), group=self.group)
-        any_x, any_lse = (bool(f) for f in (every[:, 3 * n:] != 0).any(dim=0).tolist())
+        any_x, any_lse = (bool(f) for f in (every[:, vectors * n:] != 0).any(dim=0).tolist())
         # Scaled by 1/W so the shard gradients are those of the mean of the ranks' losses; dX is scaled
         # back after the reduction.
         lse_all = every[:, :n].reshape(-1)
         grad_rows_all = every[:, n:2 * n].reshape(-1).div_(world)
         grad_lse_all = every[:, 2 * n:3 * n].reshape(-1).div_(world) if any_lse else None
+        entropy_all = None if entropy is None else (every[:, 3 * n:4 * n].reshape(-1).div_(world),
+                                                    every[:, 4 * n:5 * n].reshape(-1))
         grad_x_all, grad_w, grad_b = self.local.backward(
             placed, shards, num_classes, lse_all, grad_rows_all, options, any_x, need_weight, x_comm,
-            grad_lse=grad_lse_all,
+            grad_lse=grad_lse_all, entropy=entropy_all,
         )
         grad_x = None
         if any_x:

@@ -32,6 +32,7 @@ from ..ops import acc_dtype
 from ..options import LossOptions
 from ..budget import Budget, device_budgets, resolve_budget, shard_oom_guard
 from ..plan import Operands, Plan, plan_chunks, plan_topk_chunks
+from ..targets import EntropyTarget
 from ..topk import CUDA_MAX_K, merge_topk, topk_steps
 
 __all__ = ["ShardTensors", "PlacedInputs", "LocalEngine"]
@@ -127,23 +128,25 @@ class LocalEngine:
         return device_budgets(self.memory_budget, [self.compute_device(s) for s in shards])
 
     def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None,
-             options: Optional[LossOptions] = None) -> Plan:
-        """The plan of ``shard``'s loop over ``x [N, D]`` and class ids under ``options`` (None: the defaults;
-        ``budget``: from :meth:`budgets`; None: as if the shard were alone on its device)."""
+             options: Optional[LossOptions] = None, class_ids: bool = True) -> Plan:
+        """The plan of ``shard``'s loop over ``x [N, D]`` under ``options`` (None: the defaults; ``budget``: from
+        :meth:`budgets`; None: as if the shard were alone on its device; ``class_ids``: plain class-id targets, not
+        a chunk target of :mod:`hugehead.targets`)."""
         device = self.compute_device(shard)
         if budget is None:
             budget = resolve_budget(self.memory_budget, device)
         return plan_chunks(
             x.shape[0], x.shape[1], shard.weight.shape[0], x.dtype, device, self.chunk_size, budget,
-            weight_dtype=shard.weight.dtype, allow_keep=keep, operands=self.operands(x, shard, options),
+            weight_dtype=shard.weight.dtype, allow_keep=keep, operands=self.operands(x, shard, options, class_ids),
         )
 
-    def operands(self, x: Tensor, shard: ShardTensors, options: Optional[LossOptions]) -> Operands:
+    def operands(self, x: Tensor, shard: ShardTensors, options: Optional[LossOptions],
+                 class_ids: bool = True) -> Operands:
         """What the shard's GEMM paths depend on (:class:`hugehead.plan.Operands`): its loop runs where the head
         is called, so under torch.compile it is traced (one stream, no fused GEMMs)."""
         options = LossOptions() if options is None else options
-        return Operands.of_class_ids(x, shard.bias, options.label_smoothing, options.kernel_softcap,
-                                     traced=torch.compiler.is_compiling())
+        return Operands.of_loss(x, shard.bias, options.label_smoothing, options.kernel_softcap,
+                                traced=torch.compiler.is_compiling(), class_ids=class_ids)
 
     def topk_plan(self, x: Tensor, shard: ShardTensors, budget: Optional[Budget] = None) -> Plan:
         """The plan of ``shard``'s streaming top-k over ``x [N, D]``."""
@@ -221,7 +224,8 @@ class LocalEngine:
                 on ``x``'s device. shards: in class order. options: the loss (its softcap here).
             keep: a shard may keep its logits for the backward when they fit its budget.
         Returns:
-            ``(lse, target_logit, logit_sum)``, each ``[N]`` in the accumulation dtype on ``x``'s device,
+            ``(lse, target_logit, logit_sum)`` (``logit_sum`` the entropy for an
+            :class:`~hugehead.targets.EntropyTarget`), each ``[N]`` in the accumulation dtype on ``x``'s device,
             and the inputs as placed on each shard's compute device (aligned with ``shards``, with any
             kept logits and the shard's plan) for the backward.
         """
@@ -234,7 +238,7 @@ class LocalEngine:
             shard = shards[i]
             device = self.compute_device(shard)
             xk, tk = by_device[device]
-            plans[i] = plan = self.plan(xk, shard, keep, budgets[device], options)
+            plans[i] = plan = self.plan(xk, shard, keep, budgets[device], options, isinstance(tk, Tensor))
             tasks.append((i, shard, plan, forward_stats_steps(xk, self.source(shard, x.dtype), tk, shard.start,
                                                               options, plan)))
         results = self._interleave(tasks)
@@ -246,7 +250,7 @@ class LocalEngine:
             placed.append(PlacedInputs(xk, tk, xk.new_empty(0) if k is None else k, plans[i]))
         # Only now wait on anything: N-element statistics cross to x's device.
         parts = [RowStats(*(_to(s, x.device) for s in st)) for st in stats]
-        lse, target_logit, logit_sum = merge_row_stats(parts)
+        lse, target_logit, logit_sum = merge_row_stats(parts, entropy=isinstance(target, EntropyTarget))
         return lse, target_logit, logit_sum, placed
 
     def backward(
@@ -261,6 +265,7 @@ class LocalEngine:
         need_weight: Sequence[bool],
         x_like: Tensor,
         grad_lse: Optional[Tensor] = None,
+        entropy: Optional[Tuple[Tensor, Tensor]] = None,
     ) -> Tuple[Optional[Tensor], List[Optional[Tensor]], List[Optional[Tensor]]]:
         """Gradients of all shards, each shard recomputing its logits chunk by chunk (or from its kept
         logits) on its compute device.
@@ -269,6 +274,8 @@ class LocalEngine:
             placed: the inputs returned by :meth:`row_stats`, with each shard's plan (followed as is).
             lse, grad_rows: ``[N]`` accumulation dtype on ``x``'s device; ``grad_rows`` is zero on
                 ignored rows. grad_lse: ``[N]`` gradient reaching a returned lse, or None.
+            entropy: ``(dL/dH, H)`` ``[N]`` on ``x``'s device where the targets are
+                :class:`~hugehead.targets.EntropyTarget` (the log-probability with the entropy), else None.
             need_x: compute ``dX``. need_weight: per shard, compute ``dW`` (and ``db``).
             x_like: the compute-dtype ``x`` (its device and dtype are those of ``dX``).
         Returns:
@@ -279,7 +286,7 @@ class LocalEngine:
         acc = acc_dtype(x_like.dtype)
         out_device = x_like.device
         active = [i for i in self._launch_order(shards) if need_x or need_weight[i]]
-        row_vectors = [lse, grad_rows] + ([] if grad_lse is None else [grad_lse])
+        row_vectors = [lse, grad_rows] + ([] if grad_lse is None else [grad_lse]) + list(entropy or ())
         by_device = self._place(row_vectors, [shards[i] for i in active])
         # One fp32 (fp64 for fp64 inputs) dX buffer per device, shared by that device's shards.
         grad_x_parts: Dict[torch.device, Tensor] = {}
@@ -296,9 +303,11 @@ class LocalEngine:
             with _device_guard(device), self._oom_guard(i, shard, plan):
                 if need_x and device not in grad_x_parts:
                     grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=inputs.x.device)
-            lse_k, grad_rows_k, *grad_lse_k = by_device[device]
+            lse_k, grad_rows_k, *rest = by_device[device]
+            grad_lse_k = rest[:1] if grad_lse is not None else []
+            target = inputs.target if entropy is None else inputs.target.with_grads(*rest[-2:])
             tasks.append((i, shard, plan, backward_steps(
-                inputs.x, self.source(shard, x_like.dtype), inputs.target, shard.start, num_classes,
+                inputs.x, self.source(shard, x_like.dtype), target, shard.start, num_classes,
                 lse_k, grad_rows_k, options, plan, grad_x_parts.get(device),
                 need_weight[i], kept=kept, grad_lse=grad_lse_k[0] if grad_lse_k else None,
             )))

@@ -402,23 +402,23 @@ class OffloadEngine(LocalEngine):
         return device_budgets(self.memory_budget, [self.compute_device(s) for s in shards], streamed_keep=keep)
 
     def plan(self, x: Tensor, shard: ShardTensors, keep: bool, budget: Optional[Budget] = None,
-             options: Optional[LossOptions] = None) -> Plan:
+             options: Optional[LossOptions] = None, class_ids: bool = True) -> Plan:
         """The plan of a streamed shard (:func:`hugehead.plan.plan_streamed`: chunks capped to a ring slot)."""
         device = self.compute_device(shard)
         if budget is None:
             budget = resolve_budget(self.memory_budget, device, streamed_keep=keep)
         v, d = shard.weight.shape
         return plan_streamed(x.shape[0], d, v, x.dtype, shard.weight.dtype, device, self.chunk_size, budget, keep,
-                             self.operands(x, shard, options))
+                             self.operands(x, shard, options, class_ids))
 
     def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
-                 grad_lse=None):
+                 grad_lse=None, entropy=None):
         """:meth:`LocalEngine.backward`, then the step's one host synchronization: autograd hands the host
         gradients to whatever reads them next on the CPU (the optimizer, which then writes the weights the
         backward's copies read), so the host waits here, once all shards' work is queued, for each compute
         device's copies to finish."""
         out = super().backward(placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
-                               grad_lse=grad_lse)
+                               grad_lse=grad_lse, entropy=entropy)
         active = [s for s, need in zip(shards, need_weight) if need or need_x]
         for device in sorted({self.compute_device(s) for s in active}, key=str):
             self.streams.host_wait(device)

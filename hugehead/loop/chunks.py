@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import ops
 from .sources import ResidentChunks, WeightChunk
 
-__all__ = ["RowStats", "merge_row_stats", "run_steps", "step_result"]
+__all__ = ["RowStats", "merge_row_stats", "merge_entropy", "merge_parts", "run_steps", "step_result"]
 
 T = TypeVar("T")
 
@@ -74,8 +74,15 @@ def _chunk_grad(target, r0: int, r1: int, g: Tensor, class_start: int, num_class
                                   grad_lse)
 
 
-def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
-    """Merge per-shard statistics (all on one device) into ``(lse, target_logit, logit_sum)``."""
+def merge_row_stats(parts: List[RowStats], entropy: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """Merge per-shard statistics (all on one device) into ``(lse, target_logit, logit_sum)``; ``entropy``
+    (:class:`hugehead.targets.EntropyTarget`'s statistics, whose ``logit_sum`` slot holds the shifted sum
+    ``Σ exp(c - max) (c - max)``): ``(lse, target_logit, entropy)``, merged by :func:`merge_entropy`."""
+    if entropy:
+        log_s = [p.sumexp.log() for p in parts]
+        return merge_entropy(torch.stack([p.max + ls for p, ls in zip(parts, log_s)]),
+                             torch.stack([p.target_logit for p in parts]),
+                             torch.stack([ls - p.logit_sum / p.sumexp for p, ls in zip(parts, log_s)]))
     if len(parts) == 1:
         p = parts[0]
         return p.max + p.sumexp.log(), p.target_logit, p.logit_sum
@@ -88,6 +95,27 @@ def merge_row_stats(parts: List[RowStats]) -> Tuple[Tensor, Tensor, Tensor]:
     target_logit = torch.stack([p.target_logit for p in parts]).sum(dim=0)
     logit_sum = torch.stack([p.logit_sum for p in parts]).sum(dim=0)
     return lse, target_logit, logit_sum
+
+
+def merge_entropy(lse: Tensor, target_logit: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(lse, target_logit, entropy)`` ``[N]`` over all classes from those of ``K`` disjoint class sets, each
+    ``[K, N]``: with ``w_k = exp(lse_k - lse)`` the sets' shares of the softmax, the entropy of the mixture is
+    ``Σ_k w_k H_k + Σ_k entr(w_k)`` (a set without mass, ``lse_k = -inf``, adds nothing)."""
+    if lse.shape[0] == 1:
+        return lse[0], target_logit[0], entropy[0]
+    total = torch.logsumexp(lse, dim=0)
+    empty = lse == -math.inf
+    w = torch.where(empty, torch.zeros_like(lse), (lse - total).exp())
+    h = torch.where(empty, torch.zeros_like(entropy), w * entropy).sum(dim=0) + torch.special.entr(w).sum(dim=0)
+    return total, target_logit.sum(dim=0), h
+
+
+def merge_parts(parts: Tensor, entropy: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(lse, target_logit, logit_sum)`` ``[N]`` from ``parts [K, 3, N]``, those of ``K`` disjoint class sets (ranks):
+    log-sum-exp and sums, or with ``entropy`` (the third row the entropy) :func:`merge_entropy`."""
+    if entropy:
+        return merge_entropy(parts[:, 0], parts[:, 1], parts[:, 2])
+    return torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0), parts[:, 2].sum(dim=0)
 
 
 def _mm_dw(out: Tensor, g: Tensor, x: Tensor, accumulate: bool = False) -> None:

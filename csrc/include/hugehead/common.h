@@ -74,6 +74,38 @@ struct ChunkGradParams {
   double softcap;  // <= 0: none
 };
 
+// The log-probability loss with the entropy of the row's softmax (hugehead.logprob): a chunk folded into running
+// per-row (max, sumexp, shifted sum, target logit), the shifted sum being sum_j exp(v_j - max) (v_j - max), rescaled
+// with the max like sumexp, so the entropy log(sumexp) - shifted / sumexp needs no difference of large numbers.
+struct EntropyStatsParams {
+  const void* logits;     // [N, C], row stride row_stride elements, column stride 1
+  const int64_t* target;  // [N] global class ids (anything outside the chunk is skipped)
+  void* row_max;          // [N] acc_t
+  void* row_sumexp;       // [N] acc_t
+  void* target_logit;     // [N] acc_t: set where the target falls in this chunk
+  void* row_shifted;      // [N] acc_t: running sum of exp(v - row_max) (v - row_max)
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  int64_t class_start;
+  double softcap;  // <= 0: none
+};
+
+// Its gradient in place: (g (p - onehot) - g_entropy p (log p + entropy)) dsoftcap/dz, p = exp(v - lse).
+struct EntropyGradParams {
+  void* logits;              // [N, C] in/out, row stride row_stride, column stride 1
+  const int64_t* target;     // [N]
+  const void* lse;           // [N] acc_t
+  const void* grad_rows;     // [N] acc_t: dL/d(-log p(target)) (0 for ignored rows)
+  const void* grad_entropy;  // [N] acc_t: dL/dentropy (0 for ignored rows)
+  const void* entropy;       // [N] acc_t: the row's entropy over all classes
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  int64_t class_start;
+  double softcap;  // <= 0: none
+};
+
 // self *= scale over a tensor whose elements fill data[0, numel) (non-overlapping and dense, any order).
 struct ScaleParams {
   void* data;            // numel elements of self's dtype

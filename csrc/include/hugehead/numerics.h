@@ -51,6 +51,40 @@ C10_HOST_DEVICE inline void lse_merge(acc_t& m, acc_t& s, acc_t m2, acc_t s2) {
   m = mm;
 }
 
+// Merge two (max, sumexp, shifted) triples of the online entropy, shifted = sum_j exp(v_j - max) (v_j - max):
+// moving a side to the larger max mm adds (max - mm) sumexp to its shifted sum before both are rescaled. An empty
+// side (sumexp 0, max -inf) adds nothing; a NaN in either propagates.
+template <typename acc_t>
+C10_HOST_DEVICE inline void entropy_merge(acc_t& m, acc_t& s, acc_t& a, acc_t m2, acc_t s2, acc_t a2) {
+  const acc_t mm = m > m2 ? m : m2;
+  const acc_t e1 = exp_shifted(m, mm), e2 = exp_shifted(m2, mm);
+  const acc_t d1 = s == acc_t(0) ? acc_t(0) : (m - mm) * s;
+  const acc_t d2 = s2 == acc_t(0) ? acc_t(0) : (m2 - mm) * s2;
+  a = mul_rounded(a + d1, e1) + mul_rounded(a2 + d2, e2);
+  s = mul_rounded(s, e1) + mul_rounded(s2, e2);
+  m = mm;
+}
+
+// One element of the log-probability-with-entropy gradient (entropy_chunk_grad_): with c the (softcapped) logit,
+// lp = c - lse and p = exp(lp), g (p - onehot) - g_entropy p (lp + entropy), times dsoftcap/dz. (dH/dc_j =
+// -p_j (c_j - sum_k p_k c_k) = -p_j (lp_j + H): lse and the mean logit never meet as large numbers.)
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t entropy_logit_grad(acc_t z, bool is_target, acc_t lse, acc_t g, acc_t g_entropy,
+                                                acc_t entropy, acc_t softcap) {
+  acc_t c = z;
+  acc_t dcdz = acc_t(1);
+  if (softcap > acc_t(0)) {
+    const acc_t t = std::tanh(z / softcap);
+    c = softcap * t;
+    dcdz = acc_t(1) - t * t;
+  }
+  const acc_t lp = c - lse;
+  const acc_t prob = std::exp(lp);
+  acc_t d = g * (is_target ? prob - acc_t(1) : prob);
+  if (g_entropy != acc_t(0)) d -= g_entropy * prob * (lp + entropy);
+  return d * dcdz;
+}
+
 // g * dLoss_row/dlogit + g_lse * dlse/dlogit for one element of the softmax with probability targets:
 //   (g (mass p - smooth - target_scale v [entry] + p * 2 z_loss lse) + g_lse p) * dsoftcap/dz
 // where p = exp(c - lse) and c is the (softcapped) logit; mass = sum_j w_j t'_j (t' the smoothed target),
