@@ -40,7 +40,7 @@ from .options import LossOptions, check_targets, reduce_loss
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
 from .targets import EntropyTarget
 
-__all__ = ["is_dtensor", "linear_cross_entropy", "shard_class_ranges", "TensorParallelEngine"]
+__all__ = ["is_dtensor", "linear_cross_entropy", "mesh_head", "shard_class_ranges", "TensorParallelEngine"]
 
 
 def is_dtensor(t) -> bool:
@@ -207,6 +207,37 @@ def _check_targets_on_every_rank(engine: DistributedEngine, target: Tensor, num_
 # --------------------------------------------------------------------------------------------------
 # The loss
 # --------------------------------------------------------------------------------------------------
+def mesh_head(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], *,
+              compute_dtype: Optional[torch.dtype], options: LossOptions, chunk_size: Optional[int],
+              memory_budget: Optional[int], check_local: bool = True) -> Tuple[LossSpec, Tensor, Tensor, List[Tensor]]:
+    """A DTensor ``weight`` (and ``bias``) as this rank's part of one head: ``(spec, x, target, params)`` — the
+    :class:`LossSpec` of its engine (the local engine for a ``Replicate()`` weight, else the distributed engine
+    over the mesh, tensor-parallel when ``x`` is ``Replicate()``), this rank's rows in the compute dtype, its
+    targets (range-checked on every rank at once; a replicated weight's only with ``check_local``) and the local
+    ``[weight, bias]`` (``to_local()``: differentiable, the gradients come back as DTensors of their placement).
+
+    Raises: as :func:`linear_cross_entropy`."""
+    if not is_dtensor(weight):
+        raise TypeError("hugehead: x is a DTensor but weight is not; pass the weight as a DTensor on the same mesh "
+                        "(or x.to_local() beside a plain weight)")
+    mesh, kind = _weight_placement(weight, bias)
+    x, target, replicated = _local_rows(x, target, mesh)
+    if compute_dtype is not None and x.dtype != compute_dtype:
+        x = x.to(compute_dtype)  # differentiable: x.grad comes back in x's own dtype
+    params = [weight.to_local()] + ([] if bias is None else [bias.to_local()])
+    num_classes = weight.shape[0]
+    if kind == "replicate":
+        target = check_targets(target, num_classes, options.ignore_index) if check_local else target
+        return LossSpec(LocalEngine(chunk_size, memory_budget), [0], bias is not None, num_classes, options), x, \
+            target, params
+    ranges = shard_class_ranges(num_classes, mesh.size())
+    engine_type = TensorParallelEngine if replicated else DistributedEngine
+    engine = engine_type(LocalEngine(chunk_size, memory_budget), mesh.get_group(), ranges)
+    spec = LossSpec(engine, [ranges[mesh.get_local_rank()][0]], bias is not None, num_classes, options)
+    target = _check_targets_on_every_rank(engine, target.long().contiguous(), num_classes, options.ignore_index)
+    return spec, x, target, params
+
+
 def linear_cross_entropy(
     x: Tensor,
     weight: Tensor,
@@ -235,28 +266,14 @@ def linear_cross_entropy(
         ValueError: a placement or mesh that is not supported (named in the message); a target out of
             range on any rank (raised on every rank). TypeError: a plain-tensor bias beside a DTensor weight.
     """
-    if not is_dtensor(weight):
-        raise TypeError("hugehead: x is a DTensor but weight is not; pass the weight as a DTensor on the same mesh "
-                        "(or x.to_local() beside a plain weight)")
-    mesh, kind = _weight_placement(weight, bias)
-    x, target, replicated = _local_rows(x, target, mesh)
-    if compute_dtype is not None and x.dtype != compute_dtype:
-        x = x.to(compute_dtype)  # differentiable: x.grad comes back in x's own dtype
-    if kind == "replicate":  # the local computation on the local tensors
-        loss, lse = class_id_loss(x, weight.to_local(), target, None if bias is None else bias.to_local(), options,
+    replicated_weight = _weight_placement(weight, bias)[1] == "replicate" if is_dtensor(weight) else False
+    spec, x, target, params = mesh_head(x, weight, target, bias, compute_dtype=compute_dtype, options=options,
+                                        chunk_size=chunk_size, memory_budget=memory_budget,
+                                        check_local=not replicated_weight)
+    if replicated_weight:  # the local computation on the local tensors (the class-id op checks the targets)
+        loss, lse = class_id_loss(x, params[0], target, params[1] if len(params) > 1 else None, options,
                                   chunk_size, memory_budget, return_lse)
         return (loss, lse) if return_lse else loss
-    target = target.long().contiguous()
-    num_classes = weight.shape[0]
-    group = mesh.get_group()
-    ranges = shard_class_ranges(num_classes, mesh.size())
-    start = ranges[mesh.get_local_rank()][0]
-    engine_type = TensorParallelEngine if replicated else DistributedEngine
-    engine = engine_type(LocalEngine(chunk_size, memory_budget), group, ranges)
-    spec = LossSpec(engine, [start], bias is not None, num_classes, options)
-    target = _check_targets_on_every_rank(engine, target, num_classes, options.ignore_index)
-    # to_local() is differentiable: the local gradients come back as DTensors of the weight's placement.
-    params = [weight.to_local()] + ([] if bias is None else [bias.to_local()])
     loss_rows, lse = ShardedLinearCrossEntropy.apply(spec, x, target, *params)
     loss = reduce_loss(loss_rows, target != options.ignore_index, options.reduction)
     return (loss, lse) if return_lse else loss

@@ -141,7 +141,7 @@ def linear_log_prob(
     Args:
         x: ``[..., D]``; weight: ``[V, D]``; target: ``x``'s leading shape, int64/int32 class ids in ``[0, V)`` or
             ``ignore_index``; bias: ``[V]`` or None. Dtypes and devices as :func:`hugehead.linear_cross_entropy`
-            (autocast included); a DTensor weight as there, without the entropy.
+            (autocast included); DTensors as there (this rank's rows come back).
         temperature: divides the softcapped logits (as a sampler's temperature); folded into ``x / T``, ``b / T``.
         softcap: None, or a positive number: ``softcap * tanh(z / softcap)`` before the temperature.
         ignore_index: rows with this target get 0 for both, and no gradient.
@@ -151,7 +151,7 @@ def linear_log_prob(
         ``(log p, entropy)``.
     Raises:
         TypeError, ValueError: as :func:`hugehead.linear_cross_entropy`; a temperature that is not a finite
-            positive number. NotImplementedError: ``return_entropy`` with a DTensor weight.
+            positive number.
     """
     t = check_temperature(temperature)
     options = LossOptions(reduction="none", ignore_index=ignore_index, softcap=softcap)
@@ -162,10 +162,12 @@ def linear_log_prob(
                                      softcap=cap, chunk_size=chunk_size, memory_budget=memory_budget)
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)
-    if dtensor.is_dtensor(weight) or dtensor.is_dtensor(x):
-        raise NotImplementedError("hugehead: linear_log_prob(return_entropy=True) does not take DTensors; use a "
-                                  "ChunkedClassifier with process_group= for a head across ranks")
     prepared = prepare_inputs(x, target, options, lambda x: check_inputs(x, weight, None, bias))
+    if dtensor.is_dtensor(weight) or dtensor.is_dtensor(prepared.x):  # used where it lies, as the loss's weight
+        spec, x, target, params = dtensor.mesh_head(prepared.x, weight, prepared.target, bias,
+                                                    compute_dtype=prepared.compute, options=options,
+                                                    chunk_size=chunk_size, memory_budget=memory_budget)
+        return sharded_log_prob(spec, x, target, params[:1], params[1:] or [None], t, True)
     target = check_targets(prepared.target, weight.shape[0], options.ignore_index)
     spec = LossSpec(LocalEngine(chunk_size, memory_budget), [0], bias is not None, weight.shape[0], options)
     logp, entropy = sharded_log_prob(spec, prepared.x, target, [weight], [bias], t, True)

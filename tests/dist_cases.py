@@ -213,9 +213,27 @@ def job_topk(ctx) -> dict:
         for k in (0, 1, 7, TOPK_V):
             values, indices = head.topk(x, k)
             out[(softcap, k)] = (values.cpu(), indices.cpu())
+        out[(softcap, "entropy")] = _log_prob_entropy_grads(head, x, target.to(ctx["device"]), rank)
         target = target.clamp(min=0).to(ctx["device"])
         out[(softcap, "log_prob")] = (head.log_prob(x, target).cpu(), target.cpu())
     return out
+
+
+def entropy_upstream(n: int, rank: int) -> torch.Tensor:
+    """The upstream gradients ``[2, n]`` (on log p, on the entropy) of a rank's log_prob job."""
+    return torch.randn(2, n, generator=torch.Generator().manual_seed(77 + rank), dtype=torch.float64)
+
+
+def _log_prob_entropy_grads(head, x, target, rank) -> dict:
+    """log p and the entropy at temperature 0.8 (ignored rows included), and the gradients of
+    ``Σ up_0 log p + up_1 H`` over x and the rank's shards."""
+    head.zero_grad()
+    xr = x.clone().requires_grad_()
+    logp, entropy = head.log_prob(xr, target, temperature=0.8, return_entropy=True)
+    up = entropy_upstream(x.shape[0], rank).to(x.device)
+    (logp * up[0] + entropy * up[1]).sum().backward()
+    return dict(logp=logp.detach().cpu(), entropy=entropy.detach().cpu(), grad_x=xr.grad.cpu(),
+                shards=[(s.start, s.stop, s.weight.grad.cpu(), s.bias.grad.cpu()) for s in head.shards])
 
 
 def job_save(ctx) -> dict:

@@ -45,6 +45,13 @@ LOSS_CASES: Dict[str, dict] = {
     "fsdp_autocast_bf16": dict(layout="fsdp", v=23, rows=[7, 4, 5], bias=True, reduction="mean", chunk_size=4,
                                autocast=True),
     "tp_autocast_bf16": dict(layout="tp", v=23, rows=[9], bias=True, reduction="mean", autocast=True),
+    # hugehead.linear_log_prob with the entropy: log p as the "loss" (c on it), the entropy as the "lse" (e on it).
+    "fsdp_log_prob_entropy": dict(layout="fsdp", v=23, rows=[7, 4, 5], bias=True, reduction="none", entropy=True,
+                                  temperature=0.7, softcap=2.0, chunk_size=4),
+    "tp_log_prob_entropy": dict(layout="tp", v=31, rows=[8], bias=False, reduction="none", entropy=True,
+                                temperature=1.3),
+    "replicate_log_prob_entropy": dict(layout="replicate", v=17, rows=[5, 7, 3], bias=True, reduction="none",
+                                       entropy=True, temperature=0.9, chunk_size=6),
 }
 
 
@@ -99,8 +106,13 @@ def job_loss(ctx, name: str) -> dict:
     else:
         x = x.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(case.get("autocast"))):
-        out = hugehead.linear_cross_entropy(x, weight, target, bias, **loss_options(case))
-    loss, lse = out if case.get("return_lse") else (out, None)
+        if case.get("entropy"):
+            out = hugehead.linear_log_prob(x, weight, target, bias=bias, temperature=case["temperature"],
+                                           softcap=case.get("softcap"), chunk_size=case.get("chunk_size"),
+                                           return_entropy=True)
+        else:
+            out = hugehead.linear_cross_entropy(x, weight, target, bias, **loss_options(case))
+    loss, lse = out if case.get("return_lse") or case.get("entropy") else (out, None)
     objective = (loss * c).sum()
     if lse is not None:
         objective = objective + (lse * e).sum()

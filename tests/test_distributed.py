@@ -150,6 +150,36 @@ def check_topk(results, world):
                 assert torch.equal(indices, ref_indices)
             log_prob, target = got[(softcap, "log_prob")]
             torch.testing.assert_close(log_prob, torch.log_softmax(z, 1).gather(1, target[:, None])[:, 0], **CLOSE)
+    for softcap in (None, 1.5):
+        check_log_prob_entropy(results, world, w, b, softcap)
+
+
+def check_log_prob_entropy(results, world, w, b, softcap):
+    """Each rank's log p and entropy, its dX, and the shards' gradients of the mean over ranks of their objectives
+    (the distributed engine's rule) against float64 one-process autograd."""
+    case = dict(v=TOPK_V, rows=[5, 0, 7], bias=True, reduction="mean")
+    wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()
+    total = 0.0
+    for rank in range(world):
+        x, target, _, _ = case_inputs(case, rank)
+        got = results["topk"][rank][(softcap, "entropy")]
+        xr = x.clone().requires_grad_()
+        lp = torch.log_softmax(reference.logits(xr, wr, br, softcap) / 0.8, 1)
+        valid = target != -100
+        logp = torch.where(valid, lp.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
+        entropy = torch.where(valid, torch.special.entr(lp.exp()).sum(1), 0.0)
+        torch.testing.assert_close(got["logp"], logp.detach(), **CLOSE)
+        torch.testing.assert_close(got["entropy"], entropy.detach(), **CLOSE)
+        up = dist_cases.entropy_upstream(x.shape[0], rank)
+        objective = (logp * up[0] + entropy * up[1]).sum()
+        if x.shape[0]:
+            (grad_x,) = torch.autograd.grad(objective, xr, retain_graph=True)
+            torch.testing.assert_close(got["grad_x"], grad_x, **CLOSE)
+        total = total + objective / world
+    grad_w, grad_b = torch.autograd.grad(total, [wr, br])
+    shards = [s for r in range(world) for s in results["topk"][r][(softcap, "entropy")]["shards"]]
+    torch.testing.assert_close(logical_from_pieces([(a, c, gw) for a, c, gw, _ in shards], TOPK_V), grad_w, **CLOSE)
+    torch.testing.assert_close(logical_from_pieces([(a, c, gb) for a, c, _, gb in shards], TOPK_V), grad_b, **CLOSE)
 
 
 def check_ddp(results, world):

@@ -63,10 +63,16 @@ def reference_loss_case(name, world):
             b.requires_grad_()
         x, target, c, e = case_inputs(case, rank)
         x.requires_grad_()
-        loss = reference.linear_cross_entropy(x, w, target, b, **options)
-        lse = torch.logsumexp(reference.logits(x, w, b, case.get("softcap")), dim=-1)
+        if case.get("entropy"):  # log p and the entropy in the loss's and the lse's places
+            logp_all = torch.log_softmax(reference.logits(x, w, b, case.get("softcap")) / case["temperature"], -1)
+            valid = target != -100
+            loss = torch.where(valid, logp_all.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
+            lse = torch.where(valid, torch.special.entr(logp_all.exp()).sum(-1), 0.0)
+        else:
+            loss = reference.linear_cross_entropy(x, w, target, b, **options)
+            lse = torch.logsumexp(reference.logits(x, w, b, case.get("softcap")), dim=-1)
         objective = (loss * c).sum()
-        if case.get("return_lse"):
+        if case.get("return_lse") or case.get("entropy"):
             objective = objective + (lse * e).sum()
         objective.backward()
         per_rank.append([loss.detach(), lse.detach(), x.grad, w.grad, None if b is None else b.grad])
@@ -96,7 +102,7 @@ def test_loss_and_gradients_match_one_process_with_the_gathered_weight(request, 
             assert rel_err(r["grad_w"], grad_w[lo:hi]) > 1e-5  # it did compute in bfloat16, not float32
         else:
             torch.testing.assert_close(r["loss"], loss, **CLOSE)
-            if case.get("return_lse"):
+            if case.get("return_lse") or case.get("entropy"):
                 torch.testing.assert_close(r["lse"], lse, **CLOSE)
             torch.testing.assert_close(r["grad_x"], grad_x, **CLOSE)
             torch.testing.assert_close(r["grad_w"], grad_w[lo:hi], **CLOSE)

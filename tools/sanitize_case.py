@@ -180,6 +180,64 @@ def grad_cases(device: torch.device) -> Iterator[Result]:
             yield f"{name}: dlogits", got, ref, TOLERANCE[dtype]
 
 
+@kernel_case("entropy_chunk_stats_")
+def entropy_stats_cases(device: torch.device) -> Iterator[Result]:
+    """Fold a chunk into a running (max, sum-exp, target logit, shifted sum) that starts from earlier values; the
+    reference merges the float64 triples of the two class sets."""
+    for dtype in DTYPES:
+        for label, n, v, (c0, c1), pad, softcap, ignore in STATS_SHAPES:
+            name = f"{label} {str(dtype)[6:]}"
+            g = _gen("entropy " + name)
+            full = (3 * torch.randn(n, v, generator=g, dtype=torch.float64)).to(dtype)
+            target = torch.randint(0, v, (n,), generator=g)
+            acc = _acc(dtype)
+            row_max = torch.randn(n, generator=g, dtype=torch.float64).to(acc)
+            row_max[0] = -math.inf
+            row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).to(acc)
+            row_sumexp[0] = 0.0
+            shifted = -torch.rand(n, generator=g, dtype=torch.float64).to(acc)
+            shifted[0] = 0.0
+            state = [t.to(device, copy=True) for t in (row_max, row_sumexp, torch.zeros(n, dtype=acc), shifted)]
+            torch.ops.hugehead.entropy_chunk_stats_.default(_chunk_on(device, full, c0, c1, pad), target.to(device),
+                                                            c0, softcap, *state)
+            z = _softcapped(full[:, c0:c1].double(), softcap)
+            m_old, s_old, a_old = row_max.double(), row_sumexp.double(), shifted.double()
+            m_new = torch.maximum(m_old, z.max(dim=1).values)
+            scale = torch.exp(m_old - m_new)
+            e = torch.exp(z - m_new[:, None])
+            s_new = s_old * scale + e.sum(dim=1)
+            a_new = scale * (a_old + torch.where(s_old > 0, (m_old - m_new) * s_old, 0.0)) + (e * (z - m_new[:, None])).sum(1)
+            got = [t.cpu().double() for t in state]
+            tol = ACC_TOLERANCE[acc]
+            yield f"{name}: lse", got[0] + got[1].log(), m_new + s_new.log(), tol
+            yield f"{name}: entropy", got[1].log() - got[3] / got[1], s_new.log() - a_new / s_new, 10 * tol
+
+
+@kernel_case("entropy_chunk_grad_")
+def entropy_grad_cases(device: torch.device) -> Iterator[Result]:
+    """Replace a chunk by the gradient of g (-log p(target)) + g_H H; the reference is float64 autograd."""
+    for dtype in DTYPES:
+        for label, n, v, (c0, c1), pad, _, _, softcap, _, ignore in GRAD_SHAPES:
+            name = f"{label} {str(dtype)[6:]}"
+            g = _gen("entropy " + name)
+            full = (3 * torch.randn(n, v, generator=g, dtype=torch.float64)).to(dtype)
+            target = torch.randint(0, v, (n,), generator=g)
+            up = torch.randn(2, n, generator=g, dtype=torch.float64)
+            if ignore:
+                up[:, ::ignore] = 0.0
+            z = full.double().requires_grad_(True)
+            lp = torch.log_softmax(_softcapped(z, softcap), dim=1)
+            entropy = torch.special.entr(lp.exp()).sum(1)
+            total = (-up[0] * lp.gather(1, target[:, None])[:, 0]).sum() + (up[1] * entropy).sum()
+            (expected,) = torch.autograd.grad(total, z)
+            acc = _acc(dtype)
+            logits = _chunk_on(device, full, c0, c1, pad)
+            lse = torch.logsumexp(_softcapped(full.double(), softcap), dim=1)
+            torch.ops.hugehead.entropy_chunk_grad_.default(
+                logits, target.to(device), c0, softcap, *(t.to(acc).to(device) for t in (lse, up[0], up[1], entropy)))
+            yield f"{name}: dlogits", logits.cpu(), expected[:, c0:c1], TOLERANCE[dtype]
+
+
 # (label, N, V, chunks, k, softcap, row padding, with bias)
 TOPK_SHAPES = [
     ("k=1", 5, 300, [(0, 300)], 1, 0.0, 0, False),
