@@ -216,7 +216,33 @@ def job_topk(ctx) -> dict:
         out[(softcap, "entropy")] = _log_prob_entropy_grads(head, x, target.to(ctx["device"]), rank)
         target = target.clamp(min=0).to(ctx["device"])
         out[(softcap, "log_prob")] = (head.log_prob(x, target).cpu(), target.cpu())
+    out["verl"] = _verl_tensor_parallel(ctx)
     return out
+
+
+VERL_V = 24  # split evenly over 2 and 3 ranks, as verl's tensor-parallel vocabulary is
+
+
+def verl_inputs():
+    """The tokens ``[2, 5, D]`` every rank shares, their labels, the logical weight and the upstream gradients."""
+    g = torch.Generator().manual_seed(4242)
+    hidden = torch.randn(2, 5, D, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, VERL_V, (2, 5), generator=g)
+    weight = torch.randn(VERL_V, D, generator=g, dtype=torch.float64)
+    return hidden, labels, weight, torch.randn(2, 10, generator=g, dtype=torch.float64)
+
+
+def _verl_tensor_parallel(ctx) -> dict:
+    """hugehead.integrations.verl.linear_cross_entropy with this rank's rows of the vocabulary."""
+    from hugehead.integrations.verl import linear_cross_entropy
+
+    hidden, labels, weight, up = verl_inputs()
+    rows = VERL_V // ctx["world"]
+    local = weight[ctx["rank"] * rows:(ctx["rank"] + 1) * rows].clone().requires_grad_()
+    hidden = hidden.requires_grad_()
+    logprobs, entropy = linear_cross_entropy(hidden, local, labels, 0.9, "none", dist.group.WORLD)
+    (logprobs * up[0] + entropy * up[1]).sum().backward()
+    return dict(logprobs=logprobs.detach(), entropy=entropy.detach(), grad_hidden=hidden.grad, grad_weight=local.grad)
 
 
 def entropy_upstream(n: int, rank: int) -> torch.Tensor:

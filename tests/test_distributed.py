@@ -152,6 +152,25 @@ def check_topk(results, world):
             torch.testing.assert_close(log_prob, torch.log_softmax(z, 1).gather(1, target[:, None])[:, 0], **CLOSE)
     for softcap in (None, 1.5):
         check_log_prob_entropy(results, world, w, b, softcap)
+    check_verl_tensor_parallel(results, world)
+
+
+def check_verl_tensor_parallel(results, world):
+    """verl's signature with a vocabulary split over the ranks: every rank the log-probs, entropies and dX of the
+    whole vocabulary, its own rows of dW."""
+    hidden, labels, weight, up = dist_cases.verl_inputs()
+    hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
+    lp = torch.log_softmax(hidden.reshape(-1, D) @ weight.T / 0.9, -1)
+    logprobs = lp.gather(1, labels.reshape(-1, 1))[:, 0]
+    entropy = torch.special.entr(lp.exp()).sum(1)
+    grad_hidden, grad_weight = torch.autograd.grad((logprobs * up[0] + entropy * up[1]).sum(), [hidden, weight])
+    rows = dist_cases.VERL_V // world
+    for rank in range(world):
+        got = results["topk"][rank]["verl"]
+        torch.testing.assert_close(got["logprobs"], logprobs.detach(), **CLOSE)
+        torch.testing.assert_close(got["entropy"], entropy.detach(), **CLOSE)
+        torch.testing.assert_close(got["grad_hidden"], grad_hidden, **CLOSE)
+        torch.testing.assert_close(got["grad_weight"], grad_weight[rank * rows:(rank + 1) * rows], **CLOSE)
 
 
 def check_log_prob_entropy(results, world, w, b, softcap):
