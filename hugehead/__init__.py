@@ -11,13 +11,14 @@ from .onevsall import linear_binary_cross_entropy
 from .sparse import CsrTarget, csr_target
 from .topk import linear_topk
 from .module import ChunkedClassifier
+from .distill import linear_distill
 from . import checkpoint
 from .checkpoint import keep_optimizer_state_on_shards, place_optimizer_state
 from .ddp import ignore_heads_in_ddp
 from .predict import predict_topk, predict_topk_chunks
 
 __version__ = "0.2.0"
-__all__ = ["linear_cross_entropy", "linear_log_prob", "linear_topk", "linear_binary_cross_entropy", "csr_target", "CsrTarget", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
+__all__ = ["linear_cross_entropy", "linear_log_prob", "linear_distill", "linear_topk", "linear_binary_cross_entropy", "csr_target", "CsrTarget", "ChunkedClassifier", "ops", "cuda_built", "has_kernel", "__version__",
            "checkpoint", "keep_optimizer_state_on_shards", "place_optimizer_state", "ignore_heads_in_ddp",
            "predict_topk", "predict_topk_chunks", "metrics"]
 

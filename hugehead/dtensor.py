@@ -78,10 +78,10 @@ class TensorParallelEngine(DistributedEngine):
         return (*merge_parts(every, isinstance(target, EntropyTarget)), placed)
 
     def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
-                 grad_lse=None, entropy=None):
+                 grad_lse=None, row_terms=None):
         grad_x, grad_w, grad_b = self.local.backward(
             placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like, grad_lse=grad_lse,
-            entropy=entropy,
+            row_terms=row_terms,
         )
         if need_x:  # partials in the accumulation dtype, summed before the one rounding to x's dtype
             device = self.comm_device(x_like.device)

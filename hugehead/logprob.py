@@ -96,7 +96,7 @@ class ShardedLogProb(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False), torch.no_grad():
             grad_x, grad_w, grad_b = spec.engine.backward(
                 placed, spec.shards(params), spec.num_classes, lse, grad_rows.contiguous(), spec.options, needs[1],
-                [w or b for w, b in zip(need_w, need_b)], x, entropy=(grad_h.contiguous(), entropy))
+                [w or b for w, b in zip(need_w, need_b)], x, row_terms=(grad_h.contiguous(), entropy))
         grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
         grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
         grads = no_second_order("log_prob", [x, *params], [grad_x if needs[1] else None, *grads_w, *grads_b])

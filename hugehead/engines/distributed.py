@@ -315,14 +315,15 @@ class DistributedEngine:
         need_weight: Sequence[bool],
         x_like: Tensor,
         grad_lse: Optional[Tensor] = None,
-        entropy: Optional[Tuple[Tensor, Tensor]] = None,
+        row_terms: Optional[Tuple[Tensor, Tensor]] = None,
     ) -> Tuple[Optional[Tensor], List[Optional[Tensor]], List[Optional[Tensor]]]:
         """Gradients: ``dX`` of this rank's rows (``dL_r/dx_r``) and this rank's shard gradients (of the
         mean over ranks of their losses).
 
         Args:
-            placed: from :meth:`row_stats`. lse, grad_rows, grad_lse, entropy: ``[N_r]`` of this rank's rows
-                (every rank passes an entropy, or none does: the loss is the same on every rank).
+            placed: from :meth:`row_stats`. lse, grad_rows, grad_lse: ``[N_r]`` of this rank's rows. row_terms:
+                an :class:`~hugehead.targets.EntropyTarget`'s ``(dL/dH, H)`` of them (every rank passes them, or
+                none does: the loss is the same on every rank), all-gathered, ``dL/dH`` scaled as ``grad_rows``.
             need_x: this rank wants ``dX``; the partials of all rows are computed when any rank does.
             Others: as :meth:`LocalEngine.backward`.
         Returns:
@@ -337,20 +338,20 @@ class DistributedEngine:
         if n == 0:  # no rank has rows: no collective
             _, grad_w, grad_b = self.local.backward(
                 placed, shards, num_classes, lse.to(device), grad_rows.to(device), options, False, need_weight,
-                x_comm, entropy=None if entropy is None else tuple(t.to(device) for t in entropy),
+                x_comm, row_terms=None if row_terms is None else tuple(t.to(device) for t in row_terms),
             )
             return (x_like.new_zeros(x_like.shape) if need_x else None), grad_w, grad_b
         # One all-gather: lse, grad_rows, grad_lse (and the entropy's dL/dH and H) of every rank's rows, and two
         # flags per rank.
-        vectors = 3 if entropy is None else 5
+        vectors = 3 if row_terms is None else 5
         mine = torch.zeros(vectors * n + 2, dtype=acc, device=device)
         mine[:n_own] = lse
         mine[n:n + n_own] = grad_rows
         if grad_lse is not None:
             mine[2 * n:2 * n + n_own] = grad_lse
-        if entropy is not None:
-            mine[3 * n:3 * n + n_own] = entropy[0]
-            mine[4 * n:4 * n + n_own] = entropy[1]
+        if row_terms is not None:
+            mine[3 * n:3 * n + n_own] = row_terms[0]
+            mine[4 * n:4 * n + n_own] = row_terms[1]
         mine[vectors * n] = float(need_x)
         mine[vectors * n + 1] = float(grad_lse is not None)
         every = mine.new_empty(world, vectors * n + 2)
@@ -361,11 +362,11 @@ class DistributedEngine:
         lse_all = every[:, :n].reshape(-1)
         grad_rows_all = every[:, n:2 * n].reshape(-1).div_(world)
         grad_lse_all = every[:, 2 * n:3 * n].reshape(-1).div_(world) if any_lse else None
-        entropy_all = None if entropy is None else (every[:, 3 * n:4 * n].reshape(-1).div_(world),
+        terms_all = None if row_terms is None else (every[:, 3 * n:4 * n].reshape(-1).div_(world),
                                                     every[:, 4 * n:5 * n].reshape(-1))
         grad_x_all, grad_w, grad_b = self.local.backward(
             placed, shards, num_classes, lse_all, grad_rows_all, options, any_x, need_weight, x_comm,
-            grad_lse=grad_lse_all, entropy=entropy_all,
+            grad_lse=grad_lse_all, row_terms=terms_all,
         )
         grad_x = None
         if any_x:

@@ -265,7 +265,7 @@ class LocalEngine:
         need_weight: Sequence[bool],
         x_like: Tensor,
         grad_lse: Optional[Tensor] = None,
-        entropy: Optional[Tuple[Tensor, Tensor]] = None,
+        row_terms: Optional[Tuple[Tensor, ...]] = None,
     ) -> Tuple[Optional[Tensor], List[Optional[Tensor]], List[Optional[Tensor]]]:
         """Gradients of all shards, each shard recomputing its logits chunk by chunk (or from its kept
         logits) on its compute device.
@@ -274,8 +274,9 @@ class LocalEngine:
             placed: the inputs returned by :meth:`row_stats`, with each shard's plan (followed as is).
             lse, grad_rows: ``[N]`` accumulation dtype on ``x``'s device; ``grad_rows`` is zero on
                 ignored rows. grad_lse: ``[N]`` gradient reaching a returned lse, or None.
-            entropy: ``(dL/dH, H)`` ``[N]`` on ``x``'s device where the targets are
-                :class:`~hugehead.targets.EntropyTarget` (the log-probability with the entropy), else None.
+            row_terms: ``[N]`` tensors on ``x``'s device that the chunk targets' backward needs, placed beside the
+                others (each shard's target becomes ``target.with_grads(*row_terms)``): an
+                :class:`~hugehead.targets.EntropyTarget`'s ``(dL/dH, H)``; None for targets that need none.
             need_x: compute ``dX``. need_weight: per shard, compute ``dW`` (and ``db``).
             x_like: the compute-dtype ``x`` (its device and dtype are those of ``dX``).
         Returns:
@@ -286,7 +287,7 @@ class LocalEngine:
         acc = acc_dtype(x_like.dtype)
         out_device = x_like.device
         active = [i for i in self._launch_order(shards) if need_x or need_weight[i]]
-        row_vectors = [lse, grad_rows] + ([] if grad_lse is None else [grad_lse]) + list(entropy or ())
+        row_vectors = [lse, grad_rows] + ([] if grad_lse is None else [grad_lse]) + list(row_terms or ())
         by_device = self._place(row_vectors, [shards[i] for i in active])
         # One fp32 (fp64 for fp64 inputs) dX buffer per device, shared by that device's shards.
         grad_x_parts: Dict[torch.device, Tensor] = {}
@@ -305,7 +306,7 @@ class LocalEngine:
                     grad_x_parts[device] = torch.zeros(inputs.x.shape, dtype=acc, device=inputs.x.device)
             lse_k, grad_rows_k, *rest = by_device[device]
             grad_lse_k = rest[:1] if grad_lse is not None else []
-            target = inputs.target if entropy is None else inputs.target.with_grads(*rest[-2:])
+            target = inputs.target if row_terms is None else inputs.target.with_grads(*rest[len(rest) - len(row_terms):])
             tasks.append((i, shard, plan, backward_steps(
                 inputs.x, self.source(shard, x_like.dtype), target, shard.start, num_classes,
                 lse_k, grad_rows_k, options, plan, grad_x_parts.get(device),

@@ -412,13 +412,13 @@ class OffloadEngine(LocalEngine):
                              self.operands(x, shard, options, class_ids))
 
     def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
-                 grad_lse=None, entropy=None):
+                 grad_lse=None, row_terms=None):
         """:meth:`LocalEngine.backward`, then the step's one host synchronization: autograd hands the host
         gradients to whatever reads them next on the CPU (the optimizer, which then writes the weights the
         backward's copies read), so the host waits here, once all shards' work is queued, for each compute
         device's copies to finish."""
         out = super().backward(placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
-                               grad_lse=grad_lse, entropy=entropy)
+                               grad_lse=grad_lse, row_terms=row_terms)
         active = [s for s, need in zip(shards, need_weight) if need or need_x]
         for device in sorted({self.compute_device(s) for s in active}, key=str):
             self.streams.host_wait(device)

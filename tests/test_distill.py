@@ -1,0 +1,174 @@
+"""hugehead.linear_distill: forward KL, reverse KL and JSD between a teacher's and a student's tempered softmax,
+values and student gradients under random upstream gradients, against float64 plain PyTorch written from the
+formulas (full softmax, F.kl_div) for every option, heads given as weights or as ChunkedClassifiers in local
+placements (other shard boundaries, the teacher in host memory), and a teacher given as its top-k."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hugehead
+from hugehead.engines import offload
+
+from conftest import rel_err
+
+N, DS, DT, V = 13, 6, 9, 61
+
+
+def _inputs(seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(N, DS, generator=g, dtype=torch.float64)
+    ws = torch.randn(V, DS, generator=g, dtype=torch.float64)
+    bs = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    xt = torch.randn(N, DT, generator=g, dtype=torch.float64) * 1.5
+    wt = torch.randn(V, DT, generator=g, dtype=torch.float64)
+    bt = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    mask = torch.rand(N, generator=g) > 0.25
+    up = torch.randn(N, generator=g, dtype=torch.float64)
+    return xs, ws, bs, xt, wt, bt, mask, up
+
+
+def reference(divergence, beta, temperature, xs, ws, bs, xt, wt, bt, mask, student_cap=None, teacher_cap=None):
+    """Per-row divergences, float64, 0 outside the mask."""
+    def logp(x, w, b, cap):
+        z = F.linear(x, w, b)
+        z = cap * torch.tanh(z / cap) if cap else z
+        return torch.log_softmax(z / temperature, dim=-1)
+
+    lp, lq = logp(xs, ws, bs, student_cap), logp(xt, wt, bt, teacher_cap)
+    if divergence == "forward_kl":  # KL(q || p), as F.kl_div(input=log p, target=log q) sums it
+        rows = F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
+    elif divergence == "reverse_kl":
+        rows = F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
+    else:
+        lm = torch.logsumexp(torch.stack([lq + math.log(beta), lp + math.log1p(-beta)]), dim=0)
+        rows = (beta * F.kl_div(lm, lq, reduction="none", log_target=True).sum(-1)
+                + (1 - beta) * F.kl_div(lm, lp, reduction="none", log_target=True).sum(-1))
+    return torch.where(mask, rows, torch.zeros_like(rows))
+
+
+CASES = [
+    dict(divergence="forward_kl"),
+    dict(divergence="forward_kl", temperature=0.6, chunk_size=16, bias=False),
+    dict(divergence="reverse_kl"),
+    dict(divergence="reverse_kl", temperature=1.7, chunk_size=7),
+    dict(divergence="jsd", beta=0.5),
+    dict(divergence="jsd", beta=0.2, temperature=0.8, chunk_size=10, bias=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_divergences_and_student_gradients_match_float64(case):
+    case = dict(case)
+    use_bias = case.pop("bias", True)
+    xs, ws, bs, xt, wt, bt, mask, up = _inputs(bias=use_bias)
+    student = [t.clone().requires_grad_() for t in (xs, ws, bs) if t is not None]
+    sb = student[2] if use_bias else None
+    teacher_w = wt.clone().requires_grad_()  # gets no gradient
+    got = hugehead.linear_distill(student[0], student[1], xt, teacher_w, mask=mask, reduction="none",
+                                  student_bias=sb, teacher_bias=bt, **case)
+    ref = reference(case["divergence"], case.get("beta", 0.5), case.get("temperature", 1.0), *student[:2], sb,
+                    xt, wt, bt, mask)
+    assert got.dtype == torch.float64 and got.shape == (N,)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    grads = torch.autograd.grad((got * up).sum(), student, retain_graph=True)
+    ref_grads = torch.autograd.grad((ref * up).sum(), student)
+    for a, r in zip(grads, ref_grads):
+        assert rel_err(a, r) < 1e-10
+    assert teacher_w.grad is None and got.grad_fn is not None
+    # the reductions: sum, and mean over the rows in the mask (batchmean)
+    for reduction, expected in (("sum", ref.sum()), ("mean", ref.sum() / mask.sum())):
+        out = hugehead.linear_distill(student[0], student[1], xt, wt, mask=mask, reduction=reduction,
+                                      student_bias=sb, teacher_bias=bt, **case)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_kl_divergences_vanish_for_the_same_distribution():
+    xs, ws, bs, *_ = _inputs()
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        rows = hugehead.linear_distill(xs, ws, xs, ws, student_bias=bs, teacher_bias=bs, divergence=divergence,
+                                       reduction="none")
+        assert rows.abs().max() < 1e-12
+
+
+def _head(sizes, seed, d, **kwargs):
+    torch.manual_seed(seed)
+    return hugehead.ChunkedClassifier(d, V, True, devices=["cpu"] * len(sizes), shard_sizes=sizes,
+                                      dtype=torch.float64, chunk_size=8, **kwargs)
+
+
+def _logical(head):
+    return (torch.cat([s.weight.detach() for s in head.shards]), torch.cat([s.bias.detach() for s in head.shards]))
+
+
+@pytest.mark.parametrize("teacher_offloaded", [False, True])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_heads_as_student_and_teacher_with_other_shard_boundaries(divergence, teacher_offloaded, monkeypatch):
+    monkeypatch.setattr(offload, "_ALLOW_CPU_COMPUTE", True)
+    student = _head([30, 31], 1, DS, softcap=5.0)
+    teacher = _head([10, 40, 11], 2, DT, offload=teacher_offloaded, softcap=3.0)
+    xs, _, _, xt, _, _, mask, up = _inputs()
+    xr = xs.clone().requires_grad_()
+    got = hugehead.linear_distill(xr, student, xt, teacher, divergence=divergence, beta=0.4, temperature=0.9,
+                                  mask=mask, reduction="none")
+    ws, bs = (t.clone().requires_grad_() for t in _logical(student))
+    wt, bt = _logical(teacher)
+    ref = reference(divergence, 0.4, 0.9, xr, ws, bs, xt, wt, bt, mask, student_cap=5.0, teacher_cap=3.0)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    params = [xr] + [s.weight for s in student.shards] + [s.bias for s in student.shards]
+    grads = torch.autograd.grad((got * up).sum(), params)
+    ref_grads = torch.autograd.grad((ref * up).sum(), [xr, ws, bs])
+    assert rel_err(grads[0], ref_grads[0]) < 1e-10
+    assert rel_err(torch.cat(grads[1:3]), ref_grads[1]) < 1e-10
+    assert rel_err(torch.cat(grads[3:5]), ref_grads[2]) < 1e-10
+    assert all(s.weight.grad is None for s in teacher.shards)
+
+
+def test_topk_teacher_is_the_truncated_forward_kl():
+    xs, ws, bs, xt, wt, bt, mask, up = _inputs()
+    lq = torch.log_softmax((xt @ wt.T + bt) / 2.0, -1)  # the teacher's own temperature
+    top_lq, ids = lq.topk(7, dim=-1)
+    xr = xs.clone().requires_grad_()
+    got = hugehead.linear_distill(xr, ws, None, None, teacher_topk=(ids, top_lq), temperature=0.8, mask=mask,
+                                  student_bias=bs, reduction="none")
+    lp = torch.log_softmax((xr @ ws.T + bs) / 0.8, -1)
+    ref = torch.where(mask, (top_lq.exp() * (top_lq - lp.gather(1, ids))).sum(-1), 0.0)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    (g,) = torch.autograd.grad((got * up).sum(), xr)
+    (rg,) = torch.autograd.grad((ref * up).sum(), xr)
+    assert rel_err(g, rg) < 1e-10
+
+
+def test_bfloat16_error_within_twice_plain_pytorch():
+    xs, ws, bs, xt, wt, bt, mask, up = _inputs(seed=4)
+    ref = reference("reverse_kl", 0.5, 1.0, xs, ws, bs, xt, wt, bt, mask)
+    b = [t.bfloat16() for t in (xs, ws, bs, xt, wt, bt)]
+    got = hugehead.linear_distill(b[0], b[1], b[3], b[4], divergence="reverse_kl", mask=mask, reduction="none",
+                                  student_bias=b[2], teacher_bias=b[5], chunk_size=16)
+    lp = torch.log_softmax(F.linear(b[0], b[1], b[2]).float(), -1)
+    lq = torch.log_softmax(F.linear(b[3], b[4], b[5]).float(), -1)
+    plain = torch.where(mask, (lp.exp() * (lp - lq)).sum(-1), 0.0)
+    assert got.dtype == torch.float32
+    assert rel_err(got.double(), ref) <= 2 * rel_err(plain.double(), ref) + 1e-3
+
+
+def test_bad_arguments_raise_naming_them():
+    xs, ws, bs, xt, wt, bt, mask, _ = _inputs()
+    with pytest.raises(ValueError, match="unknown divergence"):
+        hugehead.linear_distill(xs, ws, xt, wt, divergence="kl")
+    with pytest.raises(ValueError, match="beta must be in"):
+        hugehead.linear_distill(xs, ws, xt, wt, divergence="jsd", beta=1.0)
+    with pytest.raises(ValueError, match="same number of classes"):
+        hugehead.linear_distill(xs, ws, xt, wt[:-1])
+    with pytest.raises(ValueError, match="mask must be"):
+        hugehead.linear_distill(xs, ws, xt, wt, mask=mask[:-1])
+    with pytest.raises(ValueError, match="teacher_x must be"):
+        hugehead.linear_distill(xs, ws, xt[:-1], wt)
+    with pytest.raises(ValueError, match="reduction"):
+        hugehead.linear_distill(xs, ws, xt, wt, reduction="batchmean")
+    with pytest.raises(ValueError, match="top-k teacher takes divergence='forward_kl'"):
+        hugehead.linear_distill(xs, ws, None, None, teacher_topk=(torch.zeros(N, 2, dtype=torch.long),
+                                                                  torch.zeros(N, 2)), divergence="jsd")
