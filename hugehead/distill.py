@@ -2,9 +2,10 @@
 and the generalized Jensen-Shannon divergence between their tempered softmaxes, streamed over the classes with
 both heads' chunks of the same classes in lockstep (:mod:`hugehead.distill_target`); the teacher gets no gradient.
 
-Each head is a weight ``[V, D]`` (with its bias) or a :class:`hugehead.ChunkedClassifier` in any local placement
-(shards on several devices, in pinned host memory); the teacher's classes are read by class range, so the two
-heads' shard boundaries need not agree. A teacher may also be given as its top-k ``(ids, log-probs)`` per row.
+Each head is a weight ``[V, D]`` (with its bias) or a :class:`hugehead.ChunkedClassifier` in any placement
+(shards on several devices, in pinned host memory, across ranks); the teacher's classes are read by class range,
+so within a process the two heads' shard boundaries need not agree (across ranks each rank's teacher must hold its
+student's classes). A teacher may also be given as its top-k ``(ids, log-probs)`` per row.
 
 The passes: the teacher's log-sum-exp first (a statistics pass over its classes), for reverse KL and JSD the
 student's too, then one pass of both heads that folds the divergence's sums, then the backward (the student's
@@ -108,18 +109,31 @@ class ShardedDistill(torch.autograd.Function):
 
 
 def _head(weight, bias, name: str, local: LocalEngine):
-    """``(engine, shards, compute dtype, softcap)`` of a weight (with its bias) or a ChunkedClassifier."""
+    """``(engine, this process's shards, classes, compute dtype, softcap)`` of a weight (with its bias) or a
+    ChunkedClassifier."""
     if isinstance(weight, ChunkedClassifier):
         if bias is not None:
             raise ValueError(f"hugehead: {name}_bias is for a weight tensor; a ChunkedClassifier has its own")
-        if weight.engine.name not in ("local", "offload"):
-            raise NotImplementedError(f"hugehead: linear_distill takes a {name} head on this process's devices or "
-                                      f"in host memory, not one across ranks")
         shards = [ShardTensors(s.weight, s.bias if weight.has_bias else None, s.start) for s in weight.shards]
-        return weight.engine, shards, weight.dtype, weight.softcap
+        return weight.engine, shards, weight.num_classes, weight.dtype, weight.softcap
     if not isinstance(weight, Tensor):
         raise TypeError(f"hugehead: {name}_weight must be a [V, D] tensor or a ChunkedClassifier")
-    return local, [ShardTensors(weight, bias, 0)], None, None
+    return local, [ShardTensors(weight, bias, 0)], weight.shape[0] if weight.dim() == 2 else 0, None, None
+
+
+def _check_covers(teacher_shards, student_shards) -> None:
+    """The teacher's classes held here include every class of the student's shards here (heads across ranks meet
+    by class range: each rank's student classes need that rank's teacher rows)."""
+    held = sorted((s.start, s.start + s.weight.shape[0]) for s in teacher_shards)
+    for s in student_shards:
+        a, b = s.start, s.start + s.weight.shape[0]
+        for lo, hi in held:
+            if lo <= a < hi:
+                a = hi
+        if a < b:
+            raise ValueError(f"hugehead: the student's classes [{s.start}, {s.start + s.weight.shape[0]}) on this "
+                             f"process are not all among the teacher's classes here {held}: across ranks, give both "
+                             f"heads the same class ranges per rank (shard_sizes=), or the teacher as a weight")
 
 
 def _check_beta(divergence: str, beta) -> float:
@@ -159,7 +173,8 @@ def linear_distill(
 
     Args:
         student_x: ``[N, D_s]``; student_weight: ``[V, D_s]`` (with ``student_bias [V]``) or a
-            :class:`hugehead.ChunkedClassifier` (its bias and softcap; shards on local devices or in host memory).
+            :class:`hugehead.ChunkedClassifier` (its bias and softcap; shards on local devices, in host memory or
+            across ranks — this rank's rows; a teacher across ranks then holds the same class ranges per rank).
         teacher_x, teacher_weight: the same for the teacher (``[N, D_t]``, its own width), which gets no gradient;
             or both None with ``teacher_topk = (ids [N, k] int64, log_probs [N, k])``, the teacher's top-k at its
             own temperature (offline distillation): only ``"forward_kl"``, truncated to those ids —
@@ -172,7 +187,6 @@ def linear_distill(
     Raises:
         ValueError, TypeError: an unknown divergence or reduction, ``beta`` out of range, shapes or devices that
             do not match, a temperature that is not finite and positive; as :func:`hugehead.linear_cross_entropy`.
-        NotImplementedError: a head across ranks.
     """
     t = check_temperature(temperature)
     beta = _check_beta(divergence, beta)
@@ -189,8 +203,8 @@ def linear_distill(
         return _topk_forward_kl(student_x, student_weight, student_bias, teacher_topk, divergence, t, mask,
                                 options.reduction)
     local = LocalEngine(check_chunk_size(chunk_size), check_memory_budget(memory_budget))
-    engine, shards, dtype, softcap = _head(student_weight, student_bias, "student", local)
-    t_engine, t_shards, t_dtype, t_softcap = _head(teacher_weight, teacher_bias, "teacher", local)
+    engine, shards, num_classes, dtype, softcap = _head(student_weight, student_bias, "student", local)
+    t_engine, t_shards, t_classes, t_dtype, t_softcap = _head(teacher_weight, teacher_bias, "teacher", local)
     if not isinstance(teacher_x, Tensor) or teacher_x.dim() != 2 or teacher_x.shape[0] != n:
         raise ValueError(f"hugehead: teacher_x must be [N, D_t] with the student's N = {n} rows")
     for xs, sh in ((student_x, shards), (teacher_x, t_shards)):
@@ -199,9 +213,10 @@ def linear_distill(
     x = student_x if dtype is None or student_x.dtype == dtype else student_x.to(dtype)
     tx = teacher_x if t_dtype is None or teacher_x.dtype == t_dtype else teacher_x.to(t_dtype)
     teacher = _Teacher(t_engine, t_shards, tx, t_softcap, t)
-    num_classes = sum(s.weight.shape[0] for s in shards)
-    if sum(s.weight.shape[0] for s in t_shards) != num_classes:
-        raise ValueError("hugehead: the student and the teacher must have the same number of classes")
+    if t_classes != num_classes:
+        raise ValueError(f"hugehead: the student and the teacher must have the same number of classes, got "
+                         f"{num_classes} and {t_classes}")
+    _check_covers(t_shards, shards)
     spec = LossSpec(engine, [s.start for s in shards], shards[0].bias is not None, num_classes,
                     LossOptions(softcap=None if softcap is None else softcap / t))
     params = [s.weight for s in shards] + [s.bias / t for s in shards if s.bias is not None]

@@ -99,6 +99,7 @@ class DistillTarget:
     teacher_lse: Tensor
     student_lse: Optional[Tensor] = None
     coef: Optional[Tensor] = None
+    GRAD_TERMS = 0  # with_grads' coefficient is not a gradient (across ranks it is gathered as it is)
 
     @property
     def device(self) -> torch.device:
@@ -118,6 +119,12 @@ class DistillTarget:
         cut = (lambda t: None if t is None else t[r0:r1])  # noqa: E731
         return replace(self, teacher=self.teacher.rows(r0, r1), teacher_lse=self.teacher_lse[r0:r1],
                        student_lse=cut(self.student_lse), coef=cut(self.coef))
+
+    def gather(self, engine, rows: int) -> "DistillTarget":
+        """Every rank's rows (the distributed engine's all-gather, each rank's padded to ``rows``)."""
+        pad = (lambda t: None if t is None else engine.gather_rows(t, rows, 0))  # noqa: E731
+        return replace(self, teacher=replace(self.teacher, x=pad(self.teacher.x)), teacher_lse=pad(self.teacher_lse),
+                       student_lse=pad(self.student_lse))
 
     def with_grads(self, coef: Tensor) -> "DistillTarget":
         return replace(self, coef=coef)

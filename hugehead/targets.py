@@ -76,6 +76,7 @@ class EntropyTarget:
     target: Tensor
     grad_entropy: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
+    GRAD_TERMS = 1  # of with_grads' arguments, the leading ones that are gradients (scaled as grad_rows)
 
     @property
     def device(self) -> torch.device:
@@ -241,6 +242,8 @@ def gather_chunk_target(engine, target: ChunkTarget, rows: int) -> ChunkTarget:
         return IndexTarget(engine.gather_rows(target.target, rows, -1))
     if isinstance(target, EntropyTarget):  # the forward's: its backward's rows are gathered by the engine
         return EntropyTarget(engine.gather_rows(target.target, rows, -1))
+    if hasattr(target, "gather"):  # a target of its own module (hugehead.distill_target)
+        return target.gather(engine, rows)
     if isinstance(target, SoftmaxCsrTarget):
         stats, (grad_val,) = gather_csr(engine, target.stats, rows, target.grad_val)
         return SoftmaxCsrTarget(stats, grad_val, engine.gather_rows(target.mass, rows, 0), target.class_weight)

@@ -217,7 +217,49 @@ def job_topk(ctx) -> dict:
         target = target.clamp(min=0).to(ctx["device"])
         out[(softcap, "log_prob")] = (head.log_prob(x, target).cpu(), target.cpu())
     out["verl"] = _verl_tensor_parallel(ctx)
+    for divergence in ("forward_kl", "jsd"):
+        out[("distill", divergence)] = _distill_across_ranks(ctx, divergence)
     return out
+
+
+def distill_heads(world: int):
+    """The student's and the teacher's (width D + 3) logical weights and biases, and their shard sizes per rank."""
+    g = torch.Generator().manual_seed(99)
+    weights = [torch.randn(TOPK_V, d, generator=g, dtype=torch.float64) for d in (D, D + 3)]
+    biases = [torch.randn(TOPK_V, generator=g, dtype=torch.float64) for _ in range(2)]
+    return weights, biases, {2: [12, 7], 3: [8, 5, 6]}[world]
+
+
+def distill_inputs(rank: int):
+    g = torch.Generator().manual_seed(500 + rank)
+    n = [6, 0, 5][rank]
+    return (torch.randn(n, D, generator=g, dtype=torch.float64), torch.randn(n, D + 3, generator=g, dtype=torch.float64),
+            torch.rand(n, generator=g) > 0.3, torch.randn(n, generator=g, dtype=torch.float64))
+
+
+def _distill_across_ranks(ctx, divergence: str) -> dict:
+    """hugehead.linear_distill of a student head across the ranks against a teacher head across them, held in
+    host memory (offloaded, computing on the CPU), with the same class ranges per rank."""
+    from hugehead.engines import offload
+
+    (ws, wt), (bs, bt), sizes = distill_heads(ctx["world"])
+    allow, offload._ALLOW_CPU_COMPUTE = offload._ALLOW_CPU_COMPUTE, True
+    try:
+        student = hugehead.ChunkedClassifier(D, TOPK_V, dtype=torch.float64, process_group=dist.group.WORLD,
+                                             shard_sizes=sizes, chunk_size=3, devices=_devices(ctx, 1))
+        teacher = hugehead.ChunkedClassifier(D + 3, TOPK_V, dtype=torch.float64, process_group=dist.group.WORLD,
+                                             shard_sizes=sizes, chunk_size=4, devices=_devices(ctx, 1), offload=True)
+        student.load_state_dict({"weight": ws, "bias": bs})
+        teacher.load_state_dict({"weight": wt, "bias": bt})
+        xs, xt, mask, up = distill_inputs(ctx["rank"])
+        xs = xs.requires_grad_()
+        rows = hugehead.linear_distill(xs, student, xt, teacher, divergence=divergence, beta=0.3, temperature=0.8,
+                                       mask=mask, reduction="none")
+        (rows * up).sum().backward()
+    finally:
+        offload._ALLOW_CPU_COMPUTE = allow
+    return dict(rows=rows.detach(), grad_x=xs.grad,
+                shards=[(s.start, s.stop, s.weight.grad, s.bias.grad) for s in student.shards])
 
 
 VERL_V = 24  # split evenly over 2 and 3 ranks, as verl's tensor-parallel vocabulary is

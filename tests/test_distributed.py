@@ -153,6 +153,39 @@ def check_topk(results, world):
     for softcap in (None, 1.5):
         check_log_prob_entropy(results, world, w, b, softcap)
     check_verl_tensor_parallel(results, world)
+    for divergence in ("forward_kl", "jsd"):
+        check_distill(results, world, divergence)
+
+
+def check_distill(results, world, divergence):
+    """A student head across ranks distilled from a teacher head across them in host memory: each rank's rows and
+    dX, and the student's shard gradients of the mean over ranks of their objectives."""
+    (ws, wt), (bs, bt), _ = dist_cases.distill_heads(world)
+    ws, bs = ws.clone().requires_grad_(), bs.clone().requires_grad_()
+    total = 0.0
+    for rank in range(world):
+        xs, xt, mask, up = dist_cases.distill_inputs(rank)
+        got = results["topk"][rank][("distill", divergence)]
+        xs = xs.requires_grad_()
+        lp = torch.log_softmax((xs @ ws.T + bs) / 0.8, -1)
+        lq = torch.log_softmax((xt @ wt.T + bt) / 0.8, -1)
+        if divergence == "forward_kl":
+            rows = F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
+        else:
+            lm = torch.logsumexp(torch.stack([lq + math.log(0.3), lp + math.log(0.7)]), dim=0)
+            rows = (0.3 * F.kl_div(lm, lq, reduction="none", log_target=True).sum(-1)
+                    + 0.7 * F.kl_div(lm, lp, reduction="none", log_target=True).sum(-1))
+        rows = torch.where(mask, rows, 0.0)
+        torch.testing.assert_close(got["rows"], rows.detach(), **CLOSE)
+        objective = (rows * up).sum()
+        if xs.shape[0]:
+            (grad_x,) = torch.autograd.grad(objective, xs, retain_graph=True)
+            torch.testing.assert_close(got["grad_x"], grad_x, **CLOSE)
+        total = total + objective / world
+    grad_w, grad_b = torch.autograd.grad(total, [ws, bs])
+    shards = [s for r in range(world) for s in results["topk"][r][("distill", divergence)]["shards"]]
+    torch.testing.assert_close(logical_from_pieces([(a, c, gw) for a, c, gw, _ in shards], TOPK_V), grad_w, **CLOSE)
+    torch.testing.assert_close(logical_from_pieces([(a, c, gb) for a, c, _, gb in shards], TOPK_V), grad_b, **CLOSE)
 
 
 def check_verl_tensor_parallel(results, world):

@@ -315,15 +315,15 @@ class DistributedEngine:
         need_weight: Sequence[bool],
         x_like: Tensor,
         grad_lse: Optional[Tensor] = None,
-        row_terms: Optional[Tuple[Tensor, Tensor]] = None,
+        row_terms: Optional[Tuple[Tensor, ...]] = None,
     ) -> Tuple[Optional[Tensor], List[Optional[Tensor]], List[Optional[Tensor]]]:
         """Gradients: ``dX`` of this rank's rows (``dL_r/dx_r``) and this rank's shard gradients (of the
         mean over ranks of their losses).
 
         Args:
             placed: from :meth:`row_stats`. lse, grad_rows, grad_lse: ``[N_r]`` of this rank's rows. row_terms:
-                an :class:`~hugehead.targets.EntropyTarget`'s ``(dL/dH, H)`` of them (every rank passes them, or
-                none does: the loss is the same on every rank), all-gathered, ``dL/dH`` scaled as ``grad_rows``.
+                the chunk target's row terms of them (every rank passes them, or none does: the loss is the same on
+                every rank), all-gathered, the target's leading ``GRAD_TERMS`` scaled as ``grad_rows``.
             need_x: this rank wants ``dX``; the partials of all rows are computed when any rank does.
             Others: as :meth:`LocalEngine.backward`.
         Returns:
@@ -341,17 +341,14 @@ class DistributedEngine:
                 x_comm, row_terms=None if row_terms is None else tuple(t.to(device) for t in row_terms),
             )
             return (x_like.new_zeros(x_like.shape) if need_x else None), grad_w, grad_b
-        # One all-gather: lse, grad_rows, grad_lse (and the entropy's dL/dH and H) of every rank's rows, and two
+        # One all-gather: lse, grad_rows, grad_lse (and the chunk target's row terms) of every rank's rows, and two
         # flags per rank.
-        vectors = 3 if row_terms is None else 5
+        terms = list(row_terms or ())
+        vectors = 3 + len(terms)
         mine = torch.zeros(vectors * n + 2, dtype=acc, device=device)
-        mine[:n_own] = lse
-        mine[n:n + n_own] = grad_rows
-        if grad_lse is not None:
-            mine[2 * n:2 * n + n_own] = grad_lse
-        if row_terms is not None:
-            mine[3 * n:3 * n + n_own] = row_terms[0]
-            mine[4 * n:4 * n + n_own] = row_terms[1]
+        for i, t in enumerate([lse, grad_rows, grad_lse] + terms):
+            if t is not None:
+                mine[i * n:i * n + n_own] = t
         mine[vectors * n] = float(need_x)
         mine[vectors * n + 1] = float(grad_lse is not None)
         every = mine.new_empty(world, vectors * n + 2)
@@ -362,8 +359,10 @@ class DistributedEngine:
         lse_all = every[:, :n].reshape(-1)
         grad_rows_all = every[:, n:2 * n].reshape(-1).div_(world)
         grad_lse_all = every[:, 2 * n:3 * n].reshape(-1).div_(world) if any_lse else None
-        terms_all = None if row_terms is None else (every[:, 3 * n:4 * n].reshape(-1).div_(world),
-                                                    every[:, 4 * n:5 * n].reshape(-1))
+        # the chunk target's leading GRAD_TERMS row terms are gradients, scaled like grad_rows
+        scaled = getattr(placed[0].target, "GRAD_TERMS", 0) if placed else 0
+        terms_all = None if row_terms is None else tuple(
+            every[:, (3 + i) * n:(4 + i) * n].reshape(-1).div_(world if i < scaled else 1) for i in range(len(terms)))
         grad_x_all, grad_w, grad_b = self.local.backward(
             placed, shards, num_classes, lse_all, grad_rows_all, options, any_x, need_weight, x_comm,
             grad_lse=grad_lse_all, row_terms=terms_all,
