@@ -172,3 +172,17 @@ def test_bad_arguments_raise_naming_them():
     with pytest.raises(ValueError, match="top-k teacher takes divergence='forward_kl'"):
         hugehead.linear_distill(xs, ws, None, None, teacher_topk=(torch.zeros(N, 2, dtype=torch.long),
                                                                   torch.zeros(N, 2)), divergence="jsd")
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_compiles_with_fullgraph(divergence):
+    xs, ws, bs, xt, wt, bt, mask, up = _inputs()
+    fn = torch.compile(lambda x, w: hugehead.linear_distill(x, w, xt, wt, divergence=divergence, student_bias=bs,
+                                                            teacher_bias=bt, mask=mask, chunk_size=16),
+                       fullgraph=True, backend="aot_eager")
+    params = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+    got = fn(*params)
+    ref = reference(divergence, 0.5, 1.0, *params, bs, xt, wt, bt, mask).sum() / mask.sum()
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    for a, r in zip(torch.autograd.grad(got, params), torch.autograd.grad(ref, params)):
+        assert rel_err(a, r) < 1e-10
