@@ -136,10 +136,17 @@ def _timed_runs(doc):
                    r.get("sha"))
 
 
+def _posttrain(doc):
+    for r in doc.get("rows", []):
+        yield _shape(r), f"{r['study']} {r['impl']}", r.get("ms"), r.get("peak_gib")
+        if r["impl"] == "hugehead":
+            yield _shape(r), f"{r['study']} ce step", r.get("ce_ms"), None
+
+
 EXTRACTORS: Dict[str, Callable[[Mapping[str, object]], Iterable[tuple]]] = {
     "lce": _lce, "topk": _topk, "multilabel": _multilabel, "amp": _amp, "offload": _offload,
     "checkpoint": _checkpoint, "transformers": _transformers, "placement": _placement, "dist": _dist,
-    "resume": _timed_runs, "training": _timed_runs, "split": _split,
+    "resume": _timed_runs, "training": _timed_runs, "split": _split, "posttrain": _posttrain,
 }
 
 

@@ -96,6 +96,18 @@ def test_write_report_json_markdown_plot_and_smoke_note(tmp_path):
 
 
 @pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
+def test_posttrain_benchmark_cpu_smoke(tmp_path):
+    from bench import bench_posttrain, history
+
+    assert bench_posttrain.main(["--cpu-smoke", "--reps", "1", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "posttrain.json").read_text())
+    ours = [r for r in doc["rows"] if r["impl"] == "hugehead"]
+    assert {r["study"] for r in ours} == {"logprob_entropy", "forward_kl", "reverse_kl", "jsd"}
+    assert all(r["ms"] > 0 and r["ce_ms"] > 0 and r["ratio"] == r["ms"] / r["ce_ms"] for r in ours)
+    assert all(r.get("skipped") for r in doc["rows"] if r["impl"] != "hugehead")  # peers: GPU only, said so
+    assert len(history.rows_of("posttrain", doc)) == 8
+
+
 def test_placement_benchmark_cpu_smoke(tmp_path):
     assert bench_placement.main(["--cpu-smoke", "--repeats", "2", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "placement.json").read_text())
