@@ -95,46 +95,51 @@ def _row(study, shape, impl, timing, ce_ms, dtype) -> dict:
 def run(shapes: Dict[str, Shape], studies: List[str], device: torch.device, dtype: torch.dtype, args) -> List[dict]:
     rows: List[dict] = []
     for shape in shapes.values():
-        x, w, target = common.make_inputs(shape, device, dtype)
-        xt, wt, _ = common.make_inputs(shape, device, dtype, seed=1)
-        g = torch.Generator(device=device).manual_seed(2)
-        up = torch.randn(2, shape.n, generator=g, device=device)
-        x.requires_grad_(), w.requires_grad_()
-        measure = lambda fn: harness.measure(_step(fn, [x, w]), device, reps=args.reps, warmup=args.warmup,  # noqa: E731
-                                             input_bytes=harness.tensor_bytes(x, w, target, xt, wt) * 2)
-        ce = measure(lambda: hugehead.linear_cross_entropy(x, w, target))
-        print(f"{shape.name}: cross-entropy step {ce.ms:.2f} ms", flush=True)
-        wanted = [s for s in studies if shape.name in (LOGPROB_SHAPES if s == "logprob_entropy" else DISTILL_SHAPES)
-                  or shape.note == "smoke"]
-        for study in wanted:
-            impls: Dict[str, Callable[[], Callable]] = {}
-            if study == "logprob_entropy":
-                def ours():
-                    logp, h = hugehead.linear_log_prob(x, w, target, return_entropy=True)
-                    return (logp * up[0] + h * up[1]).sum()
-                impls["hugehead"] = lambda: ours
-                impls["verl"] = lambda: _verl_step(load_verl(args.verl_dir), x, w, target, up)
-                impls["trl"] = lambda: (lambda fn: (lambda: (fn(x, w, target) * up[0]).sum()))(load_trl(args.trl_fn))
-            else:
-                impls["hugehead"] = lambda study=study: (
-                    lambda: hugehead.linear_distill(x, w, xt, wt, divergence=study, beta=0.5))
-                impls["liger"] = lambda study=study: (lambda fn: (lambda: fn(x, w, xt, wt)))(load_liger_jsd(study))
-            for impl, load in impls.items():
-                if device.type == "cpu" and impl != "hugehead":
-                    rows.append({**_row(study, shape, impl, None, ce.ms, str(dtype)), "skipped": "GPU peers only"})
-                    continue
-                try:
-                    t = measure(load())
-                except Exception as exc:  # noqa: BLE001  (a peer that cannot run is a row saying why)
-                    rows.append({**_row(study, shape, impl, None, ce.ms, str(dtype)),
-                                 "skipped": harness.error_text(exc, 300)})
-                    print(f"  {study} {impl}: skipped ({rows[-1]['skipped'][:120]})", flush=True)
-                    continue
-                rows.append(_row(study, shape, impl, t, ce.ms, str(dtype).replace("torch.", "")))
-                print(f"  {study} {impl}: {t.ms:.2f} ms = {t.ms / ce.ms:.2f}x the cross-entropy step", flush=True)
-        del x, w, target, xt, wt
+        rows += _run_shape(shape, studies, device, dtype, args)  # its inputs freed on return
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def _run_shape(shape: Shape, studies: List[str], device: torch.device, dtype: torch.dtype, args) -> List[dict]:
+    rows: List[dict] = []
+    x, w, target = common.make_inputs(shape, device, dtype)
+    xt, wt, _ = common.make_inputs(shape, device, dtype, seed=1)
+    g = torch.Generator(device=device).manual_seed(2)
+    up = torch.randn(2, shape.n, generator=g, device=device)
+    x.requires_grad_(), w.requires_grad_()
+    measure = lambda fn: harness.measure(_step(fn, [x, w]), device, reps=args.reps, warmup=args.warmup,  # noqa: E731
+                                         input_bytes=harness.tensor_bytes(x, w, target, xt, wt) * 2)
+    ce = measure(lambda: hugehead.linear_cross_entropy(x, w, target))
+    print(f"{shape.name}: cross-entropy step {ce.ms:.2f} ms", flush=True)
+    wanted = [s for s in studies if shape.name in (LOGPROB_SHAPES if s == "logprob_entropy" else DISTILL_SHAPES)
+              or shape.note == "smoke"]
+    for study in wanted:
+        impls: Dict[str, Callable[[], Callable]] = {}
+        if study == "logprob_entropy":
+            def ours():
+                logp, h = hugehead.linear_log_prob(x, w, target, return_entropy=True)
+                return (logp * up[0] + h * up[1]).sum()
+            impls["hugehead"] = lambda: ours
+            impls["verl"] = lambda: _verl_step(load_verl(args.verl_dir), x, w, target, up)
+            impls["trl"] = lambda: (lambda fn: (lambda: (fn(x, w, target) * up[0]).sum()))(load_trl(args.trl_fn))
+        else:
+            impls["hugehead"] = lambda study=study: (
+                lambda: hugehead.linear_distill(x, w, xt, wt, divergence=study, beta=0.5))
+            impls["liger"] = lambda study=study: (lambda fn: (lambda: fn(x, w, xt, wt)))(load_liger_jsd(study))
+        for impl, load in impls.items():
+            if device.type == "cpu" and impl != "hugehead":
+                rows.append({**_row(study, shape, impl, None, ce.ms, str(dtype)), "skipped": "GPU peers only"})
+                continue
+            try:
+                t = measure(load())
+            except Exception as exc:  # noqa: BLE001  (a peer that cannot run is a row saying why)
+                rows.append({**_row(study, shape, impl, None, ce.ms, str(dtype)),
+                             "skipped": harness.error_text(exc, 300)})
+                print(f"  {study} {impl}: skipped ({rows[-1]['skipped'][:120]})", flush=True)
+                continue
+            rows.append(_row(study, shape, impl, t, ce.ms, str(dtype).replace("torch.", "")))
+            print(f"  {study} {impl}: {t.ms:.2f} ms = {t.ms / ce.ms:.2f}x the cross-entropy step", flush=True)
     return rows
 
 

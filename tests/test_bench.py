@@ -95,7 +95,6 @@ def test_write_report_json_markdown_plot_and_smoke_note(tmp_path):
         harness.md_table(["a", "b"], [[1, 2, 3]])
 
 
-@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_posttrain_benchmark_cpu_smoke(tmp_path):
     from bench import bench_posttrain, history
 
@@ -108,6 +107,7 @@ def test_posttrain_benchmark_cpu_smoke(tmp_path):
     assert len(history.rows_of("posttrain", doc)) == 8
 
 
+@pytest.mark.slow  # a benchmark pipeline end to end: python -m pytest -m slow tests
 def test_placement_benchmark_cpu_smoke(tmp_path):
     assert bench_placement.main(["--cpu-smoke", "--repeats", "2", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "placement.json").read_text())
