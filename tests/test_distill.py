@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import hugehead
 from hugehead.engines import offload
 
-from conftest import rel_err
+from conftest import rel_err, requires_cuda
 
 N, DS, DT, V = 13, 6, 9, 61
 
@@ -186,3 +186,23 @@ def test_compiles_with_fullgraph(divergence):
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
     for a, r in zip(torch.autograd.grad(got, params), torch.autograd.grad(ref, params)):
         assert rel_err(a, r) < 1e-10
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_divergences_on_cuda_match_float64(divergence):
+    g = torch.Generator().manual_seed(12)
+    xs, xt = (torch.randn(256, d, generator=g, dtype=torch.float64) for d in (128, 192))
+    ws, wt = (torch.randn(30_000, d, generator=g, dtype=torch.float64) / d ** 0.5 for d in (128, 192))
+    mask = torch.rand(256, generator=g) > 0.1
+    up = torch.randn(256, generator=g, dtype=torch.float64)
+    ref_params = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+    ref = reference(divergence, 0.3, 0.9, *ref_params, None, xt, wt, None, mask)
+    ref_grads = torch.autograd.grad((ref * up).sum(), ref_params)
+    params = [t.cuda().float().requires_grad_() for t in (xs, ws)]
+    got = hugehead.linear_distill(params[0], params[1], xt.cuda().float(), wt.cuda().float(), divergence=divergence,
+                                  beta=0.3, temperature=0.9, mask=mask.cuda(), reduction="none", chunk_size=4096)
+    assert rel_err(got.double().cpu(), ref) < 1e-4
+    for a, r in zip(torch.autograd.grad((got * up.cuda()).sum(), params), ref_grads):
+        assert rel_err(a.double().cpu(), r) < 1e-4
