@@ -44,12 +44,21 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 def load_verl(kernel_dir: Optional[str]):
     """verl's ``linear_cross_entropy`` from its ``utils/kernel`` folder, imported by path as a package of its own
-    (``linear_cross_entropy.py`` and ``kernels.py`` need only torch and triton), never ``import verl``."""
+    (``linear_cross_entropy.py`` and ``kernels.py`` need torch, triton and ``verl.utils.device``, a stub here), never
+    ``import verl``."""
     if not kernel_dir:
         raise RuntimeError("no --verl-dir given")
     root = Path(kernel_dir)
     if not (root / "linear_cross_entropy.py").is_file():
         raise RuntimeError(f"no linear_cross_entropy.py in {root}")
+    # kernels.py asks verl.utils.device which accelerator this is: answered here, for CUDA, without verl
+    for name in ("verl", "verl.utils"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    device = sys.modules.setdefault("verl.utils.device", types.ModuleType("verl.utils.device"))
+    device.get_torch_device = lambda: torch.cuda
+    device.get_device_name = lambda: "cuda"
+    device.get_device_capability = lambda: torch.cuda.get_device_capability()
+    device.is_cuda_available = torch.cuda.is_available()
     package = types.ModuleType("verl_kernel_by_path")
     package.__path__ = [str(root)]
     sys.modules[package.__name__] = package

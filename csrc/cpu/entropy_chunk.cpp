@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "hugehead/common.h"
 #include "hugehead/cpu_rows.h"
+#include "hugehead/cpu_simd.h"
 #include "hugehead/entry.h"
 #include "hugehead/numerics.h"
 
@@ -21,6 +23,17 @@ void entropy_stats_rows(const EntropyStatsParams& p, int64_t begin, int64_t end)
   auto* target_logit = static_cast<acc_t*>(p.target_logit);
   for (int64_t row = begin; row < end; ++row) {
     const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
+    const int64_t t = p.target[row] - p.class_start;
+    if (t >= 0 && t < p.cols) target_logit[row] = apply_softcap(static_cast<acc_t>(z[t]), softcap);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (softcap <= acc_t(0)) {  // the common case, vectorized
+        float m, s, a;
+        cpu::row_entropy_stats_f32(z, p.cols, m, s, a);
+        entropy_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row],
+                      static_cast<acc_t*>(p.row_shifted)[row], m, s, a);
+        continue;
+      }
+    }
     acc_t m = neg_inf<acc_t>();
     bool has_nan = false;
     for (int64_t j = 0; j < p.cols; ++j) {
@@ -41,8 +54,6 @@ void entropy_stats_rows(const EntropyStatsParams& p, int64_t begin, int64_t end)
     if (has_nan) s = a = std::numeric_limits<acc_t>::quiet_NaN();
     entropy_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row],
                   static_cast<acc_t*>(p.row_shifted)[row], m, s, a);
-    const int64_t t = p.target[row] - p.class_start;
-    if (t >= 0 && t < p.cols) target_logit[row] = apply_softcap(static_cast<acc_t>(z[t]), softcap);
   }
 }
 
@@ -61,6 +72,12 @@ void entropy_grad_rows(const EntropyGradParams& p, int64_t begin, int64_t end) {
       continue;
     }
     const int64_t t = p.target[row] - p.class_start;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (softcap <= acc_t(0)) {  // the common case, vectorized
+        cpu::row_entropy_grad_f32(z, p.cols, t, lse[row], g, ge, entropy[row]);
+        continue;
+      }
+    }
     for (int64_t j = 0; j < p.cols; ++j) {
       z[j] = static_cast<scalar_t>(
           entropy_logit_grad(static_cast<acc_t>(z[j]), j == t, lse[row], g, ge, entropy[row], softcap));

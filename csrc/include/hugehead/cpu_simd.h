@@ -86,5 +86,48 @@ inline void row_grad_f32(float* z, int64_t cols, int64_t t, float lse, float g, 
   }
 }
 
+// One row of entropy_chunk_stats_ in float32 without softcap: (max, sum of exp(z - max), sum of
+// exp(z - max) (z - max)), NaN-aware as row_stats_f32. A -inf logit's (z - max) is clamped to the lowest float
+// so that its 0 * (z - max) term is 0, not NaN.
+HUGEHEAD_CPU_CLONES
+inline void row_entropy_stats_f32(const float* z, int64_t cols, float& max_out, float& sumexp_out,
+                                  float& shifted_out) {
+  float m = -std::numeric_limits<float>::infinity();
+  int has_nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : has_nan)
+  for (int64_t j = 0; j < cols; ++j) {
+    m = z[j] > m ? z[j] : m;
+    has_nan |= (z[j] != z[j]);
+  }
+  float s = 0.0f, a = 0.0f;
+  if (m != -std::numeric_limits<float>::infinity()) {
+    const float lowest = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(+ : s, a)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float d = std::max(z[j] - m, lowest);
+      const float e = exp_nonpositive(d);
+      s += e;
+      a += e * d;
+    }
+  }
+  max_out = m;
+  sumexp_out = has_nan ? std::numeric_limits<float>::quiet_NaN() : s;
+  shifted_out = has_nan ? std::numeric_limits<float>::quiet_NaN() : a;
+}
+
+// One row of entropy_chunk_grad_ in float32 without softcap, in place:
+//   z_j <- g (p_j - [j == t]) - g_entropy p_j (log p_j + entropy),  log p_j = z_j - lse
+HUGEHEAD_CPU_CLONES
+inline void row_entropy_grad_f32(float* z, int64_t cols, int64_t t, float lse, float g, float g_entropy,
+                                 float entropy) {
+  const float lowest = std::numeric_limits<float>::lowest();
+#pragma omp simd
+  for (int64_t j = 0; j < cols; ++j) {
+    const float lp = std::max(z[j] - lse, lowest);
+    const float prob = exp_nonpositive(lp);
+    z[j] = g * (prob - static_cast<float>(j == t)) - g_entropy * prob * (lp + entropy);
+  }
+}
+
 }  // namespace cpu
 }  // namespace hugehead
