@@ -49,6 +49,16 @@ TORCH_LIBRARY(hugehead, m) {
   m.def(
       "entropy_chunk_grad_(Tensor(a!) logits, Tensor target, int class_start, float softcap, Tensor lse, "
       "Tensor grad_rows, Tensor grad_entropy, Tensor entropy) -> ()");
+  // Distillation: fold a student logits chunk and the teacher's logits of the same classes into the student's
+  // (row_max, row_sumexp) and the divergence's sums (0 forward KL, 1 reverse KL, 2 JSD; distill.h).
+  m.def(
+      "distill_chunk_stats_(Tensor logits, Tensor teacher, int divergence, float beta, float softcap, "
+      "float teacher_softcap, Tensor teacher_lse, Tensor? student_lse, Tensor(a!) row_max, Tensor(b!) row_sumexp, "
+      "Tensor(c!) logit_sum, Tensor(d!) target_logit) -> ()");
+  // Its gradient in place: grad_rows d divergence / d logits through the student's softcap (grad_rows 0: zeros).
+  m.def(
+      "distill_chunk_grad_(Tensor(a!) logits, Tensor teacher, int divergence, float beta, float softcap, "
+      "float teacher_softcap, Tensor lse, Tensor teacher_lse, Tensor? coef, Tensor grad_rows) -> ()");
   // Fold a logits chunk [N, C] holding classes [class_start, class_start + C) (bias [C], optional, added
   // first) into a running per-row top-k: values [N, k] (the logits' dtype, softcapped) and indices [N, k]
   // int64, sorted by value descending, NaN first, ties to the lower class id; index -1 marks a still empty

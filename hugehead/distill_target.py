@@ -15,12 +15,14 @@ With ``s`` the student's and ``u`` the teacher's (tempered) logits, ``L_s``, ``L
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from . import ops
+from .ops import target_chunks
 
 __all__ = ["TeacherLogits", "DistillTarget", "DIVERGENCES"]
 
@@ -44,8 +46,8 @@ class TeacherLogits:
     def rows(self, r0: int, r1: int) -> "TeacherLogits":
         return replace(self, x=self.x[r0:r1])
 
-    def logits(self, c0: int, c1: int, dtype: torch.dtype) -> Tensor:
-        """``[R, c1 - c0]`` in ``dtype`` (the accumulation dtype) on the rows' device."""
+    def logits(self, c0: int, c1: int) -> Tensor:
+        """``[R, c1 - c0]`` before the softcap, in the rows' dtype on the rows' device."""
         x = self.x
         parts = []
         for start, weight, bias in self.shards:
@@ -53,34 +55,9 @@ class TeacherLogits:
             if a >= b:
                 continue
             w = weight.detach()[a:b].to(device=x.device, dtype=x.dtype)
-            part = x @ w.T if bias is None else torch.addmm(bias.detach()[a:b].to(device=x.device, dtype=x.dtype), x,
-                                                             w.T)
-            parts.append(part.to(dtype))
-        u = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return self.softcap * torch.tanh(u / self.softcap) if self.softcap > 0 else u
-
-
-def _capped(z: Tensor, softcap: float) -> Tuple[Tensor, Optional[Tensor]]:
-    """The (softcapped) logits and their derivative (None: 1)."""
-    if softcap <= 0:
-        return z, None
-    t = torch.tanh(z / softcap)
-    return softcap * t, 1 - t * t
-
-
-def _weighted(p: Tensor, v: Tensor) -> Tensor:
-    """``Σ_j p_j v_j`` per row, a zero-probability term counting 0 (its ``v`` may be infinite)."""
-    return torch.where(p > 0, p * v, torch.zeros_like(p)).sum(dim=1)
-
-
-def _fold_lse(row_max: Tensor, row_sumexp: Tensor, s: Tensor) -> None:
-    """Fold chunk ``s [R, C]`` into the running ``(max, sum of exp(s - max))`` in place."""
-    new_max = torch.maximum(row_max, s.max(dim=1).values)
-    finite = new_max > -math.inf
-    keep = torch.where(finite & (row_max > -math.inf), torch.exp(row_max - new_max), torch.zeros_like(row_max))
-    shift = torch.where(finite, new_max, torch.zeros_like(new_max))
-    row_sumexp.mul_(keep).add_(torch.exp(s - shift[:, None]).sum(dim=1))
-    row_max.copy_(new_max)
+            parts.append(x @ w.T if bias is None else torch.addmm(bias.detach()[a:b].to(device=x.device, dtype=x.dtype),
+                                                                   x, w.T))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 @dataclass(frozen=True)
@@ -129,48 +106,25 @@ class DistillTarget:
     def with_grads(self, coef: Tensor) -> "DistillTarget":
         return replace(self, coef=coef)
 
-    def _log_mixture(self, log_p: Tensor, log_q: Tensor) -> Tensor:
-        return torch.logaddexp(log_q + math.log(self.beta), log_p + math.log1p(-self.beta))
+    @property
+    def code(self) -> int:
+        return target_chunks.DIVERGENCE_CODES[self.divergence]
+
+    def _teacher_chunk(self, z: Tensor, class_start: int) -> Tensor:
+        """The teacher's logits of the student chunk ``z``'s classes, in ``z``'s dtype or its accumulation dtype
+        (the kernels take either)."""
+        u = self.teacher.logits(class_start, class_start + z.shape[1])
+        return u if u.dtype in (z.dtype, ops.acc_dtype(z.dtype)) else u.to(ops.acc_dtype(z.dtype))
 
     def stats_(self, z: Tensor, class_start: int, softcap: float, stats) -> None:
         """The student's running log-sum-exp, and the divergence's sums into ``logit_sum`` (and, for JSD,
         ``Σ p (log p - log m)`` into ``target_logit``)."""
-        acc = stats.max.dtype
-        s, _ = _capped(z.to(acc), softcap)
-        u = self.teacher.logits(class_start, class_start + z.shape[1], acc)
-        _fold_lse(stats.max, stats.sumexp, s)
-        log_q = u - self.teacher_lse[:, None]
-        if self.divergence == "forward_kl":
-            stats.logit_sum.add_(_weighted(log_q.exp(), u - s))
-            return
-        log_p = s - self.student_lse[:, None]
-        p = log_p.exp()
-        if self.divergence == "reverse_kl":
-            stats.logit_sum.add_(_weighted(p, s - u))
-            return
-        log_m = self._log_mixture(log_p, log_q)
-        stats.logit_sum.add_(self.beta * _weighted(log_q.exp(), log_q - log_m)
-                             + (1 - self.beta) * _weighted(p, log_p - log_m))
-        stats.target_logit.add_(_weighted(p, log_p - log_m))
+        target_chunks.distill_chunk_stats_(z, self._teacher_chunk(z, class_start), self.code, self.beta, softcap,
+                                           self.teacher.softcap, self.teacher_lse, self.student_lse, stats.max,
+                                           stats.sumexp, stats.logit_sum, stats.target_logit)
 
     def grad_(self, z: Tensor, class_start: int, num_classes: int, lse: Tensor, grad_rows: Tensor,
               label_smoothing: float, z_loss: float, softcap: float, grad_lse: Optional[Tensor]) -> None:
         """``z`` becomes ``grad_rows · d divergence / dz`` in place (rows whose ``grad_rows`` is 0: exact zeros)."""
-        acc = lse.dtype
-        s, dcdz = _capped(z.to(acc), softcap)
-        u = self.teacher.logits(class_start, class_start + z.shape[1], acc)
-        log_p = s - lse[:, None]
-        p = log_p.exp()
-        if self.divergence == "forward_kl":
-            g = p - torch.exp(u - self.teacher_lse[:, None])
-        elif self.divergence == "reverse_kl":
-            g = p * (s - u - self.coef[:, None])
-        else:
-            log_m = self._log_mixture(log_p, u - self.teacher_lse[:, None])
-            g = p * ((1 - self.beta) * (log_p - log_m) - self.coef[:, None])
-        g = torch.where(p > 0, g, torch.zeros_like(g)) if self.divergence != "forward_kl" else g
-        g = g * grad_rows[:, None]
-        if dcdz is not None:
-            g = g * dcdz
-        z.copy_(torch.where((grad_rows != 0)[:, None], g, torch.zeros_like(g)))
-
+        target_chunks.distill_chunk_grad_(z, self._teacher_chunk(z, class_start), self.code, self.beta, softcap,
+                                          self.teacher.softcap, lse, self.teacher_lse, self.coef, grad_rows)

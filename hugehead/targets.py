@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .ops import target_chunks
 from .sparse import CsrTarget
 
 __all__ = ["IndexTarget", "EntropyTarget", "SoftmaxCsrTarget", "BinaryCsrTarget", "ChunkTarget", "as_chunk_target",
@@ -98,13 +99,14 @@ class EntropyTarget:
         return EntropyTarget(self.target, grad_entropy, entropy)
 
     def stats_(self, z: Tensor, class_start: int, softcap: float, stats) -> None:
-        ops.entropy_chunk_stats_(z, self.target, class_start, softcap, *stats)
+        target_chunks.entropy_chunk_stats_(z, self.target, class_start, softcap, *stats)
 
     def grad_(self, z: Tensor, class_start: int, num_classes: int, lse: Tensor, grad_rows: Tensor,
               label_smoothing: float, z_loss: float, softcap: float, grad_lse: Optional[Tensor]) -> None:
         if self.grad_entropy is None or self.entropy is None:
             raise RuntimeError("hugehead: the entropy's backward needs EntropyTarget.with_grads")
-        ops.entropy_chunk_grad_(z, self.target, class_start, softcap, lse, grad_rows, self.grad_entropy, self.entropy)
+        target_chunks.entropy_chunk_grad_(z, self.target, class_start, softcap, lse, grad_rows, self.grad_entropy,
+                                          self.entropy)
 
 
 @dataclass(frozen=True)
@@ -149,15 +151,15 @@ class SoftmaxCsrTarget:
 
     def stats_(self, z: Tensor, class_start: int, softcap: float, stats) -> None:
         t = self.stats
-        ops.sparse_chunk_stats_(z, t.crow, t.col, t.val, class_start, softcap,
-                                self._class_weight(class_start, z.shape[1]), *stats)
+        target_chunks.sparse_chunk_stats_(z, t.crow, t.col, t.val, class_start, softcap,
+                                          self._class_weight(class_start, z.shape[1]), *stats)
 
     def grad_(self, z: Tensor, class_start: int, num_classes: int, lse: Tensor, grad_rows: Tensor,
               label_smoothing: float, z_loss: float, softcap: float, grad_lse: Optional[Tensor]) -> None:
         t = self.stats
-        ops.sparse_chunk_grad_(z, t.crow, t.col, self.grad_val, class_start, num_classes, lse, grad_rows, self.mass,
-                               label_smoothing, z_loss, softcap, self._class_weight(class_start, z.shape[1]),
-                               grad_lse)
+        target_chunks.sparse_chunk_grad_(z, t.crow, t.col, self.grad_val, class_start, num_classes, lse, grad_rows,
+                                         self.mass, label_smoothing, z_loss, softcap,
+                                         self._class_weight(class_start, z.shape[1]), grad_lse)
 
 
 @dataclass(frozen=True)
@@ -192,17 +194,17 @@ class BinaryCsrTarget:
     def stats_(self, z: Tensor, class_start: int, softcap: float, stats) -> None:
         # The row's loss goes into the target_logit slot (summed over chunks, shards and ranks).
         t = self.target
-        ops.bce_chunk_(z, t.crow, t.col, t.val, self.entry_weight, class_start, stats[2], None)
+        target_chunks.bce_chunk_(z, t.crow, t.col, t.val, self.entry_weight, class_start, stats[2], None)
 
     def loss_and_grad_(self, z: Tensor, class_start: int, row_loss: Tensor, grad_rows: Tensor) -> None:
         """Both in one pass (the forward that produces the gradient)."""
         t = self.target
-        ops.bce_chunk_(z, t.crow, t.col, t.val, self.entry_weight, class_start, row_loss, grad_rows)
+        target_chunks.bce_chunk_(z, t.crow, t.col, t.val, self.entry_weight, class_start, row_loss, grad_rows)
 
     def grad_(self, z: Tensor, class_start: int, num_classes: int, lse: Tensor, grad_rows: Tensor,
               label_smoothing: float, z_loss: float, softcap: float, grad_lse: Optional[Tensor]) -> None:
         t = self.target
-        ops.bce_chunk_(z, t.crow, t.col, t.val, self.entry_weight, class_start, None, grad_rows)
+        target_chunks.bce_chunk_(z, t.crow, t.col, t.val, self.entry_weight, class_start, None, grad_rows)
 
 
 ChunkTarget = Union[IndexTarget, EntropyTarget, SoftmaxCsrTarget, BinaryCsrTarget]

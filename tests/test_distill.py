@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import hugehead
+from hugehead import ops
 from hugehead.engines import offload
+from hugehead.ops import target_chunks
 
-from conftest import rel_err, requires_cuda
+from conftest import DEVICES, rel_err, requires_cuda
 
 N, DS, DT, V = 13, 6, 9, 61
 
@@ -206,3 +208,109 @@ def test_divergences_on_cuda_match_float64(divergence):
     assert rel_err(got.double().cpu(), ref) < 1e-4
     for a, r in zip(torch.autograd.grad((got * up.cuda()).sum(), params), ref_grads):
         assert rel_err(a.double().cpu(), r) < 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# The two kernels, against float64 formulas written out (full softmaxes over both chunks' classes).
+
+def _divergence_rows(divergence, s, u, beta):
+    """Per-row divergences (F.kl_div), float64, differentiable in the student's logits ``s``."""
+    log_p, log_q = F.log_softmax(s, 1), F.log_softmax(u, 1)
+    if divergence == "forward_kl":
+        return F.kl_div(log_p, log_q, log_target=True, reduction="none").sum(1)
+    if divergence == "reverse_kl":
+        return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(1)
+    log_m = torch.log(beta * log_q.exp() + (1 - beta) * log_p.exp())
+    return beta * F.kl_div(log_m, log_q, log_target=True, reduction="none").sum(1) + (1 - beta) * F.kl_div(
+        log_m, log_p, log_target=True, reduction="none").sum(1)
+
+
+def _kernel_sums(divergence, s, u, beta):
+    """What distill_chunk_stats_ folds per row, float64: (the divergence's sum, the JSD's part)."""
+    log_p, log_q = F.log_softmax(s, 1), F.log_softmax(u, 1)
+    p, q = log_p.exp(), log_q.exp()
+    if divergence == "forward_kl":
+        return (q * (u - s)).sum(1), torch.zeros(s.shape[0], dtype=s.dtype)
+    if divergence == "reverse_kl":
+        return (p * (s - u)).sum(1), torch.zeros(s.shape[0], dtype=s.dtype)
+    log_m = torch.log(beta * q + (1 - beta) * p)
+    part = (p * (log_p - log_m)).sum(1)
+    return beta * (q * (log_q - log_m)).sum(1) + (1 - beta) * part, part
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,teacher_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_distill_kernels_match_float64(divergence, dtype, teacher_dtype, device):
+    g = torch.Generator().manual_seed(5)
+    n, c, beta = 7, 300, 0.3
+    z = (torch.randn(n, c, generator=g, dtype=torch.float64) * 3).to(dtype)
+    u = (torch.randn(n, c, generator=g, dtype=torch.float64) * 3).to(teacher_dtype)
+    up = torch.randn(n, generator=g, dtype=torch.float64)
+    up[2] = 0  # a masked row: exact zeros
+    code = target_chunks.DIVERGENCE_CODES[divergence]
+    s64, u64 = z.double(), u.double()
+    sums, part = _kernel_sums(divergence, s64, u64, beta)
+    lse, t_lse64 = torch.logsumexp(s64, 1), torch.logsumexp(u64, 1)
+    on = dict(device=device, dtype=ops.acc_dtype(dtype))
+    t_lse = t_lse64.to(**on)
+    row_max, sumexp = torch.full((n,), -math.inf, **on), torch.zeros(n, **on)
+    logit_sum, target_logit = torch.zeros(n, **on), torch.zeros(n, **on)
+    zd, ud = z.to(device), u.to(device)
+    for a, b in [(0, 110), (110, 300)]:  # two chunks fold into the running statistics
+        target_chunks.distill_chunk_stats_(zd[:, a:b], ud[:, a:b], code, beta, 0.0, 0.0, t_lse,
+                                           None if code == 0 else lse.to(**on), row_max, sumexp, logit_sum,
+                                           target_logit)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert rel_err((row_max + sumexp.log()).double().cpu(), lse) < tol
+    assert rel_err(logit_sum.double().cpu(), sums) < tol
+    assert rel_err(target_logit.double().cpu(), part) < tol
+    coef = None if code == 0 else (sums if code == 1 else (1 - beta) * part).to(**on)
+    grad = zd.clone()
+    target_chunks.distill_chunk_grad_(grad, ud, code, beta, 0.0, 0.0, lse.to(**on), t_lse, coef, up.to(**on))
+    s = s64.clone().requires_grad_()
+    (ref,) = torch.autograd.grad((_divergence_rows(divergence, s, u64, beta) * up).sum(), s)
+    assert rel_err(grad.double().cpu(), ref) < (1e-12 if dtype == torch.float64 else 1e-2)
+    assert torch.equal(grad[2].cpu(), torch.zeros(c, dtype=dtype))
+
+
+def _sample_inputs_distill(device):
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        acc = ops.acc_dtype(dtype)
+        n, c = 5, 23
+        z, u = (torch.randn(n, c, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+        rows = [torch.rand(n, generator=g).to(device=device, dtype=acc) + 1 for _ in range(4)]
+        stats = [torch.full((n,), -math.inf, dtype=acc, device=device)] + [
+            torch.zeros(n, dtype=acc, device=device) for _ in range(3)]
+        for code in (0, 2):
+            yield "distill_chunk_stats_", [z, u, code, 0.4, 3.0, 0.0, rows[0], None if code == 0 else rows[1],
+                                           *stats]
+            yield "distill_chunk_grad_", [z.clone(), u, code, 0.4, 0.0, 2.0, rows[0], rows[1],
+                                          None if code == 0 else rows[2], rows[3]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_distill_ops(device):
+    for name, args in _sample_inputs_distill(device):
+        torch.library.opcheck(getattr(torch.ops.hugehead, name).default, args)
+
+
+def test_distill_ops_name_a_bad_argument():
+    z, u = torch.randn(4, 6), torch.randn(4, 6)
+    rows = [torch.zeros(4) for _ in range(4)]
+    with pytest.raises(RuntimeError, match="teacher must have the logits' shape"):
+        target_chunks.distill_chunk_stats_(z, u[:, :5], 0, 0.5, 0.0, 0.0, rows[0], None, *rows)
+    with pytest.raises(RuntimeError, match="teacher must be Float like the Float logits, got Double"):
+        target_chunks.distill_chunk_stats_(z, u.double(), 0, 0.5, 0.0, 0.0, rows[0], None, *rows)
+    with pytest.raises(RuntimeError, match="reverse KL and the JSD need student_lse"):
+        target_chunks.distill_chunk_stats_(z, u, 1, 0.5, 0.0, 0.0, rows[0], None, *rows)
+    with pytest.raises(RuntimeError, match=r"beta must be in \(0, 1\)"):
+        target_chunks.distill_chunk_grad_(z, u, 2, 1.0, 0.0, 0.0, rows[0], rows[1], rows[2], rows[3])
+    with pytest.raises(RuntimeError, match="need coef"):
+        target_chunks.distill_chunk_grad_(z, u, 1, 0.5, 0.0, 0.0, rows[0], rows[1], None, rows[3])
+    with pytest.raises(RuntimeError, match="divergence must be 0"):
+        target_chunks.distill_chunk_grad_(z, u, 3, 0.5, 0.0, 0.0, rows[0], rows[1], rows[2], rows[3])
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        target_chunks.distill_chunk_grad_(z, z, 0, 0.5, 0.0, 0.0, rows[0], rows[1], None, rows[3])

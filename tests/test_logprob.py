@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import hugehead
 from hugehead import ops
+from hugehead.ops import target_chunks
 from hugehead.engines import offload
 
 from conftest import DEVICES, load_example, rel_err, requires_cuda
@@ -56,7 +57,7 @@ def _entropy_stats(z, target, softcap, width):
     m = torch.full((n,), float("-inf"), dtype=acc)
     s, tl, a = (torch.zeros(n, dtype=acc) for _ in range(3))
     for c0 in range(0, z.shape[1], width):
-        ops.entropy_chunk_stats_(z[:, c0:c0 + width], target, c0, softcap, m, s, tl, a)
+        target_chunks.entropy_chunk_stats_(z[:, c0:c0 + width], target, c0, softcap, m, s, tl, a)
     return m + s.log(), tl, s.log() - a / s
 
 
@@ -86,7 +87,7 @@ def test_float32_kernels_vectorized_path_matches_float64():
     torch.testing.assert_close(h.double(), torch.special.entr(lp.exp()).sum(1), rtol=1e-5, atol=1e-6)
     up = torch.randn(2, 6, generator=g, dtype=torch.float64)
     grad = z.float().clone()
-    ops.entropy_chunk_grad_(grad, target, 0, 0.0, lse, -up[0].float(), up[1].float(), h)
+    target_chunks.entropy_chunk_grad_(grad, target, 0, 0.0, lse, -up[0].float(), up[1].float(), h)
     masked = z == float("-inf")  # no probability, no gradient
     # -1e4 in place of -inf: the same distribution, whose -Σ p log p autograd differentiates without 0 * inf
     zr = torch.where(masked, -1e4, z.float().double()).requires_grad_()
@@ -119,8 +120,8 @@ def test_entropy_grad_kernel_matches_autograd(softcap):
     ((lp.gather(1, target[:, None])[:, 0] * up[0]).sum() + (torch.special.entr(lp.exp()).sum(1) * up[1]).sum()).backward()
     grad = z.clone()
     for c0 in range(0, V, 16):  # chunk by chunk, as the loop does
-        ops.entropy_chunk_grad_(grad[:, c0:c0 + 16], target, c0, softcap, torch.logsumexp(c, 1).detach(), -up[0],
-                                up[1], torch.special.entr(lp.exp()).sum(1).detach())
+        target_chunks.entropy_chunk_grad_(grad[:, c0:c0 + 16], target, c0, softcap, torch.logsumexp(c, 1).detach(),
+                                          -up[0], up[1], torch.special.entr(lp.exp()).sum(1).detach())
     torch.testing.assert_close(grad, zr.grad, rtol=1e-12, atol=1e-14)
     assert torch.equal(grad[3], torch.zeros(V, dtype=torch.float64))
 
@@ -149,9 +150,11 @@ def test_entropy_ops_name_a_bad_argument():
     z = torch.randn(4, 6)
     rows = [torch.zeros(4) for _ in range(4)]
     with pytest.raises(RuntimeError, match=r"grad_entropy must have shape \[4\]"):
-        ops.entropy_chunk_grad_(z, torch.zeros(4, dtype=torch.long), 0, 0.0, rows[0], rows[1], torch.zeros(3), rows[3])
+        target_chunks.entropy_chunk_grad_(z, torch.zeros(4, dtype=torch.long), 0, 0.0, rows[0], rows[1], torch.zeros(3),
+                                          rows[3])
     with pytest.raises(RuntimeError, match=r"row_shifted must be Float"):
-        ops.entropy_chunk_stats_(z, torch.zeros(4, dtype=torch.long), 0, 0.0, *rows[:3], torch.zeros(4).double())
+        target_chunks.entropy_chunk_stats_(z, torch.zeros(4, dtype=torch.long), 0, 0.0, *rows[:3],
+                                           torch.zeros(4).double())
 
 
 # --------------------------------------------------------------------------------------------------

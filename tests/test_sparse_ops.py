@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import hugehead  # noqa: F401  (registers torch.ops.hugehead.*)
 from hugehead import ops, sparse
+from hugehead.ops import target_chunks
 
 from conftest import FLOAT_DTYPES, requires_cuda
 
@@ -64,7 +65,7 @@ def test_sparse_chunk_stats_matches_float64(device, dtype, softcap, weighted):
                                                                       for _ in range(3)]
     for a, b in chunks(v):
         cw = w[a:b].to(acc).to(device) if weighted else None
-        ops.sparse_chunk_stats_(z[:, a:b], target.crow, target.col, target.val, a, softcap, cw, *stats)
+        target_chunks.sparse_chunk_stats_(z[:, a:b], target.crow, target.col, target.val, a, softcap, cw, *stats)
     c = z.double().cpu()
     if softcap:
         c = softcap * torch.tanh(c / softcap)
@@ -88,7 +89,7 @@ def test_sparse_chunk_stats_row_block_of_larger_target(device):
     z = logits(n, v, torch.float32, device)
     stats = [torch.full((4,), -math.inf, device=device)] + [torch.zeros(4, device=device) for _ in range(3)]
     block = target.rows(3, 7)
-    ops.sparse_chunk_stats_(z[3:7, 100:300], block.crow, block.col, block.val, 100, 0.0, None, *stats)
+    target_chunks.sparse_chunk_stats_(z[3:7, 100:300], block.crow, block.col, block.val, 100, 0.0, None, *stats)
     expected = (t[3:7, 100:300].float().double() * z[3:7, 100:300].double().cpu()).sum(1)
     torch.testing.assert_close(stats[2].double().cpu(), expected, rtol=1e-5, atol=1e-5)
 
@@ -127,9 +128,9 @@ def test_sparse_chunk_grad_matches_autograd_of_float64(device, dtype, eps, z_los
     out = z.clone()
     for a, b in chunks(v):
         cw = torch.as_tensor(wv[a:b], dtype=acc, device=device) if weighted else None
-        ops.sparse_chunk_grad_(out[:, a:b], target.crow, target.col, weighted_val, a, v,
-                               lse.to(acc).to(device), g.to(acc).to(device), mass.to(acc).to(device), eps,
-                               z_loss, softcap, cw)
+        target_chunks.sparse_chunk_grad_(out[:, a:b], target.crow, target.col, weighted_val, a, v,
+                                         lse.to(acc).to(device), g.to(acc).to(device), mass.to(acc).to(device), eps,
+                                         z_loss, softcap, cw)
     got = out.double().cpu()
     ref = zr.grad
     tol = {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype, 2e-2)
@@ -159,8 +160,8 @@ def test_sparse_chunk_grad_entry_counts_around_the_stash(device, dtype):
     lse = torch.logsumexp(zr.detach(), 1)
     mass = (1 - eps) * tv.sum(1) + eps
     out = z.clone()
-    ops.sparse_chunk_grad_(out, target.crow, target.col, target.val, 0, v, lse.to(acc).to(device),
-                           g.to(acc).to(device), mass.to(acc).to(device), eps, 0.0, 0.0, None)
+    target_chunks.sparse_chunk_grad_(out, target.crow, target.col, target.val, 0, v, lse.to(acc).to(device),
+                                     g.to(acc).to(device), mass.to(acc).to(device), eps, 0.0, 0.0, None)
     got, ref = out.double().cpu(), zr.grad
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert ((got - ref).abs() <= tol * (ref.abs() + ref.abs().max() * 0.05)).all(), (got - ref).abs().max()
@@ -176,8 +177,9 @@ def test_sparse_chunk_grad_with_grad_lse(device):
     (F.cross_entropy(zr, t, reduction="sum") + (torch.logsumexp(zr, 1) * gl).sum()).backward()
     out = z.clone()
     lse = torch.logsumexp(z, 1)
-    ops.sparse_chunk_grad_(out, target.crow, target.col, target.val, 0, v, lse, torch.ones(n, dtype=torch.float64,
-                           device=device), t.sum(1).to(device), 0.0, 0.0, 0.0, None, gl.to(device))
+    target_chunks.sparse_chunk_grad_(out, target.crow, target.col, target.val, 0, v, lse,
+                                     torch.ones(n, dtype=torch.float64, device=device), t.sum(1).to(device), 0.0, 0.0,
+                                     0.0, None, gl.to(device))
     torch.testing.assert_close(out.cpu(), zr.grad, rtol=1e-10, atol=1e-12)
 
 
@@ -210,7 +212,7 @@ def test_bce_chunk_matches_float64(device, dtype, pos_weighted, mode):
     grad_rows = g.to(acc).to(device) if mode != "loss" else None
     out = z.clone()
     for a, b in chunks(v):
-        ops.bce_chunk_(out[:, a:b], target.crow, target.col, target.val, entry_weight, a, row_loss, grad_rows)
+        target_chunks.bce_chunk_(out[:, a:b], target.crow, target.col, target.val, entry_weight, a, row_loss, grad_rows)
     tol = {torch.float64: 1e-11, torch.float32: 2e-6}.get(dtype, 2e-6)
     if row_loss is not None:
         torch.testing.assert_close(row_loss.double().cpu(), ref_rows.detach(), rtol=tol, atol=tol)
@@ -228,7 +230,7 @@ def test_bce_chunk_confident_negatives_keep_their_loss(device):
     empty = sparse.prepare(torch.zeros(n, v).to_sparse_csr(), n, v, kind="binary", dtype=torch.float32,
                            device=torch.device(device))
     row_loss = torch.zeros(n, device=device)
-    ops.bce_chunk_(z, empty.crow, empty.col, empty.val, None, 0, row_loss, None)
+    target_chunks.bce_chunk_(z, empty.crow, empty.col, empty.val, None, 0, row_loss, None)
     torch.testing.assert_close(row_loss.double().cpu(), torch.full((n,), v * math.log1p(math.exp(-20.0)),
                                                                     dtype=torch.float64), rtol=1e-5, atol=0)
 
@@ -251,17 +253,18 @@ def _stats_args(device, n=4, v=16, dtype=torch.float32):
 def test_sparse_ops_reject_bad_arguments(device):
     z, target, stats = _stats_args(device)
     with pytest.raises(RuntimeError, match="crow must have shape"):
-        ops.sparse_chunk_stats_(z, target.crow[:-1], target.col, target.val, 0, 0.0, None, *stats)
+        target_chunks.sparse_chunk_stats_(z, target.crow[:-1], target.col, target.val, 0, 0.0, None, *stats)
     with pytest.raises(RuntimeError, match="val must be"):
-        ops.sparse_chunk_stats_(z, target.crow, target.col, target.val.double(), 0, 0.0, None, *stats)
+        target_chunks.sparse_chunk_stats_(z, target.crow, target.col, target.val.double(), 0, 0.0, None, *stats)
     with pytest.raises(RuntimeError, match="class_weight must have shape"):
-        ops.sparse_chunk_stats_(z, target.crow, target.col, target.val, 0, 0.0, torch.ones(3, device=device),
-                                *stats)
+        target_chunks.sparse_chunk_stats_(z, target.crow, target.col, target.val, 0, 0.0, torch.ones(3, device=device),
+                                          *stats)
     with pytest.raises(RuntimeError, match="target_mass must have shape"):
-        ops.sparse_chunk_grad_(z, target.crow, target.col, target.val, 0, 16, stats[0], stats[1],
-                               torch.ones(2, device=device), 0.0, 0.0, 0.0)
+        target_chunks.sparse_chunk_grad_(z, target.crow, target.col, target.val, 0, 16, stats[0], stats[1],
+                                         torch.ones(2, device=device), 0.0, 0.0, 0.0)
     with pytest.raises(RuntimeError, match="entry_weight"):
-        ops.bce_chunk_(z, target.crow, target.col, target.val, torch.ones(1, device=device), 0, stats[0], None)
+        target_chunks.bce_chunk_(z, target.crow, target.col, target.val, torch.ones(1, device=device), 0, stats[0],
+                                 None)
 
 
 def _opcheck_cases(device):

@@ -238,6 +238,92 @@ def entropy_grad_cases(device: torch.device) -> Iterator[Result]:
             yield f"{name}: dlogits", logits.cpu(), expected[:, c0:c1], TOLERANCE[dtype]
 
 
+def _distill_inputs(dtype, label, n, v, softcap):
+    """Student and teacher logits (the teacher in float32 for 16-bit students, as the kernels also take it), both
+    rows' full log-sum-exps after their softcaps, float64."""
+    g = _gen("distill " + label)
+    student = (3 * torch.randn(n, v, generator=g, dtype=torch.float64)).to(dtype)
+    teacher = (3 * torch.randn(n, v, generator=g, dtype=torch.float64)).to(
+        _acc(dtype) if dtype in (torch.bfloat16, torch.float16) else dtype)
+    t_cap = softcap / 2
+    s_lse = torch.logsumexp(_softcapped(student.double(), softcap), dim=1)
+    t_lse = torch.logsumexp(_softcapped(teacher.double(), t_cap), dim=1)
+    return g, student, teacher, t_cap, s_lse, t_lse
+
+
+def _distill_terms(code: int, s, u, s_lse, t_lse, beta: float):
+    """Per-element (sum, part) terms of distill.h in float64; rows summed by the caller."""
+    log_q, log_p = u - t_lse[:, None], s - s_lse[:, None]
+    q, p = log_q.exp(), log_p.exp()
+    if code == 0:
+        return q * (u - s), torch.zeros_like(s)
+    if code == 1:
+        return p * (s - u), torch.zeros_like(s)
+    log_m = torch.log(beta * q + (1 - beta) * p)
+    part = p * (log_p - log_m)
+    return beta * q * (log_q - log_m) + (1 - beta) * part, part
+
+
+@kernel_case("distill_chunk_stats_")
+def distill_stats_cases(device: torch.device) -> Iterator[Result]:
+    """Fold a student chunk and the teacher's chunk (both column slices of wider buffers) into a running state
+    that starts from earlier values; the reference is the float64 merge of the old state and the chunk's terms."""
+    for dtype in DTYPES:
+        for label, n, v, (c0, c1), pad, softcap, _ in STATS_SHAPES:
+            for code in (0, 1, 2):
+                name = f"{label} {str(dtype)[6:]} divergence {code}"
+                g, student, teacher, t_cap, s_lse, t_lse = _distill_inputs(dtype, name, n, v, softcap)
+                acc = _acc(dtype)
+                row_max = torch.randn(n, generator=g, dtype=torch.float64).to(acc)
+                row_max[0] = -math.inf
+                row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).to(acc)
+                row_sumexp[0] = 0.0
+                sums = torch.randn(2, n, generator=g, dtype=torch.float64).to(acc)
+                state = [t.to(device, copy=True) for t in (row_max, row_sumexp, sums[0], sums[1])]
+                torch.ops.hugehead.distill_chunk_stats_.default(
+                    _chunk_on(device, student, c0, c1, pad), _chunk_on(device, teacher, c0, c1, pad + 2), code, 0.3,
+                    softcap, t_cap, t_lse.to(acc).to(device), None if code == 0 else s_lse.to(acc).to(device), *state)
+                s = _softcapped(student[:, c0:c1].double(), softcap)
+                u = _softcapped(teacher[:, c0:c1].double(), t_cap)
+                terms, part = _distill_terms(code, s, u, s_lse.to(acc).double(), t_lse.to(acc).double(), 0.3)
+                m_old, s_old = row_max.double(), row_sumexp.double()
+                m_new = torch.maximum(m_old, s.max(dim=1).values)
+                s_new = s_old * torch.exp(m_old - m_new) + torch.exp(s - m_new[:, None]).sum(dim=1)
+                got = [t.cpu().double() for t in state]
+                tol = ACC_TOLERANCE[acc]
+                yield f"{name}: lse", got[0] + got[1].log(), m_new + s_new.log(), tol
+                yield f"{name}: sums", got[2], sums[0].double() + terms.sum(1), 10 * tol
+                yield f"{name}: part", got[3], sums[1].double() + part.sum(1), 10 * tol
+
+
+@kernel_case("distill_chunk_grad_")
+def distill_grad_cases(device: torch.device) -> Iterator[Result]:
+    """Replace a student chunk by g d divergence / dz; the reference is float64 autograd of the rows' divergences
+    (their log-sum-exp terms included) through the student's softcap."""
+    for dtype in DTYPES:
+        for label, n, v, (c0, c1), pad, _, _, softcap, _, ignore in GRAD_SHAPES:
+            for code in (0, 1, 2):
+                name = f"{label} {str(dtype)[6:]} divergence {code}"
+                g, student, teacher, t_cap, s_lse, t_lse = _distill_inputs(dtype, name, n, v, softcap)
+                up = torch.randn(n, generator=g, dtype=torch.float64)
+                if ignore:
+                    up[::ignore] = 0.0
+                z = student.double().requires_grad_(True)
+                s = _softcapped(z, softcap)
+                lse = torch.logsumexp(s, dim=1)
+                terms, part = _distill_terms(code, s, _softcapped(teacher.double(), t_cap), lse, t_lse, 0.3)
+                rows = terms.sum(1) + (lse - t_lse if code == 0 else (t_lse - lse if code == 1 else 0.0))
+                (expected,) = torch.autograd.grad((up * rows).sum(), z)
+                coef = None if code == 0 else (terms.sum(1) if code == 1 else 0.7 * part.sum(1)).detach()
+                acc = _acc(dtype)
+                on = (lambda t: None if t is None else t.detach().to(acc).to(device))  # noqa: E731
+                logits = _chunk_on(device, student, c0, c1, pad)
+                torch.ops.hugehead.distill_chunk_grad_.default(
+                    logits, _chunk_on(device, teacher, c0, c1, pad + 1), code, 0.3, softcap, t_cap, on(lse), on(t_lse),
+                    on(coef), on(up))
+                yield f"{name}: dlogits", logits.cpu(), expected[:, c0:c1], TOLERANCE[dtype]
+
+
 # (label, N, V, chunks, k, softcap, row padding, with bias)
 TOPK_SHAPES = [
     ("k=1", 5, 300, [(0, 300)], 1, 0.0, 0, False),

@@ -106,6 +106,48 @@ struct EntropyGradParams {
   double softcap;  // <= 0: none
 };
 
+// Distillation (hugehead/distill_target.py): a student logits chunk against the teacher's logits of the same
+// classes. The stats fold the student's (max, sumexp) and the divergence's per-row sums (distill.h).
+struct DistillStatsParams {
+  const void* logits;       // [N, C] student, row stride row_stride, column stride 1
+  const void* teacher;      // [N, C] teacher, row stride teacher_stride, column stride 1; the logits' dtype
+                            // (teacher_is_acc false) or their accumulation dtype (true)
+  const void* teacher_lse;  // [N] acc_t
+  const void* student_lse;  // [N] acc_t: the student's full log-sum-exp (reverse KL, JSD), else nullptr
+  void* row_max;            // [N] acc_t
+  void* row_sumexp;         // [N] acc_t
+  void* logit_sum;          // [N] acc_t: += the divergence's sum over the chunk
+  void* target_logit;       // [N] acc_t: JSD only, += sum p log(p / m)
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  int64_t teacher_stride;
+  int64_t divergence;  // distill.h's Divergence
+  bool teacher_is_acc;
+  double beta;             // JSD's weight of the teacher in the mixture, in (0, 1)
+  double softcap;          // the student's, <= 0: none
+  double teacher_softcap;  // the teacher's, <= 0: none
+};
+
+// Its gradient in place: grad_rows d divergence / d logits through the student's softcap.
+struct DistillGradParams {
+  void* logits;             // [N, C] in/out
+  const void* teacher;      // [N, C] as in DistillStatsParams
+  const void* lse;          // [N] acc_t: the student's log-sum-exp
+  const void* teacher_lse;  // [N] acc_t
+  const void* coef;         // [N] acc_t: sum p (s - u) (reverse KL) or (1 - beta) sum p log(p / m) (JSD), else nullptr
+  const void* grad_rows;    // [N] acc_t (0: the row becomes exact zeros)
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  int64_t teacher_stride;
+  int64_t divergence;
+  bool teacher_is_acc;
+  double beta;
+  double softcap;
+  double teacher_softcap;
+};
+
 // self *= scale over a tensor whose elements fill data[0, numel) (non-overlapping and dense, any order).
 struct ScaleParams {
   void* data;            // numel elements of self's dtype

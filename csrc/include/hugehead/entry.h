@@ -87,6 +87,63 @@ void entropy_chunk_grad(const at::Tensor& logits, const at::Tensor& target, int6
   launch(p, logits);
 }
 
+// The teacher chunk of distillation (unit column stride by now): the student chunk's shape and device, in the
+// student's dtype or its accumulation dtype (true), never sharing memory with the student chunk.
+inline bool check_teacher_chunk(const at::Tensor& logits, const at::Tensor& teacher, int64_t divergence,
+                                double beta) {
+  TORCH_CHECK(divergence >= 0 && divergence <= 2, "hugehead: divergence must be 0 (forward KL), 1 (reverse KL) or ",
+              "2 (JSD), got ", divergence);
+  TORCH_CHECK(divergence != 2 || (beta > 0 && beta < 1), "hugehead: the JSD's beta must be in (0, 1), got ", beta);
+  TORCH_CHECK(teacher.sizes() == logits.sizes(), "hugehead: teacher must have the logits' shape ", logits.sizes(),
+              ", got ", teacher.sizes());
+  HUGEHEAD_CHECK_DEVICE(teacher, logits);
+  const auto acc = acc_type_for(logits.scalar_type());
+  TORCH_CHECK(teacher.scalar_type() == logits.scalar_type() || teacher.scalar_type() == acc, "hugehead: teacher ",
+              "must be ", logits.scalar_type(), acc == logits.scalar_type() ? "" : " or its accumulation dtype",
+              " like the ", logits.scalar_type(), " logits, got ", teacher.scalar_type());
+  TORCH_CHECK(!teacher.is_alias_of(logits), "hugehead: teacher must not share memory with the logits");
+  return teacher.scalar_type() != logits.scalar_type();
+}
+
+template <Launch<DistillStatsParams> launch>
+void distill_chunk_stats(const at::Tensor& logits_in, const at::Tensor& teacher_in, int64_t divergence, double beta,
+                         double softcap, double teacher_softcap, const at::Tensor& teacher_lse,
+                         const std::optional<at::Tensor>& student_lse, const at::Tensor& row_max,
+                         const at::Tensor& row_sumexp, const at::Tensor& logit_sum, const at::Tensor& target_logit) {
+  const at::Tensor logits = with_unit_column_stride(logits_in);
+  const at::Tensor teacher = with_unit_column_stride(teacher_in);
+  check_logits_chunk(logits);
+  const bool teacher_is_acc = check_teacher_chunk(logits, teacher, divergence, beta);
+  check_row_vectors(logits, {{"teacher_lse", &teacher_lse}, {"row_max", &row_max}, {"row_sumexp", &row_sumexp},
+                             {"logit_sum", &logit_sum}, {"target_logit", &target_logit}});
+  TORCH_CHECK(divergence == 0 || student_lse.has_value(), "hugehead: reverse KL and the JSD need student_lse");
+  if (student_lse.has_value()) check_row_vectors(logits, {{"student_lse", &*student_lse}});
+  const DistillStatsParams p{logits.data_ptr(), teacher.data_ptr(), teacher_lse.data_ptr(), data_or_null(student_lse),
+                             row_max.data_ptr(), row_sumexp.data_ptr(), logit_sum.data_ptr(), target_logit.data_ptr(),
+                             logits.size(0), logits.size(1), logits.stride(0), teacher.stride(0), divergence,
+                             teacher_is_acc, beta, softcap, teacher_softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  launch(p, logits);
+}
+
+template <Launch<DistillGradParams> launch>
+void distill_chunk_grad(const at::Tensor& logits, const at::Tensor& teacher_in, int64_t divergence, double beta,
+                        double softcap, double teacher_softcap, const at::Tensor& lse, const at::Tensor& teacher_lse,
+                        const std::optional<at::Tensor>& coef, const at::Tensor& grad_rows) {
+  check_logits_chunk(logits);
+  const at::Tensor teacher = with_unit_column_stride(teacher_in);
+  const bool teacher_is_acc = check_teacher_chunk(logits, teacher, divergence, beta);
+  check_row_vectors(logits, {{"lse", &lse}, {"teacher_lse", &teacher_lse}, {"grad_rows", &grad_rows}});
+  TORCH_CHECK(divergence == 0 || coef.has_value(), "hugehead: reverse KL and the JSD need coef");
+  if (coef.has_value()) check_row_vectors(logits, {{"coef", &*coef}});
+  const DistillGradParams p{logits.data_ptr(), teacher.data_ptr(), lse.data_ptr(), teacher_lse.data_ptr(),
+                            data_or_null(coef), grad_rows.data_ptr(), logits.size(0), logits.size(1),
+                            logits.stride(0), teacher.stride(0), divergence, teacher_is_acc, beta, softcap,
+                            teacher_softcap};
+  if (p.rows == 0 || p.cols == 0) return;
+  launch(p, logits);
+}
+
 template <Launch<ChunkTopkParams> launch>
 void chunk_topk(const at::Tensor& logits_in, const std::optional<at::Tensor>& bias, int64_t class_start,
                 double softcap, const at::Tensor& values, const at::Tensor& indices) {

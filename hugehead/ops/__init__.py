@@ -11,11 +11,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import tuning
-from ._extension import _C  # noqa: F401  (loads the library that registers the ops)
+from .. import tuning
+from .._extension import _C  # noqa: F401  (loads the library that registers the ops)
 
-__all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "entropy_chunk_stats_", "entropy_chunk_grad_", "sparse_chunk_stats_", "sparse_chunk_grad_", "bce_chunk_",
-           "chunk_topk_", "gemm_chunk_stats_", "gemm_chunk_grad_", "has_fused_gemm", "gemm_path", "scale_", "row_scale"]
+__all__ = ["acc_dtype", "chunk_stats_", "chunk_grad_", "chunk_rows_fake", "chunk_topk_", "gemm_chunk_stats_",
+           "gemm_chunk_grad_", "has_fused_gemm", "gemm_path", "scale_", "row_scale"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -237,144 +237,6 @@ def chunk_grad_(
     )
 
 
-def entropy_chunk_stats_(logits: Tensor, target: Tensor, class_start: int, softcap: float, row_max: Tensor,
-                         row_sumexp: Tensor, target_logit: Tensor, row_shifted: Tensor) -> None:
-    """:func:`chunk_stats_` for the log-probability with entropy (:mod:`hugehead.logprob`): ``row_shifted`` (in
-    place of the logit sums, starting from 0) accumulates ``Σ_j exp(c_j - row_max) (c_j - row_max)`` over the
-    softcapped logits ``c``, rescaled as ``row_max`` grows; a row's entropy is then
-    ``log(row_sumexp) - row_shifted / row_sumexp``. Raises ``RuntimeError`` as :func:`chunk_stats_`."""
-    torch.ops.hugehead.entropy_chunk_stats_.default(logits, target, class_start, softcap, row_max, row_sumexp,
-                                                    target_logit, row_shifted)
-
-
-def entropy_chunk_grad_(logits: Tensor, target: Tensor, class_start: int, softcap: float, lse: Tensor,
-                        grad_rows: Tensor, grad_entropy: Tensor, entropy: Tensor) -> None:
-    """Replace a logits chunk ``[N, C]`` by ``g (p - onehot) - g_H p (log p + H)`` through the softcap, in place:
-    ``p = exp(c - lse)``, ``grad_rows`` (``g``) ``= dL/d(-log p(target))``, ``grad_entropy`` (``g_H``) ``= dL/dH``
-    and ``entropy`` (``H``) over all classes, all ``[N]``; a row whose ``g`` and ``g_H`` are 0 becomes exact
-    zeros. Raises ``RuntimeError`` as :func:`chunk_grad_`."""
-    torch.ops.hugehead.entropy_chunk_grad_.default(logits, target, class_start, softcap, lse, grad_rows,
-                                                   grad_entropy, entropy)
-
-
-def sparse_chunk_stats_(
-    logits: Tensor,
-    crow: Tensor,
-    col: Tensor,
-    val: Tensor,
-    class_start: int,
-    softcap: float,
-    class_weight: Optional[Tensor],
-    row_max: Tensor,
-    row_sumexp: Tensor,
-    target_dot: Tensor,
-    logit_sum: Tensor,
-) -> None:
-    """:func:`chunk_stats_` for a sparse target: fold a logits chunk into running per-row statistics.
-
-    Args:
-        logits: ``[R, C]`` as for :func:`chunk_stats_` (classes ``[class_start, class_start + C)``).
-        crow, col, val: the target's rows as CSR: ``crow [R + 1]`` int64 offsets into ``col`` / ``val``
-            (absolute: a row block is a slice of ``crow``), ``col [nnz]`` int64 global class ids sorted
-            ascending and distinct within each row, ``val [nnz]`` in :func:`acc_dtype` of the logits.
-            Entries outside the chunk are skipped (found by binary search, not a scan).
-        class_weight: ``[C]`` weights of the chunk's classes in the accumulation dtype, or None (all 1).
-        row_max, row_sumexp, target_dot, logit_sum: ``[R]`` accumulation dtype, updated in place:
-            ``target_dot += Σ val_e · c(col_e)`` over the row's entries in the chunk and
-            ``logit_sum += Σ_j w_j c_j`` over the chunk (``c``: the softcapped logits).
-
-    Raises:
-        RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
-    """
-    torch.ops.hugehead.sparse_chunk_stats_.default(
-        logits, crow, col, val, class_start, softcap, class_weight, row_max, row_sumexp, target_dot, logit_sum
-    )
-
-
-def sparse_chunk_grad_(
-    logits: Tensor,
-    crow: Tensor,
-    col: Tensor,
-    val: Tensor,
-    class_start: int,
-    num_classes: int,
-    lse: Tensor,
-    grad_rows: Tensor,
-    target_mass: Tensor,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    class_weight: Optional[Tensor] = None,
-    grad_lse: Optional[Tensor] = None,
-) -> None:
-    """Replace a logits chunk ``[R, C]`` by the gradient of the softmax with a sparse target, in place.
-
-    Row loss ``M_i lse_i - (1 - eps) Σ_e v_e c_e - eps/V Σ_j w_j c_j + z_loss lse_i²`` with
-    ``M_i = target_mass[i]`` (the row's total target after smoothing and class weights); the gradient is
-    ``g_i (M_i p - eps/V w_j - (1 - eps) v_e [entry] + 2 z_loss lse_i p) + g_lse_i p`` through the
-    softcap. ``grad_rows``/``grad_lse`` as for :func:`chunk_grad_`; CSR and ``class_weight`` as for
-    :func:`sparse_chunk_stats_`.
-
-    Raises:
-        RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
-    """
-    torch.ops.hugehead.sparse_chunk_grad_.default(
-        logits, crow, col, val, class_start, num_classes, lse, grad_rows, target_mass, label_smoothing, z_loss,
-        softcap, class_weight, grad_lse,
-    )
-
-
-def bce_chunk_(
-    logits: Tensor,
-    crow: Tensor,
-    col: Tensor,
-    val: Tensor,
-    entry_weight: Optional[Tensor],
-    class_start: int,
-    row_loss: Optional[Tensor],
-    grad_rows: Optional[Tensor],
-) -> None:
-    """One-vs-all binary cross-entropy of a logits chunk ``[R, C]`` against a sparse target.
-
-    Per logit (``t = 0`` where the target has no entry, ``lw = entry_weight`` of an entry, 1 without):
-    loss ``(1 - t) z + lw softplus(-z)``, gradient ``(1 - t) - lw sigmoid(-z)``
-    (``F.binary_cross_entropy_with_logits``). ``row_loss [R]`` (or None) gets the chunk's losses added;
-    with ``grad_rows [R]`` the chunk is replaced by ``grad_rows[i] * dloss/dz`` in the same pass. CSR as
-    for :func:`sparse_chunk_stats_`; ``entry_weight`` ``[nnz]`` like ``val`` holds
-    ``1 + (pos_weight_j - 1) t_e``.
-
-    Raises:
-        RuntimeError: on a shape, dtype, device or stride the kernel cannot take.
-    """
-    torch.ops.hugehead.bce_chunk_.default(logits, crow, col, val, entry_weight, class_start, row_loss, grad_rows)
-
-
-def _check_csr_fake(logits, crow, col, val):
-    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
-    torch._check(crow.shape == (logits.shape[0] + 1,), lambda: "crow must be [R + 1]")
-    torch._check(col.dim() == 1 and col.shape == val.shape, lambda: "col and val must be [nnz]")
-
-
-@torch.library.register_fake("hugehead::sparse_chunk_stats_")
-def _sparse_chunk_stats_fake(logits, crow, col, val, class_start, softcap, class_weight, row_max, row_sumexp,
-                             target_dot, logit_sum):
-    _check_csr_fake(logits, crow, col, val)
-    return None
-
-
-@torch.library.register_fake("hugehead::sparse_chunk_grad_")
-def _sparse_chunk_grad_fake(logits, crow, col, val, class_start, num_classes, lse, grad_rows, target_mass,
-                            label_smoothing, z_loss, softcap, class_weight=None, grad_lse=None):
-    _check_csr_fake(logits, crow, col, val)
-    return None
-
-
-@torch.library.register_fake("hugehead::bce_chunk_")
-def _bce_chunk_fake(logits, crow, col, val, entry_weight, class_start, row_loss, grad_rows):
-    _check_csr_fake(logits, crow, col, val)
-    return None
-
-
 def chunk_topk_(logits: Tensor, bias: Optional[Tensor], class_start: int, softcap: float, values: Tensor,
                 indices: Tensor) -> None:
     """Fold a logits chunk into a running per-row top-k, in place (no host synchronization).
@@ -402,9 +264,7 @@ def chunk_topk_(logits: Tensor, bias: Optional[Tensor], class_start: int, softca
 
 @torch.library.register_fake("hugehead::chunk_stats_")
 @torch.library.register_fake("hugehead::chunk_grad_")
-@torch.library.register_fake("hugehead::entropy_chunk_stats_")
-@torch.library.register_fake("hugehead::entropy_chunk_grad_")
-def _chunk_rows_fake(logits, target, *_):
+def chunk_rows_fake(logits, target, *_):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.shape}")
     torch._check(target.shape == (logits.shape[0],), lambda: "target must be [N]")
     return None

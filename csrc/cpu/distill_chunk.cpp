@@ -1,0 +1,102 @@
+// CPU kernels of hugehead::distill_chunk_stats_ and distill_chunk_grad_: a student logits chunk against the
+// teacher's logits of the same classes (distill.h holds the math). Rows in parallel; within a row two passes
+// for the statistics (the chunk's max, then its sums against it), one for the gradient.
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "hugehead/common.h"
+#include "hugehead/cpu_rows.h"
+#include "hugehead/distill.h"
+#include "hugehead/entry.h"
+#include "hugehead/numerics.h"
+
+namespace hugehead {
+namespace {
+
+template <typename scalar_t, typename acc_t, typename teacher_t>
+void distill_stats_typed(const DistillStatsParams& p, int64_t begin, int64_t end) {
+  const acc_t softcap = static_cast<acc_t>(p.softcap), teacher_softcap = static_cast<acc_t>(p.teacher_softcap);
+  const auto div = static_cast<Divergence>(p.divergence);
+  const auto* teacher_lse = static_cast<const acc_t*>(p.teacher_lse);
+  const auto* student_lse = static_cast<const acc_t*>(p.student_lse);
+  for (int64_t row = begin; row < end; ++row) {
+    const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
+    const teacher_t* t = static_cast<const teacher_t*>(p.teacher) + row * p.teacher_stride;
+    acc_t m = neg_inf<acc_t>();
+    bool has_nan = false;
+    for (int64_t j = 0; j < p.cols; ++j) {
+      const acc_t s = apply_softcap(static_cast<acc_t>(z[j]), softcap);
+      has_nan |= (s != s);
+      m = s > m ? s : m;
+    }
+    const DistillRow<acc_t> r =
+        distill_row<acc_t>(p, teacher_lse[row], student_lse == nullptr ? acc_t(0) : student_lse[row]);
+    acc_t sumexp = 0, sum = 0, part = 0;
+    for (int64_t j = 0; j < p.cols; ++j) {
+      const acc_t s = apply_softcap(static_cast<acc_t>(z[j]), softcap);
+      sumexp += exp_shifted(s, m);
+      distill_terms(div, s, apply_softcap(static_cast<acc_t>(t[j]), teacher_softcap), r, sum, part);
+    }
+    if (has_nan) sumexp = std::numeric_limits<acc_t>::quiet_NaN();
+    lse_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row], m, sumexp);
+    static_cast<acc_t*>(p.logit_sum)[row] += sum;
+    if (div == Divergence::kJSD) static_cast<acc_t*>(p.target_logit)[row] += part;
+  }
+}
+
+template <typename scalar_t, typename acc_t, typename teacher_t>
+void distill_grad_typed(const DistillGradParams& p, int64_t begin, int64_t end) {
+  const acc_t softcap = static_cast<acc_t>(p.softcap), teacher_softcap = static_cast<acc_t>(p.teacher_softcap);
+  const auto div = static_cast<Divergence>(p.divergence);
+  const auto* lse = static_cast<const acc_t*>(p.lse);
+  const auto* teacher_lse = static_cast<const acc_t*>(p.teacher_lse);
+  const auto* coef = static_cast<const acc_t*>(p.coef);
+  const auto* grad_rows = static_cast<const acc_t*>(p.grad_rows);
+  for (int64_t row = begin; row < end; ++row) {
+    scalar_t* z = static_cast<scalar_t*>(p.logits) + row * p.row_stride;
+    const acc_t g = grad_rows[row];
+    if (g == acc_t(0)) {  // masked rows: exact zeros, whatever the logits hold
+      std::fill(z, z + p.cols, scalar_t(0));
+      continue;
+    }
+    const teacher_t* t = static_cast<const teacher_t*>(p.teacher) + row * p.teacher_stride;
+    const DistillRow<acc_t> r = distill_row<acc_t>(p, teacher_lse[row], lse[row]);
+    const acc_t c = coef == nullptr ? acc_t(0) : coef[row];
+    for (int64_t j = 0; j < p.cols; ++j) {
+      const acc_t u = apply_softcap(static_cast<acc_t>(t[j]), teacher_softcap);
+      z[j] = static_cast<scalar_t>(distill_logit_grad(div, static_cast<acc_t>(z[j]), u, r, c, g, softcap));
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void distill_stats_rows(const DistillStatsParams& p, int64_t begin, int64_t end) {
+  if (p.teacher_is_acc) {
+    distill_stats_typed<scalar_t, acc_t, acc_t>(p, begin, end);
+  } else {
+    distill_stats_typed<scalar_t, acc_t, scalar_t>(p, begin, end);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void distill_grad_rows(const DistillGradParams& p, int64_t begin, int64_t end) {
+  if (p.teacher_is_acc) {
+    distill_grad_typed<scalar_t, acc_t, acc_t>(p, begin, end);
+  } else {
+    distill_grad_typed<scalar_t, acc_t, scalar_t>(p, begin, end);
+  }
+}
+
+HUGEHEAD_CPU_ROWS_LAUNCH(distill_chunk_stats_cpu, DistillStatsParams, distill_stats_rows)
+HUGEHEAD_CPU_ROWS_LAUNCH(distill_chunk_grad_cpu, DistillGradParams, distill_grad_rows)
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hugehead, CPU, m) {
+  m.impl("distill_chunk_stats_", &entry::distill_chunk_stats<distill_chunk_stats_cpu>);
+  m.impl("distill_chunk_grad_", &entry::distill_chunk_grad<distill_chunk_grad_cpu>);
+}
+
+}  // namespace hugehead

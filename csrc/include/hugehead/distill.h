@@ -1,0 +1,98 @@
+// The per-element math of distillation (distill_chunk_stats_, distill_chunk_grad_), shared by the CPU and CUDA
+// kernels so both compute one formula. With s, u the student's and the teacher's softcapped logits, L_s, L_t their
+// log-sum-exps, p = exp(s - L_s), q = exp(u - L_t) and m = beta q + (1 - beta) p:
+//   forward KL  KL(q || p) = sum q (u - s) - L_t + L_s           d/ds = p - q
+//   reverse KL  KL(p || q) = sum p (s - u) - L_s + L_t           d/ds = p (s - u - sum p (s - u))
+//   JSD         beta KL(q || m) + (1 - beta) KL(p || m)          d/ds = p (a - sum p a), a = (1 - beta) log(p / m)
+// The kernels fold the sums; the log-sum-exp terms are added by the caller (hugehead/distill.py). A term whose
+// probability is 0 counts 0 (its log ratio may be infinite), as F.kl_div's xlogy does.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "hugehead/numerics.h"
+
+namespace hugehead {
+
+enum class Divergence : int64_t { kForwardKL = 0, kReverseKL = 1, kJSD = 2 };
+
+// What every element of a row shares.
+template <typename acc_t>
+struct DistillRow {
+  acc_t teacher_lse;
+  acc_t student_lse;  // the stats: the student's full log-sum-exp; the gradient: its lse
+  acc_t beta, log_beta, log_1m_beta;
+};
+
+// p v, or 0 where p is 0.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t prob_times(acc_t p, acc_t v) {
+  return p > acc_t(0) ? p * v : acc_t(0);
+}
+
+// log m = log(beta q + (1 - beta) p) from log q and log p, without leaving the log domain.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t log_mixture(acc_t log_q, acc_t log_p, const DistillRow<acc_t>& r) {
+  const acc_t a = log_q + r.log_beta, b = log_p + r.log_1m_beta;
+  const acc_t hi = a > b ? a : b, lo = a > b ? b : a;
+  if (hi == neg_inf<acc_t>()) return hi;
+  return hi + std::log1p(std::exp(lo - hi));
+}
+
+// Adds one element's terms to the row's divergence sum (and, for JSD, to part: p log(p / m)).
+template <typename acc_t>
+C10_HOST_DEVICE inline void distill_terms(Divergence div, acc_t s, acc_t u, const DistillRow<acc_t>& r, acc_t& sum,
+                                          acc_t& part) {
+  const acc_t log_q = u - r.teacher_lse;
+  if (div == Divergence::kForwardKL) {
+    sum += prob_times(std::exp(log_q), u - s);
+    return;
+  }
+  const acc_t log_p = s - r.student_lse;
+  const acc_t p = std::exp(log_p);
+  if (div == Divergence::kReverseKL) {
+    sum += prob_times(p, s - u);
+    return;
+  }
+  const acc_t log_m = log_mixture(log_q, log_p, r);
+  const acc_t b = prob_times(p, log_p - log_m);
+  sum += r.beta * prob_times(std::exp(log_q), log_q - log_m) + (acc_t(1) - r.beta) * b;
+  part += b;
+}
+
+// One element of g d divergence / dz, z the student's raw logit (its softcap applied here), u the teacher's
+// softcapped logit and coef the row's sum p (s - u) (reverse KL) or (1 - beta) sum p log(p / m) (JSD).
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t distill_logit_grad(Divergence div, acc_t z, acc_t u, const DistillRow<acc_t>& r,
+                                                acc_t coef, acc_t g, acc_t softcap) {
+  acc_t s = z;
+  acc_t dsdz = acc_t(1);
+  if (softcap > acc_t(0)) {
+    const acc_t t = std::tanh(z / softcap);
+    s = softcap * t;
+    dsdz = acc_t(1) - t * t;
+  }
+  const acc_t log_p = s - r.student_lse;
+  const acc_t p = std::exp(log_p);
+  acc_t d;
+  if (div == Divergence::kForwardKL) {
+    d = p - std::exp(u - r.teacher_lse);
+  } else if (div == Divergence::kReverseKL) {
+    d = prob_times(p, s - u - coef);
+  } else {
+    const acc_t log_m = log_mixture(u - r.teacher_lse, log_p, r);
+    d = prob_times(p, (acc_t(1) - r.beta) * (log_p - log_m) - coef);
+  }
+  return d * g * dsdz;
+}
+
+template <typename acc_t, typename Params>
+C10_HOST_DEVICE inline DistillRow<acc_t> distill_row(const Params& p, acc_t teacher_lse, acc_t student_lse) {
+  const acc_t beta = static_cast<acc_t>(p.beta);
+  return {teacher_lse, student_lse, beta, std::log(beta), std::log1p(-beta)};
+}
+
+}  // namespace hugehead
