@@ -7,9 +7,9 @@ Each head is a weight ``[V, D]`` (with its bias) or a :class:`hugehead.ChunkedCl
 so within a process the two heads' shard boundaries need not agree (across ranks each rank's teacher must hold its
 student's classes). A teacher may also be given as its top-k ``(ids, log-probs)`` per row.
 
-The passes: the teacher's log-sum-exp first (a statistics pass over its classes), for reverse KL and JSD the
-student's too, then one pass of both heads that folds the divergence's sums, then the backward (the student's
-logits recomputed or kept, the teacher's recomputed).
+The passes: the teacher's log-sum-exp first (a statistics pass over its classes), for JSD the student's too, then
+one pass of both heads that folds the divergence's sums, then the backward (the student's logits recomputed or
+kept, the teacher's recomputed).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class ShardedDistill(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             teacher_lse = teacher.lse().to(x.device)
             student_lse = None
-            if divergence != "forward_kl":  # its sums need the student's log-sum-exp first
+            if divergence == "jsd":  # its sums need the student's log-sum-exp first
                 student_lse = spec.engine.row_stats(x, no_target, shards, spec.options)[0]
             target = DistillTarget(teacher.logits(), divergence, beta, teacher_lse, student_lse)
             lse, jsd_part, sums, placed = spec.engine.row_stats(x, target, shards, spec.options,

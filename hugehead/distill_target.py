@@ -8,8 +8,9 @@ With ``s`` the student's and ``u`` the teacher's (tempered) logits, ``L_s``, ``L
 
 - forward KL ``KL(q || p) = Σ q (u - s) - L_t + L_s``: the sum needs ``L_t`` only (the teacher's pass first);
   ``d/ds = p - q``.
-- reverse KL ``KL(p || q) = Σ p (s - u) - L_s + L_t``: the sum needs ``L_s`` (the student's pass first);
-  ``d/ds = p (s - u - Σ p (s - u))``.
+- reverse KL ``KL(p || q) = Σ p (s - u) - L_s + L_t``: the sum is folded as ``Σ exp(s - max) (s - u)`` with the
+  student's running max, a mean under the student's softmax (``SUM_SLOT = "mean"``), so it needs no pass for ``L_s``
+  first; ``d/ds = p (s - u - Σ p (s - u))``.
 - JSD ``β KL(q || m) + (1 - β) KL(p || m)`` (both log-sum-exps first); ``d/ds = p (a - Σ p a)`` with
   ``a = (1 - β) (log p - log m)``, whose sum the forward keeps in ``target_logit``'s slot.
 """
@@ -66,7 +67,7 @@ class DistillTarget:
 
     Attributes:
         teacher_lse: ``[N]`` the teacher's log-sum-exp. student_lse: ``[N]`` the student's, from a pass before
-            (reverse KL and JSD), else None. coef: ``[N]`` the backward's ``Σ p (s - u)`` (reverse KL) or
+            (JSD), else None. coef: ``[N]`` the backward's ``Σ p (s - u)`` (reverse KL) or
             ``Σ p a`` (JSD), set by :meth:`with_grads`.
     """
 
@@ -77,6 +78,10 @@ class DistillTarget:
     student_lse: Optional[Tensor] = None
     coef: Optional[Tensor] = None
     GRAD_TERMS = 0  # with_grads' coefficient is not a gradient (across ranks it is gathered as it is)
+
+    @property
+    def SUM_SLOT(self) -> str:  # noqa: N802  (hugehead.loop.chunks.sum_slot's attribute)
+        return "mean" if self.divergence == "reverse_kl" else "sum"
 
     @property
     def device(self) -> torch.device:

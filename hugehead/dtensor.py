@@ -35,10 +35,9 @@ from torch import Tensor
 from .engines.distributed import DistributedEngine, _all_gather_single
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
 from .lce_op import class_id_loss
-from .loop.chunks import merge_parts
+from .loop.chunks import merge_parts, sum_slot
 from .options import LossOptions, check_targets, reduce_loss
 from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
-from .targets import EntropyTarget
 
 __all__ = ["is_dtensor", "linear_cross_entropy", "mesh_head", "shard_class_ranges", "TensorParallelEngine"]
 
@@ -75,7 +74,7 @@ class TensorParallelEngine(DistributedEngine):
         every = mine.new_empty(self.world_size * 3, mine.shape[1])
         _all_gather_single(every, mine, group=self.group)
         every = every.view(self.world_size, 3, -1).to(x.device)
-        return (*merge_parts(every, isinstance(target, EntropyTarget)), placed)
+        return (*merge_parts(every, sum_slot(target)), placed)
 
     def backward(self, placed, shards, num_classes, lse, grad_rows, options, need_x, need_weight, x_like,
                  grad_lse=None, row_terms=None):

@@ -5,7 +5,7 @@ log-probs, the entropy bonus, reference-model log-probs): :func:`linear_log_prob
 ``log p`` alone is minus the per-row cross-entropy, so it takes the class-id loss and every plan and GEMM path
 of it. With the entropy the statistics pass folds one more running sum per row
 (:class:`hugehead.targets.EntropyTarget`: ``Σ exp(c - max) (c - max)``, rescaled with the max), shards and ranks
-merge the entropies of their class ranges as a mixture's (:func:`hugehead.loop.chunks.merge_entropy`), and the
+merge the entropies of their class ranges as a mixture's (:func:`hugehead.loop.chunks.merge_shares`), and the
 gradient kernel adds ``-dH p (log p + H)`` to ``dlogp (onehot - p)``.
 
 Temperature ``T`` divides the (softcapped) logits: ``softcap(x Wᵀ + b) / T``, the distribution a sampler at

@@ -78,6 +78,7 @@ class EntropyTarget:
     grad_entropy: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
     GRAD_TERMS = 1  # of with_grads' arguments, the leading ones that are gradients (scaled as grad_rows)
+    SUM_SLOT = "entropy"  # logit_sum's slot holds the shifted sum (hugehead.loop.chunks.sum_slot)
 
     @property
     def device(self) -> torch.device:

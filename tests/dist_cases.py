@@ -217,7 +217,7 @@ def job_topk(ctx) -> dict:
         target = target.clamp(min=0).to(ctx["device"])
         out[(softcap, "log_prob")] = (head.log_prob(x, target).cpu(), target.cpu())
     out["verl"] = _verl_tensor_parallel(ctx)
-    for divergence in ("forward_kl", "jsd"):
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
         out[("distill", divergence)] = _distill_across_ranks(ctx, divergence)
     return out
 

@@ -107,7 +107,7 @@ def _logical(head):
 
 
 @pytest.mark.parametrize("teacher_offloaded", [False, True])
-@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_heads_as_student_and_teacher_with_other_shard_boundaries(divergence, teacher_offloaded, monkeypatch):
     monkeypatch.setattr(offload, "_ALLOW_CPU_COMPUTE", True)
     student = _head([30, 31], 1, DS, softcap=5.0)
@@ -260,10 +260,12 @@ def test_distill_kernels_match_float64(divergence, dtype, teacher_dtype, device)
     zd, ud = z.to(device), u.to(device)
     for a, b in [(0, 110), (110, 300)]:  # two chunks fold into the running statistics
         target_chunks.distill_chunk_stats_(zd[:, a:b], ud[:, a:b], code, beta, 0.0, 0.0, t_lse,
-                                           None if code == 0 else lse.to(**on), row_max, sumexp, logit_sum,
+                                           lse.to(**on) if code == 2 else None, row_max, sumexp, logit_sum,
                                            target_logit)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert rel_err((row_max + sumexp.log()).double().cpu(), lse) < tol
+    if code == 1:  # reverse KL's sum is scaled with the running max: over the sum of exps, the mean under p
+        logit_sum = logit_sum / sumexp
     assert rel_err(logit_sum.double().cpu(), sums) < tol
     assert rel_err(target_logit.double().cpu(), part) < tol
     coef = None if code == 0 else (sums if code == 1 else (1 - beta) * part).to(**on)
@@ -284,8 +286,8 @@ def _sample_inputs_distill(device):
         rows = [torch.rand(n, generator=g).to(device=device, dtype=acc) + 1 for _ in range(4)]
         stats = [torch.full((n,), -math.inf, dtype=acc, device=device)] + [
             torch.zeros(n, dtype=acc, device=device) for _ in range(3)]
-        for code in (0, 2):
-            yield "distill_chunk_stats_", [z, u, code, 0.4, 3.0, 0.0, rows[0], None if code == 0 else rows[1],
+        for code in (0, 1, 2):
+            yield "distill_chunk_stats_", [z, u, code, 0.4, 3.0, 0.0, rows[0], rows[1] if code == 2 else None,
                                            *stats]
             yield "distill_chunk_grad_", [z.clone(), u, code, 0.4, 0.0, 2.0, rows[0], rows[1],
                                           None if code == 0 else rows[2], rows[3]]
@@ -304,8 +306,8 @@ def test_distill_ops_name_a_bad_argument():
         target_chunks.distill_chunk_stats_(z, u[:, :5], 0, 0.5, 0.0, 0.0, rows[0], None, *rows)
     with pytest.raises(RuntimeError, match="teacher must be Float like the Float logits, got Double"):
         target_chunks.distill_chunk_stats_(z, u.double(), 0, 0.5, 0.0, 0.0, rows[0], None, *rows)
-    with pytest.raises(RuntimeError, match="reverse KL and the JSD need student_lse"):
-        target_chunks.distill_chunk_stats_(z, u, 1, 0.5, 0.0, 0.0, rows[0], None, *rows)
+    with pytest.raises(RuntimeError, match="the JSD needs student_lse"):
+        target_chunks.distill_chunk_stats_(z, u, 2, 0.5, 0.0, 0.0, rows[0], None, *rows)
     with pytest.raises(RuntimeError, match=r"beta must be in \(0, 1\)"):
         target_chunks.distill_chunk_grad_(z, u, 2, 1.0, 0.0, 0.0, rows[0], rows[1], rows[2], rows[3])
     with pytest.raises(RuntimeError, match="need coef"):

@@ -153,7 +153,7 @@ def check_topk(results, world):
     for softcap in (None, 1.5):
         check_log_prob_entropy(results, world, w, b, softcap)
     check_verl_tensor_parallel(results, world)
-    for divergence in ("forward_kl", "jsd"):
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
         check_distill(results, world, divergence)
 
 
@@ -171,6 +171,8 @@ def check_distill(results, world, divergence):
         lq = torch.log_softmax((xt @ wt.T + bt) / 0.8, -1)
         if divergence == "forward_kl":
             rows = F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
+        elif divergence == "reverse_kl":
+            rows = F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
         else:
             lm = torch.logsumexp(torch.stack([lq + math.log(0.3), lp + math.log(0.7)]), dim=0)
             rows = (0.3 * F.kl_div(lm, lq, reduction="none", log_target=True).sum(-1)

@@ -282,17 +282,22 @@ def distill_stats_cases(device: torch.device) -> Iterator[Result]:
                 state = [t.to(device, copy=True) for t in (row_max, row_sumexp, sums[0], sums[1])]
                 torch.ops.hugehead.distill_chunk_stats_.default(
                     _chunk_on(device, student, c0, c1, pad), _chunk_on(device, teacher, c0, c1, pad + 2), code, 0.3,
-                    softcap, t_cap, t_lse.to(acc).to(device), None if code == 0 else s_lse.to(acc).to(device), *state)
+                    softcap, t_cap, t_lse.to(acc).to(device), s_lse.to(acc).to(device) if code == 2 else None, *state)
                 s = _softcapped(student[:, c0:c1].double(), softcap)
                 u = _softcapped(teacher[:, c0:c1].double(), t_cap)
                 terms, part = _distill_terms(code, s, u, s_lse.to(acc).double(), t_lse.to(acc).double(), 0.3)
                 m_old, s_old = row_max.double(), row_sumexp.double()
                 m_new = torch.maximum(m_old, s.max(dim=1).values)
-                s_new = s_old * torch.exp(m_old - m_new) + torch.exp(s - m_new[:, None]).sum(dim=1)
+                e = torch.exp(s - m_new[:, None])
+                s_new = s_old * torch.exp(m_old - m_new) + e.sum(dim=1)
+                if code == 1:  # reverse KL: Σ exp(s - max) (s - u), rescaled with the max as the sum of exps
+                    sums_new = sums[0].double() * torch.exp(m_old - m_new) + (e * (s - u)).sum(1)
+                else:
+                    sums_new = sums[0].double() + terms.sum(1)
                 got = [t.cpu().double() for t in state]
                 tol = ACC_TOLERANCE[acc]
                 yield f"{name}: lse", got[0] + got[1].log(), m_new + s_new.log(), tol
-                yield f"{name}: sums", got[2], sums[0].double() + terms.sum(1), 10 * tol
+                yield f"{name}: sums", got[2], sums_new, 10 * tol
                 yield f"{name}: part", got[3], sums[1].double() + part.sum(1), 10 * tol
 
 

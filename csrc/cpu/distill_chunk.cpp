@@ -1,6 +1,7 @@
 // CPU kernels of hugehead::distill_chunk_stats_ and distill_chunk_grad_: a student logits chunk against the
 // teacher's logits of the same classes (distill.h holds the math). Rows in parallel; within a row two passes
-// for the statistics (the chunk's max, then its sums against it), one for the gradient.
+// for the statistics (the chunk's max, then its sums against it: reverse KL's scaled by exp(s - max)), one for the
+// gradient.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,12 +37,25 @@ void distill_stats_typed(const DistillStatsParams& p, int64_t begin, int64_t end
     acc_t sumexp = 0, sum = 0, part = 0;
     for (int64_t j = 0; j < p.cols; ++j) {
       const acc_t s = apply_softcap(static_cast<acc_t>(z[j]), softcap);
-      sumexp += exp_shifted(s, m);
-      distill_terms(div, s, apply_softcap(static_cast<acc_t>(t[j]), teacher_softcap), r, sum, part);
+      const acc_t u = apply_softcap(static_cast<acc_t>(t[j]), teacher_softcap);
+      const acc_t e = exp_shifted(s, m);
+      sumexp += e;
+      if (div == Divergence::kReverseKL) {
+        sum += prob_times(e, s - u);
+      } else {
+        distill_terms(div, s, u, r, sum, part);
+      }
     }
     if (has_nan) sumexp = std::numeric_limits<acc_t>::quiet_NaN();
-    lse_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row], m, sumexp);
-    static_cast<acc_t*>(p.logit_sum)[row] += sum;
+    auto* row_max = static_cast<acc_t*>(p.row_max) + row;
+    auto* row_sumexp = static_cast<acc_t*>(p.row_sumexp) + row;
+    auto* logit_sum = static_cast<acc_t*>(p.logit_sum) + row;
+    if (div == Divergence::kReverseKL) {
+      scaled_merge(*row_max, *row_sumexp, *logit_sum, m, sumexp, has_nan ? sumexp : sum);
+      continue;
+    }
+    lse_merge(*row_max, *row_sumexp, m, sumexp);
+    *logit_sum += sum;
     if (div == Divergence::kJSD) static_cast<acc_t*>(p.target_logit)[row] += part;
   }
 }

@@ -1,7 +1,8 @@
 // CUDA kernels of hugehead::distill_chunk_stats_ and distill_chunk_grad_: a student logits chunk against the
 // teacher's logits of the same classes (distill.h holds the math). One block per row, the row swept in 16-byte
 // packs of the student chunk: the statistics fold the student's online log-sum-exp and the divergence's sums per
-// thread, then merge them in a fixed tree (deterministic); the gradient is elementwise.
+// thread (reverse KL's scaled with the running max), then merge them in a fixed tree (deterministic); the
+// gradient is elementwise.
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
@@ -51,6 +52,71 @@ __global__ void __launch_bounds__(cuda::kRowThreads) distill_stats_kernel(Distil
   }
 }
 
+// The block's merged (max, sumexp, weighted) triple of the online reverse KL, valid in thread 0; a fixed tree.
+template <typename acc_t>
+__device__ __forceinline__ void block_reduce_scaled(acc_t& m, acc_t& s, acc_t& a) {
+  __shared__ acc_t sm[cuda::kRowThreads], ss[cuda::kRowThreads], sa[cuda::kRowThreads];
+  sm[threadIdx.x] = m;
+  ss[threadIdx.x] = s;
+  sa[threadIdx.x] = a;
+  __syncthreads();
+  for (int half = cuda::kRowThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      const int o = threadIdx.x + half;
+      scaled_merge(sm[threadIdx.x], ss[threadIdx.x], sa[threadIdx.x], sm[o], ss[o], sa[o]);
+    }
+    __syncthreads();
+  }
+  m = sm[0];
+  s = ss[0];
+  a = sa[0];
+}
+
+// Reverse KL: sum exp(s - max) (s - u) folded with the student's running max, one exp per element.
+template <typename scalar_t, typename acc_t, typename teacher_t, bool kSoftcap>
+__global__ void __launch_bounds__(cuda::kRowThreads) reverse_kl_stats_kernel(DistillStatsParams p) {
+  const int64_t row = blockIdx.x;
+  const acc_t softcap = static_cast<acc_t>(p.softcap), teacher_softcap = static_cast<acc_t>(p.teacher_softcap);
+  auto* logits = const_cast<scalar_t*>(static_cast<const scalar_t*>(p.logits)) + row * p.row_stride;
+  const teacher_t* teacher = static_cast<const teacher_t*>(p.teacher) + row * p.teacher_stride;
+  acc_t m = neg_inf<acc_t>(), s = 0, a = 0;
+  cuda::for_each_pack_in_row<scalar_t, /*Write=*/false>(logits, p.cols, [&](int64_t j0, auto& pack) {
+    constexpr int N = std::decay_t<decltype(pack)>::kSize;
+    acc_t v[N];
+    acc_t pm = neg_inf<acc_t>();
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      v[k] = kSoftcap ? apply_softcap(static_cast<acc_t>(pack.v[k]), softcap) : static_cast<acc_t>(pack.v[k]);
+      pm = ::fmax(pm, v[k]);  // NaN-ignoring: a NaN reaches both sums through exp below
+    }
+    if (pm > m) {  // rescale once per pack; s * 0 (not 0) keeps a NaN already there
+      const acc_t scale = m == neg_inf<acc_t>() ? acc_t(0) : cuda::fast_exp(m - pm);
+      s *= scale;
+      a *= scale;
+      m = pm;
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const acc_t w = v[k] - apply_softcap(static_cast<acc_t>(teacher[j0 + k]), teacher_softcap);
+      if (m == neg_inf<acc_t>()) {  // every value so far is -inf or NaN
+        if (v[k] != v[k]) {
+          s += v[k];
+          a += v[k];
+        }
+        continue;
+      }
+      const acc_t e = cuda::fast_exp(v[k] - m);
+      s += e;
+      a += prob_times(e, w);
+    }
+  });
+  block_reduce_scaled(m, s, a);
+  if (threadIdx.x == 0) {
+    scaled_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row],
+                 static_cast<acc_t*>(p.logit_sum)[row], m, s, a);
+  }
+}
+
 template <typename scalar_t, typename acc_t, typename teacher_t>
 __global__ void __launch_bounds__(cuda::kRowThreads) distill_grad_kernel(DistillGradParams p) {
   const int64_t row = blockIdx.x;
@@ -83,7 +149,11 @@ void distill_chunk_stats_cuda(const DistillStatsParams& p, const at::Tensor& log
     HUGEHEAD_BOOL_SWITCH(p.teacher_is_acc, kAcc, [&] {
       using teacher_t = std::conditional_t<kAcc, acc_t, scalar_t>;
       HUGEHEAD_BOOL_SWITCH(p.softcap > 0, kSoftcap, [&] {
-        cuda::launch_row_blocks(distill_stats_kernel<scalar_t, acc_t, teacher_t, kSoftcap>, p, logits);
+        if (static_cast<Divergence>(p.divergence) == Divergence::kReverseKL) {
+          cuda::launch_row_blocks(reverse_kl_stats_kernel<scalar_t, acc_t, teacher_t, kSoftcap>, p, logits);
+        } else {
+          cuda::launch_row_blocks(distill_stats_kernel<scalar_t, acc_t, teacher_t, kSoftcap>, p, logits);
+        }
       });
     });
   });

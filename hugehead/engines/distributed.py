@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..loop.chunks import merge_parts
+from ..loop.chunks import merge_parts, sum_slot
 from ..options import LossOptions
 from ..topk import merge_topk
-from ..targets import EntropyTarget, gather_chunk_target
+from ..targets import gather_chunk_target
 from .local import LocalEngine, PlacedInputs, ShardTensors
 
 __all__ = ["DistributedEngine", "rank_class_ranges", "resolve_group", "ranks_agree"]
@@ -300,7 +300,7 @@ class DistributedEngine:
             return lse.to(x.device), target_logit.to(x.device), logit_sum.to(x.device), placed
         stats = torch.stack([lse, target_logit, logit_sum]).view(3, self.world_size, n).transpose(0, 1)
         parts = self.all_to_all(stats)[:, :, :n_own]  # [W, 3, N_r]: every rank's stats of my rows
-        lse, target_logit, logit_sum = merge_parts(parts, isinstance(target, EntropyTarget))
+        lse, target_logit, logit_sum = merge_parts(parts, sum_slot(target))
         return lse.to(x.device), target_logit.to(x.device), logit_sum.to(x.device), placed
 
     def backward(

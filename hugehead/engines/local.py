@@ -26,13 +26,12 @@ import torch
 from torch import Tensor
 
 from ..loop import backward_steps, forward_stats_steps
-from ..loop.chunks import RowStats, merge_row_stats, run_steps, step_result
+from ..loop.chunks import RowStats, merge_row_stats, run_steps, step_result, sum_slot
 from ..loop.sources import ResidentChunks
 from ..ops import acc_dtype
 from ..options import LossOptions
 from ..budget import Budget, device_budgets, resolve_budget, shard_oom_guard
 from ..plan import Operands, Plan, plan_chunks, plan_topk_chunks
-from ..targets import EntropyTarget
 from ..topk import CUDA_MAX_K, merge_topk, topk_steps
 
 __all__ = ["ShardTensors", "PlacedInputs", "LocalEngine"]
@@ -250,7 +249,7 @@ class LocalEngine:
             placed.append(PlacedInputs(xk, tk, xk.new_empty(0) if k is None else k, plans[i]))
         # Only now wait on anything: N-element statistics cross to x's device.
         parts = [RowStats(*(_to(s, x.device) for s in st)) for st in stats]
-        lse, target_logit, logit_sum = merge_row_stats(parts, entropy=isinstance(target, EntropyTarget))
+        lse, target_logit, logit_sum = merge_row_stats(parts, sum_slot(target))
         return lse, target_logit, logit_sum, placed
 
     def backward(

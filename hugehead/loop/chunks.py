@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import ops
 from .sources import ResidentChunks, WeightChunk
 
-__all__ = ["RowStats", "merge_row_stats", "merge_entropy", "merge_parts", "run_steps", "step_result"]
+__all__ = ["RowStats", "sum_slot", "merge_row_stats", "merge_shares", "merge_parts", "run_steps", "step_result"]
 
 T = TypeVar("T")
 
@@ -74,15 +74,26 @@ def _chunk_grad(target, r0: int, r1: int, g: Tensor, class_start: int, num_class
                                   grad_lse)
 
 
-def merge_row_stats(parts: List[RowStats], entropy: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-    """Merge per-shard statistics (all on one device) into ``(lse, target_logit, logit_sum)``; ``entropy``
-    (:class:`hugehead.targets.EntropyTarget`'s statistics, whose ``logit_sum`` slot holds the shifted sum
-    ``Σ exp(c - max) (c - max)``): ``(lse, target_logit, entropy)``, merged by :func:`merge_entropy`."""
-    if entropy:
+def sum_slot(target) -> str:
+    """How ``target``'s ``logit_sum`` slot merges over class sets: ``"sum"`` (plain sums over classes: class ids and
+    most chunk targets), ``"entropy"`` (:class:`hugehead.targets.EntropyTarget`'s shifted sum
+    ``Σ exp(c - max) (c - max)``) or ``"mean"`` (a sum ``Σ exp(c - max) v`` rescaled with the max, whose merged
+    value is the softmax's mean of ``v``: reverse KL's, :mod:`hugehead.distill_target`)."""
+    return getattr(target, "SUM_SLOT", "sum")
+
+
+def merge_row_stats(parts: List[RowStats], slot: str = "sum") -> Tuple[Tensor, Tensor, Tensor]:
+    """Merge per-shard statistics (all on one device) into ``(lse, target_logit, logit_sum)``, the last slot by its
+    :func:`sum_slot` rule: plain sums, or (``"entropy"``, ``"mean"``) each shard's entropy or mean merged by
+    :func:`merge_shares`, the slot then holding the entropy or the mean over all classes."""
+    if slot != "sum":
         log_s = [p.sumexp.log() for p in parts]
-        return merge_entropy(torch.stack([p.max + ls for p, ls in zip(parts, log_s)]),
-                             torch.stack([p.target_logit for p in parts]),
-                             torch.stack([ls - p.logit_sum / p.sumexp for p, ls in zip(parts, log_s)]))
+        if slot == "entropy":
+            values = [ls - p.logit_sum / p.sumexp for p, ls in zip(parts, log_s)]
+        else:
+            values = [torch.where(p.sumexp > 0, p.logit_sum / p.sumexp, torch.zeros_like(p.sumexp)) for p in parts]
+        return merge_shares(torch.stack([p.max + ls for p, ls in zip(parts, log_s)]),
+                            torch.stack([p.target_logit for p in parts]), torch.stack(values), slot == "entropy")
     if len(parts) == 1:
         p = parts[0]
         return p.max + p.sumexp.log(), p.target_logit, p.logit_sum
@@ -97,24 +108,29 @@ def merge_row_stats(parts: List[RowStats], entropy: bool = False) -> Tuple[Tenso
     return lse, target_logit, logit_sum
 
 
-def merge_entropy(lse: Tensor, target_logit: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(lse, target_logit, entropy)`` ``[N]`` over all classes from those of ``K`` disjoint class sets, each
-    ``[K, N]``: with ``w_k = exp(lse_k - lse)`` the sets' shares of the softmax, the entropy of the mixture is
-    ``Σ_k w_k H_k + Σ_k entr(w_k)`` (a set without mass, ``lse_k = -inf``, adds nothing)."""
+def merge_shares(lse: Tensor, target_logit: Tensor, values: Tensor, entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(lse, target_logit, value)`` ``[N]`` over all classes from those of ``K`` disjoint class sets, each
+    ``[K, N]``, where a set's value is a mean under its own softmax (or, with ``entropy``, that softmax's
+    entropy): with ``w_k = exp(lse_k - lse)`` the sets' shares of the softmax, the mean over all classes is
+    ``Σ_k w_k v_k`` and the entropy of the mixture ``Σ_k w_k H_k + Σ_k entr(w_k)`` (a set without mass,
+    ``lse_k = -inf``, adds nothing)."""
     if lse.shape[0] == 1:
-        return lse[0], target_logit[0], entropy[0]
+        return lse[0], target_logit[0], values[0]
     total = torch.logsumexp(lse, dim=0)
     empty = lse == -math.inf
     w = torch.where(empty, torch.zeros_like(lse), (lse - total).exp())
-    h = torch.where(empty, torch.zeros_like(entropy), w * entropy).sum(dim=0) + torch.special.entr(w).sum(dim=0)
-    return total, target_logit.sum(dim=0), h
-
-
-def merge_parts(parts: Tensor, entropy: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(lse, target_logit, logit_sum)`` ``[N]`` from ``parts [K, 3, N]``, those of ``K`` disjoint class sets (ranks):
-    log-sum-exp and sums, or with ``entropy`` (the third row the entropy) :func:`merge_entropy`."""
+    merged = torch.where(empty, torch.zeros_like(values), w * values).sum(dim=0)
     if entropy:
-        return merge_entropy(parts[:, 0], parts[:, 1], parts[:, 2])
+        merged = merged + torch.special.entr(w).sum(dim=0)
+    return total, target_logit.sum(dim=0), merged
+
+
+def merge_parts(parts: Tensor, slot: str = "sum") -> Tuple[Tensor, Tensor, Tensor]:
+    """``(lse, target_logit, logit_sum)`` ``[N]`` from ``parts [K, 3, N]``, those of ``K`` disjoint class sets (ranks)
+    as :func:`merge_row_stats` returns them: log-sum-exp and sums, or (``"entropy"``, ``"mean"``: the third row a
+    set's entropy or mean) :func:`merge_shares`."""
+    if slot != "sum":
+        return merge_shares(parts[:, 0], parts[:, 1], parts[:, 2], slot == "entropy")
     return torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0), parts[:, 2].sum(dim=0)
 
 

@@ -169,10 +169,12 @@ def distill_chunk_stats_(logits: Tensor, teacher: Tensor, divergence: int, beta:
     student's dtype or its accumulation dtype) into running per-row sums, in place: the student's online
     ``(row_max, row_sumexp)`` and the divergence's sums (:mod:`hugehead.distill_target`): with ``s``, ``u`` the
     softcapped logits, ``q = exp(u - teacher_lse)``, ``p = exp(s - student_lse)``, ``m = β q + (1 - β) p``,
-    ``logit_sum += Σ q (u - s)`` (forward KL, code 0), ``Σ p (s - u)`` (reverse KL, 1) or
-    ``β Σ q log(q / m) + (1 - β) Σ p log(p / m)`` (JSD, 2, which also adds ``Σ p log(p / m)`` to
-    ``target_logit``); a zero-probability term counts 0. ``student_lse`` (``[N]``, the student's full
-    log-sum-exp) is needed by codes 1 and 2. Raises ``RuntimeError`` on bad shapes, dtypes or devices."""
+    ``logit_sum += Σ q (u - s)`` (forward KL, code 0), ``β Σ q log(q / m) + (1 - β) Σ p log(p / m)`` (JSD, code 2,
+    which also adds ``Σ p log(p / m)`` to ``target_logit``), or for reverse KL (code 1) ``Σ exp(s - row_max)
+    (s - u)`` rescaled as ``row_max`` grows, like ``row_sumexp`` (``logit_sum / row_sumexp`` is then
+    ``Σ p (s - u)``: no ``student_lse`` needed); a zero-probability term counts 0. ``student_lse`` (``[N]``, the
+    student's full log-sum-exp) is needed by the JSD and ignored otherwise. Raises ``RuntimeError`` on bad shapes,
+    dtypes or devices."""
     torch.ops.hugehead.distill_chunk_stats_.default(logits, teacher, divergence, beta, softcap, teacher_softcap,
                                                     teacher_lse, student_lse, row_max, row_sumexp, logit_sum,
                                                     target_logit)

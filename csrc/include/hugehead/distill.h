@@ -4,8 +4,11 @@
 //   forward KL  KL(q || p) = sum q (u - s) - L_t + L_s           d/ds = p - q
 //   reverse KL  KL(p || q) = sum p (s - u) - L_s + L_t           d/ds = p (s - u - sum p (s - u))
 //   JSD         beta KL(q || m) + (1 - beta) KL(p || m)          d/ds = p (a - sum p a), a = (1 - beta) log(p / m)
-// The kernels fold the sums; the log-sum-exp terms are added by the caller (hugehead/distill.py). A term whose
-// probability is 0 counts 0 (its log ratio may be infinite), as F.kl_div's xlogy does.
+// The kernels fold the sums; the log-sum-exp terms are added by the caller (hugehead/distill.py). Forward KL and
+// JSD sum plain terms against log-sum-exps known beforehand; reverse KL folds sum exp(s - max) (s - u) with the
+// student's running max (rescaled as the sum of exps is, scaled_merge), so it needs no pass for L_s first: the sum
+// divided by the sum of exps is sum p (s - u). A term whose probability is 0 counts 0 (its log ratio may be
+// infinite), as F.kl_div's xlogy does.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -42,7 +45,19 @@ C10_HOST_DEVICE inline acc_t log_mixture(acc_t log_q, acc_t log_p, const Distill
   return hi + std::log1p(std::exp(lo - hi));
 }
 
-// Adds one element's terms to the row's divergence sum (and, for JSD, to part: p log(p / m)).
+// Merge two (max, sumexp, weighted) triples of the online reverse KL, weighted = sum exp(s - max) w: both sums are
+// rescaled to the larger max alike (products rounded as lse_merge's). An empty side adds nothing; NaN propagates.
+template <typename acc_t>
+C10_HOST_DEVICE inline void scaled_merge(acc_t& m, acc_t& s, acc_t& a, acc_t m2, acc_t s2, acc_t a2) {
+  const acc_t mm = m > m2 ? m : m2;
+  const acc_t e1 = exp_shifted(m, mm), e2 = exp_shifted(m2, mm);
+  a = mul_rounded(a, e1) + mul_rounded(a2, e2);
+  s = mul_rounded(s, e1) + mul_rounded(s2, e2);
+  m = mm;
+}
+
+// Adds one element's terms to the row's divergence sum (and, for JSD, to part: p log(p / m)); forward KL and JSD
+// only (reverse KL folds online: scaled_merge).
 template <typename acc_t>
 C10_HOST_DEVICE inline void distill_terms(Divergence div, acc_t s, acc_t u, const DistillRow<acc_t>& r, acc_t& sum,
                                           acc_t& part) {
@@ -53,10 +68,6 @@ C10_HOST_DEVICE inline void distill_terms(Divergence div, acc_t s, acc_t u, cons
   }
   const acc_t log_p = s - r.student_lse;
   const acc_t p = std::exp(log_p);
-  if (div == Divergence::kReverseKL) {
-    sum += prob_times(p, s - u);
-    return;
-  }
   const acc_t log_m = log_mixture(log_q, log_p, r);
   const acc_t b = prob_times(p, log_p - log_m);
   sum += r.beta * prob_times(std::exp(log_q), log_q - log_m) + (acc_t(1) - r.beta) * b;
@@ -68,13 +79,8 @@ C10_HOST_DEVICE inline void distill_terms(Divergence div, acc_t s, acc_t u, cons
 template <typename acc_t>
 C10_HOST_DEVICE inline acc_t distill_logit_grad(Divergence div, acc_t z, acc_t u, const DistillRow<acc_t>& r,
                                                 acc_t coef, acc_t g, acc_t softcap) {
-  acc_t s = z;
-  acc_t dsdz = acc_t(1);
-  if (softcap > acc_t(0)) {
-    const acc_t t = std::tanh(z / softcap);
-    s = softcap * t;
-    dsdz = acc_t(1) - t * t;
-  }
+  acc_t dsdz;
+  const acc_t s = softcap_with_slope(z, softcap, dsdz);
   const acc_t log_p = s - r.student_lse;
   const acc_t p = std::exp(log_p);
   acc_t d;

@@ -116,7 +116,7 @@ void distill_chunk_stats(const at::Tensor& logits_in, const at::Tensor& teacher_
   const bool teacher_is_acc = check_teacher_chunk(logits, teacher, divergence, beta);
   check_row_vectors(logits, {{"teacher_lse", &teacher_lse}, {"row_max", &row_max}, {"row_sumexp", &row_sumexp},
                              {"logit_sum", &logit_sum}, {"target_logit", &target_logit}});
-  TORCH_CHECK(divergence == 0 || student_lse.has_value(), "hugehead: reverse KL and the JSD need student_lse");
+  TORCH_CHECK(divergence != 2 || student_lse.has_value(), "hugehead: the JSD needs student_lse");
   if (student_lse.has_value()) check_row_vectors(logits, {{"student_lse", &*student_lse}});
   const DistillStatsParams p{logits.data_ptr(), teacher.data_ptr(), teacher_lse.data_ptr(), data_or_null(student_lse),
                              row_max.data_ptr(), row_sumexp.data_ptr(), logit_sum.data_ptr(), target_logit.data_ptr(),

@@ -20,6 +20,18 @@ C10_HOST_DEVICE inline acc_t apply_softcap(acc_t z, acc_t softcap) {
   return softcap > acc_t(0) ? softcap * std::tanh(z / softcap) : z;
 }
 
+// The softcapped logit and, in dcdz, its derivative by z (1 without softcap): the gradients' chain rule.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t softcap_with_slope(acc_t z, acc_t softcap, acc_t& dcdz) {
+  if (softcap > acc_t(0)) {
+    const acc_t t = std::tanh(z / softcap);
+    dcdz = acc_t(1) - t * t;
+    return softcap * t;
+  }
+  dcdz = acc_t(1);
+  return z;
+}
+
 // exp(v - m) for the running sum, with exp(-inf - -inf) taken as 0 rather than NaN so an all -inf row
 // keeps a zero sum; any NaN still propagates.
 template <typename acc_t>
@@ -71,13 +83,8 @@ C10_HOST_DEVICE inline void entropy_merge(acc_t& m, acc_t& s, acc_t& a, acc_t m2
 template <typename acc_t>
 C10_HOST_DEVICE inline acc_t entropy_logit_grad(acc_t z, bool is_target, acc_t lse, acc_t g, acc_t g_entropy,
                                                 acc_t entropy, acc_t softcap) {
-  acc_t c = z;
-  acc_t dcdz = acc_t(1);
-  if (softcap > acc_t(0)) {
-    const acc_t t = std::tanh(z / softcap);
-    c = softcap * t;
-    dcdz = acc_t(1) - t * t;
-  }
+  acc_t dcdz;
+  const acc_t c = softcap_with_slope(z, softcap, dcdz);
   const acc_t lp = c - lse;
   const acc_t prob = std::exp(lp);
   acc_t d = g * (is_target ? prob - acc_t(1) : prob);
@@ -97,13 +104,8 @@ template <typename acc_t>
 C10_HOST_DEVICE inline acc_t sparse_logit_grad(acc_t z, bool is_entry, acc_t entry_value, acc_t lse, acc_t g,
                                                acc_t g_lse, acc_t mass, acc_t z_term, acc_t smooth,
                                                acc_t target_scale, acc_t softcap) {
-  acc_t c = z;
-  acc_t dcdz = acc_t(1);
-  if (softcap > acc_t(0)) {
-    const acc_t t = std::tanh(z / softcap);
-    c = softcap * t;
-    dcdz = acc_t(1) - t * t;
-  }
+  acc_t dcdz;
+  const acc_t c = softcap_with_slope(z, softcap, dcdz);
   const acc_t prob = std::exp(c - lse);
   acc_t d = mass * prob - smooth;
   if (is_entry) d -= target_scale * entry_value;
