@@ -39,11 +39,11 @@ TORCH_LIBRARY(hugehead, m) {
   m.def(
       "chunk_grad_(Tensor(a!) logits, Tensor target, int class_start, int num_classes, Tensor lse, "
       "Tensor grad_rows, float label_smoothing, float z_loss, float softcap, Tensor? grad_lse=None) -> ()");
-  // chunk_stats_ for the log-probability with entropy: row_shifted (in place of logit_sum) accumulates
+  // chunk_stats_ for the log-probability with entropy: logit_sum holds the shifted sum instead, accumulating
   // sum_j exp(v_j - row_max) (v_j - row_max), v the softcapped logits, rescaled whenever row_max grows.
   m.def(
       "entropy_chunk_stats_(Tensor logits, Tensor target, int class_start, float softcap, Tensor(a!) row_max, "
-      "Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) row_shifted) -> ()");
+      "Tensor(b!) row_sumexp, Tensor(c!) target_logit, Tensor(d!) logit_sum) -> ()");
   // Its gradient in place: (g (p - onehot) - g_entropy p (log p + entropy)) through the softcap, p = exp(v - lse),
   // g = dL/d(-log p(target)) and g_entropy = dL/dentropy per row (both 0: exact zeros).
   m.def(

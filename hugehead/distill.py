@@ -20,12 +20,12 @@ import torch
 from torch import Tensor
 
 from .distill_target import DIVERGENCES, DistillTarget, TeacherLogits
-from .engines.local import LocalEngine, PlacedInputs, ShardTensors
+from .engines.local import LocalEngine, ShardTensors
 from .functional import linear_cross_entropy
 from .logprob import check_temperature
 from .module import ChunkedClassifier
-from .options import LossOptions, check_chunk_size, check_inputs, check_memory_budget, no_second_order, reduce_loss
-from .sharded_loss import LossSpec
+from .options import LossOptions, check_chunk_size, check_inputs, check_memory_budget, reduce_loss
+from .sharded_loss import LossSpec, backward_of_shards, save_for_shards, saved_rows
 
 __all__ = ["linear_distill", "ShardedDistill"]
 
@@ -75,36 +75,15 @@ class ShardedDistill(torch.autograd.Function):
         else:
             rows, coef = sums, (1 - beta) * jsd_part
         rows = torch.where(mask, rows, torch.zeros_like(rows))
-        ctx.spec, ctx.num_params = spec, len(params)
-        ctx.placed_targets, ctx.kept, ctx.plans = [p.target for p in placed], [p.kept for p in placed], [
-            p.plan for p in placed]
-        ctx.save_for_backward(x, mask, lse, coef, *params, *(p.x for p in placed))
-        ctx.set_materialize_grads(False)
+        save_for_shards(ctx, spec, x, [mask, lse, coef], params, placed)
         return rows
 
     @staticmethod
     def backward(ctx, grad_rows: Optional[Tensor]):
-        spec: LossSpec = ctx.spec
-        saved = ctx.saved_tensors
-        x, mask, lse, coef = saved[:4]
-        params = saved[4:4 + ctx.num_params]
-        placed_x = saved[4 + ctx.num_params:]
-        kept, ctx.kept = ctx.kept or [px.new_empty(0) for px in placed_x], None
-        needs = ctx.needs_input_grad
-        k = len(spec.starts)
-        need_w = [needs[6 + i] for i in range(k)]
-        need_b = [spec.has_bias and needs[6 + k + i] for i in range(k)]
+        mask, lse, coef = saved_rows(ctx)
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         grad = zero.expand(lse.shape) if grad_rows is None else torch.where(mask, grad_rows.to(lse.dtype), zero)
-        placed = [PlacedInputs(px, pt, pk, plan) for px, pt, pk, plan in zip(placed_x, ctx.placed_targets, kept,
-                                                                             ctx.plans)]
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False), torch.no_grad():
-            grad_x, grad_w, grad_b = spec.engine.backward(
-                placed, spec.shards(params), spec.num_classes, lse, grad.contiguous(), spec.options, needs[5],
-                [w or b for w, b in zip(need_w, need_b)], x, row_terms=(coef,))
-        grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
-        grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
-        grads = no_second_order("linear_distill", [x, *params], [grad_x if needs[5] else None, *grads_w, *grads_b])
+        grads = backward_of_shards(ctx, "linear_distill", 5, 6, lse, grad, row_terms=(coef,))
         return (None, None, None, None, None, grads[0], *grads[1:])
 
 

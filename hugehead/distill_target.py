@@ -24,6 +24,7 @@ from torch import Tensor
 
 from . import ops
 from .ops import target_chunks
+from .targets import TargetBase
 
 __all__ = ["TeacherLogits", "DistillTarget", "DIVERGENCES"]
 
@@ -62,7 +63,7 @@ class TeacherLogits:
 
 
 @dataclass(frozen=True)
-class DistillTarget:
+class DistillTarget(TargetBase):
     """The loop's chunk target for one divergence (module docstring) against ``teacher``.
 
     Attributes:
@@ -86,16 +87,6 @@ class DistillTarget:
     @property
     def device(self) -> torch.device:
         return self.teacher_lse.device
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "DistillTarget":
-        if self.device == device:
-            return self
-        move = (lambda t: None if t is None else t.to(device, non_blocking=non_blocking))  # noqa: E731
-        return replace(self, teacher=self.teacher.to(device, non_blocking), teacher_lse=move(self.teacher_lse),
-                       student_lse=move(self.student_lse), coef=move(self.coef))
-
-    def columns(self, start: int, stop: int) -> "DistillTarget":
-        return self
 
     def rows(self, r0: int, r1: int) -> "DistillTarget":
         cut = (lambda t: None if t is None else t[r0:r1])  # noqa: E731

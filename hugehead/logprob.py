@@ -22,12 +22,11 @@ import torch
 from torch import Tensor
 
 from . import dtensor
-from .engines.local import LocalEngine, PlacedInputs
+from .engines.local import LocalEngine
 from .functional import linear_cross_entropy
 from .inputs import prepare_inputs
 from .options import LossOptions, check_chunk_size, check_inputs, check_memory_budget, check_targets
-from .options import no_second_order
-from .sharded_loss import LossSpec, ShardedLinearCrossEntropy
+from .sharded_loss import LossSpec, ShardedLinearCrossEntropy, backward_of_shards, save_for_shards, saved_rows
 from .targets import EntropyTarget
 
 __all__ = ["linear_log_prob", "sharded_log_prob", "check_temperature", "ShardedLogProb"]
@@ -65,41 +64,19 @@ class ShardedLogProb(torch.autograd.Function):
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         logp = torch.where(valid, target_logit - lse, zero)
         entropy = torch.where(valid, entropy, zero)
-        ctx.spec, ctx.num_params = spec, len(params)
-        ctx.placed_targets = [p.target for p in placed]  # chunk targets ride on ctx (they are not tensors)
-        ctx.kept = [p.kept for p in placed]  # turned into their gradient in place, then dropped
-        ctx.plans = [p.plan for p in placed]
-        ctx.save_for_backward(x, target, lse, entropy, *params, *(p.x for p in placed))
-        ctx.set_materialize_grads(False)
+        save_for_shards(ctx, spec, x, [target, lse, entropy], params, placed)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]):
-        spec: LossSpec = ctx.spec
-        saved = ctx.saved_tensors
-        x, target, lse, entropy = saved[:4]
-        params = saved[4:4 + ctx.num_params]
-        placed_x = saved[4 + ctx.num_params:]
-        placed_kept, ctx.kept = ctx.kept or [px.new_empty(0) for px in placed_x], None
-        k = len(spec.starts)
-        needs = ctx.needs_input_grad
-        need_w = [needs[3 + i] for i in range(k)]
-        need_b = [spec.has_bias and needs[3 + k + i] for i in range(k)]
-        valid = target != spec.options.ignore_index
+        target, lse, entropy = saved_rows(ctx)
+        valid = target != ctx.spec.options.ignore_index
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         # The loss kernels differentiate -log p: dL/d(-log p) = -dL/dlog p.
         grad_rows = zero.expand(lse.shape) if grad_logp is None else torch.where(valid, -grad_logp.to(lse.dtype), zero)
         grad_h = zero.expand(lse.shape) if grad_entropy is None else torch.where(valid, grad_entropy.to(lse.dtype),
                                                                                  zero)
-        placed = [PlacedInputs(px, pt, pk, plan)
-                  for px, pt, pk, plan in zip(placed_x, ctx.placed_targets, placed_kept, ctx.plans)]
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False), torch.no_grad():
-            grad_x, grad_w, grad_b = spec.engine.backward(
-                placed, spec.shards(params), spec.num_classes, lse, grad_rows.contiguous(), spec.options, needs[1],
-                [w or b for w, b in zip(need_w, need_b)], x, row_terms=(grad_h.contiguous(), entropy))
-        grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
-        grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
-        grads = no_second_order("log_prob", [x, *params], [grad_x if needs[1] else None, *grads_w, *grads_b])
+        grads = backward_of_shards(ctx, "log_prob", 1, 3, lse, grad_rows, row_terms=(grad_h.contiguous(), entropy))
         return (None, grads[0], None, *grads[1:])
 
 

@@ -14,7 +14,8 @@ from torch import Tensor
 from .engines.local import LocalEngine, PlacedInputs, ShardTensors
 from .options import LossOptions, no_second_order, row_losses
 
-__all__ = ["LossSpec", "ShardedLinearCrossEntropy", "no_autocast"]
+__all__ = ["LossSpec", "ShardedLinearCrossEntropy", "backward_of_shards", "no_autocast", "save_for_shards",
+           "saved_rows"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,59 @@ class LossSpec:
         k = len(self.starts)
         biases = params[k:2 * k] if self.has_bias else [None] * k
         return [ShardTensors(w, b, s) for w, b, s in zip(params[:k], biases, self.starts)]
+
+
+def save_for_shards(ctx, spec: LossSpec, x: Tensor, rows: Sequence[Tensor], params: Sequence[Tensor],
+                    placed: Sequence[PlacedInputs]) -> None:
+    """Keep what :func:`backward_of_shards` needs from a forward over the shards of ``spec``: ``x``, the per-row
+    tensors its backward reads (:func:`saved_rows`), the shards' params and the placed inputs. Tensors go through
+    ``save_for_backward`` (placed class ids too); chunk targets ride on ctx (they are not tensors), and so do the
+    kept logits (not saved: the backward turns them into their gradient in place and drops them, so a second
+    backward, ``retain_graph=True``, recomputes) and the forward's plan of every shard (the backward follows it
+    instead of planning again)."""
+    ctx.spec, ctx.num_rows, ctx.num_params = spec, len(rows), len(params)
+    ctx.placed_targets = [None if isinstance(p.target, Tensor) else p.target for p in placed]
+    ctx.kept = [p.kept for p in placed]
+    ctx.plans = [p.plan for p in placed]
+    ctx.save_for_backward(x, *rows, *params, *(p.x for p in placed),
+                          *(p.target for p in placed if isinstance(p.target, Tensor)))
+    ctx.set_materialize_grads(False)
+
+
+def saved_rows(ctx) -> Tuple[Tensor, ...]:
+    """The per-row tensors :func:`save_for_shards` kept, in their order."""
+    return ctx.saved_tensors[1:1 + ctx.num_rows]
+
+
+def backward_of_shards(ctx, name: str, x_at: int, params_at: int, lse: Tensor, grad_rows: Tensor,
+                       **engine_args) -> List[Optional[Tensor]]:
+    """The gradients of a node saved by :func:`save_for_shards` whose ``x`` is input ``x_at`` of its forward and
+    whose shards' params are its inputs from ``params_at`` on: ``[dx, *dparams]`` (None where no input needs one),
+    from the engine's backward with the rows' gradient ``grad_rows`` (and ``engine_args``: ``grad_lse``,
+    ``row_terms``)."""
+    spec: LossSpec = ctx.spec
+    saved = ctx.saved_tensors
+    base = 1 + ctx.num_rows
+    x, params = saved[0], saved[base:base + ctx.num_params]
+    num_placed = len(ctx.plans)
+    placed_x = saved[base + ctx.num_params:base + ctx.num_params + num_placed]
+    class_ids = iter(saved[base + ctx.num_params + num_placed:])
+    targets = [next(class_ids) if t is None else t for t in ctx.placed_targets]
+    kept, ctx.kept = ctx.kept or [px.new_empty(0) for px in placed_x], None
+    needs = ctx.needs_input_grad
+    k = len(spec.starts)
+    need_w = [needs[params_at + i] for i in range(k)]
+    need_b = [spec.has_bias and needs[params_at + k + i] for i in range(k)]
+    placed = [PlacedInputs(*inputs) for inputs in zip(placed_x, targets, kept, ctx.plans)]
+    # No graph of the backward itself (create_graph=True would record the loop's out= GEMMs): no_second_order
+    # below makes differentiating these gradients a clear error instead.
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False), torch.no_grad():
+        grad_x, grad_w, grad_b = spec.engine.backward(
+            placed, spec.shards(params), spec.num_classes, lse, grad_rows.contiguous(), spec.options, needs[x_at],
+            [w or b for w, b in zip(need_w, need_b)], x, **engine_args)
+    grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
+    grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
+    return no_second_order(name, [x, *params], [grad_x if needs[x_at] else None, *grads_w, *grads_b])
 
 
 class ShardedLinearCrossEntropy(torch.autograd.Function):
@@ -59,58 +113,22 @@ class ShardedLinearCrossEntropy(torch.autograd.Function):
             else:
                 loss = prepared.row_losses(lse, target_logit, logit_sum, spec.options.label_smoothing,
                                            spec.options.z_loss)
-        ctx.spec = spec
-        ctx.num_params = len(params)
-        ctx.prepared = prepared
-        if prepared is not None:  # its tensors ride on ctx (they are not autograd inputs)
-            ctx.placed_targets = [p.target for p in placed]
-            target = lse.new_empty(0)
-            placed = [p._replace(target=target) for p in placed]
-        ctx.save_for_backward(x, target, lse, *params, *(p.x for p in placed), *(p.target for p in placed))
-        # Not saved for backward: the backward turns kept logits into their gradient in place and drops
-        # them, so a second backward (retain_graph=True) finds none and recomputes instead.
-        ctx.kept = [p.kept for p in placed]
-        # The forward's plan of every shard: the backward follows it instead of planning again.
-        ctx.plans = [p.plan for p in placed]
-        ctx.set_materialize_grads(False)
+        ctx.prepared = prepared  # its tensors ride on ctx (they are not autograd inputs)
+        save_for_shards(ctx, spec, x, [lse] if prepared is not None else [lse, target], params, placed)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[Tensor], grad_lse: Optional[Tensor]):
-        spec: LossSpec = ctx.spec
-        saved = ctx.saved_tensors
-        x, target, lse = saved[:3]
-        params = saved[3:3 + ctx.num_params]
-        k = len(spec.starts)
-        base = 3 + ctx.num_params
-        placed_x, placed_target = saved[base:base + k], saved[base + k:base + 2 * k]
-        placed_kept, ctx.kept = ctx.kept or [px.new_empty(0) for px in placed_x], None
-        needs = ctx.needs_input_grad
-        need_x = needs[1]
-        need_w = [needs[3 + i] for i in range(k)]
-        need_b = [spec.has_bias and needs[3 + k + i] for i in range(k)]
+        lse, *class_ids = saved_rows(ctx)
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         if grad_loss is None:
             grad_loss = zero.expand(lse.shape)
         if ctx.prepared is None:
-            grad_rows = torch.where(target != spec.options.ignore_index, grad_loss.to(lse.dtype), zero)
+            grad_rows = torch.where(class_ids[0] != ctx.spec.options.ignore_index, grad_loss.to(lse.dtype), zero)
         else:
             grad_rows = ctx.prepared.grad_rows(grad_loss, lse.dtype)
-            placed_target = ctx.placed_targets
-        shards = spec.shards(params)
-        placed = [PlacedInputs(px, pt, pk, plan)
-                  for px, pt, pk, plan in zip(placed_x, placed_target, placed_kept, ctx.plans)]
-        # No graph of the backward itself (create_graph=True would record the loop's out= GEMMs):
-        # no_second_order below makes differentiating these gradients a clear error instead.
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False), torch.no_grad():
-            grad_x, grad_w, grad_b = spec.engine.backward(
-                placed, shards, spec.num_classes, lse, grad_rows, spec.options, need_x,
-                [w or b for w, b in zip(need_w, need_b)], x,
-                grad_lse=None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(),
-            )
-        grads_w = [g if need else None for g, need in zip(grad_w, need_w)]
-        grads_b = [g if need else None for g, need in zip(grad_b, need_b)] if spec.has_bias else []
-        grads = no_second_order("ChunkedClassifier", [x, *params], [grad_x if need_x else None, *grads_w, *grads_b])
+        grads = backward_of_shards(ctx, "ChunkedClassifier", 1, 3, lse, grad_rows,
+                                   grad_lse=None if grad_lse is None else grad_lse.to(lse.dtype).contiguous())
         return (None, grads[0], None, *grads[1:])
 
 

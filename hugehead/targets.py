@@ -16,7 +16,7 @@ A chunk target also knows how to move to another device (:meth:`to`), to keep on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -27,7 +27,7 @@ from .ops import target_chunks
 from .sparse import CsrTarget
 
 __all__ = ["IndexTarget", "EntropyTarget", "SoftmaxCsrTarget", "BinaryCsrTarget", "ChunkTarget", "as_chunk_target",
-           "gather_csr", "gather_chunk_target"]
+           "gather_csr", "gather_chunk_target", "moved", "TargetBase"]
 
 
 def _to(t: Optional[Tensor], device: torch.device, non_blocking: bool = False) -> Optional[Tensor]:
@@ -36,8 +36,35 @@ def _to(t: Optional[Tensor], device: torch.device, non_blocking: bool = False) -
     return t.to(device, non_blocking=non_blocking)
 
 
+def moved(target, device: torch.device, non_blocking: bool = False):
+    """A chunk target (a frozen dataclass with a ``device``) on ``device``: every tensor field moved there, and
+    every field with a ``to(device, non_blocking)`` of its own (a CSR target, a teacher's logits); itself when it is
+    there already."""
+    if target.device == device:
+        return target
+    changes = {}
+    for f in fields(target):
+        value = getattr(target, f.name)
+        if isinstance(value, Tensor):
+            changes[f.name] = _to(value, device, non_blocking)
+        elif hasattr(value, "to"):
+            changes[f.name] = value.to(device, non_blocking)
+    return replace(target, **changes)
+
+
+class TargetBase:
+    """What the chunk targets share: :meth:`to` moves every tensor field (:func:`moved`); :meth:`columns` keeps the
+    whole target (one holding per-class entries cuts them instead)."""
+
+    def to(self, device: torch.device, non_blocking: bool = False):
+        return moved(self, device, non_blocking)
+
+    def columns(self, start: int, stop: int):
+        return self
+
+
 @dataclass(frozen=True)
-class IndexTarget:
+class IndexTarget(TargetBase):
     """Class ids ``[N]`` int64 (ignored rows hold anything outside ``[0, V)``)."""
 
     target: Tensor
@@ -45,12 +72,6 @@ class IndexTarget:
     @property
     def device(self) -> torch.device:
         return self.target.device
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "IndexTarget":
-        return self if self.target.device == device else IndexTarget(_to(self.target, device, non_blocking))
-
-    def columns(self, start: int, stop: int) -> "IndexTarget":
-        return self
 
     def rows(self, r0: int, r1: int) -> "IndexTarget":
         return IndexTarget(self.target[r0:r1])
@@ -65,7 +86,7 @@ class IndexTarget:
 
 
 @dataclass(frozen=True)
-class EntropyTarget:
+class EntropyTarget(TargetBase):
     """Class ids ``[N]`` for the log-probability with the entropy of each row's softmax (:mod:`hugehead.logprob`):
     ``entropy_chunk_stats_`` fills ``logit_sum``'s slot with the running shifted sum the entropy needs (see
     :func:`hugehead.loop.chunks.merge_row_stats`), ``entropy_chunk_grad_`` adds the entropy's gradient.
@@ -83,14 +104,6 @@ class EntropyTarget:
     @property
     def device(self) -> torch.device:
         return self.target.device
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "EntropyTarget":
-        if self.device == device:
-            return self
-        return EntropyTarget(*(_to(t, device, non_blocking) for t in (self.target, self.grad_entropy, self.entropy)))
-
-    def columns(self, start: int, stop: int) -> "EntropyTarget":
-        return self
 
     def rows(self, r0: int, r1: int) -> "EntropyTarget":
         return EntropyTarget(*(None if t is None else t[r0:r1] for t in (self.target, self.grad_entropy, self.entropy)))
@@ -111,7 +124,7 @@ class EntropyTarget:
 
 
 @dataclass(frozen=True)
-class SoftmaxCsrTarget:
+class SoftmaxCsrTarget(TargetBase):
     """Softmax against a CSR target (the algebra is in :mod:`hugehead.sparse`).
 
     Attributes:
@@ -132,12 +145,6 @@ class SoftmaxCsrTarget:
     @property
     def device(self) -> torch.device:
         return self.mass.device
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "SoftmaxCsrTarget":
-        if self.device == device:
-            return self
-        return SoftmaxCsrTarget(self.stats.to(device, non_blocking), _to(self.grad_val, device, non_blocking),
-                                _to(self.mass, device, non_blocking), _to(self.class_weight, device, non_blocking))
 
     def columns(self, start: int, stop: int) -> "SoftmaxCsrTarget":
         keep = (self.stats.col >= start) & (self.stats.col < stop)
@@ -164,7 +171,7 @@ class SoftmaxCsrTarget:
 
 
 @dataclass(frozen=True)
-class BinaryCsrTarget:
+class BinaryCsrTarget(TargetBase):
     """One-vs-all binary cross-entropy against a CSR target with values in ``[0, 1]``.
 
     Attributes:
@@ -177,11 +184,6 @@ class BinaryCsrTarget:
     @property
     def device(self) -> torch.device:
         return self.target.crow.device
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "BinaryCsrTarget":
-        if self.device == device:
-            return self
-        return BinaryCsrTarget(self.target.to(device, non_blocking), _to(self.entry_weight, device, non_blocking))
 
     def columns(self, start: int, stop: int) -> "BinaryCsrTarget":
         if self.entry_weight is None:

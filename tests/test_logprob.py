@@ -152,7 +152,7 @@ def test_entropy_ops_name_a_bad_argument():
     with pytest.raises(RuntimeError, match=r"grad_entropy must have shape \[4\]"):
         target_chunks.entropy_chunk_grad_(z, torch.zeros(4, dtype=torch.long), 0, 0.0, rows[0], rows[1], torch.zeros(3),
                                           rows[3])
-    with pytest.raises(RuntimeError, match=r"row_shifted must be Float"):
+    with pytest.raises(RuntimeError, match=r"logit_sum must be Float"):
         target_chunks.entropy_chunk_stats_(z, torch.zeros(4, dtype=torch.long), 0, 0.0, *rows[:3],
                                            torch.zeros(4).double())
 

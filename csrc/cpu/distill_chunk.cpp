@@ -16,15 +16,31 @@
 namespace hugehead {
 namespace {
 
-template <typename scalar_t, typename acc_t, typename teacher_t>
-void distill_stats_typed(const DistillStatsParams& p, int64_t begin, int64_t end) {
+// Row `row` of the teacher chunk in acc_t, stored in the student's dtype or in acc_t.
+template <typename scalar_t, typename acc_t>
+struct TeacherRow {
+  const scalar_t* low = nullptr;
+  const acc_t* acc = nullptr;
+  template <typename Params>
+  TeacherRow(const Params& p, int64_t row) {
+    if (p.teacher_is_acc) {
+      acc = static_cast<const acc_t*>(p.teacher) + row * p.teacher_stride;
+    } else {
+      low = static_cast<const scalar_t*>(p.teacher) + row * p.teacher_stride;
+    }
+  }
+  acc_t operator[](int64_t j) const { return acc != nullptr ? acc[j] : static_cast<acc_t>(low[j]); }
+};
+
+template <typename scalar_t, typename acc_t>
+void distill_stats_rows(const DistillStatsParams& p, int64_t begin, int64_t end) {
   const acc_t softcap = static_cast<acc_t>(p.softcap), teacher_softcap = static_cast<acc_t>(p.teacher_softcap);
   const auto div = static_cast<Divergence>(p.divergence);
   const auto* teacher_lse = static_cast<const acc_t*>(p.teacher_lse);
   const auto* student_lse = static_cast<const acc_t*>(p.student_lse);
   for (int64_t row = begin; row < end; ++row) {
     const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-    const teacher_t* t = static_cast<const teacher_t*>(p.teacher) + row * p.teacher_stride;
+    const TeacherRow<scalar_t, acc_t> t(p, row);
     acc_t m = neg_inf<acc_t>();
     bool has_nan = false;
     for (int64_t j = 0; j < p.cols; ++j) {
@@ -60,8 +76,8 @@ void distill_stats_typed(const DistillStatsParams& p, int64_t begin, int64_t end
   }
 }
 
-template <typename scalar_t, typename acc_t, typename teacher_t>
-void distill_grad_typed(const DistillGradParams& p, int64_t begin, int64_t end) {
+template <typename scalar_t, typename acc_t>
+void distill_grad_rows(const DistillGradParams& p, int64_t begin, int64_t end) {
   const acc_t softcap = static_cast<acc_t>(p.softcap), teacher_softcap = static_cast<acc_t>(p.teacher_softcap);
   const auto div = static_cast<Divergence>(p.divergence);
   const auto* lse = static_cast<const acc_t*>(p.lse);
@@ -75,31 +91,13 @@ void distill_grad_typed(const DistillGradParams& p, int64_t begin, int64_t end) 
       std::fill(z, z + p.cols, scalar_t(0));
       continue;
     }
-    const teacher_t* t = static_cast<const teacher_t*>(p.teacher) + row * p.teacher_stride;
+    const TeacherRow<scalar_t, acc_t> t(p, row);
     const DistillRow<acc_t> r = distill_row<acc_t>(p, teacher_lse[row], lse[row]);
     const acc_t c = coef == nullptr ? acc_t(0) : coef[row];
     for (int64_t j = 0; j < p.cols; ++j) {
       const acc_t u = apply_softcap(static_cast<acc_t>(t[j]), teacher_softcap);
       z[j] = static_cast<scalar_t>(distill_logit_grad(div, static_cast<acc_t>(z[j]), u, r, c, g, softcap));
     }
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-void distill_stats_rows(const DistillStatsParams& p, int64_t begin, int64_t end) {
-  if (p.teacher_is_acc) {
-    distill_stats_typed<scalar_t, acc_t, acc_t>(p, begin, end);
-  } else {
-    distill_stats_typed<scalar_t, acc_t, scalar_t>(p, begin, end);
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-void distill_grad_rows(const DistillGradParams& p, int64_t begin, int64_t end) {
-  if (p.teacher_is_acc) {
-    distill_grad_typed<scalar_t, acc_t, acc_t>(p, begin, end);
-  } else {
-    distill_grad_typed<scalar_t, acc_t, scalar_t>(p, begin, end);
   }
 }
 

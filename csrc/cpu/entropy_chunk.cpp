@@ -16,45 +16,45 @@ namespace hugehead {
 namespace {
 
 // Two passes over a row (it sits in cache): the chunk's max, then its sum of exps and shifted sum against it,
-// merged into the running triple.
+// merged into the running triple (the shifted sum in logit_sum's slot).
 template <typename scalar_t, typename acc_t>
-void entropy_stats_rows(const EntropyStatsParams& p, int64_t begin, int64_t end) {
+void fold_row_entropy(const EntropyStatsParams& p, int64_t row, const scalar_t* z) {
   const acc_t softcap = static_cast<acc_t>(p.softcap);
-  auto* target_logit = static_cast<acc_t*>(p.target_logit);
-  for (int64_t row = begin; row < end; ++row) {
-    const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-    const int64_t t = p.target[row] - p.class_start;
-    if (t >= 0 && t < p.cols) target_logit[row] = apply_softcap(static_cast<acc_t>(z[t]), softcap);
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      if (softcap <= acc_t(0)) {  // the common case, vectorized
-        float m, s, a;
-        cpu::row_entropy_stats_f32(z, p.cols, m, s, a);
-        entropy_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row],
-                      static_cast<acc_t*>(p.row_shifted)[row], m, s, a);
-        continue;
-      }
+  acc_t* merged[3] = {static_cast<acc_t*>(p.row_max) + row, static_cast<acc_t*>(p.row_sumexp) + row,
+                      static_cast<acc_t*>(p.logit_sum) + row};
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (softcap <= acc_t(0)) {  // the common case, vectorized
+      float m, s, a;
+      cpu::row_entropy_stats_f32(z, p.cols, m, s, a);
+      entropy_merge(*merged[0], *merged[1], *merged[2], m, s, a);
+      return;
     }
-    acc_t m = neg_inf<acc_t>();
-    bool has_nan = false;
+  }
+  acc_t m = neg_inf<acc_t>();
+  bool has_nan = false;
+  for (int64_t j = 0; j < p.cols; ++j) {
+    const acc_t v = apply_softcap(static_cast<acc_t>(z[j]), softcap);
+    has_nan |= (v != v);
+    m = v > m ? v : m;
+  }
+  acc_t s = 0, a = 0;
+  if (m != neg_inf<acc_t>()) {
     for (int64_t j = 0; j < p.cols; ++j) {
       const acc_t v = apply_softcap(static_cast<acc_t>(z[j]), softcap);
-      has_nan |= (v != v);
-      m = v > m ? v : m;
+      if (v == neg_inf<acc_t>()) continue;  // exp(-inf) (-inf) counts as 0
+      const acc_t e = std::exp(v - m);
+      s += e;
+      a += e * (v - m);
     }
-    acc_t s = 0, a = 0;
-    if (m != neg_inf<acc_t>()) {
-      for (int64_t j = 0; j < p.cols; ++j) {
-        const acc_t v = apply_softcap(static_cast<acc_t>(z[j]), softcap);
-        if (v == neg_inf<acc_t>()) continue;  // exp(-inf) (-inf) counts as 0
-        const acc_t e = std::exp(v - m);
-        s += e;
-        a += e * (v - m);
-      }
-    }
-    if (has_nan) s = a = std::numeric_limits<acc_t>::quiet_NaN();
-    entropy_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row],
-                  static_cast<acc_t*>(p.row_shifted)[row], m, s, a);
   }
+  if (has_nan) s = a = std::numeric_limits<acc_t>::quiet_NaN();
+  entropy_merge(*merged[0], *merged[1], *merged[2], m, s, a);
+}
+
+template <typename scalar_t, typename acc_t>
+void entropy_stats_rows(const EntropyStatsParams& p, int64_t begin, int64_t end) {
+  cpu::class_id_stats_rows<scalar_t, acc_t>(
+      p, begin, end, [&](int64_t row, const scalar_t* z) { fold_row_entropy<scalar_t, acc_t>(p, row, z); });
 }
 
 template <typename scalar_t, typename acc_t>
@@ -91,7 +91,7 @@ HUGEHEAD_CPU_ROWS_LAUNCH(entropy_chunk_grad_cpu, EntropyGradParams, entropy_grad
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hugehead, CPU, m) {
-  m.impl("entropy_chunk_stats_", &entry::entropy_chunk_stats<entropy_chunk_stats_cpu>);
+  m.impl("entropy_chunk_stats_", &entry::chunk_stats<entropy_chunk_stats_cpu>);
   m.impl("entropy_chunk_grad_", &entry::entropy_chunk_grad<entropy_chunk_grad_cpu>);
 }
 

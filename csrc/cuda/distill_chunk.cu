@@ -52,26 +52,6 @@ __global__ void __launch_bounds__(cuda::kRowThreads) distill_stats_kernel(Distil
   }
 }
 
-// The block's merged (max, sumexp, weighted) triple of the online reverse KL, valid in thread 0; a fixed tree.
-template <typename acc_t>
-__device__ __forceinline__ void block_reduce_scaled(acc_t& m, acc_t& s, acc_t& a) {
-  __shared__ acc_t sm[cuda::kRowThreads], ss[cuda::kRowThreads], sa[cuda::kRowThreads];
-  sm[threadIdx.x] = m;
-  ss[threadIdx.x] = s;
-  sa[threadIdx.x] = a;
-  __syncthreads();
-  for (int half = cuda::kRowThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) {
-      const int o = threadIdx.x + half;
-      scaled_merge(sm[threadIdx.x], ss[threadIdx.x], sa[threadIdx.x], sm[o], ss[o], sa[o]);
-    }
-    __syncthreads();
-  }
-  m = sm[0];
-  s = ss[0];
-  a = sa[0];
-}
-
 // Reverse KL: sum exp(s - max) (s - u) folded with the student's running max, one exp per element.
 template <typename scalar_t, typename acc_t, typename teacher_t, bool kSoftcap>
 __global__ void __launch_bounds__(cuda::kRowThreads) reverse_kl_stats_kernel(DistillStatsParams p) {
@@ -110,7 +90,7 @@ __global__ void __launch_bounds__(cuda::kRowThreads) reverse_kl_stats_kernel(Dis
       a += prob_times(e, w);
     }
   });
-  block_reduce_scaled(m, s, a);
+  cuda::block_reduce_triple<cuda::kRowThreads>(m, s, a, scaled_merge<acc_t>);
   if (threadIdx.x == 0) {
     scaled_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row],
                  static_cast<acc_t*>(p.logit_sum)[row], m, s, a);

@@ -15,26 +15,6 @@
 namespace hugehead {
 namespace {
 
-// The block's merged triple, valid in thread 0.
-template <typename acc_t>
-__device__ __forceinline__ void block_reduce_entropy(acc_t& m, acc_t& s, acc_t& a) {
-  __shared__ acc_t sm[cuda::kRowThreads], ss[cuda::kRowThreads], sa[cuda::kRowThreads];
-  sm[threadIdx.x] = m;
-  ss[threadIdx.x] = s;
-  sa[threadIdx.x] = a;
-  __syncthreads();
-  for (int half = cuda::kRowThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) {
-      const int o = threadIdx.x + half;
-      entropy_merge(sm[threadIdx.x], ss[threadIdx.x], sa[threadIdx.x], sm[o], ss[o], sa[o]);
-    }
-    __syncthreads();
-  }
-  m = sm[0];
-  s = ss[0];
-  a = sa[0];
-}
-
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(cuda::kRowThreads) entropy_stats_kernel(EntropyStatsParams p) {
   const int64_t row = blockIdx.x;
@@ -45,10 +25,10 @@ __global__ void __launch_bounds__(cuda::kRowThreads) entropy_stats_kernel(Entrop
     const acc_t v = apply_softcap(static_cast<acc_t>(logits[j]), softcap);
     entropy_merge(m, s, a, v, v == neg_inf<acc_t>() ? acc_t(0) : (v != v ? v : acc_t(1)), acc_t(0));
   }
-  block_reduce_entropy(m, s, a);
+  cuda::block_reduce_triple<cuda::kRowThreads>(m, s, a, entropy_merge<acc_t>);
   if (threadIdx.x == 0) {
     entropy_merge(static_cast<acc_t*>(p.row_max)[row], static_cast<acc_t*>(p.row_sumexp)[row],
-                  static_cast<acc_t*>(p.row_shifted)[row], m, s, a);
+                  static_cast<acc_t*>(p.logit_sum)[row], m, s, a);
     const int64_t t = p.target[row] - p.class_start;
     if (t >= 0 && t < p.cols) {
       static_cast<acc_t*>(p.target_logit)[row] = apply_softcap(static_cast<acc_t>(logits[t]), softcap);
@@ -91,7 +71,7 @@ void entropy_chunk_grad_cuda(const EntropyGradParams& p, const at::Tensor& logit
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hugehead, CUDA, m) {
-  m.impl("entropy_chunk_stats_", &entry::entropy_chunk_stats<entropy_chunk_stats_cuda>);
+  m.impl("entropy_chunk_stats_", &entry::chunk_stats<entropy_chunk_stats_cuda>);
   m.impl("entropy_chunk_grad_", &entry::entropy_chunk_grad<entropy_chunk_grad_cuda>);
 }
 

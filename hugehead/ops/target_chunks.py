@@ -16,13 +16,13 @@ __all__ = ["entropy_chunk_stats_", "entropy_chunk_grad_", "sparse_chunk_stats_",
 
 
 def entropy_chunk_stats_(logits: Tensor, target: Tensor, class_start: int, softcap: float, row_max: Tensor,
-                         row_sumexp: Tensor, target_logit: Tensor, row_shifted: Tensor) -> None:
-    """:func:`chunk_stats_` for the log-probability with entropy (:mod:`hugehead.logprob`): ``row_shifted`` (in
-    place of the logit sums, starting from 0) accumulates ``Σ_j exp(c_j - row_max) (c_j - row_max)`` over the
-    softcapped logits ``c``, rescaled as ``row_max`` grows; a row's entropy is then
-    ``log(row_sumexp) - row_shifted / row_sumexp``. Raises ``RuntimeError`` as :func:`chunk_stats_`."""
+                         row_sumexp: Tensor, target_logit: Tensor, logit_sum: Tensor) -> None:
+    """:func:`chunk_stats_` for the log-probability with entropy (:mod:`hugehead.logprob`): ``logit_sum`` holds
+    the shifted sum instead (starting from 0), ``Σ_j exp(c_j - row_max) (c_j - row_max)`` over the softcapped
+    logits ``c``, rescaled as ``row_max`` grows; a row's entropy is then ``log(row_sumexp) - logit_sum /
+    row_sumexp``. Raises ``RuntimeError`` as :func:`chunk_stats_`."""
     torch.ops.hugehead.entropy_chunk_stats_.default(logits, target, class_start, softcap, row_max, row_sumexp,
-                                                    target_logit, row_shifted)
+                                                    target_logit, logit_sum)
 
 
 def entropy_chunk_grad_(logits: Tensor, target: Tensor, class_start: int, softcap: float, lse: Tensor,

@@ -74,22 +74,10 @@ struct ChunkGradParams {
   double softcap;  // <= 0: none
 };
 
-// The log-probability loss with the entropy of the row's softmax (hugehead.logprob): a chunk folded into running
-// per-row (max, sumexp, shifted sum, target logit), the shifted sum being sum_j exp(v_j - max) (v_j - max), rescaled
-// with the max like sumexp, so the entropy log(sumexp) - shifted / sumexp needs no difference of large numbers.
-struct EntropyStatsParams {
-  const void* logits;     // [N, C], row stride row_stride elements, column stride 1
-  const int64_t* target;  // [N] global class ids (anything outside the chunk is skipped)
-  void* row_max;          // [N] acc_t
-  void* row_sumexp;       // [N] acc_t
-  void* target_logit;     // [N] acc_t: set where the target falls in this chunk
-  void* row_shifted;      // [N] acc_t: running sum of exp(v - row_max) (v - row_max)
-  int64_t rows;
-  int64_t cols;
-  int64_t row_stride;
-  int64_t class_start;
-  double softcap;  // <= 0: none
-};
+// The log-probability loss with the entropy of the row's softmax (hugehead.logprob) folds a chunk as chunk_stats_
+// does, its logit_sum slot holding the shifted sum sum_j exp(v_j - max) (v_j - max) instead, rescaled with the max
+// like sumexp, so the entropy log(sumexp) - shifted / sumexp needs no difference of large numbers.
+using EntropyStatsParams = ChunkStatsParams;
 
 // Its gradient in place: (g (p - onehot) - g_entropy p (log p + entropy)) dsoftcap/dz, p = exp(v - lse).
 struct EntropyGradParams {

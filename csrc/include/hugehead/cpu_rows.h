@@ -72,6 +72,20 @@ void fold_row_stats(const Params& p, int64_t row, const scalar_t* z, const acc_t
   static_cast<acc_t*>(p.logit_sum)[row] += sum;
 }
 
+// Rows [begin, end) of a class-id statistics kernel (chunk_stats_, entropy_chunk_stats_): fold(row, z) folds the
+// row's logits z into p's running statistics; the target's softcapped logit is set where it falls in the chunk.
+template <typename scalar_t, typename acc_t, typename Fold>
+void class_id_stats_rows(const ChunkStatsParams& p, int64_t begin, int64_t end, Fold&& fold) {
+  const acc_t softcap = static_cast<acc_t>(p.softcap);
+  auto* target_logit = static_cast<acc_t*>(p.target_logit);
+  for (int64_t row = begin; row < end; ++row) {
+    const scalar_t* z = static_cast<const scalar_t*>(p.logits) + row * p.row_stride;
+    fold(row, z);
+    const int64_t t = p.target[row] - p.class_start;
+    if (t >= 0 && t < p.cols) target_logit[row] = apply_softcap(static_cast<acc_t>(z[t]), softcap);
+  }
+}
+
 // What every element of a row's gradient shares.
 template <typename acc_t>
 struct RowGrad {

@@ -43,10 +43,9 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   return p * scale * static_cast<float>(!(x < -87.3f));  // a multiply, not a branch: stays vectorized
 }
 
-// One row of chunk_stats_ in float32 without softcap: (max, sum of exp(z - max), sum of z), NaN-aware:
-// a NaN anywhere makes the sum NaN (the max may then be anything), as the generic kernel does.
+// A float32 row's max (NaN-ignoring) and whether it holds a NaN.
 HUGEHEAD_CPU_CLONES
-inline void row_stats_f32(const float* z, int64_t cols, float& max_out, float& sumexp_out, float& sum_out) {
+inline float row_max_f32(const float* z, int64_t cols, bool& has_nan_out) {
   float m = -std::numeric_limits<float>::infinity();
   int has_nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : has_nan)
@@ -54,6 +53,16 @@ inline void row_stats_f32(const float* z, int64_t cols, float& max_out, float& s
     m = z[j] > m ? z[j] : m;
     has_nan |= (z[j] != z[j]);
   }
+  has_nan_out = has_nan != 0;
+  return m;
+}
+
+// One row of chunk_stats_ in float32 without softcap: (max, sum of exp(z - max), sum of z), NaN-aware:
+// a NaN anywhere makes the sum NaN (the max may then be anything), as the generic kernel does.
+HUGEHEAD_CPU_CLONES
+inline void row_stats_f32(const float* z, int64_t cols, float& max_out, float& sumexp_out, float& sum_out) {
+  bool has_nan;
+  const float m = row_max_f32(z, cols, has_nan);
   float s = 0.0f, sum = 0.0f;
   if (m == -std::numeric_limits<float>::infinity()) {  // every logit -inf: exp(-inf - -inf) counts as 0
 #pragma omp simd reduction(+ : sum)
@@ -92,13 +101,8 @@ inline void row_grad_f32(float* z, int64_t cols, int64_t t, float lse, float g, 
 HUGEHEAD_CPU_CLONES
 inline void row_entropy_stats_f32(const float* z, int64_t cols, float& max_out, float& sumexp_out,
                                   float& shifted_out) {
-  float m = -std::numeric_limits<float>::infinity();
-  int has_nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : has_nan)
-  for (int64_t j = 0; j < cols; ++j) {
-    m = z[j] > m ? z[j] : m;
-    has_nan |= (z[j] != z[j]);
-  }
+  bool has_nan;
+  const float m = row_max_f32(z, cols, has_nan);
   float s = 0.0f, a = 0.0f;
   if (m != -std::numeric_limits<float>::infinity()) {
     const float lowest = std::numeric_limits<float>::lowest();

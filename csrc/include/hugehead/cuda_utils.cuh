@@ -124,6 +124,25 @@ __device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum)
   }
 }
 
+// Reduce a per-thread triple (m, s, a) over a block of kThreads with merge(m, s, a, m2, s2, a2) (entropy_merge,
+// scaled_merge); the result is valid in thread 0. A fixed tree in shared memory: deterministic.
+template <int kThreads, typename acc_t, typename Merge>
+__device__ __forceinline__ void block_reduce_triple(acc_t& m, acc_t& s, acc_t& a, Merge merge) {
+  __shared__ acc_t sm[kThreads], ss[kThreads], sa[kThreads];
+  sm[threadIdx.x] = m;
+  ss[threadIdx.x] = s;
+  sa[threadIdx.x] = a;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) merge(sm[threadIdx.x], ss[threadIdx.x], sa[threadIdx.x], sm[threadIdx.x + half],
+                                  ss[threadIdx.x + half], sa[threadIdx.x + half]);
+    __syncthreads();
+  }
+  m = sm[0];
+  s = ss[0];
+  a = sa[0];
+}
+
 // Sum over the block; the result is valid in thread 0. Fixed tree: deterministic. Call it at most once
 // per kernel (its shared buffer is not guarded for reuse) from every thread of the block.
 template <typename acc_t>

@@ -58,21 +58,6 @@ void chunk_grad(const at::Tensor& logits, const at::Tensor& target, int64_t clas
   launch(p, logits);
 }
 
-template <Launch<EntropyStatsParams> launch>
-void entropy_chunk_stats(const at::Tensor& logits_in, const at::Tensor& target, int64_t class_start, double softcap,
-                         const at::Tensor& row_max, const at::Tensor& row_sumexp, const at::Tensor& target_logit,
-                         const at::Tensor& row_shifted) {
-  const at::Tensor logits = with_unit_column_stride(logits_in);
-  check_chunk_rows(logits, target,
-                   {{"row_max", &row_max}, {"row_sumexp", &row_sumexp}, {"target_logit", &target_logit},
-                    {"row_shifted", &row_shifted}});
-  const EntropyStatsParams p{logits.data_ptr(), target.data_ptr<int64_t>(), row_max.data_ptr(),
-                             row_sumexp.data_ptr(), target_logit.data_ptr(), row_shifted.data_ptr(),
-                             logits.size(0), logits.size(1), logits.stride(0), class_start, softcap};
-  if (p.rows == 0 || p.cols == 0) return;
-  launch(p, logits);
-}
-
 template <Launch<EntropyGradParams> launch>
 void entropy_chunk_grad(const at::Tensor& logits, const at::Tensor& target, int64_t class_start, double softcap,
                         const at::Tensor& lse, const at::Tensor& grad_rows, const at::Tensor& grad_entropy,
