@@ -27,7 +27,7 @@ template <typename acc_t>
 struct DistillRow {
   acc_t teacher_lse;
   acc_t student_lse;  // the stats: the student's full log-sum-exp; the gradient: its lse
-  acc_t beta, log_beta, log_1m_beta;
+  acc_t beta;
 };
 
 // p v, or 0 where p is 0.
@@ -36,13 +36,11 @@ C10_HOST_DEVICE inline acc_t prob_times(acc_t p, acc_t v) {
   return p > acc_t(0) ? p * v : acc_t(0);
 }
 
-// log m = log(beta q + (1 - beta) p) from log q and log p, without leaving the log domain.
+// log m = log(beta q + (1 - beta) p) from the two probabilities. Where both underflowed to 0 it is -inf, and the
+// terms that use it are then 0 (prob_times); where either is positive, m is too.
 template <typename acc_t>
-C10_HOST_DEVICE inline acc_t log_mixture(acc_t log_q, acc_t log_p, const DistillRow<acc_t>& r) {
-  const acc_t a = log_q + r.log_beta, b = log_p + r.log_1m_beta;
-  const acc_t hi = a > b ? a : b, lo = a > b ? b : a;
-  if (hi == neg_inf<acc_t>()) return hi;
-  return hi + std::log1p(std::exp(lo - hi));
+C10_HOST_DEVICE inline acc_t log_mixture(acc_t q, acc_t p, const DistillRow<acc_t>& r) {
+  return std::log(r.beta * q + (acc_t(1) - r.beta) * p);
 }
 
 // Merge two (max, sumexp, weighted) triples of the online reverse KL, weighted = sum exp(s - max) w: both sums are
@@ -67,10 +65,10 @@ C10_HOST_DEVICE inline void distill_terms(Divergence div, acc_t s, acc_t u, cons
     return;
   }
   const acc_t log_p = s - r.student_lse;
-  const acc_t p = std::exp(log_p);
-  const acc_t log_m = log_mixture(log_q, log_p, r);
+  const acc_t p = std::exp(log_p), q = std::exp(log_q);
+  const acc_t log_m = log_mixture(q, p, r);
   const acc_t b = prob_times(p, log_p - log_m);
-  sum += r.beta * prob_times(std::exp(log_q), log_q - log_m) + (acc_t(1) - r.beta) * b;
+  sum += r.beta * prob_times(q, log_q - log_m) + (acc_t(1) - r.beta) * b;
   part += b;
 }
 
@@ -89,7 +87,7 @@ C10_HOST_DEVICE inline acc_t distill_logit_grad(Divergence div, acc_t z, acc_t u
   } else if (div == Divergence::kReverseKL) {
     d = prob_times(p, s - u - coef);
   } else {
-    const acc_t log_m = log_mixture(u - r.teacher_lse, log_p, r);
+    const acc_t log_m = log_mixture(std::exp(u - r.teacher_lse), p, r);
     d = prob_times(p, (acc_t(1) - r.beta) * (log_p - log_m) - coef);
   }
   return d * g * dsdz;
@@ -97,8 +95,7 @@ C10_HOST_DEVICE inline acc_t distill_logit_grad(Divergence div, acc_t z, acc_t u
 
 template <typename acc_t, typename Params>
 C10_HOST_DEVICE inline DistillRow<acc_t> distill_row(const Params& p, acc_t teacher_lse, acc_t student_lse) {
-  const acc_t beta = static_cast<acc_t>(p.beta);
-  return {teacher_lse, student_lse, beta, std::log(beta), std::log1p(-beta)};
+  return {teacher_lse, student_lse, static_cast<acc_t>(p.beta)};
 }
 
 }  // namespace hugehead
