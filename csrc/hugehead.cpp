@@ -50,11 +50,11 @@ TORCH_LIBRARY(hugehead, m) {
       "entropy_chunk_grad_(Tensor(a!) logits, Tensor target, int class_start, float softcap, Tensor lse, "
       "Tensor grad_rows, Tensor grad_entropy, Tensor entropy) -> ()");
   // Distillation: fold a student logits chunk and the teacher's logits of the same classes into the student's
-  // (row_max, row_sumexp) and the divergence's sums (0 forward KL, 1 reverse KL: scaled with row_max, 2 JSD;
-  // distill.h).
+  // (row_max, row_sumexp) and the divergence's sums (0 forward KL, 1 reverse KL: online, the teacher's log-sum-exp
+  // in target_logit; 2 JSD: against both log-sum-exps given; distill.h).
   m.def(
       "distill_chunk_stats_(Tensor logits, Tensor teacher, int divergence, float beta, float softcap, "
-      "float teacher_softcap, Tensor teacher_lse, Tensor? student_lse, Tensor(a!) row_max, Tensor(b!) row_sumexp, "
+      "float teacher_softcap, Tensor? teacher_lse, Tensor? student_lse, Tensor(a!) row_max, Tensor(b!) row_sumexp, "
       "Tensor(c!) logit_sum, Tensor(d!) target_logit) -> ()");
   // Its gradient in place: grad_rows d divergence / d logits through the student's softcap (grad_rows 0: zeros).
   m.def(

@@ -7,9 +7,9 @@ Each head is a weight ``[V, D]`` (with its bias) or a :class:`hugehead.ChunkedCl
 so within a process the two heads' shard boundaries need not agree (across ranks each rank's teacher must hold its
 student's classes). A teacher may also be given as its top-k ``(ids, log-probs)`` per row.
 
-The passes: the teacher's log-sum-exp first (a statistics pass over its classes), for JSD the student's too, then
-one pass of both heads that folds the divergence's sums, then the backward (the student's logits recomputed or
-kept, the teacher's recomputed).
+The passes: for JSD the two log-sum-exps first (a statistics pass over each head's classes); then one pass of both
+heads that folds the divergence's sums (the KLs' with both heads' log-sum-exps online), then the backward (the
+student's logits recomputed or kept, the teacher's recomputed).
 """
 from __future__ import annotations
 
@@ -61,29 +61,29 @@ class ShardedDistill(torch.autograd.Function):
         shards = spec.shards(params)
         no_target = torch.full((x.shape[0],), -1, dtype=torch.int64, device=x.device)
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-            teacher_lse = teacher.lse().to(x.device)
-            student_lse = None
-            if divergence == "jsd":  # its sums need the student's log-sum-exp first
+            teacher_lse = student_lse = None
+            if divergence == "jsd":  # its log m needs both log-sum-exps first; the KLs fold theirs online
+                teacher_lse = teacher.lse().to(x.device)
                 student_lse = spec.engine.row_stats(x, no_target, shards, spec.options)[0]
             target = DistillTarget(teacher.logits(), divergence, beta, teacher_lse, student_lse)
-            lse, jsd_part, sums, placed = spec.engine.row_stats(x, target, shards, spec.options,
-                                                                keep=any(ctx.needs_input_grad))
-        if divergence == "forward_kl":
-            rows, coef = sums + lse - teacher_lse, torch.zeros_like(lse)
-        elif divergence == "reverse_kl":
-            rows, coef = sums - lse + teacher_lse, sums
-        else:
-            rows, coef = sums, (1 - beta) * jsd_part
+            lse, slot, sums, placed = spec.engine.row_stats(x, target, shards, spec.options,
+                                                            keep=any(ctx.needs_input_grad))
+        if divergence == "forward_kl":  # slot: the teacher's log-sum-exp; sums: Σ q (u - s)
+            teacher_lse, rows, coef = slot, sums + lse - slot, torch.zeros_like(lse)
+        elif divergence == "reverse_kl":  # slot: the teacher's log-sum-exp; sums: Σ p (s - u)
+            teacher_lse, rows, coef = slot, sums - lse + slot, sums
+        else:  # slot: Σ p (log p - log m)
+            rows, coef = sums, (1 - beta) * slot
         rows = torch.where(mask, rows, torch.zeros_like(rows))
-        save_for_shards(ctx, spec, x, [mask, lse, coef], params, placed)
+        save_for_shards(ctx, spec, x, [mask, lse, coef, teacher_lse], params, placed)
         return rows
 
     @staticmethod
     def backward(ctx, grad_rows: Optional[Tensor]):
-        mask, lse, coef = saved_rows(ctx)
+        mask, lse, coef, teacher_lse = saved_rows(ctx)
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         grad = zero.expand(lse.shape) if grad_rows is None else torch.where(mask, grad_rows.to(lse.dtype), zero)
-        grads = backward_of_shards(ctx, "linear_distill", 5, 6, lse, grad, row_terms=(coef,))
+        grads = backward_of_shards(ctx, "linear_distill", 5, 6, lse, grad, row_terms=(coef, teacher_lse))
         return (None, None, None, None, None, grads[0], *grads[1:])
 
 

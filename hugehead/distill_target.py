@@ -1,17 +1,18 @@
 """The chunk target of distillation (:mod:`hugehead.distill`): each student logits chunk the loop hands it meets the
 teacher's logits of the same classes, computed there from the teacher's rows and weight (:class:`TeacherLogits`),
-and folds the divergence's per-row sums into the statistics' two free slots — plain sums over classes, so shards
-merge them by adding, like the cross-entropy's target logit.
+and folds the divergence's per-row sums into the statistics' two free slots, merged over shards and ranks by the
+slot rule each divergence declares (``SUM_SLOT``, :func:`hugehead.loop.chunks.sum_slot`).
 
 With ``s`` the student's and ``u`` the teacher's (tempered) logits, ``L_s``, ``L_t`` their log-sum-exps, ``p`` and
 ``q`` their softmaxes and, for the Jensen-Shannon divergence, ``m = β q + (1 - β) p``:
 
-- forward KL ``KL(q || p) = Σ q (u - s) - L_t + L_s``: the sum needs ``L_t`` only (the teacher's pass first);
-  ``d/ds = p - q``.
-- reverse KL ``KL(p || q) = Σ p (s - u) - L_s + L_t``: the sum is folded as ``Σ exp(s - max) (s - u)`` with the
-  student's running max, a mean under the student's softmax (``SUM_SLOT = "mean"``), so it needs no pass for ``L_s``
-  first; ``d/ds = p (s - u - Σ p (s - u))``.
-- JSD ``β KL(q || m) + (1 - β) KL(p || m)`` (both log-sum-exps first); ``d/ds = p (a - Σ p a)`` with
+- forward KL ``KL(q || p) = Σ q (u - s) - L_t + L_s``: the teacher's log-sum-exp in ``target_logit`` and the mean of
+  ``u - s`` under the teacher's softmax in ``logit_sum``, both folded with the teacher's running max
+  (``"teacher_mean"``), so no pass comes first; ``d/ds = p - q``.
+- reverse KL ``KL(p || q) = Σ p (s - u) - L_s + L_t``: ``Σ exp(s - max) (s - u)`` with the student's running max in
+  ``logit_sum``, a mean under the student's softmax, the teacher's log-sum-exp in ``target_logit``
+  (``"student_mean"``); ``d/ds = p (s - u - Σ p (s - u))``.
+- JSD ``β KL(q || m) + (1 - β) KL(p || m)`` (both log-sum-exps first, plain sums); ``d/ds = p (a - Σ p a)`` with
   ``a = (1 - β) (log p - log m)``, whose sum the forward keeps in ``target_logit``'s slot.
 """
 from __future__ import annotations
@@ -67,30 +68,30 @@ class DistillTarget(TargetBase):
     """The loop's chunk target for one divergence (module docstring) against ``teacher``.
 
     Attributes:
-        teacher_lse: ``[N]`` the teacher's log-sum-exp. student_lse: ``[N]`` the student's, from a pass before
-            (JSD), else None. coef: ``[N]`` the backward's ``Σ p (s - u)`` (reverse KL) or
-            ``Σ p a`` (JSD), set by :meth:`with_grads`.
+        teacher_lse, student_lse: ``[N]`` the two heads' log-sum-exps, from passes before (JSD's forward; the
+            backward's ``teacher_lse`` is set by :meth:`with_grads`), else None. coef: ``[N]`` the backward's
+            ``Σ p (s - u)`` (reverse KL) or ``Σ p a`` (JSD), set by :meth:`with_grads`.
     """
 
     teacher: TeacherLogits
     divergence: str
     beta: float
-    teacher_lse: Tensor
+    teacher_lse: Optional[Tensor] = None
     student_lse: Optional[Tensor] = None
     coef: Optional[Tensor] = None
-    GRAD_TERMS = 0  # with_grads' coefficient is not a gradient (across ranks it is gathered as it is)
+    GRAD_TERMS = 0  # with_grads' terms are not gradients (across ranks they are gathered as they are)
 
     @property
     def SUM_SLOT(self) -> str:  # noqa: N802  (hugehead.loop.chunks.sum_slot's attribute)
-        return "mean" if self.divergence == "reverse_kl" else "sum"
+        return {"forward_kl": "teacher_mean", "reverse_kl": "student_mean"}.get(self.divergence, "sum")
 
     @property
     def device(self) -> torch.device:
-        return self.teacher_lse.device
+        return self.teacher.x.device
 
     def rows(self, r0: int, r1: int) -> "DistillTarget":
         cut = (lambda t: None if t is None else t[r0:r1])  # noqa: E731
-        return replace(self, teacher=self.teacher.rows(r0, r1), teacher_lse=self.teacher_lse[r0:r1],
+        return replace(self, teacher=self.teacher.rows(r0, r1), teacher_lse=cut(self.teacher_lse),
                        student_lse=cut(self.student_lse), coef=cut(self.coef))
 
     def gather(self, engine, rows: int) -> "DistillTarget":
@@ -99,8 +100,8 @@ class DistillTarget(TargetBase):
         return replace(self, teacher=replace(self.teacher, x=pad(self.teacher.x)), teacher_lse=pad(self.teacher_lse),
                        student_lse=pad(self.student_lse))
 
-    def with_grads(self, coef: Tensor) -> "DistillTarget":
-        return replace(self, coef=coef)
+    def with_grads(self, coef: Tensor, teacher_lse: Tensor) -> "DistillTarget":
+        return replace(self, coef=coef, teacher_lse=teacher_lse)
 
     @property
     def code(self) -> int:
@@ -113,8 +114,7 @@ class DistillTarget(TargetBase):
         return u if u.dtype in (z.dtype, ops.acc_dtype(z.dtype)) else u.to(ops.acc_dtype(z.dtype))
 
     def stats_(self, z: Tensor, class_start: int, softcap: float, stats) -> None:
-        """The student's running log-sum-exp, and the divergence's sums into ``logit_sum`` (and, for JSD,
-        ``Σ p (log p - log m)`` into ``target_logit``)."""
+        """The student's running log-sum-exp and the divergence's slots (module docstring)."""
         target_chunks.distill_chunk_stats_(z, self._teacher_chunk(z, class_start), self.code, self.beta, softcap,
                                            self.teacher.softcap, self.teacher_lse, self.student_lse, stats.max,
                                            stats.sumexp, stats.logit_sum, stats.target_logit)

@@ -176,7 +176,7 @@ def test_bad_arguments_raise_naming_them():
                                                                   torch.zeros(N, 2)), divergence="jsd")
 
 
-@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_compiles_with_fullgraph(divergence):
     xs, ws, bs, xt, wt, bt, mask, up = _inputs()
     fn = torch.compile(lambda x, w: hugehead.linear_distill(x, w, xt, wt, divergence=divergence, student_bias=bs,
@@ -255,19 +255,20 @@ def test_distill_kernels_match_float64(divergence, dtype, teacher_dtype, device)
     lse, t_lse64 = torch.logsumexp(s64, 1), torch.logsumexp(u64, 1)
     on = dict(device=device, dtype=ops.acc_dtype(dtype))
     t_lse = t_lse64.to(**on)
-    row_max, sumexp = torch.full((n,), -math.inf, **on), torch.zeros(n, **on)
-    logit_sum, target_logit = torch.zeros(n, **on), torch.zeros(n, **on)
+    row_max, sumexp, logit_sum = torch.full((n,), -math.inf, **on), torch.zeros(n, **on), torch.zeros(n, **on)
+    # the KLs keep the teacher's running log-sum-exp in target_logit (from -inf), JSD a plain sum (from 0)
+    target_logit = torch.zeros(n, **on) if code == 2 else torch.full((n,), -math.inf, **on)
     zd, ud = z.to(device), u.to(device)
     for a, b in [(0, 110), (110, 300)]:  # two chunks fold into the running statistics
-        target_chunks.distill_chunk_stats_(zd[:, a:b], ud[:, a:b], code, beta, 0.0, 0.0, t_lse,
-                                           lse.to(**on) if code == 2 else None, row_max, sumexp, logit_sum,
-                                           target_logit)
+        target_chunks.distill_chunk_stats_(zd[:, a:b], ud[:, a:b], code, beta, 0.0, 0.0,
+                                           t_lse if code == 2 else None, lse.to(**on) if code == 2 else None,
+                                           row_max, sumexp, logit_sum, target_logit)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert rel_err((row_max + sumexp.log()).double().cpu(), lse) < tol
     if code == 1:  # reverse KL's sum is scaled with the running max: over the sum of exps, the mean under p
         logit_sum = logit_sum / sumexp
     assert rel_err(logit_sum.double().cpu(), sums) < tol
-    assert rel_err(target_logit.double().cpu(), part) < tol
+    assert rel_err(target_logit.double().cpu(), part if code == 2 else t_lse64) < tol
     coef = None if code == 0 else (sums if code == 1 else (1 - beta) * part).to(**on)
     grad = zd.clone()
     target_chunks.distill_chunk_grad_(grad, ud, code, beta, 0.0, 0.0, lse.to(**on), t_lse, coef, up.to(**on))
@@ -287,8 +288,8 @@ def _sample_inputs_distill(device):
         stats = [torch.full((n,), -math.inf, dtype=acc, device=device)] + [
             torch.zeros(n, dtype=acc, device=device) for _ in range(3)]
         for code in (0, 1, 2):
-            yield "distill_chunk_stats_", [z, u, code, 0.4, 3.0, 0.0, rows[0], rows[1] if code == 2 else None,
-                                           *stats]
+            yield "distill_chunk_stats_", [z, u, code, 0.4, 3.0, 0.0, rows[0] if code == 2 else None,
+                                           rows[1] if code == 2 else None, *stats]
             yield "distill_chunk_grad_", [z.clone(), u, code, 0.4, 0.0, 2.0, rows[0], rows[1],
                                           None if code == 0 else rows[2], rows[3]]
 
@@ -306,7 +307,7 @@ def test_distill_ops_name_a_bad_argument():
         target_chunks.distill_chunk_stats_(z, u[:, :5], 0, 0.5, 0.0, 0.0, rows[0], None, *rows)
     with pytest.raises(RuntimeError, match="teacher must be Float like the Float logits, got Double"):
         target_chunks.distill_chunk_stats_(z, u.double(), 0, 0.5, 0.0, 0.0, rows[0], None, *rows)
-    with pytest.raises(RuntimeError, match="the JSD needs student_lse"):
+    with pytest.raises(RuntimeError, match="the JSD needs teacher_lse and student_lse"):
         target_chunks.distill_chunk_stats_(z, u, 2, 0.5, 0.0, 0.0, rows[0], None, *rows)
     with pytest.raises(RuntimeError, match=r"beta must be in \(0, 1\)"):
         target_chunks.distill_chunk_grad_(z, u, 2, 1.0, 0.0, 0.0, rows[0], rows[1], rows[2], rows[3])

@@ -267,7 +267,8 @@ def _distill_terms(code: int, s, u, s_lse, t_lse, beta: float):
 @kernel_case("distill_chunk_stats_")
 def distill_stats_cases(device: torch.device) -> Iterator[Result]:
     """Fold a student chunk and the teacher's chunk (both column slices of wider buffers) into a running state
-    that starts from earlier values; the reference is the float64 merge of the old state and the chunk's terms."""
+    that starts from earlier values; the reference is the float64 merge of the old state and the chunk's terms (the
+    KLs: the teacher's running log-sum-exp in target_logit, JSD: plain sums against the full log-sum-exps)."""
     for dtype in DTYPES:
         for label, n, v, (c0, c1), pad, softcap, _ in STATS_SHAPES:
             for code in (0, 1, 2):
@@ -279,26 +280,33 @@ def distill_stats_cases(device: torch.device) -> Iterator[Result]:
                 row_sumexp = torch.rand(n, generator=g, dtype=torch.float64).add_(0.5).to(acc)
                 row_sumexp[0] = 0.0
                 sums = torch.randn(2, n, generator=g, dtype=torch.float64).to(acc)
+                sums[1, 0] = 0.0 if code == 2 else -math.inf  # an empty teacher state for the KLs
                 state = [t.to(device, copy=True) for t in (row_max, row_sumexp, sums[0], sums[1])]
                 torch.ops.hugehead.distill_chunk_stats_.default(
                     _chunk_on(device, student, c0, c1, pad), _chunk_on(device, teacher, c0, c1, pad + 2), code, 0.3,
-                    softcap, t_cap, t_lse.to(acc).to(device), s_lse.to(acc).to(device) if code == 2 else None, *state)
+                    softcap, t_cap, t_lse.to(acc).to(device) if code == 2 else None,
+                    s_lse.to(acc).to(device) if code == 2 else None, *state)
                 s = _softcapped(student[:, c0:c1].double(), softcap)
                 u = _softcapped(teacher[:, c0:c1].double(), t_cap)
-                terms, part = _distill_terms(code, s, u, s_lse.to(acc).double(), t_lse.to(acc).double(), 0.3)
-                m_old, s_old = row_max.double(), row_sumexp.double()
+                m_old, s_old, a_old, l_old = row_max.double(), row_sumexp.double(), sums[0].double(), sums[1].double()
                 m_new = torch.maximum(m_old, s.max(dim=1).values)
                 e = torch.exp(s - m_new[:, None])
                 s_new = s_old * torch.exp(m_old - m_new) + e.sum(dim=1)
-                if code == 1:  # reverse KL: Σ exp(s - max) (s - u), rescaled with the max as the sum of exps
-                    sums_new = sums[0].double() * torch.exp(m_old - m_new) + (e * (s - u)).sum(1)
+                l_chunk = torch.logsumexp(u, dim=1)
+                l_new = torch.logaddexp(l_old, l_chunk)
+                if code == 0:  # the running mean of u - s under the teacher's softmax, reweighted by the shares
+                    mean_chunk = (torch.softmax(u, dim=1) * (u - s)).sum(1)
+                    a_new = torch.exp(l_old - l_new) * a_old + torch.exp(l_chunk - l_new) * mean_chunk
+                elif code == 1:  # Σ exp(s - max) (s - u), rescaled with the max as the sum of exps
+                    a_new = a_old * torch.exp(m_old - m_new) + (e * (s - u)).sum(1)
                 else:
-                    sums_new = sums[0].double() + terms.sum(1)
+                    terms, part = _distill_terms(code, s, u, s_lse.to(acc).double(), t_lse.to(acc).double(), 0.3)
+                    a_new, l_new = a_old + terms.sum(1), l_old + part.sum(1)
                 got = [t.cpu().double() for t in state]
                 tol = ACC_TOLERANCE[acc]
                 yield f"{name}: lse", got[0] + got[1].log(), m_new + s_new.log(), tol
-                yield f"{name}: sums", got[2], sums_new, 10 * tol
-                yield f"{name}: part", got[3], sums[1].double() + part.sum(1), 10 * tol
+                yield f"{name}: sums", got[2], a_new, 10 * tol
+                yield f"{name}: target slot", got[3], l_new, 10 * tol
 
 
 @kernel_case("distill_chunk_grad_")

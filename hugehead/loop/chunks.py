@@ -13,7 +13,8 @@ from torch import Tensor
 from .. import ops
 from .sources import ResidentChunks, WeightChunk
 
-__all__ = ["RowStats", "sum_slot", "merge_row_stats", "merge_shares", "merge_parts", "run_steps", "step_result"]
+__all__ = ["RowStats", "LSE_IN_TARGET_SLOT", "sum_slot", "merge_row_stats", "merge_shares", "merge_parts", "run_steps",
+           "step_result"]
 
 T = TypeVar("T")
 
@@ -27,14 +28,18 @@ class RowStats(NamedTuple):
     logit_sum: Tensor
 
 
-def _new_stats(x: Tensor) -> RowStats:
+def _new_stats(x: Tensor, target=None) -> RowStats:
+    """Empty statistics for ``x``'s rows: the max at -inf, the sums at 0, and ``target_logit`` at -inf where the
+    target's slot rule keeps a log-sum-exp there (:func:`sum_slot`)."""
     n, acc = x.shape[0], ops.acc_dtype(x.dtype)
+    slot_lse = sum_slot(target) in LSE_IN_TARGET_SLOT
     # Four tensors of their own, not rows of one buffer: ops return some of them (target_logit, logit_sum) as
     # outputs, which may not share storage with each other (torch.library) nor start at an offset (their fakes).
     return RowStats(
         torch.full((n,), -math.inf, dtype=acc, device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
-        torch.zeros(n, dtype=acc, device=x.device),
+        torch.full((n,), -math.inf, dtype=acc, device=x.device) if slot_lse else torch.zeros(n, dtype=acc,
+                                                                                          device=x.device),
         torch.zeros(n, dtype=acc, device=x.device),
     )
 
@@ -74,38 +79,46 @@ def _chunk_grad(target, r0: int, r1: int, g: Tensor, class_start: int, num_class
                                   grad_lse)
 
 
+# The slot rules whose target_logit slot holds a (teacher's) log-sum-exp, merged as one.
+LSE_IN_TARGET_SLOT = ("student_mean", "teacher_mean")
+
+
 def sum_slot(target) -> str:
-    """How ``target``'s ``logit_sum`` slot merges over class sets: ``"sum"`` (plain sums over classes: class ids and
-    most chunk targets), ``"entropy"`` (:class:`hugehead.targets.EntropyTarget`'s shifted sum
-    ``Σ exp(c - max) (c - max)``) or ``"mean"`` (a sum ``Σ exp(c - max) v`` rescaled with the max, whose merged
-    value is the softmax's mean of ``v``: reverse KL's, :mod:`hugehead.distill_target`)."""
+    """How ``target``'s two free slots merge over class sets: ``"sum"`` (plain sums over classes: class ids and
+    most chunk targets), ``"entropy"`` (:class:`hugehead.targets.EntropyTarget`: ``logit_sum`` holds the shifted
+    sum ``Σ exp(c - max) (c - max)``), or, with a log-sum-exp in ``target_logit`` (the teacher's,
+    :mod:`hugehead.distill_target`), ``"student_mean"`` (``logit_sum`` a sum ``Σ exp(c - max) v`` rescaled with the
+    student's max, merged as the student softmax's mean of ``v``) or ``"teacher_mean"`` (``logit_sum`` already a
+    mean under the teacher's softmax of the classes so far)."""
     return getattr(target, "SUM_SLOT", "sum")
 
 
 def merge_row_stats(parts: List[RowStats], slot: str = "sum") -> Tuple[Tensor, Tensor, Tensor]:
-    """Merge per-shard statistics (all on one device) into ``(lse, target_logit, logit_sum)``, the last slot by its
-    :func:`sum_slot` rule: plain sums, or (``"entropy"``, ``"mean"``) each shard's entropy or mean merged by
-    :func:`merge_shares`, the slot then holding the entropy or the mean over all classes."""
-    if slot != "sum":
-        log_s = [p.sumexp.log() for p in parts]
-        if slot == "entropy":
-            values = [ls - p.logit_sum / p.sumexp for p, ls in zip(parts, log_s)]
-        else:
-            values = [torch.where(p.sumexp > 0, p.logit_sum / p.sumexp, torch.zeros_like(p.sumexp)) for p in parts]
-        return merge_shares(torch.stack([p.max + ls for p, ls in zip(parts, log_s)]),
-                            torch.stack([p.target_logit for p in parts]), torch.stack(values), slot == "entropy")
-    if len(parts) == 1:
-        p = parts[0]
-        return p.max + p.sumexp.log(), p.target_logit, p.logit_sum
-    m = torch.stack([p.max for p in parts])
-    s = torch.stack([p.sumexp for p in parts])
-    m_all = m.max(dim=0).values
-    # exp(-inf - -inf) must count as 0 (an all -inf shard), not NaN.
-    scale = torch.where(m == -math.inf, torch.zeros_like(m), (m - m_all).exp())
-    lse = m_all + (s * scale).sum(dim=0).log()
-    target_logit = torch.stack([p.target_logit for p in parts]).sum(dim=0)
-    logit_sum = torch.stack([p.logit_sum for p in parts]).sum(dim=0)
-    return lse, target_logit, logit_sum
+    """Merge per-shard statistics (all on one device) into ``(lse, target_logit, logit_sum)`` by the slots' rule
+    (:func:`sum_slot`): plain sums; or each shard's entropy or mean merged as :func:`merge_parts` merges ranks', the
+    slot then holding the entropy or the mean over all classes (``target_logit`` a log-sum-exp where it holds one)."""
+    if slot == "sum":
+        if len(parts) == 1:
+            p = parts[0]
+            return p.max + p.sumexp.log(), p.target_logit, p.logit_sum
+        m = torch.stack([p.max for p in parts])
+        s = torch.stack([p.sumexp for p in parts])
+        m_all = m.max(dim=0).values
+        # exp(-inf - -inf) must count as 0 (an all -inf shard), not NaN.
+        scale = torch.where(m == -math.inf, torch.zeros_like(m), (m - m_all).exp())
+        lse = m_all + (s * scale).sum(dim=0).log()
+        target_logit = torch.stack([p.target_logit for p in parts]).sum(dim=0)
+        logit_sum = torch.stack([p.logit_sum for p in parts]).sum(dim=0)
+        return lse, target_logit, logit_sum
+    log_s = [p.sumexp.log() for p in parts]
+    if slot == "entropy":
+        values = [ls - p.logit_sum / p.sumexp for p, ls in zip(parts, log_s)]
+    elif slot == "student_mean":
+        values = [torch.where(p.sumexp > 0, p.logit_sum / p.sumexp, torch.zeros_like(p.sumexp)) for p in parts]
+    else:
+        values = [p.logit_sum for p in parts]
+    return merge_parts(torch.stack([torch.stack([p.max + ls, p.target_logit, v])
+                                    for p, ls, v in zip(parts, log_s, values)]), slot)
 
 
 def merge_shares(lse: Tensor, target_logit: Tensor, values: Tensor, entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -127,11 +140,20 @@ def merge_shares(lse: Tensor, target_logit: Tensor, values: Tensor, entropy: boo
 
 def merge_parts(parts: Tensor, slot: str = "sum") -> Tuple[Tensor, Tensor, Tensor]:
     """``(lse, target_logit, logit_sum)`` ``[N]`` from ``parts [K, 3, N]``, those of ``K`` disjoint class sets (ranks)
-    as :func:`merge_row_stats` returns them: log-sum-exp and sums, or (``"entropy"``, ``"mean"``: the third row a
-    set's entropy or mean) :func:`merge_shares`."""
-    if slot != "sum":
-        return merge_shares(parts[:, 0], parts[:, 1], parts[:, 2], slot == "entropy")
-    return torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0), parts[:, 2].sum(dim=0)
+    as :func:`merge_row_stats` returns them, by the slots' rule (:func:`sum_slot`): log-sum-exp and sums;
+    ``"entropy"`` / ``"student_mean"`` the third row merged by the sets' shares of the student's softmax
+    (:func:`merge_shares`), ``"teacher_mean"`` by their shares of the teacher's (``target_logit``'s log-sum-exps);
+    and in the two means ``target_logit`` merged as a log-sum-exp."""
+    lse, target_logit, values = parts[:, 0], parts[:, 1], parts[:, 2]
+    if slot == "sum":
+        return torch.logsumexp(lse, dim=0), target_logit.sum(dim=0), values.sum(dim=0)
+    if slot == "teacher_mean":
+        teacher_lse, _, mean = merge_shares(target_logit, target_logit, values, False)
+        return torch.logsumexp(lse, dim=0), teacher_lse, mean
+    total, summed, merged = merge_shares(lse, target_logit, values, slot == "entropy")
+    if slot == "student_mean":
+        summed = target_logit[0] if target_logit.shape[0] == 1 else torch.logsumexp(target_logit, dim=0)
+    return total, summed, merged
 
 
 def _mm_dw(out: Tensor, g: Tensor, x: Tensor, accumulate: bool = False) -> None:

@@ -67,7 +67,7 @@ def _forward_overlapped(x, source, target, class_start, softcap, plan, store=Non
     """:func:`hugehead.loop.forward_stats_steps` with the statistics kernel of chunk ``j`` on the side stream while the
     main stream computes chunk ``j + 1``'s logits (rows whole)."""
     n = x.shape[0]
-    stats = _new_stats(x)
+    stats = _new_stats(x, target)
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     kept_classes = plan.kept_chunks * plan.cols if kept is not None else 0

@@ -18,7 +18,7 @@ def _forward_streamed(x, source, target, class_start, softcap, plan, logit_sum=T
     """:func:`hugehead.loop.forward_stats_steps` on one stream (any rows split), on the plan's GEMM paths."""
     n = x.shape[0]
     v = source.num_rows
-    stats = _new_stats(x)
+    stats = _new_stats(x, target)
     kept = x.new_empty(kept_shape(plan, n)) if plan.keep_logits else None
     slots = KeptLogits(plan, kept, store, n) if kept is not None else None
     if n == 0 or v == 0:

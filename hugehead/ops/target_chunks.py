@@ -163,18 +163,22 @@ DIVERGENCE_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 
 
 def distill_chunk_stats_(logits: Tensor, teacher: Tensor, divergence: int, beta: float, softcap: float,
-                         teacher_softcap: float, teacher_lse: Tensor, student_lse: Optional[Tensor], row_max: Tensor,
-                         row_sumexp: Tensor, logit_sum: Tensor, target_logit: Tensor) -> None:
+                         teacher_softcap: float, teacher_lse: Optional[Tensor], student_lse: Optional[Tensor],
+                         row_max: Tensor, row_sumexp: Tensor, logit_sum: Tensor, target_logit: Tensor) -> None:
     """Fold a student logits chunk ``[N, C]`` and the teacher's logits of the same classes (``teacher``, the
-    student's dtype or its accumulation dtype) into running per-row sums, in place: the student's online
-    ``(row_max, row_sumexp)`` and the divergence's sums (:mod:`hugehead.distill_target`): with ``s``, ``u`` the
-    softcapped logits, ``q = exp(u - teacher_lse)``, ``p = exp(s - student_lse)``, ``m = β q + (1 - β) p``,
-    ``logit_sum += Σ q (u - s)`` (forward KL, code 0), ``β Σ q log(q / m) + (1 - β) Σ p log(p / m)`` (JSD, code 2,
-    which also adds ``Σ p log(p / m)`` to ``target_logit``), or for reverse KL (code 1) ``Σ exp(s - row_max)
-    (s - u)`` rescaled as ``row_max`` grows, like ``row_sumexp`` (``logit_sum / row_sumexp`` is then
-    ``Σ p (s - u)``: no ``student_lse`` needed); a zero-probability term counts 0. ``student_lse`` (``[N]``, the
-    student's full log-sum-exp) is needed by the JSD and ignored otherwise. Raises ``RuntimeError`` on bad shapes,
-    dtypes or devices."""
+    student's dtype or its accumulation dtype) into running per-row statistics, in place: the student's online
+    ``(row_max, row_sumexp)`` and the divergence's slots (:mod:`hugehead.distill_target`). With ``s``, ``u`` the
+    softcapped logits and ``p``, ``q`` their softmaxes:
+
+    - forward KL (code 0): ``target_logit`` the teacher's running log-sum-exp (start it at -inf) and ``logit_sum``
+      the running mean of ``u - s`` under the teacher's softmax, ``Σ q (u - s)`` once every class is in;
+    - reverse KL (code 1): ``target_logit`` as for code 0 and ``logit_sum`` ``Σ exp(s - row_max) (s - u)`` rescaled
+      as ``row_max`` grows (over ``row_sumexp``: ``Σ p (s - u)``);
+    - JSD (code 2), against the full log-sum-exps ``teacher_lse`` and ``student_lse`` (``[N]``): ``logit_sum +=
+      β Σ q log(q / m) + (1 - β) Σ p log(p / m)`` and ``target_logit += Σ p log(p / m)``, ``m = β q + (1 - β) p``.
+
+    A zero-probability term counts 0. The log-sum-exps are ignored by the KLs. Raises ``RuntimeError`` on bad
+    shapes, dtypes or devices."""
     torch.ops.hugehead.distill_chunk_stats_.default(logits, teacher, divergence, beta, softcap, teacher_softcap,
                                                     teacher_lse, student_lse, row_max, row_sumexp, logit_sum,
                                                     target_logit)

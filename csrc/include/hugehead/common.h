@@ -100,12 +100,12 @@ struct DistillStatsParams {
   const void* logits;       // [N, C] student, row stride row_stride, column stride 1
   const void* teacher;      // [N, C] teacher, row stride teacher_stride, column stride 1; the logits' dtype
                             // (teacher_is_acc false) or their accumulation dtype (true)
-  const void* teacher_lse;  // [N] acc_t
-  const void* student_lse;  // [N] acc_t: the student's full log-sum-exp (reverse KL, JSD), else nullptr
+  const void* teacher_lse;  // [N] acc_t: both heads' full log-sum-exps (JSD), else nullptr
+  const void* student_lse;  // [N] acc_t
   void* row_max;            // [N] acc_t
   void* row_sumexp;         // [N] acc_t
-  void* logit_sum;          // [N] acc_t: += the divergence's sum over the chunk
-  void* target_logit;       // [N] acc_t: JSD only, += sum p log(p / m)
+  void* logit_sum;          // [N] acc_t: the divergence's running sum (distill.h: by divergence)
+  void* target_logit;       // [N] acc_t: the teacher's running log-sum-exp (KLs), += sum p log(p / m) (JSD)
   int64_t rows;
   int64_t cols;
   int64_t row_stride;

@@ -125,10 +125,12 @@ __device__ __forceinline__ void block_reduce_lse(acc_t& m, acc_t& s, acc_t& sum)
 }
 
 // Reduce a per-thread triple (m, s, a) over a block of kThreads with merge(m, s, a, m2, s2, a2) (entropy_merge,
-// scaled_merge); the result is valid in thread 0. A fixed tree in shared memory: deterministic.
+// scaled_merge); the result is valid in thread 0. A fixed tree in shared memory: deterministic. Any number of
+// calls per kernel, from every thread of the block.
 template <int kThreads, typename acc_t, typename Merge>
 __device__ __forceinline__ void block_reduce_triple(acc_t& m, acc_t& s, acc_t& a, Merge merge) {
   __shared__ acc_t sm[kThreads], ss[kThreads], sa[kThreads];
+  __syncthreads();  // a reduction before this one (the same buffers) may still be read
   sm[threadIdx.x] = m;
   ss[threadIdx.x] = s;
   sa[threadIdx.x] = a;

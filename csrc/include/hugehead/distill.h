@@ -4,11 +4,12 @@
 //   forward KL  KL(q || p) = sum q (u - s) - L_t + L_s           d/ds = p - q
 //   reverse KL  KL(p || q) = sum p (s - u) - L_s + L_t           d/ds = p (s - u - sum p (s - u))
 //   JSD         beta KL(q || m) + (1 - beta) KL(p || m)          d/ds = p (a - sum p a), a = (1 - beta) log(p / m)
-// The kernels fold the sums; the log-sum-exp terms are added by the caller (hugehead/distill.py). Forward KL and
-// JSD sum plain terms against log-sum-exps known beforehand; reverse KL folds sum exp(s - max) (s - u) with the
-// student's running max (rescaled as the sum of exps is, scaled_merge), so it needs no pass for L_s first: the sum
-// divided by the sum of exps is sum p (s - u). A term whose probability is 0 counts 0 (its log ratio may be
-// infinite), as F.kl_div's xlogy does.
+// The kernels fold the sums; the log-sum-exp terms are added by the caller (hugehead/distill.py). The two KLs need
+// no log-sum-exp beforehand: a chunk's sum is taken against its own maxima, exp(x - max) (x the teacher's logit for
+// forward KL, the student's for reverse KL) as the weight, and merged into the running sums as the maxima grow
+// (scaled_merge, lse_mean_merge), the teacher's log-sum-exp folded beside them. JSD's log m needs both
+// log-sum-exps first. A term whose probability is 0 counts 0 (its log ratio may be infinite), as F.kl_div's xlogy
+// does.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -54,17 +55,37 @@ C10_HOST_DEVICE inline void scaled_merge(acc_t& m, acc_t& s, acc_t& a, acc_t m2,
   m = mm;
 }
 
-// Adds one element's terms to the row's divergence sum (and, for JSD, to part: p log(p / m)); forward KL and JSD
-// only (reverse KL folds online: scaled_merge).
+// log(exp(a) + exp(b)), -inf when both are.
 template <typename acc_t>
-C10_HOST_DEVICE inline void distill_terms(Divergence div, acc_t s, acc_t u, const DistillRow<acc_t>& r, acc_t& sum,
-                                          acc_t& part) {
-  const acc_t log_q = u - r.teacher_lse;
-  if (div == Divergence::kForwardKL) {
-    sum += prob_times(std::exp(log_q), u - s);
-    return;
-  }
-  const acc_t log_p = s - r.student_lse;
+C10_HOST_DEVICE inline acc_t log_add_exp(acc_t a, acc_t b) {
+  const acc_t hi = a > b ? a : b;
+  if (hi == neg_inf<acc_t>()) return hi;
+  return hi + std::log(exp_shifted(a, hi) + exp_shifted(b, hi));
+}
+
+// Merge a chunk's (log-sum-exp lc, mean rc under its own softmax) into the running (l, r) of the same kind: the
+// means weighted by the two parts' shares of the softmax. A side without mass (-inf) adds nothing; NaN propagates.
+template <typename acc_t>
+C10_HOST_DEVICE inline void lse_mean_merge(acc_t& l, acc_t& r, acc_t lc, acc_t rc) {
+  const acc_t total = log_add_exp(l, lc);
+  if (total == neg_inf<acc_t>()) return;
+  r = prob_times(exp_shifted(l, total), r) + prob_times(exp_shifted(lc, total), rc);
+  if (total != total) r = total;
+  l = total;
+}
+
+// A chunk's (log-sum-exp, weighted mean) from its max m, sum of exps s and weighted sum a (scaled_merge's triple;
+// the sums may be held in a wider type than acc_t).
+template <typename acc_t, typename sum_t>
+C10_HOST_DEVICE inline void lse_and_mean(acc_t m, sum_t s, sum_t a, acc_t& lse, acc_t& mean) {
+  lse = m == neg_inf<acc_t>() ? m : m + static_cast<acc_t>(std::log(s));
+  mean = static_cast<acc_t>(s > sum_t(0) ? a / s : (s != s ? s : sum_t(0)));
+}
+
+// Adds one element's JSD terms to the row's sum and to part (p log(p / m)).
+template <typename acc_t>
+C10_HOST_DEVICE inline void jsd_terms(acc_t s, acc_t u, const DistillRow<acc_t>& r, acc_t& sum, acc_t& part) {
+  const acc_t log_q = u - r.teacher_lse, log_p = s - r.student_lse;
   const acc_t p = std::exp(log_p), q = std::exp(log_q);
   const acc_t log_m = log_mixture(q, p, r);
   const acc_t b = prob_times(p, log_p - log_m);

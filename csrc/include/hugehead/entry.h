@@ -92,18 +92,20 @@ inline bool check_teacher_chunk(const at::Tensor& logits, const at::Tensor& teac
 
 template <Launch<DistillStatsParams> launch>
 void distill_chunk_stats(const at::Tensor& logits_in, const at::Tensor& teacher_in, int64_t divergence, double beta,
-                         double softcap, double teacher_softcap, const at::Tensor& teacher_lse,
+                         double softcap, double teacher_softcap, const std::optional<at::Tensor>& teacher_lse,
                          const std::optional<at::Tensor>& student_lse, const at::Tensor& row_max,
                          const at::Tensor& row_sumexp, const at::Tensor& logit_sum, const at::Tensor& target_logit) {
   const at::Tensor logits = with_unit_column_stride(logits_in);
   const at::Tensor teacher = with_unit_column_stride(teacher_in);
   check_logits_chunk(logits);
   const bool teacher_is_acc = check_teacher_chunk(logits, teacher, divergence, beta);
-  check_row_vectors(logits, {{"teacher_lse", &teacher_lse}, {"row_max", &row_max}, {"row_sumexp", &row_sumexp},
-                             {"logit_sum", &logit_sum}, {"target_logit", &target_logit}});
-  TORCH_CHECK(divergence != 2 || student_lse.has_value(), "hugehead: the JSD needs student_lse");
+  check_row_vectors(logits, {{"row_max", &row_max}, {"row_sumexp", &row_sumexp}, {"logit_sum", &logit_sum},
+                             {"target_logit", &target_logit}});
+  TORCH_CHECK(divergence != 2 || (teacher_lse.has_value() && student_lse.has_value()),
+              "hugehead: the JSD needs teacher_lse and student_lse");
+  if (teacher_lse.has_value()) check_row_vectors(logits, {{"teacher_lse", &*teacher_lse}});
   if (student_lse.has_value()) check_row_vectors(logits, {{"student_lse", &*student_lse}});
-  const DistillStatsParams p{logits.data_ptr(), teacher.data_ptr(), teacher_lse.data_ptr(), data_or_null(student_lse),
+  const DistillStatsParams p{logits.data_ptr(), teacher.data_ptr(), data_or_null(teacher_lse), data_or_null(student_lse),
                              row_max.data_ptr(), row_sumexp.data_ptr(), logit_sum.data_ptr(), target_logit.data_ptr(),
                              logits.size(0), logits.size(1), logits.stride(0), teacher.stride(0), divergence,
                              teacher_is_acc, beta, softcap, teacher_softcap};
