@@ -105,10 +105,11 @@ void distill_chunk_stats(const at::Tensor& logits_in, const at::Tensor& teacher_
               "hugehead: the JSD needs teacher_lse and student_lse");
   if (teacher_lse.has_value()) check_row_vectors(logits, {{"teacher_lse", &*teacher_lse}});
   if (student_lse.has_value()) check_row_vectors(logits, {{"student_lse", &*student_lse}});
-  const DistillStatsParams p{logits.data_ptr(), teacher.data_ptr(), data_or_null(teacher_lse), data_or_null(student_lse),
-                             row_max.data_ptr(), row_sumexp.data_ptr(), logit_sum.data_ptr(), target_logit.data_ptr(),
-                             logits.size(0), logits.size(1), logits.stride(0), teacher.stride(0), divergence,
-                             teacher_is_acc, beta, softcap, teacher_softcap};
+  const DistillStatsParams p{logits.data_ptr(), teacher.data_ptr(), data_or_null(teacher_lse),
+                             data_or_null(student_lse), row_max.data_ptr(), row_sumexp.data_ptr(),
+                             logit_sum.data_ptr(), target_logit.data_ptr(), logits.size(0), logits.size(1),
+                             logits.stride(0), teacher.stride(0), divergence, teacher_is_acc, beta, softcap,
+                             teacher_softcap};
   if (p.rows == 0 || p.cols == 0) return;
   launch(p, logits);
 }
