@@ -317,3 +317,23 @@ def test_distill_ops_name_a_bad_argument():
         target_chunks.distill_chunk_grad_(z, u, 3, 0.5, 0.0, 0.0, rows[0], rows[1], rows[2], rows[3])
     with pytest.raises(RuntimeError, match="must not share memory"):
         target_chunks.distill_chunk_grad_(z, z, 0, 0.5, 0.0, 0.0, rows[0], rows[1], None, rows[3])
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
+def test_float32_kls_of_large_logits_keep_float32_precision(divergence):
+    """Logits of a few hundred, streamed in chunks over three shards: the KLs' shares of the running log-sum-exps
+    are formed from differences of log-sum-exps, never from a rounded one, so the float32 rows keep float32
+    precision (the float64 reference's relative error stays near plain float32 PyTorch's)."""
+    g = torch.Generator().manual_seed(4)
+    n, d, v = 16, 8, 3000
+    xs, xt = (torch.randn(n, d, generator=g, dtype=torch.float64) * 30 for _ in range(2))
+    ws, wt = (torch.randn(v, d, generator=g, dtype=torch.float64) for _ in range(2))
+    lp, lq = F.log_softmax(xs @ ws.T, 1), F.log_softmax(xt @ wt.T, 1)
+    pair = (lp, lq) if divergence == "forward_kl" else (lq, lp)
+    ref = F.kl_div(*pair, log_target=True, reduction="none").sum(1)
+    head = hugehead.ChunkedClassifier(d, v, False, devices=["cpu"] * 3, shard_sizes=[1000, 1200, 800],
+                                      dtype=torch.float32, chunk_size=350)
+    head.load_state_dict({"weight": ws.float()})
+    got = hugehead.linear_distill(xs.float(), head, xt.float(), wt.float(), divergence=divergence,
+                                  reduction="none", chunk_size=350)
+    assert rel_err(got.detach().double(), ref) < 1e-6

@@ -131,7 +131,9 @@ def merge_shares(lse: Tensor, target_logit: Tensor, values: Tensor, entropy: boo
         return lse[0], target_logit[0], values[0]
     total = torch.logsumexp(lse, dim=0)
     empty = lse == -math.inf
-    w = torch.where(empty, torch.zeros_like(lse), (lse - total).exp())
+    # The shares as a softmax over the sets (each against the largest lse), not exp(lse_k - total): a log-sum-exp
+    # of large logits rounds to its magnitude's ulp, which shares formed from it would carry as a relative error.
+    w = torch.where(empty, torch.zeros_like(lse), torch.softmax(lse, dim=0))
     merged = torch.where(empty, torch.zeros_like(values), w * values).sum(dim=0)
     if entropy:
         merged = merged + torch.special.entr(w).sum(dim=0)

@@ -64,14 +64,27 @@ C10_HOST_DEVICE inline acc_t log_add_exp(acc_t a, acc_t b) {
 }
 
 // Merge a chunk's (log-sum-exp lc, mean rc under its own softmax) into the running (l, r) of the same kind: the
-// means weighted by the two parts' shares of the softmax. A side without mass (-inf) adds nothing; NaN propagates.
+// means weighted by the two parts' shares of the softmax. The chunk's share is the sigmoid of lc - l, formed from
+// exp(-|lc - l|) rather than as exp(lc - log_add_exp(l, lc)): a log-sum-exp of large logits rounds to an absolute
+// error of its magnitude's ulp, which a share computed from it would carry as a relative error into r. A side
+// without mass (-inf) adds nothing; NaN propagates.
 template <typename acc_t>
 C10_HOST_DEVICE inline void lse_mean_merge(acc_t& l, acc_t& r, acc_t lc, acc_t rc) {
-  const acc_t total = log_add_exp(l, lc);
-  if (total == neg_inf<acc_t>()) return;
-  r = prob_times(exp_shifted(l, total), r) + prob_times(exp_shifted(lc, total), rc);
-  if (total != total) r = total;
-  l = total;
+  if (lc != lc || rc != rc) {
+    l = r = lc != lc ? lc : rc;
+    return;
+  }
+  if (lc == neg_inf<acc_t>()) return;
+  if (l == neg_inf<acc_t>()) {
+    l = lc;
+    r = rc;
+    return;
+  }
+  const acc_t d = lc - l;
+  const acc_t e = std::exp(-std::fabs(d));  // the smaller part's mass over the larger's
+  const acc_t share = (d > acc_t(0) ? acc_t(1) : e) / (acc_t(1) + e);  // the chunk's
+  r += prob_times(share, rc - r);
+  l = (d > acc_t(0) ? lc : l) + std::log1p(e);
 }
 
 // A chunk's (log-sum-exp, weighted mean) from its max m, sum of exps s and weighted sum a (scaled_merge's triple;
